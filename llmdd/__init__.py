@@ -1,0 +1,1 @@
+"""llmdd: a pluggable KV-cache transfer engine, source-compatible with LLM-DataDist."""

@@ -1,0 +1,1 @@
+"""Public test support for llmdd users and plugin authors."""

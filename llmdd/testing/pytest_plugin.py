@@ -1,0 +1,1 @@
+"""pytest plugin of llmdd (loaded through the ``pytest11`` entry point): fixtures."""

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install llmdd, its built-in plugin distributions and the test tools into .venv,
+# then run the test suite (every test has a pytest-timeout).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+plugins=()
+for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
+.venv/bin/python -m pip install -q -e '.[test]' "${plugins[@]}"
+.venv/bin/python -m pytest -q "$@"
