@@ -1,0 +1,147 @@
+"""Engine options: the injection and checks ``LLMDataDist.init`` performs (spec section 4.1),
+and typed access to the option keys the engine reads."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Mapping
+
+import attrs
+
+from ._enums import ROLE_TO_STR, LLMRole
+from ._status import LLMException, LLMStatusCode
+
+__all__ = ["EngineOptions", "prepare_engine_options", "parse_listen_ip_info", "DEFAULT_SYNC_KV_TIMEOUT_MS"]
+
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+
+K_ROLE = "llm.Role"
+K_LOCAL_COMM_RES = "llm.LocalCommRes"
+K_TRANSFER_BACKEND = "llm.TransferBackend"
+K_CACHE_MANAGER = "llm.EnableCacheManager"
+K_REMOTE_ACCESSIBLE = "llm.EnableRemoteCacheAccessible"
+K_LISTEN_IP_INFO = "llm.listenIpInfo"
+K_LISTEN_IP = "llm.ListenIp"
+K_LISTEN_PORT = "llm.ListenPort"
+K_SYNC_KV = "llm.SyncKvCacheWaitTime"
+K_FLOW_GRAPH_MEM = "ge.flowGraphMemMaxSize"
+
+
+def _param_invalid(msg: str) -> LLMException:
+    return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def parse_listen_ip_info(value: str) -> tuple[str, int]:
+    """``"ip:port"`` with exactly one ``:``; the ip must be an IPv4 address or a host name."""
+    if not isinstance(value, str) or value.count(":") != 1:
+        raise _param_invalid(f"llm.listenIpInfo must be in the form ip:port, but got {value!r}.")
+    ip, port_text = value.split(":")
+    if not ip or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise _param_invalid(f"llm.listenIpInfo must be in the form ip:port, but got {value!r}.")
+    return ip, int(port_text)
+
+
+def _check_flow_graph_max_size(options: Mapping[str, str]) -> None:
+    if K_FLOW_GRAPH_MEM not in options:
+        return
+    value = options[K_FLOW_GRAPH_MEM]
+    if not isinstance(value, str):
+        raise TypeError(f"{K_FLOW_GRAPH_MEM} only support ['str'], but got {type(value)}.")
+    if "," in value or not value.isdigit():
+        raise _param_invalid(f"{K_FLOW_GRAPH_MEM} must be a single pool size in digits, but got {value!r}.")
+
+
+def prepare_engine_options(options: Mapping[str, str], role: LLMRole) -> dict[str, str]:
+    """Copy ``options`` and apply the injections and checks of upstream's ``_setup_engine_option``."""
+    opts = dict(options)
+    opts[K_ROLE] = ROLE_TO_STR[role]
+    local_comm_res = K_LOCAL_COMM_RES in opts
+    transfer_backend = K_TRANSFER_BACKEND in opts
+    if local_comm_res:
+        opts.setdefault(K_CACHE_MANAGER, "1")
+        opts.setdefault(K_REMOTE_ACCESSIBLE, "1")
+    cache_mode = opts.get(K_CACHE_MANAGER) == "1"
+    if local_comm_res and not cache_mode:
+        raise _param_invalid("llm.LocalCommRes is not supported when llm.EnableCacheManager is not configured.")
+    if transfer_backend:
+        if not cache_mode:
+            raise _param_invalid("llm.TransferBackend requires llm.EnableCacheManager to be 1.")
+        opts.setdefault(K_REMOTE_ACCESSIBLE, "1")
+        if opts[K_REMOTE_ACCESSIBLE] != "1":
+            raise _param_invalid("llm.TransferBackend requires llm.EnableRemoteCacheAccessible to be 1.")
+        if K_LISTEN_IP_INFO not in opts:
+            raise _param_invalid("llm.TransferBackend requires llm.listenIpInfo to be configured.")
+    if cache_mode and K_LISTEN_IP_INFO in opts:
+        ip, port = parse_listen_ip_info(opts[K_LISTEN_IP_INFO])
+        opts[K_LISTEN_IP] = ip
+        opts[K_LISTEN_PORT] = str(port)
+    _check_flow_graph_max_size(opts)
+    return opts
+
+
+def _int_option(opts: Mapping[str, str], key: str, default: int | None, low: int, high: int) -> int | None:
+    if key not in opts:
+        return default
+    text = opts[key]
+    if not isinstance(text, str) or not text.strip().lstrip("-").isdigit():
+        raise _param_invalid(f"option {key} must be an integer string, but got {text!r}.")
+    value = int(text)
+    if not low <= value <= high:
+        raise _param_invalid(f"option {key}={value} is out of range [{low}, {high}].")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class EngineOptions:
+    """The options an initialized engine reads, parsed and checked once at ``init``."""
+
+    raw: Mapping[str, str]
+    role: LLMRole
+    cache_mode: bool
+    remote_cache_accessible: bool
+    sync_kv_timeout_ms: int
+    listen: tuple[str, int] | None
+    local_comm_res: str | None
+    transfer_backend: str | None
+    link_total_time_s: int | None
+    link_retry_count: int | None
+    rdma_traffic_class: int | None
+    rdma_service_level: int | None
+
+    @classmethod
+    def parse(cls, opts: Mapping[str, str], role: LLMRole) -> "EngineOptions":
+        listen = None
+        if K_LISTEN_IP in opts:
+            listen = (opts[K_LISTEN_IP], int(opts[K_LISTEN_PORT]))
+        return cls(
+            raw=dict(opts),
+            role=role,
+            cache_mode=opts.get(K_CACHE_MANAGER) == "1",
+            remote_cache_accessible=opts.get(K_REMOTE_ACCESSIBLE, "0") == "1",
+            sync_kv_timeout_ms=_int_option(opts, K_SYNC_KV, DEFAULT_SYNC_KV_TIMEOUT_MS, 1, 2**31 - 1),
+            listen=listen,
+            local_comm_res=opts.get(K_LOCAL_COMM_RES),
+            transfer_backend=opts.get(K_TRANSFER_BACKEND),
+            link_total_time_s=_int_option(opts, "llm.LinkTotalTime", None, 0, 2**32 - 1),
+            link_retry_count=_int_option(opts, "llm.LinkRetryCount", None, 1, 100),
+            rdma_traffic_class=_int_option(opts, "llm.RdmaTrafficClass", None, 0, 255),
+            rdma_service_level=_int_option(opts, "llm.RdmaServiceLevel", None, 0, 7),
+        )
+
+
+def is_local_address(ip: str) -> bool:
+    """True when ``ip`` names this machine (loopback, wildcard, or a local interface)."""
+    import socket
+
+    try:
+        addr = ipaddress.ip_address(socket.gethostbyname(ip))
+    except (OSError, ValueError):
+        return False
+    if addr.is_loopback or addr.is_unspecified:
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((str(addr), 0))
+        return True
+    except OSError:
+        return False
