@@ -1,0 +1,44 @@
+"""Public helpers for transport authors: regions, the op dtype, typed errors, completions.
+
+``MemRegion`` and ``OP_DTYPE`` describe what moves; ``check_ops`` / ``RegionTable`` validate a
+batch with numpy before a byte moves; ``coalesce_ops`` / ``split_ops`` shape it;
+``ThreadCompletion`` and ``DoneCompletion`` are ready-made ``Completion`` implementations.
+"""
+
+from ._abc import OP_DTYPE as OP_DTYPE
+from ._abc import Cancelled as Cancelled
+from ._abc import Completion as Completion
+from ._abc import Corrupt as Corrupt
+from ._abc import DoneCompletion as DoneCompletion
+from ._abc import MemRegion as MemRegion
+from ._abc import PeerGone as PeerGone
+from ._abc import RegionTable as RegionTable
+from ._abc import Refused as Refused
+from ._abc import ThreadCompletion as ThreadCompletion
+from ._abc import TransportTimeout as TransportTimeout
+from ._abc import as_ops as as_ops
+from ._abc import check_ops as check_ops
+from ._abc import coalesce_ops as coalesce_ops
+from ._abc import make_ops as make_ops
+from ._abc import split_ops as split_ops
+from ._status import TransportError as TransportError
+
+__all__ = [
+    "OP_DTYPE",
+    "MemRegion",
+    "RegionTable",
+    "Completion",
+    "DoneCompletion",
+    "ThreadCompletion",
+    "TransportError",
+    "TransportTimeout",
+    "PeerGone",
+    "Refused",
+    "Corrupt",
+    "Cancelled",
+    "as_ops",
+    "check_ops",
+    "coalesce_ops",
+    "make_ops",
+    "split_ops",
+]

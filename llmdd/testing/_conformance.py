@@ -1,0 +1,437 @@
+"""Conformance suite for transports (the trio ``check_two_way_stream`` idea).
+
+``make_pair()`` returns two fresh endpoints ``(a, b)`` of the transport under test, in this
+process. Every check opens its own pair and closes it. Use it from pytest either in one go::
+
+    def test_conformance():
+        check_transport(make_pair)
+
+or one test per check::
+
+    @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
+    def test_conformance(check):
+        check(make_pair)
+
+``stall``, when given, is ``stall(endpoint) -> context manager``: while inside, that endpoint
+keeps its connections open but serves no byte (a hung peer). Without it the stalled-peer check
+only covers deadlines that are already past.
+
+Memory is plain numpy host memory (``Placement.HOST``); a check that fails raises
+``AssertionError`` with what it saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from typing import Any, Callable, ContextManager, Iterator, Union
+
+import numpy as np
+
+from .._abc import (
+    OP_DTYPE,
+    Completion,
+    MemRegion,
+    PeerGone,
+    Refused,
+    TransportTimeout,
+    make_ops,
+)
+from .._enums import Placement
+from .._status import TransportError
+
+__all__ = ["check_transport", "CONFORMANCE_CHECKS", "MakePair", "Stall"]
+
+MakePair = Callable[[], "tuple[Any, Any]"]
+Stall = Callable[[Any], ContextManager[None]]
+
+_SENTINEL = 0xA5
+_TIMEOUT = 20.0
+
+
+class _Side:
+    """One endpoint with a few numpy-backed regions."""
+
+    def __init__(self, ep: Any, seed: int) -> None:
+        self.ep = ep
+        self.rng = np.random.default_rng(seed)
+        self.bufs: dict[int, np.ndarray] = {}
+        self.descs: dict[int, dict] = {}
+
+    def region(self, rid: int, size: int, *, remote: bool = True, fill: Union[str, int] = "random") -> np.ndarray:
+        buf = np.empty(size, dtype=np.uint8)
+        if fill == "random":
+            buf[:] = self.rng.integers(0, 256, size, dtype=np.uint8)
+        else:
+            buf[:] = fill
+        self.bufs[rid] = buf
+        self.descs[rid] = self.ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size,
+                                                     remote_accessible=remote, placement=int(Placement.HOST)))
+        return buf
+
+
+@contextlib.contextmanager
+def _pair(make_pair: MakePair, *, connect: bool = True) -> Iterator[tuple[_Side, _Side, Any]]:
+    a, b = make_pair()
+    sa, sb = _Side(a, 1), _Side(b, 2)
+    ch = None
+    try:
+        if connect:
+            ch = a.connect(b.describe(), timeout=_TIMEOUT)
+        yield sa, sb, ch
+    finally:
+        if ch is not None:
+            ch.close()
+        a.close()
+        b.close()
+
+
+def _learn(ch: Any, side: _Side, rid: int, size: Union[int, None] = None) -> None:
+    ch.add_remote_region(rid, len(side.bufs[rid]) if size is None else size, side.descs[rid])
+
+
+def _run(fn: Callable[..., Completion], ops: np.ndarray, timeout: float = 5.0) -> Union[TransportError, None]:
+    """Submit, wait, return the error: a refusal may be raised at submit or reported later."""
+    try:
+        c = fn(ops, deadline=time.monotonic() + timeout)
+    except TransportError as exc:
+        return exc
+    assert c.wait(timeout + 5.0), "completion did not finish after its deadline"
+    assert c.done()
+    return c.error
+
+
+def _ok(fn: Callable[..., Completion], ops: np.ndarray, timeout: float = _TIMEOUT) -> None:
+    err = _run(fn, ops, timeout)
+    assert err is None, f"batch failed: {err!r}"
+
+
+def _disjoint_ops(rng: np.random.Generator, n: int, block: int, lr: int, rr: int, lsize: int,
+                  rsize: int, *, vary: bool = False) -> np.ndarray:
+    """``n`` ops of up to ``block`` bytes at distinct block slots on both sides (random tables)."""
+    lslots = rng.permutation(lsize // block)[:n]
+    rslots = rng.permutation(rsize // block)[:n]
+    lengths = rng.integers(1, block + 1, n) if vary else np.full(n, block)
+    return make_ops(lr, lslots * block, rr, rslots * block, lengths)
+
+
+def _expect_copied(ops: np.ndarray, dst: dict, src: dict, *, read: bool) -> None:
+    for op in ops:  # checks are not the hot path
+        lr, lo, rr, ro, ln = (int(op[n]) for n in OP_DTYPE.names)
+        d, s = (dst[lr][lo:lo + ln], src[rr][ro:ro + ln]) if read else (dst[rr][ro:ro + ln], src[lr][lo:lo + ln])
+        assert np.array_equal(d, s), f"op {op} moved wrong bytes"
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_describe_and_connect(make_pair: MakePair) -> None:
+    """describe() is JSON-able (bytes allowed); both directions connect; statistics are dicts."""
+    with _pair(make_pair) as (a, b, ch):
+        for side in (a, b):
+            d = side.ep.describe()
+            assert isinstance(d, dict)
+            json.dumps(d, default=lambda o: o.hex() if isinstance(o, bytes) else repr(o))
+            assert all(isinstance(v, (str, int, bool, bytes, list, dict, type(None))) for v in d.values())
+        back = b.ep.connect(a.ep.describe(), timeout=_TIMEOUT)
+        assert isinstance(ch.statistics(), dict) and isinstance(back.statistics(), dict)
+        assert isinstance(a.ep.statistics(), dict)
+        back.close()
+
+
+def check_read_write_random(make_pair: MakePair) -> None:
+    """Random-content read and write batches land byte for byte."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 4 << 20
+        a.region(1, size, fill=0)
+        a.region(2, size)
+        b.region(10, size)
+        b.region(11, size, fill=0)
+        for rid in (10, 11):
+            _learn(ch, b, rid)
+        ops = _disjoint_ops(a.rng, 200, 16384, 1, 10, size, size, vary=True)
+        _ok(ch.read, ops)
+        _expect_copied(ops, a.bufs, b.bufs, read=True)
+        ops = _disjoint_ops(a.rng, 200, 16384, 2, 11, size, size, vary=True)
+        _ok(ch.write, ops)
+        _expect_copied(ops, b.bufs, a.bufs, read=False)
+        # an empty batch completes
+        _ok(ch.read, np.empty(0, dtype=OP_DTYPE))
+
+
+def check_large_batch(make_pair: MakePair) -> None:
+    """A batch of tens of MiB (multi-stream territory) both ways."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 32 << 20
+        a.region(1, size, fill=0)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        ops = _disjoint_ops(a.rng, 512, 65536, 1, 10, size, size)
+        _ok(ch.read, ops)
+        _expect_copied(ops, a.bufs, b.bufs, read=True)
+        a.bufs[1][:] = a.rng.integers(0, 256, size, dtype=np.uint8)
+        _ok(ch.write, ops)
+        _expect_copied(ops, b.bufs, a.bufs, read=False)
+
+
+def check_many_small_ops(make_pair: MakePair) -> None:
+    """Tens of thousands of tiny ops in one batch, random placement, both ways."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 2 << 20
+        a.region(1, size, fill=0)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        ops = _disjoint_ops(a.rng, 20000, 64, 1, 10, size, size, vary=True)
+        _ok(ch.read, ops)
+        _expect_copied(ops, a.bufs, b.bufs, read=True)
+        a.bufs[1][:] = a.rng.integers(0, 256, size, dtype=np.uint8)
+        _ok(ch.write, ops)
+        _expect_copied(ops, b.bufs, a.bufs, read=False)
+
+
+def check_coalescing(make_pair: MakePair) -> None:
+    """Adjacent ops (runs on both sides, shuffled, plus duplicates of zero length) still land."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 4 << 20
+        a.region(1, size, fill=0)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        piece = 256
+        n = size // piece // 2
+        ops = make_ops(1, np.arange(n) * piece, 10, size // 2 + np.arange(n) * piece, piece)
+        ops = np.concatenate([ops[a.rng.permutation(n)], make_ops(1, 0, 10, 0, 0)])
+        _ok(ch.read, ops)
+        assert np.array_equal(a.bufs[1][: size // 2], b.bufs[10][size // 2:])
+        assert not a.bufs[1][size // 2:].any()
+
+
+def _refusal_cases(a: _Side, b: _Side, ch: Any) -> list[tuple[str, Callable[[], np.ndarray]]]:
+    sz = len(b.bufs[10])
+    return [
+        ("remote out of bounds", lambda: make_ops(1, 0, 10, sz - 10, 20)),
+        ("remote offset beyond region", lambda: make_ops(1, 0, 10, sz + 4096, 1)),
+        ("local out of bounds", lambda: make_ops(1, len(a.bufs[1]) - 1, 10, 0, 2)),
+        ("remote region unknown", lambda: make_ops(1, 0, 999, 0, 1)),
+        ("local region unknown", lambda: make_ops(77, 0, 10, 0, 1)),
+        ("remote not remote-accessible", lambda: make_ops(1, 0, 12, 0, 64)),
+        ("remote size overstated to the channel", lambda: make_ops(1, 0, 13, len(b.bufs[13]), 64)),
+        ("remote deregistered by its owner", lambda: make_ops(1, 0, 14, 0, 64)),
+        ("one bad op among good ones", lambda: np.concatenate(
+            [make_ops(1, np.arange(8) * 64, 10, np.arange(8) * 64, 64), make_ops(1, 0, 10, sz, 1)])),
+    ]
+
+
+def check_refusals(make_pair: MakePair) -> None:
+    """Out-of-bounds, unregistered and non-remote-accessible ops are refused; nothing is written."""
+    with _pair(make_pair) as (a, b, ch):
+        a.region(1, 1 << 16, fill=_SENTINEL)
+        b.region(10, 1 << 16, fill=_SENTINEL)
+        b.region(12, 1 << 16, remote=False, fill=_SENTINEL)
+        b.region(13, 1 << 12, fill=_SENTINEL)
+        b.region(14, 1 << 12, fill=_SENTINEL)
+        for rid in (10, 12, 14):
+            _learn(ch, b, rid)
+        _learn(ch, b, 13, size=1 << 20)  # the channel is told more than the owner granted
+        b.ep.deregister(14)
+        for name, build in _refusal_cases(a, b, ch):
+            for fn, what in ((ch.read, "read"), (ch.write, "write")):
+                if what == "write":
+                    a.bufs[1][:] = 0x11  # distinguishable source
+                err = _run(fn, build())
+                assert isinstance(err, Refused), f"{what} with {name}: expected Refused, got {err!r}"
+                if what == "read":
+                    assert (a.bufs[1] == _SENTINEL).all(), f"{what} with {name} wrote into local memory"
+                else:
+                    a.bufs[1][:] = _SENTINEL
+                for rid in (10, 12, 13, 14):
+                    assert (b.bufs[rid] == _SENTINEL).all(), f"{what} with {name} wrote into peer region {rid}"
+        # after refusals the channel still works
+        ops = make_ops(1, 0, 10, 128, 256)
+        b.bufs[10][128:384] = 7
+        _ok(ch.read, ops)
+        assert (a.bufs[1][:256] == 7).all()
+
+
+def check_deadline(make_pair: MakePair, stall: Union[Stall, None] = None) -> None:
+    """A past deadline fails with TransportTimeout; a stalled peer fails the batch by its
+    deadline (small and large batches) and nothing is written afterwards."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 16 << 20
+        a.region(1, size, fill=_SENTINEL)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        ops = make_ops(1, 0, 10, 0, 4096)
+        err = _run(lambda o, deadline: ch.read(o, deadline=time.monotonic() - 1.0), ops)
+        assert isinstance(err, TransportTimeout), f"past deadline: expected TransportTimeout, got {err!r}"
+        assert (a.bufs[1] == _SENTINEL).all()
+        if stall is None:
+            return
+        for n in (4096, size):
+            ops = make_ops(1, 0, 10, 0, n)
+            with stall(b.ep):
+                t0 = time.monotonic()
+                deadline = t0 + 0.5
+                try:
+                    c = ch.read(ops, deadline=deadline)
+                    err = c.error if c.wait(10.0) else "not done"
+                except TransportError as exc:
+                    err = exc
+                took = time.monotonic() - t0
+                assert isinstance(err, TransportTimeout), f"stalled peer, {n} B: got {err!r}"
+                assert took < 0.5 + 2.0, f"stalled peer: failed after {took:.2f}s for a 0.5s deadline"
+                a.bufs[1][:] = _SENTINEL
+            time.sleep(0.2)  # the peer resumes: whatever it sends now must land nowhere
+            assert (a.bufs[1] == _SENTINEL).all(), "bytes landed after the batch reported its timeout"
+        b.bufs[10][:64] = 9
+        ch2 = a.ep.connect(b.ep.describe(), timeout=_TIMEOUT)
+        _learn(ch2, b, 10)
+        _ok(ch2.read, make_ops(1, 0, 10, 0, 64))
+        assert (a.bufs[1][:64] == 9).all()
+        ch2.close()
+
+
+def check_peer_close(make_pair: MakePair) -> None:
+    """Closing the peer endpoint fails later batches with PeerGone, well within the deadline."""
+    with _pair(make_pair) as (a, b, ch):
+        a.region(1, 1 << 20, fill=_SENTINEL)
+        b.region(10, 1 << 20)
+        _learn(ch, b, 10)
+        _ok(ch.read, make_ops(1, 0, 10, 0, 1 << 20))
+        a.bufs[1][:] = _SENTINEL
+        b.ep.close()
+        for ops in (make_ops(1, 0, 10, 0, 64), make_ops(1, 0, 10, 0, 1 << 20)):
+            t0 = time.monotonic()
+            err = _run(ch.read, ops, timeout=5.0)
+            assert isinstance(err, PeerGone), f"peer closed: expected PeerGone, got {err!r}"
+            assert time.monotonic() - t0 < 4.0, "PeerGone took nearly the whole deadline"
+        assert (a.bufs[1] == _SENTINEL).all()
+        try:
+            ch2 = a.ep.connect(b.ep.describe(), timeout=2.0)
+        except PeerGone:
+            pass
+        else:
+            ch2.close()
+            raise AssertionError("connect to a closed endpoint succeeded")
+
+
+def check_double_close(make_pair: MakePair) -> None:
+    """close() of channels and endpoints is idempotent; using a closed channel raises or fails."""
+    with _pair(make_pair) as (a, b, ch):
+        a.region(1, 4096, fill=0)
+        b.region(10, 4096)
+        _learn(ch, b, 10)
+        ch.close()
+        ch.close()
+        err = _run(ch.read, make_ops(1, 0, 10, 0, 64))
+        assert isinstance(err, TransportError), f"read on a closed channel: got {err!r}"
+        assert not a.bufs[1].any()
+        a.ep.close()
+        a.ep.close()
+        b.ep.close()
+    # the _pair context closed them a third time without error
+
+
+def check_cancel(make_pair: MakePair) -> None:
+    """After cancel() returns no byte of the batch lands; cancel of a done batch is a no-op."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 64 << 20
+        a.region(1, size, fill=0)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        ops = _disjoint_ops(a.rng, size // 65536, 65536, 1, 10, size, size)
+        c = ch.read(ops, deadline=time.monotonic() + _TIMEOUT)
+        c.cancel()
+        assert c.done()
+        a.bufs[1][:] = _SENTINEL
+        time.sleep(0.1)
+        assert (a.bufs[1] == _SENTINEL).all(), "bytes landed after cancel() returned"
+        assert c.error is None or isinstance(c.error, TransportError)
+        c.cancel()
+        _ok(ch.read, ops[:16])
+        _expect_copied(ops[:16], a.bufs, b.bufs, read=True)
+
+
+def check_deregister_during_traffic(make_pair: MakePair) -> None:
+    """Deregistering a region while batches touch it drains them first, on both sides."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 64 << 20
+        a.region(1, size, fill=0)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        ops = _disjoint_ops(a.rng, size // 65536, 65536, 1, 10, size, size)
+        # local destination deregistered during a read
+        c = ch.read(ops, deadline=time.monotonic() + _TIMEOUT)
+        time.sleep(0.005)
+        a.ep.deregister(1)
+        a.bufs[1][:] = _SENTINEL
+        assert c.wait(_TIMEOUT)
+        time.sleep(0.05)
+        assert (a.bufs[1] == _SENTINEL).all(), "bytes landed in a deregistered local region"
+        # remote destination deregistered by its owner during a write
+        a.region(2, size)
+        c = ch.write(make_ops(2, ops["local_offset"], 10, ops["remote_offset"], ops["length"]),
+                     deadline=time.monotonic() + _TIMEOUT)
+        time.sleep(0.005)
+        b.ep.deregister(10)
+        b.bufs[10][:] = _SENTINEL
+        assert c.wait(_TIMEOUT)
+        time.sleep(0.05)
+        assert (b.bufs[10] == _SENTINEL).all(), "bytes landed in a region its owner deregistered"
+        err = _run(ch.read, make_ops(2, 0, 10, 0, 64))
+        assert isinstance(err, Refused), f"read of a deregistered region: expected Refused, got {err!r}"
+        # deregistering twice, or an unknown id, is harmless
+        a.ep.deregister(1)
+        a.ep.deregister(12345)
+
+
+def check_concurrent_batches(make_pair: MakePair) -> None:
+    """Several threads drive batches on one channel at once."""
+    with _pair(make_pair) as (a, b, ch):
+        size = 8 << 20
+        for i in range(4):
+            a.region(1 + i, size, fill=0)
+        b.region(10, size)
+        _learn(ch, b, 10)
+        errors: list = []
+
+        def pull(i: int) -> None:
+            ops = _disjoint_ops(np.random.default_rng(i), 64, 65536, 1 + i, 10, size, size)
+            try:
+                _ok(ch.read, ops)
+                _expect_copied(ops, a.bufs, b.bufs, read=True)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        ts = [threading.Thread(target=pull, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(_TIMEOUT * 2)
+        assert not errors, errors
+
+
+CONFORMANCE_CHECKS = [
+    check_describe_and_connect,
+    check_read_write_random,
+    check_large_batch,
+    check_many_small_ops,
+    check_coalescing,
+    check_refusals,
+    check_deadline,
+    check_peer_close,
+    check_double_close,
+    check_cancel,
+    check_deregister_during_traffic,
+    check_concurrent_batches,
+]
+
+
+def check_transport(make_pair: MakePair, *, stall: Union[Stall, None] = None) -> None:
+    """Run every conformance check against ``make_pair`` (see the module docstring)."""
+    for check in CONFORMANCE_CHECKS:
+        if check is check_deadline:
+            check(make_pair, stall)
+        else:
+            check(make_pair)

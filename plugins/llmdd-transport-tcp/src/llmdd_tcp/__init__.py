@@ -1,0 +1,789 @@
+"""llmdd transport ``tcp``: a one-sided client/server engine over TCP.
+
+Every endpoint listens on ``host:0`` (ephemeral port, bound to the given host only) and
+serves READ and WRITE requests against *its own* registered regions: the owner checks
+region id, bounds and the remote-accessible flag of every op (vectorised, all or nothing)
+before a byte moves, and refuses the whole request otherwise. The peer's memory is never
+addressed directly, which is the trust level of this transport: the owner mediates every op.
+
+Wire (little endian, one request at a time per stream):
+
+* connect: server ``HELLO(magic, version, auth, endpoint_id[16], nonce_s[16])``; with a shared
+  secret the client answers ``AUTH(nonce_c[16], HMAC(secret, "c"|id|nonce_s|nonce_c))`` and
+  the server proves itself back with ``HMAC(secret, "s"|id|nonce_c|nonce_s)``. The secret is
+  never sent.
+* request: ``REQ(magic, kind, count, total)`` + ``count`` packed ``(region u4, offset u8,
+  length u8)``; a segment carries at most ``segment_bytes`` of payload.
+* READ: ``RSP(ok)`` + the bytes of every op in order, or ``RSP(refused, reason)``.
+* WRITE: ``RSP(go)`` or ``RSP(refused)``; after go the client sends exactly ``total`` bytes,
+  which the owner receives straight into the validated destinations; then ``RSP(ok)``. The
+  owner never reads more than announced, and never reads before validating, so a WRITE can
+  not overfill it; bytes in flight are capped by the segment size plus the socket buffers.
+
+Data moves with ``sendmsg`` / ``recvmsg_into(MSG_WAITALL)`` over windows of memoryview
+slices of the registered memory (``(ctypes.c_char * n).from_address(addr)``), built from the
+numpy op arrays window by window: no copy through ``bytes`` and no per-op object outside the
+window in flight. Large batches are coalesced and split over two streams.
+
+Cancellation and deadlines: streams are blocking sockets armed with ``SO_RCVTIMEO`` /
+``SO_SNDTIMEO`` set to the time left; cancel, deadline, close and deregistration shut the
+sockets down and join the worker threads before the completion reports its error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Mapping, Union
+
+import numpy as np
+import pluggy
+
+from llmdd._log import get_logger
+from llmdd._status import LLMStatusCode, TransportError
+from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+from llmdd.lowlevel import (
+    Cancelled,
+    Corrupt,
+    DoneCompletion,
+    MemRegion,
+    PeerGone,
+    RegionTable,
+    Refused,
+    ThreadCompletion,
+    TransportTimeout,
+    check_ops,
+    coalesce_ops,
+    split_ops,
+)
+
+__all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
+
+hookimpl = pluggy.HookimplMarker("llmdd")
+
+_log = get_logger("llmdd.transport.tcp")
+
+VERSION = 1
+_HELLO = struct.Struct("<4sHBx16s16s")   # magic, version, auth, endpoint id, server nonce
+_AUTH = struct.Struct("<16s32s")          # client nonce, client mac
+_AUTH_RSP = struct.Struct("<B32s")        # status, server mac
+_REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, payload bytes
+_RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message length
+_M_HELLO, _M_REQ, _M_RSP = b"LDTH", b"LDRQ", b"LDRS"
+READ, WRITE = 1, 2
+ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
+WIRE_OP = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])  # packed, 20 bytes
+MAX_OPS_PER_REQUEST = 1 << 18
+MAX_MESSAGE = 4096
+_WINDOW = 256                              # memoryviews per sendmsg / recvmsg_into call
+_HANDSHAKE_TIMEOUT = 10.0
+
+# options (engine options pass through; unknown keys such as "llm.RdmaTrafficClass" are ignored)
+OPT_STREAMS = "llmdd.tcp.streams"
+OPT_INLINE = "llmdd.tcp.inline_max_bytes"
+OPT_SPLIT = "llmdd.tcp.split_min_bytes"
+OPT_SEGMENT = "llmdd.tcp.segment_bytes"
+OPT_SERVER_SEND_TIMEOUT = "llmdd.tcp.server_send_timeout"
+_DEFAULTS = {OPT_STREAMS: 2, OPT_INLINE: 256 * 1024, OPT_SPLIT: 4 * 1024 * 1024,
+             OPT_SEGMENT: 64 * 1024 * 1024, OPT_SERVER_SEND_TIMEOUT: 60.0}
+
+
+# --------------------------------------------------------------------------- low-level I/O
+
+
+def _region_view(addr: int, size: int) -> memoryview:
+    if size == 0:
+        return memoryview(bytearray(0))
+    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
+def _set_timeouts(sock: socket.socket, seconds: float) -> None:
+    seconds = max(seconds, 1e-3)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1.0) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _arm(sock: socket.socket, deadline: Union[float, None]) -> None:
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransportTimeout("deadline passed")
+    _set_timeouts(sock, left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None) -> bytearray:
+    buf = bytearray(n)
+    mv = memoryview(buf)
+    got = 0
+    while got < n:
+        _arm(sock, deadline)
+        r = sock.recv_into(mv[got:], n - got, socket.MSG_WAITALL)
+        if r == 0:
+            raise PeerGone("peer closed the stream")
+        got += r
+    return buf
+
+
+def _advance(views: list, k: int) -> list:
+    i = 0
+    while k >= len(views[i]):
+        k -= len(views[i])
+        i += 1
+    views = views[i:]
+    views[0] = views[0][k:]
+    return views
+
+
+def _move(sock: socket.socket, mvs: Mapping[int, memoryview], reg: np.ndarray, off: np.ndarray,
+          ln: np.ndarray, deadline: Union[float, None], send: bool,
+          abort_check: Union[Callable[[], bool], None] = None) -> int:
+    """Send or receive the bytes of ops (``reg``, ``off``, ``ln``) window by window; return bytes."""
+    moved_total = 0
+    n = len(ln)
+    for s in range(0, n, _WINDOW):
+        e = min(s + _WINDOW, n)
+        lens = ln[s:e].tolist()
+        views = [mvs[a][b:b + c] for a, b, c in zip(reg[s:e].tolist(), off[s:e].tolist(), lens)]
+        total = sum(lens)
+        moved = 0
+        while moved < total:
+            if abort_check is not None and abort_check():
+                raise Cancelled("stream aborted")
+            _arm(sock, deadline)
+            if send:
+                k = sock.sendmsg(views)
+            else:
+                k = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
+                if k == 0:
+                    raise PeerGone("peer closed the stream in the middle of a batch")
+            moved += k
+            if moved < total:
+                views = _advance(views, k)
+        moved_total += total
+    return moved_total
+
+
+def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
+    total = sum(len(b) for b in bufs)
+    k = sock.sendmsg(bufs)
+    if k < total:
+        for b in _advance(bufs, k):
+            sock.sendall(b)
+
+
+def _map_exc(exc: BaseException) -> TransportError:
+    if isinstance(exc, TransportError):
+        return exc
+    if isinstance(exc, (BlockingIOError, TimeoutError)):
+        return TransportTimeout(f"socket timed out: {exc}")
+    if isinstance(exc, OSError):
+        return PeerGone(f"connection failed: {exc}")
+    return Corrupt(f"unexpected failure: {exc!r}")
+
+
+def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
+    msg = message.encode()[:MAX_MESSAGE]
+    sock.sendall(_RSP.pack(_M_RSP, status, 0, 0, len(msg)) + msg)
+
+
+def _recv_rsp(sock: socket.socket, deadline: float) -> tuple[int, str]:
+    magic, status, _, _, n = _RSP.unpack(_recv_exact(sock, _RSP.size, deadline))
+    if magic != _M_RSP or n > MAX_MESSAGE:
+        raise Corrupt("bad response header from peer")
+    msg = bytes(_recv_exact(sock, n, deadline)).decode(errors="replace") if n else ""
+    return status, msg
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _close(sock: socket.socket) -> None:
+    _shutdown(sock)
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class TcpTransport(Transport):
+    """Any host to any host over TCP; the owner mediates every op."""
+
+    name = "tcp"
+    priority = 10
+    same_host_only = False
+
+    @classmethod
+    def probe(cls) -> TransportInfo:
+        try:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.close()
+        except OSError as exc:
+            return TransportInfo(name=cls.name, available=False, reason=f"no TCP sockets: {exc}")
+        if not hasattr(socket.socket, "recvmsg_into"):
+            return TransportInfo(name=cls.name, available=False, reason="socket.recvmsg_into is not available")
+        return TransportInfo(name=cls.name, available=True, reason="",
+                             details={"version": VERSION, "window": _WINDOW})
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        super().__init__(options)
+        self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+
+    def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> "TcpEndpoint":
+        return TcpEndpoint(host=host, secret=secret, cfg=self._cfg)
+
+
+@hookimpl
+def llmdd_register_transports(register: Callable[[type], Any]) -> None:
+    register(TcpTransport)
+
+
+class _Reg:
+    __slots__ = ("region", "view", "busy")
+
+    def __init__(self, region: MemRegion) -> None:
+        self.region = region
+        self.view = _region_view(region.addr, region.size)
+        self.busy = 0
+
+
+class _Batch:
+    """The sockets of one batch, so that cancel/deadline/deregister can kill them."""
+
+    def __init__(self, regions: frozenset) -> None:
+        self.regions = regions
+        self.socks: list[socket.socket] = []
+        self.aborted = False
+        self.lock = threading.Lock()
+        self.completion: Union[ThreadCompletion, None] = None
+        self.pinned: list = []
+
+    def adopt(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.socks.append(sock)
+            if not self.aborted:
+                return
+        _shutdown(sock)
+        raise Cancelled("batch aborted")
+
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted = True
+            socks = list(self.socks)
+        for s in socks:
+            _shutdown(s)
+
+
+class TcpEndpoint(Endpoint):
+    """Listens on ``host:ephemeral``; serves its own regions; opens channels to peers."""
+
+    def __init__(self, *, host: str, secret: Union[bytes, None], cfg: Mapping[str, Any]) -> None:
+        self._host = host
+        self._secret = secret
+        self._cfg = dict(cfg)
+        self._id = os.urandom(16)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._regs: dict[int, _Reg] = {}
+        self._local_table = RegionTable()
+        self._served_table = RegionTable()
+        self._closed = False
+        self._server_conns: dict[socket.socket, threading.Thread] = {}
+        self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
+        self._batches: set[_Batch] = set()
+        self._channels: set[TcpChannel] = set()
+        self._stats = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
+                       "connections": 0, "auth_failures": 0, "last_error": None}
+        self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock.bind((host, 0))
+        self._lsock.listen(64)
+        self._port = self._lsock.getsockname()[1]
+        self._log = _log.bind(endpoint=self._id.hex()[:8], port=self._port)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"llmdd-tcp-accept-{self._port}",
+                                          daemon=True)
+        self._acceptor.start()
+
+    # ------------------------------------------------------------------ public API
+
+    def describe(self) -> dict:
+        return {"transport": "tcp", "version": VERSION, "host": self._host, "port": self._port,
+                "endpoint_id": self._id, "auth": self._secret is not None, "pid": os.getpid(),
+                "hostname": socket.gethostname()}
+
+    def register(self, region: MemRegion) -> dict:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            if region.region_id in self._regs:
+                raise Refused(f"region {region.region_id} is already registered")
+            self._regs[region.region_id] = _Reg(region)
+            self._rebuild_tables()
+        return {"transport": "tcp", "endpoint_id": self._id, "region_id": region.region_id,
+                "size": region.size, "remote_accessible": region.remote_accessible}
+
+    def deregister(self, region_id: int) -> None:
+        with self._lock:
+            reg = self._regs.pop(region_id, None)
+            if reg is None:
+                return
+            self._rebuild_tables()
+            for sock, regions in list(self._serving.values()):
+                if region_id in regions:
+                    _shutdown(sock)
+            batches = [b for b in self._batches if region_id in b.regions]
+        for b in batches:
+            if b.completion is not None:
+                b.completion.fail(Cancelled(f"local region {region_id} was deregistered"))
+            else:
+                b.abort()
+        with self._cond:
+            while reg.busy:
+                self._cond.wait()
+
+    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "TcpChannel":
+        if self._closed:
+            raise Cancelled("endpoint is closed")
+        if peer.get("transport") != "tcp":
+            raise Refused(f"not a tcp endpoint description: {peer.get('transport')!r}")
+        try:
+            ch = TcpChannel(self, peer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Refused(f"bad tcp endpoint description: {exc!r}") from None
+        sock = ch._open_stream(time.monotonic() + timeout)
+        ch._release(sock)
+        with self._lock:
+            if self._closed:
+                ch.close()
+                raise Cancelled("endpoint is closed")
+            self._channels.add(ch)
+        return ch
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = list(self._channels)
+            conns = list(self._server_conns.items())
+        _shutdown(self._lsock)
+        try:
+            self._lsock.close()
+        except OSError:
+            pass
+        for ch in channels:
+            ch.close()
+        for sock, _ in conns:
+            _shutdown(sock)
+        me = threading.current_thread()
+        for _, t in conns:
+            if t is not me:
+                t.join(5.0)
+        if self._acceptor is not me:
+            self._acceptor.join(5.0)
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, regions=len(self._regs), port=self._port, closed=self._closed)
+
+    # ------------------------------------------------------------------ shared with channels
+
+    def _rebuild_tables(self) -> None:
+        self._local_table = RegionTable({k: r.region.size for k, r in self._regs.items()})
+        self._served_table = RegionTable({k: r.region.size for k, r in self._regs.items()
+                                          if r.region.remote_accessible})
+
+    def _begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[_Batch, dict]:
+        """Validate ops and pin their local regions (deregister waits for the pin)."""
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            check_ops(ops, self._local_table, remote)
+            ids = frozenset(np.unique(ops["local_region"]).tolist())
+            batch = _Batch(ids)
+            mvs = {}
+            for r in ids:
+                reg = self._regs[r]
+                reg.busy += 1
+                batch.pinned.append(reg)
+                mvs[r] = reg.view
+            self._batches.add(batch)
+        return batch, mvs
+
+    def _end_batch(self, batch: _Batch) -> None:
+        with self._cond:
+            self._batches.discard(batch)
+            for reg in batch.pinned:  # a deregistered _Reg is still counted down: its waiter holds it
+                reg.busy -= 1
+            batch.pinned = []
+            self._cond.notify_all()
+
+    def _forget_channel(self, ch: "TcpChannel") -> None:
+        with self._lock:
+            self._channels.discard(ch)
+
+    # ------------------------------------------------------------------ server side
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._lsock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    _close(sock)
+                    return
+                t = threading.Thread(target=self._serve_conn, args=(sock,),
+                                     name=f"llmdd-tcp-serve-{self._port}", daemon=True)
+                self._server_conns[sock] = t
+                self._stats["connections"] += 1
+            t.start()
+
+    def _server_handshake(self, sock: socket.socket) -> bool:
+        sock.settimeout(_HANDSHAKE_TIMEOUT)
+        nonce_s = os.urandom(16)
+        sock.sendall(_HELLO.pack(_M_HELLO, VERSION, int(self._secret is not None), self._id, nonce_s))
+        if self._secret is not None:
+            nonce_c, mac_c = _AUTH.unpack(_recv_exact(sock, _AUTH.size))
+            if not hmac.compare_digest(mac_c, _mac(self._secret, b"c", self._id, nonce_s, nonce_c)):
+                with self._lock:
+                    self._stats["auth_failures"] += 1
+                    self._stats["refused"] += 1
+                    self._stats["last_error"] = "authentication failed"
+                self._log.warning("llmdd.transport.tcp.auth_failed", peer=str(sock.getpeername()))
+                sock.sendall(_AUTH_RSP.pack(1, bytes(32)))
+                return False
+            sock.sendall(_AUTH_RSP.pack(0, _mac(self._secret, b"s", self._id, nonce_c, nonce_s)))
+        sock.settimeout(None)  # blocking: an idle stream waits for its next request
+        _tune(sock)
+        send_to = float(self._cfg[OPT_SERVER_SEND_TIMEOUT])
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(send_to), int((send_to % 1.0) * 1e6)))
+        return True
+
+    def _serve_conn(self, sock: socket.socket) -> None:
+        try:
+            if not self._server_handshake(sock):
+                return
+            while True:
+                try:
+                    hdr = _recv_exact(sock, _REQ.size)
+                except PeerGone:
+                    return
+                magic, kind, _, _, count, total = _REQ.unpack(hdr)
+                if magic != _M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
+                    raise Corrupt(f"bad request header (kind={kind}, count={count})")
+                wire = np.empty(count, dtype=WIRE_OP)
+                if count:
+                    got, mv = 0, memoryview(wire.view(np.uint8))
+                    while got < len(mv):
+                        r = sock.recv_into(mv[got:], len(mv) - got, socket.MSG_WAITALL)
+                        if r == 0:
+                            raise PeerGone("peer closed the stream mid-request")
+                        got += r
+                self._serve_request(sock, kind, wire, total)
+        except Exception as exc:  # noqa: BLE001 - a broken client must never break the endpoint
+            err = _map_exc(exc)
+            if not self._closed:
+                with self._lock:
+                    self._stats["last_error"] = str(err)
+                self._log.info("llmdd.transport.tcp.conn_closed", error=str(err))
+        finally:
+            with self._lock:
+                self._server_conns.pop(sock, None)
+            _close(sock)
+
+    def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int) -> None:
+        token = id(wire)
+        with self._lock:
+            try:
+                self._served_table.check(wire["region"], wire["offset"], wire["length"], "remote")
+                if int(wire["length"].sum(dtype=np.uint64)) != total:
+                    raise Corrupt("announced payload does not match the op lengths")
+            except Refused as exc:
+                reason = self._refusal_reason(wire, exc)
+                self._stats["refused"] += 1
+                self._stats["last_error"] = reason
+                refused = reason
+            else:
+                refused = None
+                ids = frozenset(np.unique(wire["region"]).tolist())
+                pinned = [self._regs[r] for r in ids]
+                for reg in pinned:
+                    reg.busy += 1
+                mvs = {r: self._regs[r].view for r in ids}
+                self._serving[token] = (sock, ids)
+        if refused is not None:
+            self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
+                              reason=refused)
+            _send_rsp(sock, ST_REFUSED, refused)
+            return
+        try:
+            if kind == READ:
+                _send_rsp(sock, ST_OK)
+                _move(sock, mvs, wire["region"], wire["offset"], wire["length"], None, send=True)
+            else:
+                _send_rsp(sock, ST_OK)
+                try:
+                    _move(sock, mvs, wire["region"], wire["offset"], wire["length"], None, send=False)
+                except Exception:
+                    self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
+                    raise
+                _send_rsp(sock, ST_OK)
+            with self._lock:
+                self._stats["bytes_served"] += total
+                self._stats["ops_served"] += len(wire)
+                self._stats["requests"] += 1
+        finally:
+            with self._cond:
+                self._serving.pop(token, None)
+                for reg in pinned:
+                    reg.busy -= 1
+                self._cond.notify_all()
+
+    def _refusal_reason(self, wire: np.ndarray, exc: Refused) -> str:
+        for r in np.unique(wire["region"]).tolist():
+            reg = self._regs.get(r)
+            if reg is not None and not reg.region.remote_accessible:
+                return f"region {r} is not remote-accessible"
+        return str(exc)
+
+
+class TcpChannel(Channel):
+    """Streams to one peer endpoint, pooled; a batch takes one or two of them."""
+
+    def __init__(self, endpoint: TcpEndpoint, peer: Mapping[str, Any]) -> None:
+        self._ep = endpoint
+        self._peer = dict(peer)
+        self._addr = (str(peer["host"]), int(peer["port"]))
+        self._peer_id = bytes(peer["endpoint_id"])
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._remote: dict[int, int] = {}
+        self._remote_table = RegionTable()
+        self._closed = False
+        self._active: set[_Batch] = set()
+        self._cfg = endpoint._cfg
+        self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
+                       "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
+
+    # ------------------------------------------------------------------ public API
+
+    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
+        if desc.get("endpoint_id") not in (None, self._peer_id):
+            raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
+        with self._lock:
+            self._remote[int(region_id)] = int(size)
+            self._remote_table = RegionTable(self._remote)
+
+    def remove_remote_region(self, region_id: int) -> None:
+        with self._lock:
+            self._remote.pop(int(region_id), None)
+            self._remote_table = RegionTable(self._remote)
+
+    def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        return self._submit(READ, ops, deadline)
+
+    def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        return self._submit(WRITE, ops, deadline)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            active = list(self._active)
+            idle, self._idle = self._idle, []
+        for b in active:
+            if b.completion is not None:
+                b.completion.fail(Cancelled("channel closed"))
+            else:
+                b.abort()
+        for s in idle:
+            _close(s)
+        self._ep._forget_channel(self)
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, idle_streams=len(self._idle), remote_regions=len(self._remote),
+                        closed=self._closed)
+
+    # ------------------------------------------------------------------ streams
+
+    def _open_stream(self, deadline: float) -> socket.socket:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout("deadline passed before connecting")
+        try:
+            sock = socket.create_connection(self._addr, timeout=left)
+        except OSError as exc:
+            raise _map_exc(exc) from None
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            magic, version, auth, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            if magic != _M_HELLO or version != VERSION:
+                raise Corrupt(f"peer at {self._addr} does not speak llmdd-tcp v{VERSION}")
+            if peer_id != self._peer_id:
+                raise PeerGone(f"peer at {self._addr} is another endpoint incarnation")
+            secret = self._ep._secret
+            if auth and secret is None:
+                raise Refused("peer requires a shared secret", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            if not auth and secret is not None:
+                raise Refused("peer does not authenticate but a secret is configured",
+                              status_code=LLMStatusCode.LLM_LINK_FAILED)
+            if auth:
+                nonce_c = os.urandom(16)
+                sock.sendall(_AUTH.pack(nonce_c, _mac(secret, b"c", peer_id, nonce_s, nonce_c)))
+                status, mac_s = _AUTH_RSP.unpack(_recv_exact(sock, _AUTH_RSP.size))
+                if status != 0 or not hmac.compare_digest(mac_s, _mac(secret, b"s", peer_id, nonce_c, nonce_s)):
+                    raise Refused("authentication with peer failed", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            sock.settimeout(None)
+            _tune(sock)
+        except BaseException as exc:
+            _close(sock)
+            raise _map_exc(exc) from None
+        with self._lock:
+            self._stats["streams_opened"] += 1
+        return sock
+
+    def _acquire(self, batch: _Batch, deadline: float) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("channel closed")
+            sock = self._idle.pop() if self._idle else None
+        if sock is None:
+            sock = self._open_stream(deadline)
+        batch.adopt(sock)
+        return sock
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < 4:
+                self._idle.append(sock)
+                return
+        _close(sock)
+
+    # ------------------------------------------------------------------ batches
+
+    def _submit(self, kind: int, ops: np.ndarray, deadline: float) -> Completion:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("channel closed")
+            remote = self._remote_table
+        batch, mvs = self._ep._begin_batch(ops, remote)
+        with self._lock:
+            self._active.add(batch)
+        try:
+            ops = coalesce_ops(np.asarray(ops))
+            total = int(ops["length"].sum(dtype=np.uint64)) if len(ops) else 0
+        except BaseException:
+            self._finish(batch)
+            raise
+        if total <= int(self._cfg[OPT_INLINE]):
+            err = None
+            try:
+                self._run_stream(batch, kind, ops, mvs, deadline)
+            except BaseException as exc:  # noqa: BLE001
+                err = _map_exc(exc)
+                if batch.aborted and not isinstance(err, Refused):
+                    err = Cancelled(f"batch aborted: {err}")
+            self._finish(batch, err, kind, ops, total)
+            return DoneCompletion(err)
+        streams = int(self._cfg[OPT_STREAMS]) if total >= int(self._cfg[OPT_SPLIT]) else 1
+        parts = split_ops(ops, max(1, streams))
+        workers = [(lambda p=p: self._run_stream(batch, kind, p, mvs, deadline)) for p in parts]
+        batch.completion = ThreadCompletion(
+            workers, deadline=deadline, abort=batch.abort,
+            on_done=lambda c: self._finish(batch, c._error, kind, ops, total),
+            name="llmdd-tcp-io")
+        return batch.completion
+
+    def _finish(self, batch: _Batch, err: Union[TransportError, None] = None, kind: int = READ,
+                ops: Union[np.ndarray, None] = None, total: int = 0) -> None:
+        with batch.lock:
+            socks, batch.socks = batch.socks, []
+        for s in socks:  # streams still owned by the batch were not released: they are broken
+            _close(s)
+        self._ep._end_batch(batch)
+        with self._lock:
+            self._active.discard(batch)
+            if ops is None:
+                return
+            self._stats["batches"] += 1
+            if err is None:
+                key = "read" if kind == READ else "written"
+                self._stats[f"bytes_{key}"] += total
+                self._stats[f"ops_{key}"] += len(ops)
+            else:
+                self._stats["failed"] += 1
+                self._stats["last_error"] = str(err)
+
+    def _run_stream(self, batch: _Batch, kind: int, ops: np.ndarray, mvs: dict, deadline: float) -> None:
+        sock = self._acquire(batch, deadline)
+        seg_max = int(self._cfg[OPT_SEGMENT])
+        ends = np.cumsum(ops["length"], dtype=np.uint64)
+        start = 0
+        n = len(ops)
+        try:
+            while start < n:
+                base = int(ends[start - 1]) if start else 0
+                stop = int(np.searchsorted(ends, base + seg_max, side="right"))
+                stop = min(max(stop, start + 1), n, start + MAX_OPS_PER_REQUEST)
+                self._segment(sock, kind, ops[start:stop], mvs, deadline, batch)
+                start = stop
+        except Refused:
+            # refusals come before any payload: the stream is still in step
+            self._give_back(batch, sock)
+            raise
+        self._give_back(batch, sock)
+
+    def _give_back(self, batch: _Batch, sock: socket.socket) -> None:
+        with batch.lock:
+            if batch.aborted or sock not in batch.socks:
+                return
+            batch.socks.remove(sock)
+        self._release(sock)
+
+    def _segment(self, sock: socket.socket, kind: int, ops: np.ndarray, mvs: dict, deadline: float,
+                 batch: _Batch) -> None:
+        wire = np.empty(len(ops), dtype=WIRE_OP)
+        wire["region"] = ops["remote_region"]
+        wire["offset"] = ops["remote_offset"]
+        wire["length"] = ops["length"]
+        total = int(ops["length"].sum(dtype=np.uint64))
+        _arm(sock, deadline)
+        _sendmsg_all(sock, [_REQ.pack(_M_REQ, kind, 0, 0, len(ops), total), memoryview(wire.view(np.uint8))])
+        status, msg = _recv_rsp(sock, deadline)
+        if status == ST_REFUSED:
+            raise Refused(f"peer refused the batch: {msg}")
+        if status != ST_OK:
+            raise Corrupt(f"peer failed the batch: {msg}")
+        aborted = lambda: batch.aborted  # noqa: E731
+        _move(sock, mvs, ops["local_region"], ops["local_offset"], ops["length"], deadline,
+              send=(kind == WRITE), abort_check=aborted)
+        if kind == WRITE:
+            status, msg = _recv_rsp(sock, deadline)
+            if status != ST_OK:
+                raise Corrupt(f"peer failed the write: {msg}")

@@ -1,0 +1,52 @@
+"""The shipped conformance suite against the tcp transport, one test per check."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+
+from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
+from llmdd_tcp import TcpTransport
+
+
+def make_pair():
+    t = TcpTransport({"llm.RdmaTrafficClass": "132"})
+    return t.open_endpoint(host="127.0.0.1"), t.open_endpoint(host="127.0.0.1")
+
+
+def make_pair_with_secret():
+    t = TcpTransport({})
+    return t.open_endpoint(secret=b"s3cret"), t.open_endpoint(secret=b"s3cret")
+
+
+@contextlib.contextmanager
+def stall(endpoint):
+    """While inside, ``endpoint`` accepts requests but serves none (a hung peer)."""
+    release = threading.Event()
+    original = endpoint._serve_request
+
+    def stalled(*args):
+        release.wait()
+        return original(*args)
+
+    endpoint._serve_request = stalled
+    try:
+        yield
+    finally:
+        endpoint._serve_request = original
+        release.set()
+
+
+@pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
+def test_conformance(check):
+    if check is check_deadline:
+        check(make_pair, stall)
+    else:
+        check(make_pair)
+
+
+@pytest.mark.parametrize("check", CONFORMANCE_CHECKS[:2], ids=lambda c: c.__name__)
+def test_conformance_authenticated(check):
+    check(make_pair_with_secret)

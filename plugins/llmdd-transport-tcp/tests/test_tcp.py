@@ -1,0 +1,229 @@
+"""tcp transport: real two-process transfers, a peer killed mid-transfer, auth, plugin hook."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from llmdd._status import LLMStatusCode
+from llmdd.lowlevel import MemRegion, PeerGone, Refused, make_ops
+from llmdd_tcp import TcpTransport, hookimpl, llmdd_register_transports
+
+MiB = 1 << 20
+
+
+def _fill(size: int, seed: int) -> np.ndarray:
+    buf = np.empty(size, dtype=np.uint8)
+    buf.view(np.uint64)[:] = np.arange(size // 8, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(seed)
+    return buf
+
+
+def _peer_main(conn, size: int, seed: int) -> None:
+    ep = TcpTransport({}).open_endpoint(host="127.0.0.1")
+    src = _fill(size, seed)
+    sink = np.zeros(size, dtype=np.uint8)
+    d_src = ep.register(MemRegion(region_id=5, addr=src.ctypes.data, size=size, remote_accessible=True, placement=0))
+    d_sink = ep.register(MemRegion(region_id=6, addr=sink.ctypes.data, size=size, remote_accessible=True,
+                                   placement=0))
+    conn.send((ep.describe(), d_src, d_sink))
+    while True:
+        cmd = conn.recv()
+        if cmd == "digest":
+            conn.send(hashlib.sha256(sink).hexdigest())
+        elif cmd == "stats":
+            conn.send(ep.statistics())
+        else:
+            break
+    ep.close()
+
+
+def _start_peer(size: int, seed: int):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_peer_main, args=(child, size, seed), daemon=True)
+    p.start()
+    assert parent.poll(30), "peer did not start"
+    return p, parent, parent.recv()
+
+
+def _local(ep, rid: int, buf: np.ndarray) -> None:
+    ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=buf.size, remote_accessible=False, placement=0))
+
+
+def test_two_processes_read_and_write():
+    size = 8 * MiB
+    p, conn, (desc, d_src, d_sink) = _start_peer(size, seed=3)
+    ep = TcpTransport({}).open_endpoint()
+    try:
+        dst = np.zeros(size, dtype=np.uint8)
+        _local(ep, 1, dst)
+        ch = ep.connect(desc, timeout=10)
+        ch.add_remote_region(5, size, d_src)
+        ch.add_remote_region(6, size, d_sink)
+        rng = np.random.default_rng(0)
+        block = 64 * 1024
+        n = size // block
+        perm = rng.permutation(n)
+        c = ch.read(make_ops(1, np.arange(n) * block, 5, perm * block, block), deadline=time.monotonic() + 20)
+        assert c.wait(30) and c.error is None, c.error
+        expect = _fill(size, 3).reshape(n, block)[perm]
+        assert np.array_equal(dst.reshape(n, block), expect)
+        # small inline read and a write with random contents checked on the other side
+        c = ch.read(make_ops(1, 0, 5, 12345, 4000), deadline=time.monotonic() + 5)
+        assert c.wait(10) and c.error is None
+        assert np.array_equal(dst[:4000], _fill(size, 3)[12345:12345 + 4000])
+        dst[:] = rng.integers(0, 256, size, dtype=np.uint8)
+        c = ch.write(make_ops(1, np.arange(n) * block, 6, perm * block, block), deadline=time.monotonic() + 20)
+        assert c.wait(30) and c.error is None, c.error
+        expect_sink = np.empty(size, dtype=np.uint8)
+        expect_sink.reshape(n, block)[perm] = dst.reshape(n, block)
+        conn.send("digest")
+        assert conn.recv() == hashlib.sha256(expect_sink).hexdigest()
+        conn.send("stats")
+        stats = conn.recv()
+        assert stats["bytes_served"] >= 2 * size and stats["refused"] == 0
+        ch.close()
+    finally:
+        ep.close()
+        conn.send("stop")
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
+def test_peer_killed_mid_transfer_fails_within_deadline_and_writes_nothing_after():
+    size = 512 * MiB
+    p, conn, (desc, d_src, _) = _start_peer(size, seed=5)
+    ep = TcpTransport({}).open_endpoint()
+    try:
+        dst = np.zeros(size, dtype=np.uint8)
+        dst[:] = 0  # pre-fault
+        _local(ep, 1, dst)
+        ch = ep.connect(desc, timeout=10)
+        ch.add_remote_region(5, size, d_src)
+        block = 64 * 1024
+        n = size // block
+        offs = np.arange(n) * block
+        t0 = time.monotonic()
+        deadline = t0 + 10.0
+        c = ch.read(make_ops(1, offs, 5, offs, block), deadline=deadline)
+        words = dst.view(np.uint64)
+        while not words[1:block // 8].any():  # wait for the first bytes to land
+            assert time.monotonic() - t0 < 10, "no byte arrived"
+            time.sleep(0.0005)
+        os.kill(p.pid, signal.SIGSTOP)
+        assert not c.done(), "transfer finished before the peer was stopped"
+        os.kill(p.pid, signal.SIGKILL)
+        assert c.wait(15)
+        took = time.monotonic() - t0
+        assert isinstance(c.error, PeerGone), repr(c.error)
+        assert took < 10.0, f"failed after {took:.2f}s, deadline was 10s"
+        dst[:] = 0x5A
+        time.sleep(0.2)
+        assert (dst == 0x5A).all(), "bytes landed after the failed read returned"
+        stats = ch.statistics()
+        assert stats["failed"] == 1 and stats["last_error"]
+        ch.close()
+    finally:
+        ep.close()
+        p.kill()
+        p.join(10)
+
+
+def test_authentication():
+    t = TcpTransport({})
+    server = t.open_endpoint(secret=b"right")
+    try:
+        for secret, code in ((None, LLMStatusCode.LLM_LINK_FAILED), (b"wrong", LLMStatusCode.LLM_LINK_FAILED)):
+            client = t.open_endpoint(secret=secret)
+            with pytest.raises(Refused) as info:
+                client.connect(server.describe(), timeout=5)
+            assert info.value.status_code is code
+            client.close()
+        assert server.statistics()["auth_failures"] == 1
+        # a client with a secret refuses a server that does not authenticate
+        open_server = t.open_endpoint()
+        client = t.open_endpoint(secret=b"right")
+        with pytest.raises(Refused):
+            client.connect(open_server.describe(), timeout=5)
+        ok = t.open_endpoint(secret=b"right")
+        ok.connect(server.describe(), timeout=5).close()
+        for e in (open_server, client, ok):
+            e.close()
+    finally:
+        server.close()
+
+
+def test_owner_refuses_and_counts_and_binds_to_host_only():
+    t = TcpTransport({})
+    a, b = t.open_endpoint(host="127.0.0.1"), t.open_endpoint(host="127.0.0.1")
+    try:
+        assert b.describe()["host"] == "127.0.0.1"
+        assert b._lsock.getsockname()[0] == "127.0.0.1"
+        src = np.ones(4096, dtype=np.uint8)
+        dst = np.zeros(4096, dtype=np.uint8)
+        d = b.register(MemRegion(region_id=3, addr=src.ctypes.data, size=4096, remote_accessible=True, placement=0))
+        _local(a, 1, dst)
+        ch = a.connect(b.describe(), timeout=5)
+        ch.add_remote_region(3, 1 << 30, d)  # lie about the size: only the owner can catch it
+        c = ch.read(make_ops(1, 0, 3, 4000, 200), deadline=time.monotonic() + 5)
+        assert c.wait(5) and isinstance(c.error, Refused)
+        assert c.error.status_code is LLMStatusCode.LLM_PARAM_INVALID
+        assert not dst.any()
+        assert b.statistics()["refused"] == 1 and "out of bounds" in b.statistics()["last_error"]
+        with pytest.raises(Refused):
+            ch.add_remote_region(3, 4096, dict(d, endpoint_id=b"x" * 16))
+        with pytest.raises(Refused):
+            ch.read(np.zeros(3, dtype=np.uint64), deadline=time.monotonic() + 5)
+        with pytest.raises(Refused):
+            b.register(MemRegion(region_id=3, addr=src.ctypes.data, size=1, remote_accessible=True, placement=0))
+        threads = [th for th in threading.enumerate() if th.name.startswith("llmdd-tcp")]
+        assert threads and all(th.daemon for th in threads)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_plugin_registration_and_probe():
+    got = []
+    llmdd_register_transports(got.append)
+    assert got == [TcpTransport]
+    assert getattr(llmdd_register_transports, "llmdd_impl", None) is not None
+    assert hookimpl.project_name == "llmdd"
+    info = TcpTransport.probe()
+    assert info.available and info.name == "tcp"
+    assert TcpTransport.priority > 0 and TcpTransport.same_host_only is False
+    from importlib.metadata import entry_points
+
+    assert any(ep.value == "llmdd_tcp" for ep in entry_points(group="llmdd"))
+
+
+def test_interpreter_exits_promptly_with_transfer_in_flight():
+    code = (
+        "import time, numpy as np, threading\n"
+        "from llmdd_tcp import TcpTransport\n"
+        "from llmdd.lowlevel import MemRegion, make_ops\n"
+        "t = TcpTransport({}); a = t.open_endpoint(); b = t.open_endpoint()\n"
+        "buf = np.zeros(8 << 20, dtype=np.uint8)\n"
+        "for e, r in ((a, 1), (b, 2)):\n"
+        "    e.register(MemRegion(region_id=r, addr=buf.ctypes.data, size=buf.size, remote_accessible=True,"
+        " placement=0))\n"
+        "ch = a.connect(b.describe(), timeout=5); ch.add_remote_region(2, buf.size, {})\n"
+        "ev = threading.Event(); b._serve_request = lambda *a: ev.wait()\n"
+        "c = ch.read(make_ops(1, 0, 2, 0, buf.size), deadline=time.monotonic() + 600)\n"
+        "print('leaving', flush=True)\n"
+    )
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "leaving" in out.stdout
+    assert time.monotonic() - t0 < 15
