@@ -1,0 +1,201 @@
+"""Property tests of the control-plane codec: round trips, arbitrary splitting, hostile bytes."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from llmdd._enums import LLMRole, Placement
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import (
+    HEADER_SIZE,
+    MESSAGE_TYPES,
+    NEED_DATA,
+    PEER_CLOSED,
+    Connection,
+    ProtocolError,
+    decode_payload,
+    encode_frame,
+    encode_payload,
+)
+
+FAST = settings(max_examples=300, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+
+u8 = st.integers(0, m.U8_MAX)
+u16 = st.integers(0, m.U16_MAX)
+u32 = st.integers(0, m.U32_MAX)
+u64 = st.integers(0, m.U64_MAX)
+i64 = st.integers(m.I64_MIN, m.I64_MAX)
+any64 = st.integers(m.I64_MIN, m.U64_MAX)
+text = st.text(max_size=12)
+incarnation = st.binary(min_size=16, max_size=16)
+nonce = st.binary(min_size=m.NONCE_MIN_SIZE, max_size=m.NONCE_MAX_SIZE)
+small = dict(max_size=3)
+
+scalars = (st.none() | st.booleans() | any64 | st.floats(allow_nan=False) | text | st.binary(max_size=12))
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+                      max_leaves=8)
+descriptors = st.dictionaries(text, values, max_size=4)
+
+hosts = st.builds(m.HostIdentity, boot_id=text, machine_id=text, uid=i64, pid=i64,
+                  namespaces=st.dictionaries(text, text, max_size=3))
+offers = st.builds(m.TransportOffer, name=text, descriptor=descriptors)
+roles = st.sampled_from(list(LLMRole))
+placements = st.sampled_from(list(Placement))
+regions = st.builds(m.RegionDescriptor, region_id=u32, cache_id=i64, addr=u64, size=u64, placement=placements,
+                    remote_accessible=st.booleans(), transports=descriptors)
+keyrefs = st.one_of(
+    st.builds(m.KeyRef.for_req, u64, any64),
+    st.builds(m.KeyRef.for_prefix, u64, any64),
+    st.builds(m.KeyRef.for_blocks, any64),
+)
+spans = st.tuples(u64, u64).map(sorted).map(lambda se: m.Span(start=se[0], stop=se[1]))
+caches = st.builds(m.CacheEntry, cache_id=i64, addrs=st.lists(u64, **small), tensor_size=u64,
+                   shape=st.lists(i64, max_size=4), data_type=u16, placement=placements, is_blocks=st.booleans())
+version_pairs = st.tuples(u16, u16).map(sorted)
+
+MESSAGES = {
+    m.Hello: version_pairs.flatmap(lambda v: st.builds(
+        m.Hello, min_version=st.just(v[0]), max_version=st.just(v[1]), cluster_id=u64, incarnation=incarnation,
+        role=roles, transports=st.lists(offers, **small), host=hosts, nonce=nonce)),
+    m.AuthChallenge: st.builds(m.AuthChallenge, nonce=nonce, incarnation=incarnation),
+    m.AuthResponse: st.builds(m.AuthResponse, mac=st.binary(min_size=32, max_size=32)),
+    m.Welcome: st.builds(m.Welcome, version=u16, cluster_id=u64, incarnation=incarnation, role=roles,
+                         transport=offers, host=hosts,
+                         proof=st.sampled_from([b"", b"\x00" * 32]) | st.binary(min_size=32, max_size=32)),
+    m.Refuse: st.builds(m.Refuse, status_code=i64, reason=text),
+    m.RegionsUpdate: st.builds(m.RegionsUpdate, version=u64, full=st.booleans(), added=st.lists(regions, **small),
+                               removed=st.lists(u32, **small)),
+    m.CacheTableUpdate: st.builds(
+        m.CacheTableUpdate, version=u64, full=st.booleans(), caches_added=st.lists(caches, **small),
+        caches_removed=st.lists(i64, **small),
+        keys_added=st.lists(st.builds(m.KeyEntry, key=keyrefs, cache_id=i64, batch_index=u32), **small),
+        keys_removed=st.lists(keyrefs, **small)),
+    m.Keepalive: st.builds(m.Keepalive, seq=u64, sent_at_ns=u64),
+    m.KeepaliveAck: st.builds(m.KeepaliveAck, seq=u64, echo_sent_at_ns=u64, sent_at_ns=u64),
+    m.UnlinkRequest: st.builds(m.UnlinkRequest, request_id=u64, force=st.booleans(), reason=text),
+    m.UnlinkAck: st.builds(m.UnlinkAck, request_id=u64, status_code=i64),
+    m.ReadDone: st.builds(m.ReadDone, entries=st.lists(st.builds(
+        m.ReadDoneEntry, cache_id=i64, key=st.none() | keyrefs, block_spans=st.lists(spans, **small)), **small)),
+    m.KeyConsumed: st.builds(m.KeyConsumed, key=keyrefs, cache_id=i64, tensor_spans=st.lists(spans, **small)),
+    m.TransferRequest: st.builds(m.TransferRequest, request_id=u64, op=text, args=descriptors),
+    m.TransferReply: st.builds(m.TransferReply, request_id=u64, status_code=i64, result=descriptors),
+    m.Error: st.builds(m.Error, status_code=i64, message=text, fatal=st.booleans()),
+}
+assert set(MESSAGES) == set(m.MESSAGE_CLASSES)
+any_message = st.one_of(*MESSAGES.values())
+
+
+def drain(conn: Connection) -> tuple[list, object]:
+    """Collect messages until NEED_DATA / PEER_CLOSED / ProtocolError; never anything else."""
+    out: list = []
+    while True:
+        try:
+            msg = conn.next_message()
+        except ProtocolError as exc:
+            return out, exc
+        if msg is NEED_DATA or msg is PEER_CLOSED:
+            return out, msg
+        assert type(msg) in MESSAGE_TYPES
+        out.append(msg)
+
+
+@FAST
+@given(any_message, st.booleans())
+def test_round_trip(msg, checksum):
+    frame = encode_frame(msg, checksum=checksum)
+    conn = Connection()
+    conn.receive_data(frame)
+    got, end = drain(conn)
+    assert got == [msg] and end is NEED_DATA
+    payload = encode_payload(msg)
+    assert encode_payload(decode_payload(MESSAGE_TYPES[type(msg)], payload)) == payload  # canonical
+
+
+@FAST
+@given(st.lists(any_message, min_size=1, max_size=6), st.data())
+def test_random_splitting_gives_same_messages(msgs, data):
+    stream = Connection().send_many(msgs)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=20)))
+    conn = Connection()
+    got: list = []
+    prev = 0
+    for cut in cuts + [len(stream)]:
+        if cut == prev:
+            continue  # b"" would mean EOF
+        conn.receive_data(stream[prev:cut])
+        prev = cut
+        more, end = drain(conn)
+        assert end is NEED_DATA
+        got += more
+    conn.receive_data(b"")
+    more, end = drain(conn)
+    assert got + more == msgs and end is PEER_CLOSED
+
+
+def _check_hostile(data: bytes, *, max_frame_size: int = 1 << 20, eof: bool = True) -> None:
+    started = time.perf_counter()
+    conn = Connection(max_frame_size=max_frame_size)
+    conn.receive_data(data)
+    if eof:
+        conn.receive_data(b"")
+    _, end = drain(conn)
+    assert end is NEED_DATA or end is PEER_CLOSED or isinstance(end, ProtocolError)
+    if isinstance(end, ProtocolError):
+        try:
+            conn.next_message()
+        except ProtocolError as again:
+            assert again is end
+        else:
+            raise AssertionError("a dead connection answered")
+    assert time.perf_counter() - started < 0.5
+
+
+@FAST
+@given(st.binary(max_size=512), st.booleans())
+def test_random_bytes(data, eof):
+    _check_hostile(data, eof=eof)
+
+
+@FAST
+@given(st.sampled_from(sorted(MESSAGE_TYPES.values())), st.binary(max_size=256))
+def test_random_payload_behind_a_valid_header(code, payload):
+    header = b"LD" + bytes([1, code, 0]) + struct.pack(">I", len(payload))
+    _check_hostile(header + payload)
+
+
+@FAST
+@given(st.lists(any_message, min_size=1, max_size=3), st.booleans(), st.data())
+def test_mutated_frames(msgs, checksum, data):
+    stream = bytearray(Connection(checksum=checksum).send_many(msgs))
+    kind = data.draw(st.sampled_from(["flip", "truncate", "length", "insert", "delete", "splice"]))
+    if kind == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            i = data.draw(st.integers(0, len(stream) - 1))
+            stream[i] ^= 1 << data.draw(st.integers(0, 7))
+    elif kind == "truncate":
+        del stream[data.draw(st.integers(0, len(stream) - 1)):]
+    elif kind == "length":  # rewrite the length field of the first frame
+        stream[5:HEADER_SIZE] = struct.pack(">I", data.draw(st.integers(0, 2**32 - 1)))
+    elif kind == "insert":
+        i = data.draw(st.integers(0, len(stream)))
+        stream[i:i] = data.draw(st.binary(min_size=1, max_size=8))
+    elif kind == "delete":
+        i = data.draw(st.integers(0, len(stream) - 1))
+        del stream[i:i + data.draw(st.integers(1, 8))]
+    else:  # overwrite a window with random bytes
+        i = data.draw(st.integers(0, len(stream) - 1))
+        chunk = data.draw(st.binary(min_size=1, max_size=16))
+        stream[i:i + len(chunk)] = chunk
+    _check_hostile(bytes(stream), eof=data.draw(st.booleans()))
+    _check_hostile(bytes(stream), max_frame_size=64, eof=True)
+
+
+@settings(max_examples=30, deadline=2000)
+@given(st.integers(1, 2**32 - 1), st.integers(0, 0x7F))
+def test_huge_counts_are_cheap(count, code):
+    """A payload that declares a huge count fails fast instead of looping or allocating."""
+    payload = struct.pack(">Q", 0) + struct.pack(">I", 0) + struct.pack(">I", count) + b"\x00" * 8
+    _check_hostile(b"LD" + bytes([1, code, 0]) + struct.pack(">I", len(payload)) + payload)
