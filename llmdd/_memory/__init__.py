@@ -1,0 +1,30 @@
+"""The memory layer: backends, page pools, the region table, bounds-checked copies, cache/key tables.
+
+No byte is touched outside a registered or allocated region: every copy is
+validated (vectorised) against the region table, or against the trusted ranges
+of a ``create_cpu_cache``, before it moves.
+"""
+
+from .backend import (
+    EmulatedDeviceBackend,
+    HostBackend,
+    MemoryBackend,
+    Segment,
+    attach_segment,
+    backend_for,
+    owned_segment_names,
+    sweep_orphan_segments,
+)
+from .copy import COPY_OP_DTYPE, Bounds, block_copy_ops, coalesce_copy_ops, execute, make_copy_ops, slot_copy_ops
+from .manager import CacheRecord, MemoryManager
+from .pool import PagePool, PoolStatistics
+from .regions import Region, RegionSpec, RegionTable
+
+__all__ = [
+    "MemoryBackend", "HostBackend", "EmulatedDeviceBackend", "Segment", "attach_segment", "backend_for",
+    "owned_segment_names", "sweep_orphan_segments",
+    "PagePool", "PoolStatistics",
+    "Region", "RegionSpec", "RegionTable",
+    "COPY_OP_DTYPE", "Bounds", "make_copy_ops", "block_copy_ops", "slot_copy_ops", "coalesce_copy_ops", "execute",
+    "MemoryManager", "CacheRecord",
+]
