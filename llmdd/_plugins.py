@@ -1,0 +1,473 @@
+"""Plugin manager per engine, and the typed ``Hooks`` facade core code calls.
+
+Theory of operation
+-------------------
+:func:`make_plugin_manager` builds one pluggy manager per ``LLMDataDist``
+(never a module global): hookspecs from :mod:`llmdd.hookspecs`, the default
+plugins by dotted name, then the ``llmdd`` entry-point group, the same path for
+built-in and third-party transports.  Environment switches (read at creation):
+
+* ``LLMDD_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point;
+* ``LLMDD_DISABLED_PLUGINS=tcp,llmdd._builtin.log_events``: block plugins by name
+  (entry-point names, or dotted names of default plugins);
+* ``LLMDD_TRACE_HOOKS=1``: log every hook call and its outcome on the
+  ``llmdd.hooks`` logger (INFO).
+
+Core code never calls ``pm.hook.*``: it calls :class:`Hooks`, whose methods are
+typed.  Notifications go through one helper that runs every subscriber even
+when one raises (pluggy alone would stop at the first exception): each
+implementation is wrapped once (cached until the subscriber set changes) so that
+its exception is logged as ``llmdd.hook.failed`` with the plugin's name, counted
+in :meth:`Hooks.statistics`, and re-raised after all subscribers ran only in
+strict mode (tests).  The wrapped implementations still go through the
+manager's hook execution, so ``add_hookcall_monitoring`` (``LLMDD_TRACE_HOOKS``,
+:class:`llmdd.testing.HookRecorder`) sees one call per event.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib
+import os
+import threading
+import traceback
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, final
+
+import attrs
+import pluggy
+
+from . import hookspecs
+from ._events import TransitionEvent
+from ._lifecycle.tables import Machine
+from ._log import get_logger
+from .plugin import PROJECT, EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
+
+__all__ = [
+    "DEFAULT_PLUGINS",
+    "HOOK_PREFIX",
+    "TRANSITION_HOOKS",
+    "ENV_DISABLE_AUTOLOAD",
+    "ENV_DISABLED_PLUGINS",
+    "ENV_TRACE_HOOKS",
+    "LLMDDPluginManager",
+    "make_plugin_manager",
+    "Hooks",
+    "HookStatistics",
+]
+
+_log = get_logger("llmdd.plugins")
+
+HOOK_PREFIX = PROJECT + "_"
+
+#: Registered first, by dotted name (which is also the name to block them by).
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "llmdd._builtin.select_transport",
+    "llmdd._builtin.run_transfer",
+    "llmdd._builtin.log_events",
+)
+
+_DEFAULT_RUN_TRANSFER = "llmdd._builtin.run_transfer"
+
+#: The notification hook of each lifecycle machine.
+TRANSITION_HOOKS: Mapping[Machine, str] = {
+    Machine.ENGINE: "llmdd_engine_transition",
+    Machine.LINK: "llmdd_link_transition",
+    Machine.COMM_GROUP: "llmdd_comm_group_transition",
+    Machine.CACHE: "llmdd_cache_transition",
+    Machine.TASK: "llmdd_task_transition",
+}
+
+#: Hooks whose implementations are contained (a raising one is logged, the others still run).
+_CONTAINED_HOOKS = frozenset(TRANSITION_HOOKS.values()) | {"llmdd_register_transports"}
+
+ENV_DISABLE_AUTOLOAD = "LLMDD_DISABLE_PLUGIN_AUTOLOAD"
+ENV_DISABLED_PLUGINS = "LLMDD_DISABLED_PLUGINS"
+ENV_TRACE_HOOKS = "LLMDD_TRACE_HOOKS"
+
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in _FALSE
+
+
+def _env_names(name: str) -> list[str]:
+    return [part.strip() for part in os.environ.get(name, "").split(",") if part.strip()]
+
+
+class LLMDDPluginManager(pluggy.PluginManager):
+    """A pluggy manager that enforces llmdd's rules on hook implementations.
+
+    * the hook name of every marked implementation (its ``specname`` or its
+      attribute name) starts with ``llmdd_`` (as pytest enforces ``pytest_``);
+    * notification hooks and ``llmdd_register_transports`` take no wrappers:
+      their implementations are called one by one, contained.
+    """
+
+    def __init__(self, *, strict: bool = False) -> None:
+        super().__init__(PROJECT)
+        #: Re-raise subscriber exceptions (after every subscriber ran); tests switch it on.
+        self.strict = strict
+        self._monitors = 0
+        #: Bumped by every register/unregister: cached hook dispatch is rebuilt after a change.
+        self.generation = 0
+
+    def register(self, plugin: object, name: Optional[str] = None) -> Optional[str]:
+        try:
+            return super().register(plugin, name)
+        finally:
+            self.generation += 1
+
+    def unregister(self, plugin: object = None, name: Optional[str] = None) -> Any:
+        try:
+            return super().unregister(plugin, name)
+        finally:
+            self.generation += 1
+
+    @property
+    def monitored(self) -> bool:
+        """True while some ``add_hookcall_monitoring`` tracer is installed."""
+        return self._monitors > 0
+
+    def add_hookcall_monitoring(self, before: Any, after: Any) -> Callable[[], None]:
+        undo = super().add_hookcall_monitoring(before, after)
+        self._monitors += 1
+        done = False
+
+        def undo_and_count() -> None:
+            nonlocal done
+            undo()
+            if not done:
+                done = True
+                self._monitors -= 1
+
+        return undo_and_count
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> Optional[pluggy.HookimplOpts]:
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None:
+            return None
+        hook_name = opts.get("specname") or name
+        if not hook_name.startswith(HOOK_PREFIX):
+            raise pluggy.PluginValidationError(
+                plugin, f"hook implementation {name!r} of {plugin!r}: llmdd hook names start with {HOOK_PREFIX!r}")
+        if hook_name in _CONTAINED_HOOKS and (opts.get("wrapper") or opts.get("hookwrapper")):
+            raise pluggy.PluginValidationError(
+                plugin, f"{hook_name} of {plugin!r} cannot be a wrapper: its implementations are called one "
+                        f"by one so that a failing subscriber cannot stop the others")
+        return opts
+
+
+def make_plugin_manager(autoload: bool = True, blocked: Iterable[str] = (), strict: bool = False) -> LLMDDPluginManager:
+    """Build the plugin manager of one engine.
+
+    :param autoload: load the ``llmdd`` entry-point group (also switched off by
+        ``LLMDD_DISABLE_PLUGIN_AUTOLOAD``).
+    :param blocked: plugin names never to register (added to ``LLMDD_DISABLED_PLUGINS``).
+    :param strict: subscriber exceptions are re-raised (tests) instead of only logged.
+
+    A plugin module that fails to import stops the creation with its error (as in
+    pytest): fix it, or block it by name.  Unknown ``llmdd_*`` hook
+    implementations fail :meth:`~pluggy.PluginManager.check_pending`.
+    """
+    pm = LLMDDPluginManager(strict=strict)
+    pm.add_hookspecs(hookspecs)
+    for name in (*blocked, *_env_names(ENV_DISABLED_PLUGINS)):
+        pm.set_blocked(name)
+    if _env_flag(ENV_TRACE_HOOKS):
+        _install_trace(pm)
+    pm.hook.llmdd_addhooks.call_historic(kwargs={"pluginmanager": pm})
+    for dotted in DEFAULT_PLUGINS:
+        if not pm.is_blocked(dotted):
+            pm.register(importlib.import_module(dotted), name=dotted)
+    if autoload and not _env_flag(ENV_DISABLE_AUTOLOAD):
+        pm.load_setuptools_entrypoints(PROJECT)
+    pm.check_pending()
+    _log.debug("llmdd.plugins.loaded", plugins=sorted(name for name, _ in pm.list_name_plugin()),
+               blocked=sorted(set(blocked) | set(_env_names(ENV_DISABLED_PLUGINS))))
+    return pm
+
+
+def _install_trace(pm: pluggy.PluginManager) -> Callable[[], None]:
+    log = get_logger("llmdd.hooks")
+
+    def before(hook_name: str, hook_impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any]) -> None:
+        log.info("llmdd.hooks.call", hook=hook_name, plugins=[i.plugin_name for i in hook_impls],
+                 kwargs=dict(kwargs))
+
+    def after(outcome: pluggy.Result[Any], hook_name: str, hook_impls: Sequence[pluggy.HookImpl],
+              kwargs: Mapping[str, Any]) -> None:
+        if outcome.exception is not None:
+            log.info("llmdd.hooks.raised", hook=hook_name, error=repr(outcome.exception))
+        else:
+            log.info("llmdd.hooks.returned", hook=hook_name, result=outcome.get_result())
+
+    return pm.add_hookcall_monitoring(before, after)
+
+
+# ----------------------------------------------------------------------------- facade
+
+
+@final
+@attrs.frozen(kw_only=True)
+class HookStatistics:
+    """Snapshot of one engine's hook traffic."""
+
+    events: Mapping[str, int]               # notifications emitted, per machine value
+    failures: int                           # subscriber exceptions contained
+    failures_by_plugin: Mapping[str, int]
+    last_failure: Optional[str]
+
+
+class _Failure:
+    """What a contained implementation returns instead of raising."""
+
+    __slots__ = ("error", "plugin_name")
+
+    def __init__(self, error: Exception, plugin_name: str) -> None:
+        self.error = error
+        self.plugin_name = plugin_name
+
+
+class _Dispatch:
+    """The contained implementations of one hook, valid for one generation of the manager."""
+
+    __slots__ = ("generation", "originals", "contained", "direct")
+
+    def __init__(self, generation: Optional[int], originals: list[pluggy.HookImpl],
+                 contained: list[pluggy.HookImpl]) -> None:
+        self.generation = generation
+        self.originals = originals
+        self.contained = contained
+        self.direct = tuple((i.function, i.argnames, i.kwargnames) for i in reversed(contained))
+
+
+class _RunOnce:
+    """``run`` for ``llmdd_run_transfer``: the transfer runs at most once whoever calls it."""
+
+    __slots__ = ("_run", "called", "_result", "_error")
+
+    def __init__(self, run: Callable[[], Any]) -> None:
+        self._run = run
+        self.called = False
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+
+    def __call__(self) -> Any:
+        if not self.called:
+            self.called = True
+            try:
+                self._result = self._run()
+            except BaseException as exc:
+                self._error = exc
+                raise
+            return self._result
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _where(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f"{last.filename}:{last.lineno}"
+
+
+@final
+class Hooks:
+    """Typed calls into one engine's plugins (one per ``LLMDataDist``).
+
+    :param pm: the engine's plugin manager (:func:`make_plugin_manager`).
+    :param strict: re-raise subscriber exceptions; default: ``pm.strict``.
+    """
+
+    def __init__(self, pm: pluggy.PluginManager, *, strict: Optional[bool] = None) -> None:
+        self._pm = pm
+        self._strict = bool(getattr(pm, "strict", False)) if strict is None else strict
+        self._stats_lock = threading.Lock()
+        self._events: collections.Counter[str] = collections.Counter()
+        self._failures: collections.Counter[str] = collections.Counter()
+        self._last_failure: Optional[str] = None
+        self._contained: dict[str, _Dispatch] = {}
+        self._transition_hooks = {m: getattr(pm.hook, name) for m, name in TRANSITION_HOOKS.items()}
+        self._emitters = {m: self._make_emitter(m) for m in Machine}
+
+    @property
+    def pm(self) -> pluggy.PluginManager:
+        return self._pm
+
+    @property
+    def strict(self) -> bool:
+        return self._strict
+
+    # -- notifications -------------------------------------------------------------
+
+    def emitter(self, machine: Machine) -> Optional[Callable[[TransitionEvent], None]]:
+        """The ``emit`` callable for ``Lifecycle(machine, emit)``, or None without subscribers.
+
+        Decided when called: a lifecycle built while nobody subscribes never
+        builds events, so register plugins before the engine creates its
+        lifecycles (``init`` does).  The built-in log observer subscribes to
+        every machine; it returns at once when its logger is disabled.
+        """
+        if not self._transition_hooks[machine].get_hookimpls():
+            return None
+        return self._emitters[machine]
+
+    def engine_transition(self, event: TransitionEvent) -> None:
+        self._emitters[Machine.ENGINE](event)
+
+    def link_transition(self, event: TransitionEvent) -> None:
+        self._emitters[Machine.LINK](event)
+
+    def comm_group_transition(self, event: TransitionEvent) -> None:
+        self._emitters[Machine.COMM_GROUP](event)
+
+    def cache_transition(self, event: TransitionEvent) -> None:
+        self._emitters[Machine.CACHE](event)
+
+    def task_transition(self, event: TransitionEvent) -> None:
+        self._emitters[Machine.TASK](event)
+
+    def _make_emitter(self, machine: Machine) -> Callable[[TransitionEvent], None]:
+        hook = self._transition_hooks[machine]
+        key = machine.value
+        notify = self._notify
+        lock = self._stats_lock
+        events = self._events
+
+        def emit(event: TransitionEvent) -> None:
+            with lock:
+                events[key] += 1
+            notify(hook, {"event": event})
+
+        emit.__qualname__ = f"Hooks.emit_{key}"
+        return emit
+
+    def _notify(self, hook: pluggy.HookCaller, kwargs: Mapping[str, Any]) -> None:
+        """Call every implementation of ``hook``; contain (log, count) what raises."""
+        pm = self._pm
+        generation = getattr(pm, "generation", None)
+        dispatch = self._contained.get(hook.name)
+        if dispatch is None or generation is None or dispatch.generation != generation:
+            impls = hook.get_hookimpls()
+            if dispatch is None or dispatch.originals != impls:
+                dispatch = _Dispatch(generation, impls, [self._contain(hook.name, impl) for impl in impls])
+                self._contained[hook.name] = dispatch
+            else:
+                dispatch.generation = generation
+        if not dispatch.originals:
+            return
+        if getattr(pm, "monitored", True):
+            # through pluggy, so that tracers see one call with every subscriber
+            results = pm._hookexec(hook.name, dispatch.contained, kwargs, False)
+            failures = [r for r in results if r.__class__ is _Failure]
+        else:
+            # the same calls in pluggy's order (LIFO, tryfirst first), without its per-call machinery
+            failures = None
+            for function, argnames, kwargnames in dispatch.direct:
+                if kwargnames:
+                    result = function(*[kwargs[name] for name in argnames],
+                                      **{k: kwargs[k] for k in kwargnames if k in kwargs})
+                elif len(argnames) == 1:
+                    result = function(kwargs[argnames[0]])
+                else:
+                    result = function(*[kwargs[name] for name in argnames])
+                if result.__class__ is _Failure:
+                    failures = [*(failures or ()), result]
+        if failures and self._strict:
+            raise failures[0].error
+
+    def _contain(self, hook_name: str, impl: pluggy.HookImpl) -> pluggy.HookImpl:
+        function = impl.function
+        plugin_name = impl.plugin_name
+        record = self._record_failure
+
+        @functools.wraps(function)
+        def contained(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return function(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - a subscriber cannot break the engine
+                record(hook_name, plugin_name, exc)
+                return _Failure(exc, plugin_name)
+
+        wrapped = pluggy.HookImpl(impl.plugin, plugin_name, contained, impl.opts)
+        if (wrapped.argnames, wrapped.kwargnames) != (impl.argnames, impl.kwargnames):  # pragma: no cover
+            raise RuntimeError(f"cannot contain {hook_name} of {plugin_name!r}: signature lost")
+        return wrapped
+
+    def _record_failure(self, hook_name: str, plugin_name: str, exc: Exception) -> None:
+        with self._stats_lock:
+            self._failures[plugin_name] += 1
+            self._last_failure = f"{plugin_name}.{hook_name}: {type(exc).__name__}: {exc}"
+        _log.error("llmdd.hook.failed", hook=hook_name, plugin=plugin_name, error=repr(exc), where=_where(exc),
+                   strict=self._strict)
+
+    # -- configuration and registration ----------------------------------------------
+
+    def configure(self, config: EngineConfig) -> None:
+        """``llmdd_configure`` (historic): plugins registered later receive it too."""
+        self._pm.hook.llmdd_configure.call_historic(kwargs={"config": config})
+
+    def register_transports(self) -> TransportRegistry:
+        """A new registry filled by every ``llmdd_register_transports`` (contained)."""
+        registry = TransportRegistry()
+        self._notify(self._pm.hook.llmdd_register_transports, {"register": registry})
+        return registry
+
+    # -- decisions and interception --------------------------------------------------
+
+    def select_transport(self, link: LinkInfo, candidates: Sequence[TransportCandidate]) -> Optional[str]:
+        """The transport name chosen for ``link``, or None when no plugin chose one of ``candidates``.
+
+        A plugin answering a name that is not a candidate is logged
+        (``llmdd.hook.invalid_result``) and the answer treated as None (the link
+        then fails for want of a transport); in strict mode it raises
+        :class:`ValueError`.  Exceptions raised by a policy propagate.
+        """
+        candidates = tuple(candidates)
+        name = self._pm.hook.llmdd_select_transport(link=link, candidates=candidates)
+        if name is None or any(c.name == name for c in candidates):
+            return name
+        message = f"llmdd_select_transport chose {name!r}, not one of {[c.name for c in candidates]}"
+        _log.error("llmdd.hook.invalid_result", hook="llmdd_select_transport", result=repr(name),
+                   candidates=[c.name for c in candidates])
+        if self._strict:
+            raise ValueError(message)
+        return None
+
+    def run_transfer(self, task: Any, run: Callable[[], Any]) -> Any:
+        """Run one task through ``llmdd_run_transfer``; ``run`` executes at most once.
+
+        When no implementation ran it (the default plugin blocked) it is run
+        here; an implementation that returns a value without calling ``run``
+        replaces the transfer.  Exceptions propagate (they are the task's outcome).
+        """
+        hook = self._pm.hook.llmdd_run_transfer
+        if not getattr(self._pm, "monitored", True):
+            impls = hook.get_hookimpls()
+            if len(impls) == 1 and impls[0].plugin_name == _DEFAULT_RUN_TRANSFER:
+                return run()  # nobody intercepts: skip the hook machinery on the per-task path
+        once = _RunOnce(run)
+        result = hook(task=task, run=once)
+        if result is None:
+            return once()
+        return result
+
+    # -- observability ---------------------------------------------------------------
+
+    def statistics(self) -> HookStatistics:
+        with self._stats_lock:
+            return HookStatistics(
+                events=dict(self._events),
+                failures=sum(self._failures.values()),
+                failures_by_plugin=dict(self._failures),
+                last_failure=self._last_failure,
+            )
+
+    def __repr__(self) -> str:
+        plugins = sorted(name for name, _ in self._pm.list_name_plugin())
+        return f"<Hooks strict={self._strict} plugins={plugins}>"

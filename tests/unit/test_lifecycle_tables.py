@@ -1,0 +1,182 @@
+"""Every (machine, state, trigger) pair of tables.py, on both drivers (h11 test_state style)."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+
+from llmdd._events import TransitionEvent
+from llmdd._lifecycle.machines import Lifecycle, compile_table
+from llmdd._lifecycle.tables import FINAL, INITIAL, STATES, TABLES, Machine, TaskState
+from llmdd._status import InvalidStateError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _triggers(machine):
+    seen = []
+    for t in TABLES[machine]:
+        if t["trigger"] not in seen:
+            seen.append(t["trigger"])
+    return seen
+
+
+def _expected(machine):
+    """(state, trigger) -> dest read straight from the table data (not through compile_table)."""
+    out = {}
+    for t in TABLES[machine]:
+        sources = t["source"] if isinstance(t["source"], list) else [t["source"]]
+        for source in sources:
+            assert (source, t["trigger"]) not in out, f"duplicate pair {source} {t['trigger']}"
+            out[(source, t["trigger"])] = source if t["dest"] == "=" else t["dest"]
+    return out
+
+
+EXPECTED = {m: _expected(m) for m in Machine}
+
+
+def _paths(machine):
+    """Shortest trigger path from the initial state to every reachable state."""
+    paths = {INITIAL[machine]: []}
+    queue = collections.deque([INITIAL[machine]])
+    while queue:
+        state = queue.popleft()
+        for (source, trigger), dest in EXPECTED[machine].items():
+            if source is state and dest not in paths:
+                paths[dest] = paths[state] + [trigger]
+                queue.append(dest)
+    return paths
+
+
+PATHS = {m: _paths(m) for m in Machine}
+
+PAIRS = [
+    pytest.param(m, s, trig, id=f"{m.value}-{s.value}-{trig}")
+    for m in Machine for s in STATES[m] for trig in _triggers(m)
+]
+
+DRIVERS = [pytest.param(True, id="transitions"), pytest.param(False, id="dict")]
+
+
+def _tracked_in(machine, state, use_transitions):
+    events: list[TransitionEvent] = []
+    lifecycle = Lifecycle(machine, events.append, use_transitions=use_transitions)
+    tracked = lifecycle.create("r1", origin="test")
+    for trigger in PATHS[machine][state]:
+        tracked.fire(trigger)
+    assert tracked.state is state
+    events.clear()
+    return lifecycle, tracked, events
+
+
+@pytest.mark.parametrize("machine", list(Machine), ids=lambda m: m.value)
+def test_every_state_is_reachable(machine):
+    assert set(PATHS[machine]) == set(STATES[machine])
+
+
+@pytest.mark.parametrize("machine", list(Machine), ids=lambda m: m.value)
+def test_compiled_table_is_the_table(machine):
+    assert compile_table(machine) == EXPECTED[machine]
+
+
+@pytest.mark.parametrize("use_transitions", DRIVERS)
+@pytest.mark.parametrize(("machine", "state", "trigger"), PAIRS)
+def test_pair(machine, state, trigger, use_transitions):
+    lifecycle, tracked, events = _tracked_in(machine, state, use_transitions)
+    dest = EXPECTED[machine].get((state, trigger))
+    if dest is None:
+        refused = lifecycle.statistics().refused
+        with pytest.raises(InvalidStateError):
+            tracked.fire(trigger, detail=1)
+        assert tracked.state is state
+        assert events == []
+        assert lifecycle.statistics().refused == refused + 1
+        assert not tracked.can(trigger)
+        return
+    before = time.time()
+    returned = tracked.fire(trigger, detail=1)
+    assert tracked.state is dest
+    assert events == [returned]
+    [event] = events
+    assert (event.machine, event.id, event.source, event.dest, event.trigger, event.error) == (
+        machine, "r1", state, dest, trigger, None)
+    assert dict(event.info) == {"origin": "test", "detail": 1}
+    assert before <= event.at <= time.time()
+    assert tracked.is_final is (dest in FINAL[machine])
+
+
+@pytest.mark.parametrize("use_transitions", DRIVERS)
+@pytest.mark.parametrize("machine", list(Machine), ids=lambda m: m.value)
+def test_error_travels_in_the_event(machine, use_transitions):
+    (source, trigger), dest = next(iter(EXPECTED[machine].items()))
+    _, tracked, events = _tracked_in(machine, source, use_transitions)
+    error = TimeoutError("peer silent")
+    tracked.fire(trigger, error=error)
+    assert events[0].error is error
+    assert events[0].as_log_fields()["error"] == "TimeoutError: peer silent"
+
+
+@pytest.mark.parametrize("use_transitions", DRIVERS)
+@pytest.mark.parametrize(
+    ("machine", "state"),
+    [pytest.param(m, s, id=f"{m.value}-{s.value}") for m in Machine for s in sorted(FINAL[m], key=str)])
+def test_final_states_are_sticky(machine, state, use_transitions):
+    _, tracked, events = _tracked_in(machine, state, use_transitions)
+    for trigger in _triggers(machine):
+        with pytest.raises(InvalidStateError):
+            tracked.fire(trigger)
+    assert tracked.state is state
+    assert events == []
+
+
+def test_engine_has_no_final_state_and_reinitializes():
+    lifecycle = Lifecycle(Machine.ENGINE)
+    engine = lifecycle.create(1)
+    for trigger in ("init", "finalize", "init", "finalize"):
+        engine.fire(trigger)
+    assert FINAL[Machine.ENGINE] == frozenset()
+
+
+@pytest.mark.parametrize(("machine", "state", "trigger"), PAIRS)
+def test_drivers_agree(machine, state, trigger):
+    outcomes = []
+    for use_transitions in (True, False):
+        _, tracked, events = _tracked_in(machine, state, use_transitions)
+        try:
+            tracked.fire(trigger)
+        except InvalidStateError:
+            outcomes.append(("refused", tracked.state, len(events)))
+        else:
+            outcomes.append(("moved", tracked.state, len(events)))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_task_machine_runs_on_the_dict_driver():
+    assert Lifecycle(Machine.TASK)._tmachine is None
+    for machine in (Machine.ENGINE, Machine.LINK, Machine.COMM_GROUP, Machine.CACHE):
+        assert Lifecycle(machine)._tmachine is not None
+
+
+def test_without_subscriber_no_event_is_built():
+    tracked = Lifecycle(Machine.TASK, None).create(1)
+    assert tracked.fire("start") is None
+    assert tracked.state is TaskState.RUNNING
+
+
+def test_final_models_leave_the_transitions_machine():
+    lifecycle = Lifecycle(Machine.LINK)
+    link = lifecycle.create(1)
+    link.fire("force_unlink")
+    assert link not in lifecycle._tmachine.models
+
+
+def test_lifecycle_doc_is_current():
+    spec = importlib.util.spec_from_file_location("gen_diagrams", ROOT / "docs" / "_tools" / "gen_diagrams.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    current = (ROOT / "docs" / "lifecycle.md").read_text(encoding="utf-8")
+    assert current == module.render(), "docs/lifecycle.md is stale: run python docs/_tools/gen_diagrams.py"
