@@ -11,13 +11,16 @@ import atexit
 import threading
 from typing import Any, Dict, Optional
 
+from typing import List, Tuple, Union
+
+from ._config import LLMClusterInfo
 from ._enums import LLMRole
 from ._lifecycle.machines import Lifecycle
 from ._lifecycle.tables import Machine
 from ._log import get_logger
-from ._options import EngineOptions, prepare_engine_options
+from ._options import EngineOptions, parse_listen_ip_info, prepare_engine_options
 from ._status import LLMException, LLMStatusCode
-from ._validation import check_isinstance, check_uint64
+from ._validation import check_int32, check_isinstance, check_uint64
 
 __all__ = ["LLMDataDist"]
 
@@ -40,20 +43,36 @@ class _EngineCore:
 
         self.options = options
         self.cluster_id = owner._cluster_id
+        self.role = owner._role
         self.hooks = owner._hooks
         self.caches = Lifecycle(Machine.CACHE, self.hooks.emitter(Machine.CACHE))
         self.tasks = Lifecycle(Machine.TASK, self.hooks.emitter(Machine.TASK))
         self.links = Lifecycle(Machine.LINK, self.hooks.emitter(Machine.LINK))
         self.comm_groups = Lifecycle(Machine.COMM_GROUP, self.hooks.emitter(Machine.COMM_GROUP))
         self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
+        self.link_manager = None
+        self.transfers = None
         try:
             self.cache_manager = CacheManager(self.memory, options.raw)
+            from ._link_manager import LinkManager
+
+            self.link_manager = LinkManager(self)
+            from ._transfer import TransferEngine
+
+            self.transfers = TransferEngine(self)
+            self.cache_manager._transfers = self.transfers
         except BaseException:
-            self.memory.close()
+            self.close()
             raise
 
     def close(self) -> None:
-        self.cache_manager._initialized = False
+        cm = getattr(self, "cache_manager", None)
+        if cm is not None:
+            cm._initialized = False
+        if self.transfers is not None:
+            self.transfers.close()
+        if self.link_manager is not None:
+            self.link_manager.close()
         self.memory.close()
 
 
@@ -128,7 +147,10 @@ class LLMDataDist:
                     status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
             parsed = EngineOptions.parse(engine_options, self._role)
             self._ensure_plugins()
-            self._pm.hook.llmdd_configure.call_historic(kwargs=dict(config=parsed))
+            from .plugin import EngineConfig
+
+            self._hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role,
+                                               options=engine_options))
             self._core = _EngineCore(self, parsed)
             self._engine_options = engine_options
             LLMDataDist.llm_engine_instance = self
@@ -147,6 +169,83 @@ class LLMDataDist:
                 if LLMDataDist.llm_engine_instance is self:
                     LLMDataDist.llm_engine_instance = None
                 self._engine_fsm.fire("finalize")
+
+
+    # -- links --------------------------------------------------------------------
+    def _require_core(self) -> _EngineCore:
+        core = self._core
+        if core is None:
+            raise _not_initialized()
+        return core
+
+    def _check_clusters(self, clusters, timeout) -> None:
+        check_isinstance("clusters", clusters, (list, tuple), inner_class=LLMClusterInfo, allow_none=False)
+        check_int32("timeout", timeout)
+        if timeout <= 0:
+            raise LLMException(f"timeout must be > 0, but got {timeout}.", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+    def link_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo]], timeout=3000):
+        """Link to server engines, in parallel; returns ``(status, [status per cluster])``, never raises on failure."""
+        core = self._require_core()
+        self._check_clusters(clusters, timeout)
+        auto_comm_res = not core.options.local_comm_res
+        for cluster in clusters:
+            if auto_comm_res and not cluster.local_ip_info_list:
+                raise LLMException("local_ip_info_list is empty. Call append_local_ip_info to set the local ip "
+                                   "when local_comm_res is not configured or empty.",
+                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)
+            check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        return core.link_manager.link_clusters(list(clusters), timeout)
+
+    def unlink_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo]], timeout=3000,
+                        force=False):
+        """Unlink; non-force notifies the peer, force tears down only this side."""
+        core = self._require_core()
+        self._check_clusters(clusters, timeout)
+        check_isinstance("force", force, bool, allow_none=False)
+        for cluster in clusters:
+            check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        return core.link_manager.unlink_clusters(list(clusters), timeout, force)
+
+    def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
+        """Change role; ``llm.listenIpInfo`` in the options starts/moves listening, its absence stops it."""
+        core = self._require_core()
+        check_isinstance("role", role, LLMRole, allow_none=False)
+        check_isinstance("switch_options", switch_options, dict)
+        options = dict(switch_options or {})
+        listen = None
+        if "llm.listenIpInfo" in options:
+            listen = parse_listen_ip_info(options["llm.listenIpInfo"])
+        lm = core.link_manager
+        if lm.has_links():
+            raise LLMException("switch_role is not allowed while links exist; unlink them first.",
+                               status_code=LLMStatusCode.LLM_EXIST_LINK)
+        if core.options.transfer_backend and listen is not None and lm.listen_address is not None \
+                and listen[1] != lm.listen_address[1]:
+            raise LLMException("the listen port cannot be changed by switch_role with transfer_backend set.",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if listen is None:
+            lm.stop_listening()
+        elif lm.listen_address != listen:
+            lm.listen(*listen)
+        self._role = role
+        core.role = role
+        self._engine_options["llm.Role"] = self._role_to_str(role)
+        self._engine_fsm.fire("switch_role", role=role.name, listen=f"{listen[0]}:{listen[1]}" if listen else None)
+
+    def statistics(self) -> dict:
+        """A snapshot of the engine: links, caches, pools, transports, lifecycle counters."""
+        core = self._require_core()
+        return {
+            "cluster_id": self._cluster_id,
+            "role": self._role.name,
+            "links": core.link_manager.statistics(),
+            "memory": core.memory.statistics(),
+            "lifecycles": {lc.machine.value: lc.statistics() for lc in
+                           (core.links, core.comm_groups, core.caches, core.tasks)},
+            "hooks": self._hooks.statistics(),
+            "listen": core.link_manager.listen_address,
+        }
 
 
 def _shutdown_handler() -> None:

@@ -126,7 +126,8 @@ CACHE_TRANSITIONS = [
     _t("allocate", C.NEW, C.ALLOCATED),
     _t("register", C.NEW, C.REGISTERED),
     _t("keys_changed", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),
-    _t("peer_read", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),
+    _t("peer_read", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),     # a peer finished reading
+    _t("peer_written", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),  # a peer's push landed (or failed)
     _t("remapped", [C.ALLOCATED, C.REGISTERED], "="),
     _t("deallocate", C.ALLOCATED, C.RELEASED),
     _t("defer_release", C.ALLOCATED, C.RELEASE_PENDING),

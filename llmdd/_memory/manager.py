@@ -120,6 +120,8 @@ class MemoryManager:
         self._records: dict[int, CacheRecord] = {}
         self._keys: dict[KeyIndex, tuple[int, int]] = {}
         self._blocks_keys: dict[int, int] = {}
+        self._reserved: dict[KeyIndex, tuple[int, int]] = {}
+        self._coverage: dict[KeyIndex, set] = {}
         self.regions = RegionTable()
         self._closed = False
 
@@ -211,6 +213,44 @@ class MemoryManager:
             self._drop_key_locked(rec, index, reason="consumed")
             return True
 
+    def reserve_key(self, index: KeyIndex) -> Optional[tuple[int, int]]:
+        """A peer starts pulling by ``CacheKey``: take the key out of the table (a second puller
+        sees ``LLM_KV_CACHE_NOT_EXIST``) while keeping the cache alive until
+        :meth:`finish_reserved`.  Registered caches keep their keys.  None when unknown."""
+        with self._lock:
+            index = tuple(index)
+            hit = self._keys.get(index)
+            if hit is None:
+                return None
+            rec = self._records.get(hit[0])
+            if rec is None:
+                return None
+            if rec.owned:
+                del self._keys[index]
+                self._reserved[index] = hit
+            return hit
+
+    def finish_reserved(self, index: KeyIndex, tensors: Optional[range], *, pulled: bool) -> None:
+        """End a reservation: a successful pull of ``tensors`` (None = all) consumes the key once every
+        tensor has been pulled (layer-wise pulls); a failed pull puts the key back."""
+        with self._lock:
+            index = tuple(index)
+            hit = self._reserved.pop(index, None)
+            if hit is None:
+                return
+            rec = self._records.get(hit[0])
+            if rec is None:
+                return
+            if pulled:
+                covered = self._coverage.setdefault(index, set())
+                covered.update(range(len(rec.addrs)) if tensors is None else tensors)
+                if len(covered) >= len(rec.addrs):
+                    self._coverage.pop(index, None)
+                    self._keys[index] = hit
+                    self._drop_key_locked(rec, index, reason="consumed")
+                    return
+            self._keys[index] = hit
+
     def remove_key(self, index: KeyIndex) -> bool:
         """``remove_cache_key``: unknown key or registered cache -> no-op. True when removed."""
         with self._lock:
@@ -234,6 +274,11 @@ class MemoryManager:
             rec.tracked.fire("keys_changed", cache_id=rec.cache_id, reason=reason, keys=len(rec.keys))
 
     # ------------------------------------------------------------------ caches
+    def key_items(self) -> list[tuple[KeyIndex, tuple[int, int]]]:
+        """Snapshot of the CacheKey table: ``(index, (cache_id, batch_index))`` pairs."""
+        with self._lock:
+            return list(self._keys.items())
+
     def get(self, cache_id: int) -> Optional[CacheRecord]:
         return self._records.get(cache_id)
 

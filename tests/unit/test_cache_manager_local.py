@@ -57,7 +57,8 @@ def test_flags_from_options():
     assert m._enable_local_comm_res and m._initialized and not m._is_call_linked
     m.set_is_call_linked()
     assert m._is_call_linked
-    assert not hasattr(m, "pull_cache") and not hasattr(m, "push_blocks")
+    with pytest.raises(LLMException):  # no data plane attached: remote operations refuse
+        m.pull_blocks(BlocksCacheKey(1, 0), None, [0], [0])
     mm.close()
 
 

@@ -1,0 +1,564 @@
+"""The data plane: resolves keys against the peer's tables, plans ops, runs tasks.
+
+Every pull, push and async transfer is a task of the task lifecycle
+(CREATED -> [WAITING] -> RUNNING -> COMPLETED | FAILED | TIMED_OUT | CANCELLED). A
+byte-moving step has the deadline ``sync_kv_timeout`` counted from its start; a
+blocking call returns by that deadline whatever the peer does, because the
+transport's completion promise says no byte lands after ``wait`` reported an error.
+
+No hook, log line or Python object per block: the planner builds numpy op arrays,
+the transport moves them, and one event is emitted per task transition (per layer
+for layer-wise transfers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ._abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
+from ._lifecycle.tables import LinkState, TaskState
+from ._log import get_logger
+from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
+from ._protocol import messages as m
+from ._status import LLMException, LLMStatusCode
+from ._types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, cache_key_index
+
+__all__ = ["TransferEngine", "AsyncTransfer"]
+
+_log = get_logger("llmdd.transfer")
+S = LLMStatusCode
+
+_READ_DONE_FLUSH_S = 0.002
+
+
+def _err(msg: str, code: LLMStatusCode) -> LLMException:
+    return LLMException(msg, status_code=code)
+
+
+def _spans(blocks: Any) -> tuple:
+    """Block indices as sorted disjoint spans (for the owner's "peer finished reading" event)."""
+    arr = np.unique(np.asarray(blocks, dtype=np.int64))
+    if not len(arr):
+        return ()
+    breaks = np.flatnonzero(np.diff(arr) != 1)
+    starts = np.concatenate(([arr[0]], arr[breaks + 1]))
+    stops = np.concatenate((arr[breaks], [arr[-1]])) + 1
+    return tuple(m.Span(start=int(a), stop=int(b)) for a, b in zip(starts, stops))
+
+
+class TransferEngine:
+    """Pulls and pushes of one engine."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+        self._lm = core.link_manager
+        self._memory = core.memory
+        self._tasks = core.tasks
+        self._hooks = core.hooks
+        self.timeout_s = core.options.sync_kv_timeout_ms / 1000.0
+        self._ids = itertools.count(1)
+        self._layouts: dict[tuple[int, int], tuple[int, CacheLayout]] = {}
+        self._read_done: dict[int, list] = {}
+        self._read_done_lock = threading.Condition()
+        self._closed = False
+        self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
+        self._flusher.start()
+        self._async: set = set()
+        handlers = self._lm.request_handlers
+        handlers["reserve_key"] = self._serve_reserve_key
+        handlers["release_key"] = self._serve_release_key
+        handlers["push_done"] = self._serve_push_done
+        handlers["__read_done__"] = self._serve_read_done
+        handlers["__key_consumed__"] = self._serve_key_consumed
+        handlers["__link_failed__"] = self._on_link_down
+        handlers["__link_closed__"] = self._on_link_down
+
+    # ------------------------------------------------------------------ layouts
+    def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
+        rec = self._memory.get(cache_id)
+        if rec is None or not rec.live:
+            raise _err(f"local cache {cache_id} does not exist", S.LLM_KV_CACHE_NOT_EXIST)
+        regions = sorted(rec.regions, key=lambda r: r.tensor_index)
+        layout = CacheLayout(cache_id=cache_id, region_ids=tuple(r.region_id for r in regions),
+                             tensor_size=rec.tensor_size, units=rec.rows, is_blocks=rec.is_blocks)
+        return rec, layout
+
+    def remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
+        version = link.tables.cache_table_version * 1_000_003 + link.tables.regions_version
+        key = (id(link), cache_id)
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        entry = link.tables.cache(cache_id)
+        if entry is None:
+            raise _err(f"cache {cache_id} does not exist on cluster {link.peer_cluster_id}",
+                       S.LLM_KV_CACHE_NOT_EXIST)
+        region_ids = []
+        for addr in entry.addrs:
+            region = link.tables.find_region(addr, entry.tensor_size)
+            if region is None or region.addr != addr:
+                raise _err(f"cache {cache_id} of cluster {link.peer_cluster_id} is not registered for remote "
+                           f"access", S.LLM_KV_CACHE_NOT_EXIST)
+            region_ids.append(region.region_id)
+        units = int(entry.shape[0]) if entry.shape else 1
+        layout = CacheLayout(cache_id=cache_id, region_ids=tuple(region_ids), tensor_size=entry.tensor_size,
+                             units=max(units, 1), is_blocks=entry.is_blocks)
+        if len(self._layouts) > 4096:
+            self._layouts.clear()
+        self._layouts[key] = (version, layout)
+        return layout
+
+    def _resolve_remote(self, link: Any, key: Any) -> tuple[int, int]:
+        """(cache_id, batch_index) of a remote key without the owner's help (ids and blocks keys)."""
+        if isinstance(key, CacheKeyByIdAndIndex):
+            return key.cache_id, key.batch_index
+        if isinstance(key, BlocksCacheKey):
+            entry = link.tables.lookup_key(m.KeyRef.for_blocks(key.model_id))
+            if entry is None:
+                raise _err(f"no blocks cache with model_id {key.model_id} on cluster {link.peer_cluster_id}",
+                           S.LLM_KV_CACHE_NOT_EXIST)
+            return entry.cache_id, 0
+        raise TypeError(f"unsupported key type {type(key)}")
+
+    # ------------------------------------------------------------------ running a task
+    def _link_for(self, cluster_id: int) -> Any:
+        link = self._lm.require(cluster_id)
+        if link.channel is None:
+            raise _err(f"link to cluster {cluster_id} has no data channel", S.LLM_NOT_YET_LINK)
+        return link
+
+    def _acquire(self, link: Any) -> None:
+        if link.async_busy:
+            raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
+                       S.LLM_LINK_BUSY)
+        if not link.transfer_lock.acquire(timeout=self.timeout_s):
+            raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {self.timeout_s:.3f} s",
+                       S.LLM_LINK_BUSY)
+        if link.state is not LinkState.LINKED:
+            link.transfer_lock.release()
+            self._lm.require(link.peer_cluster_id)
+
+    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, task: Any = None) -> None:
+        """Move ``ops`` over ``link`` as one task step with the sync_kv_timeout deadline."""
+        nbytes = int(ops["length"].sum()) if len(ops) else 0
+        own_task = task is None
+        if own_task:
+            task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
+        task.fire("start", bytes=nbytes)
+
+        def run() -> None:
+            deadline = time.monotonic() + self.timeout_s
+            channel = link.channel
+            if channel is None:
+                raise PeerGone("the link has no data channel any more")
+            completion = (channel.write if write else channel.read)(ops, deadline=deadline)
+            if not completion.wait(max(0.0, deadline - time.monotonic())):
+                completion.cancel()
+                raise TransportTimeout(f"transfer not done within sync_kv_timeout ({self.timeout_s:.3f} s)")
+            if completion.error is not None:
+                raise completion.error
+
+        try:
+            if len(ops):
+                self._hooks.run_transfer(task, run)
+        except TransportTimeout as exc:
+            link.failures += 1
+            task.fire("deadline_expired", error=exc)
+            self._lm.transfer_timed_out(link, exc)
+            raise _err(f"{kind} to cluster {link.peer_cluster_id} timed out: {exc}; the link must be relinked",
+                       S.LLM_TIMEOUT) from None
+        except (PeerGone, Cancelled) as exc:
+            link.failures += 1
+            task.fire("transfer_failed", error=exc)
+            if isinstance(exc, PeerGone):
+                self._lm._fail(link, exc, trigger="peer_lost")
+            code = S.LLM_LINK_FAILED if isinstance(exc, PeerGone) else exc.status_code
+            raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code) from None
+        except Refused as exc:
+            link.failures += 1
+            task.fire("transfer_failed", error=exc)
+            raise _err(f"{kind} refused by cluster {link.peer_cluster_id}: {exc}", exc.status_code) from None
+        except TransportError as exc:
+            link.failures += 1
+            task.fire("transfer_failed", error=exc)
+            raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", exc.status_code) from None
+        except BaseException as exc:
+            if task.can("transfer_failed"):
+                task.fire("transfer_failed", error=exc)
+            raise
+        if write:
+            link.bytes_written += nbytes
+        else:
+            link.bytes_read += nbytes
+        link.transfers += 1
+        if own_task:
+            task.fire("transfer_succeeded", bytes=nbytes)
+
+    # ------------------------------------------------------------------ pulls
+    def pull(self, key: Any, cache: Any, *, kind: str, batch_index: int = 0, size: int = -1,
+             src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
+             src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+             tnpl: int = 2) -> None:
+        rec, dst = self.local_layout(cache.cache_id)
+        link = self._link_for(key.cluster_id)
+        reserved = None
+        if isinstance(key, CacheKey):
+            index = cache_key_index(key)
+            status, result = self._lm.request(link, "reserve_key", {"id": int(index[0]), "model_id": int(index[1])},
+                                              deadline=time.monotonic() + self.timeout_s)
+            if status != 0:
+                raise _err(f"cache key {key} does not exist on cluster {key.cluster_id}",
+                           S.LLM_KV_CACHE_NOT_EXIST if status == S.LLM_KV_CACHE_NOT_EXIST.value else S.LLM_FAILED)
+            cache_id, src_unit = int(result["cache_id"]), int(result["batch_index"])
+            reserved = index
+        else:
+            cache_id, src_unit = self._resolve_remote(link, key)
+        pulled = False
+        src_tensors = None
+        try:
+            src = self.remote_layout(link, cache_id)
+            src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
+            dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
+            if kind == "pull_cache":
+                ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
+                                 src_unit=src_unit, dst_unit=batch_index, size=size, local="dst")
+            elif src.is_blocks:
+                if isinstance(key, BlocksCacheKey) or src_blocks:
+                    ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+                                      src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
+                else:
+                    raise _err("src_blocks must be given to pull from a blocks cache", S.LLM_PARAM_INVALID)
+            else:
+                ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
+                                                src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
+            self._acquire(link)
+            try:
+                self.run_ops(link, ops, write=False, kind=kind)
+            finally:
+                link.transfer_lock.release()
+            pulled = True
+        finally:
+            if reserved is not None:
+                if pulled:
+                    self._lm.notify(link, m.KeyConsumed(
+                        key=m.KeyRef.for_req(int(reserved[0]), int(reserved[1])), cache_id=cache_id,
+                        tensor_spans=(m.Span(start=src_tensors.start, stop=src_tensors.stop),)))
+                else:
+                    self._lm.notify(link, m.TransferRequest(request_id=0, op="release_key",
+                                                            args={"id": int(reserved[0]),
+                                                                  "model_id": int(reserved[1])}))
+        if pulled:
+            spans = _spans(src_blocks) if src_blocks else ()
+            self._queue_read_done(link, m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=spans))
+
+    # ------------------------------------------------------------------ pushes
+    def push(self, key: Any, cache: Any, *, kind: str, src_batch_index: int = 0,
+             src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
+             src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+             tnpl: int = 2) -> None:
+        rec, src = self.local_layout(cache.cache_id)
+        link = self._link_for(key.cluster_id)
+        cache_id, dst_unit = self._resolve_remote(link, key)
+        dst = self.remote_layout(link, cache_id)
+        src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
+        dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
+        if kind == "push_cache":
+            ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
+                             src_unit=src_batch_index, dst_unit=dst_unit, size=-1, local="src")
+        else:
+            ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+                              src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
+        self._acquire(link)
+        try:
+            self.run_ops(link, ops, write=True, kind=kind)
+        except LLMException:
+            self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=True)
+            raise
+        finally:
+            link.transfer_lock.release()
+        self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=False)
+
+    def _push_notice(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
+        spans = [[s.start, s.stop] for s in _spans(dst_blocks)] if dst_blocks else []
+        self._lm.notify(link, m.TransferRequest(request_id=0, op="push_done", args={
+            "cache_id": int(cache_id), "blocks": spans, "tensors": [dst_tensors.start, dst_tensors.stop],
+            "failed": failed}))
+
+    # ------------------------------------------------------------------ layer-wise async transfer
+    def transfer_async(self, cache: Any, synchronizer: Any, configs: Sequence[Any], *,
+                       src_block_indices: Optional[Sequence[int]], dst_block_indices: Optional[Sequence[int]],
+                       dst_block_memory_size: Optional[int]) -> "AsyncTransfer":
+        rec, src = self.local_layout(cache.cache_id)
+        task = AsyncTransfer(self, rec, src, synchronizer, list(configs), src_block_indices,
+                             dst_block_indices, dst_block_memory_size)
+        self._async.add(task)
+        task.start()
+        return task
+
+    def plan_async_config(self, link: Any, src: CacheLayout, config: Any, layer: int, *,
+                          src_blocks, dst_blocks, dst_block_size) -> np.ndarray:
+        """Ops of one layer of one config (2 tensors per layer, as upstream hard-codes)."""
+        src_tensors = range(layer * 2, layer * 2 + 2)
+        if hasattr(config, "cache_key"):  # TransferWithCacheKeyConfig
+            dst_layer = config.dst_layer_range.start + (layer - config.src_layer_range.start)
+            dst_tensors = range(dst_layer * 2, dst_layer * 2 + 2)
+            cache_id, dst_unit = self._resolve_remote(link, config.cache_key)
+            dst = self.remote_layout(link, cache_id)
+            if src_blocks is not None:
+                return plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+                                   src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
+            if dst.is_blocks:
+                return plan_contiguous_to_blocks(src=src, dst=dst, src_unit=config.src_batch_index,
+                                                 dst_blocks=dst_blocks, src_tensors=src_tensors,
+                                                 dst_tensors=dst_tensors, local="src")
+            return plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
+                              src_unit=config.src_batch_index, dst_unit=dst_unit, local="src")
+        # TransferConfig: raw destination addresses, two per transferred layer
+        layers = config.src_layer_range or range(0, src.num_tensors // 2)
+        pos = layer - layers.start
+        dst = []
+        for addr in config.dst_addrs[pos * 2: pos * 2 + 2]:
+            region = link.tables.find_region(addr, 1)
+            if region is None:
+                raise _err(f"destination address {addr:#x} is not registered on cluster {link.peer_cluster_id}",
+                           S.LLM_PARAM_INVALID)
+            dst.append((region.region_id, addr - region.addr, region.size))
+        return plan_to_addresses(src=src, src_tensors=src_tensors, dst=dst, src_unit=config.src_batch_index,
+                                 src_blocks=src_blocks, dst_blocks=dst_blocks,
+                                 dst_block_size=dst_block_size, local="src")
+
+    # ------------------------------------------------------------------ owner side handlers
+    def _serve_reserve_key(self, link: Any, args: dict) -> tuple[int, dict]:
+        hit = self._memory.reserve_key((int(args["id"]), int(args["model_id"])))
+        if hit is None:
+            return S.LLM_KV_CACHE_NOT_EXIST.value, {}
+        return 0, {"cache_id": int(hit[0]), "batch_index": int(hit[1])}
+
+    def _serve_release_key(self, link: Any, args: dict) -> tuple[int, dict]:
+        self._memory.finish_reserved((int(args["id"]), int(args["model_id"])), None, pulled=False)
+        return 0, {}
+
+    def _serve_key_consumed(self, link: Any, args: dict) -> tuple[int, dict]:
+        msg: m.KeyConsumed = args["msg"]
+        tensors = None
+        if msg.tensor_spans:
+            tensors = set()
+            for span in msg.tensor_spans:
+                tensors.update(range(span.start, span.stop))
+        self._memory.finish_reserved((msg.key.id, msg.key.model_id), tensors, pulled=True)
+        return 0, {}
+
+    def _cache_event(self, cache_id: int, trigger: str, **info: Any) -> None:
+        rec = self._memory.get(cache_id)
+        if rec is not None and rec.tracked.can(trigger):
+            rec.tracked.fire(trigger, **info)
+
+    def _serve_read_done(self, link: Any, args: dict) -> tuple[int, dict]:
+        msg: m.ReadDone = args["msg"]
+        for entry in msg.entries:
+            blocks = [[s.start, s.stop] for s in entry.block_spans]
+            self._cache_event(entry.cache_id, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
+        return 0, {}
+
+    def _serve_push_done(self, link: Any, args: dict) -> tuple[int, dict]:
+        error = None
+        if args.get("failed"):
+            error = LLMException(f"a push from cluster {link.peer_cluster_id} failed; these blocks may be "
+                                 f"partially written", status_code=S.LLM_FAILED)
+        self._cache_event(int(args["cache_id"]), "peer_written", peer=link.peer_cluster_id,
+                          blocks=args.get("blocks", []), tensors=args.get("tensors"), error=error)
+        return 0, {}
+
+    def _on_link_down(self, link: Any, args: dict) -> tuple[int, dict]:
+        for task in list(self._async):
+            task.link_down(link)
+        with self._read_done_lock:
+            self._read_done.pop(id(link), None)
+        return 0, {}
+
+    # ------------------------------------------------------------------ batched read-done notices
+    def _queue_read_done(self, link: Any, entry: m.ReadDoneEntry) -> None:
+        with self._read_done_lock:
+            self._read_done.setdefault(id(link), [link]).append(entry)
+            self._read_done_lock.notify()
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._read_done_lock:
+                while not self._read_done and not self._closed:
+                    self._read_done_lock.wait()
+                if self._closed:
+                    return
+                self._read_done_lock.wait(_READ_DONE_FLUSH_S)
+                batches, self._read_done = self._read_done, {}
+            for items in batches.values():
+                link, entries = items[0], items[1:]
+                for i in range(0, len(entries), 1024):
+                    self._lm.notify(link, m.ReadDone(entries=tuple(entries[i:i + 1024])))
+
+    def close(self) -> None:
+        for task in list(self._async):
+            task.cancel()
+        with self._read_done_lock:
+            self._closed = True
+            self._read_done_lock.notify_all()
+        self._flusher.join(timeout=2.0)
+
+
+class AsyncTransfer:
+    """One ``transfer_cache_async`` call: a thread walking the layers as the synchronizer releases them."""
+
+    def __init__(self, engine: TransferEngine, rec: Any, src: CacheLayout, synchronizer: Any, configs: list,
+                 src_blocks, dst_blocks, dst_block_size) -> None:
+        self._engine = engine
+        self._rec = rec
+        self._src = src
+        self._sync = synchronizer
+        self._configs = configs
+        self._src_blocks = src_blocks
+        self._dst_blocks = dst_blocks
+        self._dst_block_size = dst_block_size
+        self._results: list[Optional[LLMStatusCode]] = [None] * len(configs)
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._lock = threading.Lock()
+        self._links: list = []
+        self.layer_times: list[tuple[int, float, float]] = []  # (layer, released_at, transferred_at)
+        self.task = engine._tasks.create(next(engine._ids), kind="transfer_cache_async",
+                                         configs=len(configs))
+        self._thread = threading.Thread(target=self._run, name="llmdd-async", daemon=True)
+
+    def start(self) -> None:
+        lm = self._engine._lm
+        try:
+            for config in self._configs:
+                link = self._engine._link_for(config.dst_cluster_id)
+                if link.async_busy:
+                    raise _err(f"an async transfer is already running on the link to cluster "
+                               f"{link.peer_cluster_id}", S.LLM_LINK_BUSY)
+                self._links.append(link)
+        except LLMException:
+            self._engine._async.discard(self)
+            raise
+        for link in set(map(id, self._links)):
+            pass
+        for link in {id(lk): lk for lk in self._links}.values():
+            link.async_busy += 1
+        del lm
+        self._thread.start()
+
+    # -- the CacheTask protocol -------------------------------------------------------
+    def wait(self, timeout_s: Optional[float]) -> bool:
+        return self._done.wait(timeout_s)
+
+    def results(self) -> list:
+        with self._lock:
+            return list(self._results)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._done.wait(5.0)
+
+    def link_down(self, link: Any) -> None:
+        if any(lk is link for lk in self._links):
+            self._cancelled.set()
+
+    # -- the worker -----------------------------------------------------------------------
+    def _layers(self) -> range:
+        first = self._configs[0]
+        if first.src_layer_range is not None:
+            return first.src_layer_range
+        return range(0, self._src.num_tensors // 2)
+
+    def _set(self, i: int, code: LLMStatusCode) -> None:
+        with self._lock:
+            if self._results[i] in (None, S.LLM_SUCCESS):
+                self._results[i] = code
+
+    def _run(self) -> None:
+        engine = self._engine
+        task = self.task
+        failed = [False] * len(self._configs)
+        final_error: Optional[BaseException] = None
+        try:
+            for layer in self._layers():
+                if self._cancelled.is_set():
+                    raise LLMException("the async transfer was cancelled (link down or finalize)",
+                                       status_code=S.LLM_LINK_FAILED)
+                task.fire("wait_layer", layer=layer)
+                released_at = time.monotonic()
+                ok = bool(self._sync.synchronize_layer(layer, None))
+                if not ok:
+                    for i in range(len(self._configs)):
+                        if not failed[i]:
+                            failed[i] = True
+                            self._set(i, S.LLM_PARAM_INVALID)
+                    final_error = LLMException(f"synchronize_layer({layer}) returned False",
+                                               status_code=S.LLM_PARAM_INVALID)
+                    task.fire("synchronizer_refused", error=final_error, layer=layer)
+                    return
+                task.fire("start", layer=layer)
+                for i, config in enumerate(self._configs):
+                    if failed[i]:
+                        continue
+                    layers = config.src_layer_range or self._layers()
+                    if layer not in layers:
+                        continue
+                    link = self._links[i]
+                    try:
+                        ops = engine.plan_async_config(link, self._src, config, layer,
+                                                       src_blocks=self._src_blocks, dst_blocks=self._dst_blocks,
+                                                       dst_block_size=self._dst_block_size)
+                        engine.run_ops(link, ops, write=True, kind="transfer_cache_async", task=_StepTask(task))
+                        self._set(i, S.LLM_SUCCESS)
+                    except LLMException as exc:
+                        failed[i] = True
+                        self._set(i, exc.status_code)
+                        final_error = exc
+                self.layer_times.append((layer, released_at, time.monotonic()))
+                task.fire("layer_transferred", layer=layer)
+            if final_error is not None:
+                task.fire("transfer_failed", error=final_error)
+            else:
+                task.fire("transfer_succeeded")
+        except LLMException as exc:
+            for i in range(len(self._configs)):
+                if self._results[i] is not None and not failed[i]:
+                    self._set(i, exc.status_code)
+            if task.can("cancel"):
+                task.fire("cancel", error=exc)
+        except BaseException as exc:  # a synchronizer that raises fails the task, never the engine
+            _log.warning("llmdd.transfer.async_failed", error=repr(exc))
+            for i in range(len(self._configs)):
+                if self._results[i] is not None:
+                    self._set(i, S.LLM_FAILED)
+            if task.can("transfer_failed"):
+                task.fire("transfer_failed", error=exc)
+        finally:
+            for link in {id(lk): lk for lk in self._links}.values():
+                link.async_busy -= 1
+            engine._async.discard(self)
+            self._done.set()
+
+
+class _StepTask:
+    """A per-layer step of an async task: ``start`` on the real task is already fired per layer."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: Any) -> None:
+        self._task = task
+
+    def fire(self, trigger: str, **info: Any) -> None:
+        if trigger == "start":
+            return
+        if self._task.can(trigger) and trigger in ("deadline_expired",):
+            self._task.fire(trigger, **info)
+
+    def can(self, trigger: str) -> bool:
+        return self._task.can(trigger)
