@@ -14,13 +14,14 @@ from typing import Any, Dict, Optional
 from typing import List, Tuple, Union
 
 from ._config import LLMClusterInfo
-from ._enums import LLMRole
+from ._enums import LLMRole, RegisterMemStatus
+from ._ranktable import parse_rank_table
 from ._lifecycle.machines import Lifecycle
 from ._lifecycle.tables import Machine
 from ._log import get_logger
 from ._options import EngineOptions, parse_listen_ip_info, prepare_engine_options
-from ._status import LLMException, LLMStatusCode
-from ._validation import check_int32, check_isinstance, check_uint64
+from ._status import LLMException, LLMStatusCode, raise_if_false
+from ._validation import check_int32, check_isinstance, check_uint32, check_uint64
 
 __all__ = ["LLMDataDist"]
 
@@ -45,6 +46,9 @@ class _EngineCore:
         self.cluster_id = owner._cluster_id
         self.role = owner._role
         self.hooks = owner._hooks
+        from ._profiles import profile_from_options
+
+        self.profile = profile_from_options(options.raw)
         self.caches = Lifecycle(Machine.CACHE, self.hooks.emitter(Machine.CACHE))
         self.tasks = Lifecycle(Machine.TASK, self.hooks.emitter(Machine.TASK))
         self.links = Lifecycle(Machine.LINK, self.hooks.emitter(Machine.LINK))
@@ -52,6 +56,7 @@ class _EngineCore:
         self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
         self.link_manager = None
         self.transfers = None
+        self.comm_group_set = None
         try:
             self.cache_manager = CacheManager(self.memory, options.raw)
             from ._link_manager import LinkManager
@@ -61,6 +66,9 @@ class _EngineCore:
 
             self.transfers = TransferEngine(self)
             self.cache_manager._transfers = self.transfers
+            from ._comm_group import CommGroups
+
+            self.comm_group_set = CommGroups(self)
         except BaseException:
             self.close()
             raise
@@ -69,6 +77,8 @@ class _EngineCore:
         cm = getattr(self, "cache_manager", None)
         if cm is not None:
             cm._initialized = False
+        if self.comm_group_set is not None:
+            self.comm_group_set.close()
         if self.transfers is not None:
             self.transfers.close()
         if self.link_manager is not None:
@@ -232,6 +242,44 @@ class LLMDataDist:
         core.role = role
         self._engine_options["llm.Role"] = self._role_to_str(role)
         self._engine_fsm.fire("switch_role", role=role.name, listen=f"{listen[0]}:{listen[1]}" if listen else None)
+
+    # -- bilateral comm groups (rank table) ---------------------------------------
+    def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
+        """Bilateral link of up to 4 members from a rank table; returns the comm id (from 1)."""
+        core = self._require_core()
+        check_isinstance("comm_name", comm_name, str, allow_none=False)
+        raise_if_false(0 < len(comm_name) < _MAX_CLUSTER_NAME,
+                       "comm_name length must be in (0, {}), but got {}.", _MAX_CLUSTER_NAME, len(comm_name))
+        check_isinstance("cluster_rank_info", cluster_rank_info, dict, allow_none=False)
+        for cluster_id, rank in cluster_rank_info.items():
+            check_uint64("cluster_rank_info key", cluster_id)
+            check_uint32("cluster_rank_info value", rank)
+        raise_if_false(len(cluster_rank_info) <= _MAX_NODE_NUM, "cluster num must be less than or equal to {}.",
+                       _MAX_NODE_NUM)
+        raise_if_false(len(cluster_rank_info) > 1, "cluster num must be bigger than 1.")
+        ranks = list(cluster_rank_info.values())
+        raise_if_false(ranks == sorted(ranks) and len(set(ranks)) == len(ranks),
+                       "ranks in cluster_rank_info must be listed in ascending order without duplicates.")
+        check_isinstance("rank_table", rank_table, str, allow_none=False)
+        core.profile.require_api("link")
+        table = parse_rank_table(rank_table)
+        comm_id = core.comm_group_set.link(comm_name, dict(cluster_rank_info), table)
+        core.cache_manager.set_is_call_linked()
+        return comm_id
+
+    def unlink(self, comm_id: int) -> None:
+        """Tear down the comm group ``comm_id`` (LLMException on failure)."""
+        core = self._require_core()
+        check_uint64("comm_id", comm_id)
+        core.profile.require_api("unlink")
+        core.comm_group_set.unlink(comm_id)
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """PREPARING until every member's memory is exchanged, then OK (or FAILED)."""
+        core = self._require_core()
+        check_uint64("comm_id", comm_id)
+        core.profile.require_api("query_register_mem_status")
+        return core.comm_group_set.status(comm_id)
 
     def statistics(self) -> dict:
         """A snapshot of the engine: links, caches, pools, transports, lifecycle counters."""

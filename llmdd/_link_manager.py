@@ -292,6 +292,7 @@ class LinkManager:
         self._listener: Optional[socket.socket] = None
         self._listen_addr: Optional[tuple[str, int]] = None
         self._acceptor: Optional[threading.Thread] = None
+        self._group_listeners: dict[socket.socket, threading.Thread] = {}
         self._registry = self._hooks.register_transports()
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_lock = threading.Lock()
@@ -484,20 +485,43 @@ class LinkManager:
             self._acceptor.join(timeout=2.0)
             self._acceptor = None
 
-    def _accept_loop(self, sock: socket.socket) -> None:
+    def _accept_loop(self, sock: socket.socket, comm_id: Optional[int] = None) -> None:
         while True:
             try:
                 conn, addr = sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve_handshake, args=(conn, addr), name="llmdd-accept",
+            threading.Thread(target=self._serve_handshake, args=(conn, addr, comm_id), name="llmdd-accept",
                              daemon=True).start()
+
+    def open_group_listener(self, host: str, port: int, *, comm_id: int) -> socket.socket:
+        """A listener for the members of one comm group (links accepted there carry ``comm_id``)."""
+        try:
+            sock = socket.create_server((host, port), backlog=16)
+        except OSError as exc:
+            raise LLMException(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                               status_code=S.LLM_LINK_FAILED) from None
+        thread = threading.Thread(target=self._accept_loop, args=(sock, comm_id), name=f"llmdd-comm-{comm_id}-listener",
+                                  daemon=True)
+        thread.start()
+        self._group_listeners[sock] = thread
+        return sock
+
+    def close_group_listener(self, sock: socket.socket) -> None:
+        thread = self._group_listeners.pop(sock, None)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+        if thread is not None:
+            thread.join(timeout=2.0)
 
     def _handshake_config(self, role) -> HandshakeConfig:
         return HandshakeConfig(cluster_id=self.cluster_id, role=role, incarnation=self.incarnation,
                                host=self.host, transports=self.offers(), secret=self.settings.secret)
 
-    def _serve_handshake(self, sock: socket.socket, addr) -> None:
+    def _serve_handshake(self, sock: socket.socket, addr, comm_id: Optional[int] = None) -> None:
         """Server side of one link: authenticate, choose the transport, exchange tables."""
         deadline = time.monotonic() + max(5.0, self.settings.peer_timeout_s)
         try:
@@ -539,6 +563,7 @@ class LinkManager:
             conn.codec.max_frame_size = 16 * 1024 * 1024
             link = self._adopt(hs.result(), conn, is_client=False, transport=name,
                                reason=_reason(info, name))
+            link.comm_id = comm_id
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
             if not link.tables_ready.is_set():
                 raise TimeoutError("peer did not send its tables")
@@ -944,6 +969,8 @@ class LinkManager:
         self._closed = True
         self._stop.set()
         self.stop_listening()
+        for sock in list(self._group_listeners):
+            self.close_group_listener(sock)
         for link in self.links():
             self._close_link(link, trigger="finalize", reason="finalize")
         try:
