@@ -1,0 +1,986 @@
+"""llmdd transport ``shm``: same-host, one-sided, zero-copy; the copy runs in the caller's thread.
+
+Memory kinds
+------------
+* **Pool memory** (a :class:`MemRegion` with ``shm_name``) lives in a POSIX shared-memory
+  segment. Its owner describes it as ``(shm_name, shm_offset, size)``; a peer maps the whole
+  segment once per (segment, channel) at ``add_remote_region`` time and copies with
+  ``ctypes.memmove`` over coalesced runs. Peers map with ``shm_open`` + ``mmap`` and never touch
+  ``multiprocessing``'s resource tracker and never unlink (see :mod:`llmdd_shm._seg`).
+* **User memory** (numpy arrays, torch tensors: no ``shm_name``) is described as
+  ``(pid, addr, size)`` and moved with ``process_vm_readv`` / ``process_vm_writev``, iovec arrays
+  built with numpy, at most ``IOV_MAX`` per call, short transfers resumed at the exact byte
+  (:mod:`llmdd_shm._cma`). It needs cross-memory attach to the peer's pid (``connect`` checks).
+
+Batches at or above ``llmdd.shm.split_min_bytes`` (8 MiB) are split by bytes over
+``llmdd.shm.threads`` (2) worker threads; smaller ones run inline in the caller's thread and
+return a finished completion: no socket, no control round trip, no thread hop per transfer.
+``write`` (push) is a synchronous copy, so the bytes are visible at the receiver when it is done.
+
+One-sided safety
+----------------
+Every endpoint owns a *control segment* (``llmdd_<pid>_shmctl_<random>``): a header (magic,
+endpoint id, open/closed, pid) and one slot per remote-accessible region (state
+FREE/LIVE/DYING, generation, region id). Descriptors carry (slot, generation).
+
+* The reader validates every op against the descriptors it was given and its own local
+  regions with :func:`check_ops` before a byte moves (:class:`Refused`).
+* While a batch runs, the reader holds a *shared* OFD lock over the byte range of the slots it
+  touches; under that lock it checks that every slot is still LIVE with the descriptor's
+  generation (else :class:`Refused`: deregistered by its owner, or a new incarnation).
+* ``deregister`` on the owner marks the slot DYING (readers see it between chunks and stop
+  with :class:`Cancelled`), then takes the *exclusive* lock on that byte: it returns only when
+  no reader in any process is inside a batch touching the region. ``close`` does the same for
+  the whole endpoint (header CLOSED: readers get :class:`PeerGone`).
+* Owner death: ``pidfd`` (``os.kill(pid, 0)`` + ``/proc`` state where pidfds are missing) is
+  checked at connect, at every batch start and when a batch fails -> :class:`PeerGone`; a CMA
+  call to a dead pid fails with ``ESRCH`` -> :class:`PeerGone`. OFD locks of a dead process
+  vanish with it.
+* Deadlines and ``cancel`` are checked between chunks (at most ``IOV_MAX`` ops and
+  ``llmdd.shm.chunk_bytes`` bytes each); after either fired no byte moves any more.
+
+Trust level: the trust boundary is the host and user. A same-host peer of the same user can map
+the segments and attach to the process anyway; the checks above keep *correct* peers from
+reading freed or foreign memory, they do not sandbox a hostile one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import errno
+import os
+import select
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping as TMapping, Optional, Union
+
+import numpy as np
+import pluggy
+
+from llmdd._log import get_logger
+from llmdd._status import LLMStatusCode, TransportError
+from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+from llmdd.lowlevel import (
+    Cancelled,
+    Corrupt,
+    DoneCompletion,
+    MemRegion,
+    PeerGone,
+    RegionTable,
+    Refused,
+    ThreadCompletion,
+    TransportTimeout,
+    check_ops,
+)
+
+from . import _seg
+from ._cma import IOV_MAX, Cma, CmaError, iovecs, probe_cma
+
+__all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
+           "host_identity"]
+
+hookimpl = pluggy.HookimplMarker("llmdd")
+
+_log = get_logger("llmdd.transport.shm")
+
+VERSION = 1
+_MAGIC = 0x314D48534444_4C4C  # "LLDDSHM1"-ish tag in the header's first word
+_PROBE_MAGIC = 0x6C6C6D6464534850
+MAX_SLOTS = 1 << 14
+_HDR_WORDS = 8                      # magic, version, state, pid, id_lo, id_hi, nslots, reserved
+_SLOTS_OFF = 4096
+_CTL_SIZE = _SLOTS_OFF + MAX_SLOTS * 16
+_OPEN, _CLOSED = 1, 2
+_FREE, _LIVE, _DYING = 0, 1, 2
+KIND_SHM, KIND_CMA = 0, 1
+
+OPT_THREADS = "llmdd.shm.threads"
+OPT_SPLIT = "llmdd.shm.split_min_bytes"
+OPT_CHUNK = "llmdd.shm.chunk_bytes"
+_DEFAULTS = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024}
+
+
+_owned_lock = threading.Lock()
+_owned_ctl: set[str] = set()  # control segments of endpoints of this process not closed yet
+
+
+@atexit.register
+def _unlink_owned() -> None:
+    """A process that never closed its endpoints leaves no control segment behind (owner only)."""
+    with _owned_lock:
+        names = list(_owned_ctl)
+        _owned_ctl.clear()
+    for name in names:
+        _seg.unlink(name)
+
+
+# --------------------------------------------------------------------------- host facts
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def host_identity() -> dict:
+    """What makes two endpoints "the same host": boot id, machine id, pid namespace."""
+    try:
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pidns = 0
+    try:
+        ipcns = os.stat("/proc/self/ns/ipc").st_ino
+    except OSError:
+        ipcns = 0
+    return {"boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
+            "machine_id": _read_text("/etc/machine-id") or _read_text("/var/lib/dbus/machine-id"),
+            "pidns": int(pidns), "ipcns": int(ipcns)}
+
+
+def _dev_shm_usable() -> tuple[bool, str]:
+    name = f"llmdd_{os.getpid()}_shmprobe_{os.urandom(4).hex()}"
+    try:
+        m = _seg.create(name, 4096)
+    except OSError as exc:
+        return False, f"cannot create a POSIX shared-memory segment: {exc}"
+    try:
+        ctypes.memset(m.addr, 1, 4096)
+        return True, ""
+    finally:
+        m.close()
+        _seg.unlink(name)
+
+
+class _Liveness:
+    """Is the peer process still running? pidfd where the kernel has it, else kill(0) + /proc state."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd: Optional[int] = None
+        opener = getattr(os, "pidfd_open", None)
+        if opener is not None:
+            try:
+                self._fd = opener(pid)
+            except ProcessLookupError:
+                raise PeerGone(f"peer process {pid} does not exist") from None
+            except OSError:
+                self._fd = None
+        if not self.alive():
+            raise PeerGone(f"peer process {pid} is not running")
+
+    def alive(self) -> bool:
+        fd = self._fd
+        if fd is not None:
+            try:
+                r, _, _ = select.select([fd], [], [], 0)
+            except (OSError, ValueError):
+                return False
+            return not r  # a pidfd turns readable when its process exits
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        stat = _read_text(f"/proc/{self.pid}/stat")
+        if stat:
+            state = stat.rsplit(")", 1)[-1].split()[:1]
+            return state not in (["Z"], ["X"])
+        return True
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- transport
+
+
+class ShmTransport(Transport):
+    """Same host only: mapped shared-memory pools and cross-memory attach for user memory."""
+
+    name = "shm"
+    priority = 100
+    same_host_only = True
+
+    @classmethod
+    def probe(cls) -> TransportInfo:
+        try:
+            if not sys.platform.startswith("linux"):
+                return TransportInfo(name=cls.name, available=False, reason="shm needs Linux (OFD locks, CMA, pidfd)")
+            ok, why = _dev_shm_usable()
+            cma = probe_cma()
+            details = dict(cma, pidfd=hasattr(os, "pidfd_open"), dev_shm=ok, version=VERSION,
+                           user_memory="process_vm_readv" if cma["cma"] else "not served (pool memory only)")
+            if not ok:
+                return TransportInfo(name=cls.name, available=False, reason=why, details=details)
+            reason = "" if cma["cma"] else f"cross-memory attach unavailable: {cma['cma_reason']}"
+            return TransportInfo(name=cls.name, available=True, reason=reason, details=details)
+        except Exception as exc:  # noqa: BLE001 - probe never raises
+            return TransportInfo(name=cls.name, available=False, reason=f"probe failed: {exc!r}")
+
+    def __init__(self, options: TMapping[str, str]) -> None:
+        super().__init__(options)
+        self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+
+    def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> "ShmEndpoint":
+        return ShmEndpoint(cfg=self._cfg)
+
+
+@hookimpl
+def llmdd_register_transports(register: Callable[[type], Any]) -> None:
+    register(ShmTransport)
+
+
+# --------------------------------------------------------------------------- control segment
+
+
+class _Ctl:
+    """numpy views of a mapped control segment (owner's or a peer's mapping)."""
+
+    __slots__ = ("mapping", "hdr", "slots")
+
+    def __init__(self, mapping: _seg.Mapping) -> None:
+        self.mapping = mapping
+        self.hdr = np.ctypeslib.as_array((ctypes.c_uint64 * _HDR_WORDS).from_address(mapping.addr))
+        self.slots = np.ctypeslib.as_array(
+            (ctypes.c_uint32 * (MAX_SLOTS * 4)).from_address(mapping.addr + _SLOTS_OFF)).reshape(MAX_SLOTS, 4)
+
+
+def _id_words(endpoint_id: bytes) -> tuple[int, int]:
+    return int.from_bytes(endpoint_id[:8], "little"), int.from_bytes(endpoint_id[8:16], "little")
+
+
+class _LocalReg:
+    __slots__ = ("region", "slot", "gen", "busy")
+
+    def __init__(self, region: MemRegion, slot: int, gen: int) -> None:
+        self.region = region
+        self.slot = slot
+        self.gen = gen
+        self.busy = 0
+
+
+class _Batch:
+    """One running batch: what it pins, its abort flag and (async) completion."""
+
+    __slots__ = ("local_ids", "aborted", "why", "completion", "pinned", "maps")
+
+    def __init__(self, local_ids: frozenset) -> None:
+        self.local_ids = local_ids
+        self.aborted = False
+        self.why: Optional[TransportError] = None
+        self.completion: Optional[ThreadCompletion] = None
+        self.pinned: list = []
+        self.maps: list = []
+
+    def abort(self, why: Optional[TransportError] = None) -> None:
+        if self.why is None:
+            self.why = why
+        self.aborted = True
+
+
+class ShmEndpoint(Endpoint):
+    """Owns a control segment; registers regions; opens channels to same-host peers."""
+
+    def __init__(self, *, cfg: TMapping[str, Any]) -> None:
+        self._cfg = dict(cfg)
+        self._id = os.urandom(16)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._regs: dict[int, _LocalReg] = {}
+        self._table = RegionTable()
+        self._ids = np.empty(0, np.int64)
+        self._addrs = np.empty(0, np.uint64)
+        self._free_slots = list(range(MAX_SLOTS - 1, -1, -1))
+        self._gens = np.zeros(MAX_SLOTS, np.uint32)
+        self._user_regions = 0
+        self._batches: set[_Batch] = set()
+        self._channels: set[ShmChannel] = set()
+        self._closed = False
+        self._cma = Cma()
+        self._cma_info = probe_cma()
+        self._stats = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
+        self._ctl_name = f"llmdd_{os.getpid()}_shmctl_{self._id.hex()[:12]}"
+        self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
+        with _owned_lock:
+            _owned_ctl.add(self._ctl_name)
+        self._ctl = _Ctl(self._ctl_map)
+        lo, hi = _id_words(self._id)
+        self._ctl.hdr[:] = [0, VERSION, _OPEN, os.getpid(), lo, hi, MAX_SLOTS, 0]
+        self._ctl.hdr[0] = _MAGIC  # written last: a reader seeing the magic sees the rest
+        self._probe = ctypes.c_uint64(_PROBE_MAGIC ^ lo)
+        self._log = _log.bind(endpoint=self._id.hex()[:8])
+
+    # ------------------------------------------------------------------ public API
+
+    def describe(self) -> dict:
+        d = {"transport": "shm", "version": VERSION, "endpoint_id": self._id, "pid": os.getpid(),
+             "uid": os.getuid(), "ctl": self._ctl_name, "probe_addr": ctypes.addressof(self._probe),
+             "user_regions": self._user_regions, "cma": bool(self._cma_info["cma"])}
+        d.update(host_identity())
+        return d
+
+    def register(self, region: MemRegion) -> dict:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            if region.region_id in self._regs:
+                raise Refused(f"region {region.region_id} is already registered")
+            slot, gen = -1, 0
+            if region.remote_accessible:
+                if not self._free_slots:
+                    raise Refused(f"too many remote-accessible regions (at most {MAX_SLOTS})")
+                slot = self._free_slots.pop()
+                gen = int(self._gens[slot]) + 1
+                self._gens[slot] = gen
+                s = self._ctl.slots[slot]
+                s[1] = gen
+                s[2] = region.region_id
+                s[0] = _LIVE
+            self._regs[region.region_id] = _LocalReg(region, slot, gen)
+            if region.remote_accessible and region.shm_name is None:
+                self._user_regions += 1
+            self._rebuild()
+            self._stats["regions"] = len(self._regs)
+        desc: dict = {"transport": "shm", "endpoint_id": self._id, "region_id": region.region_id,
+                      "size": region.size, "remote_accessible": region.remote_accessible}
+        if region.remote_accessible:
+            desc.update(slot=slot, gen=gen)
+            if region.shm_name is not None:
+                desc.update(kind="shm", shm_name=region.shm_name, shm_offset=region.shm_offset)
+            else:
+                desc.update(kind="cma", pid=os.getpid(), addr=region.addr)
+        return desc
+
+    def deregister(self, region_id: int) -> None:
+        with self._lock:
+            reg = self._regs.pop(region_id, None)
+            if reg is None:
+                return
+            if reg.slot >= 0:
+                self._ctl.slots[reg.slot][0] = _DYING
+                if reg.region.shm_name is None:
+                    self._user_regions -= 1
+            self._rebuild()
+            self._stats["regions"] = len(self._regs)
+            batches = [b for b in self._batches if region_id in b.local_ids]
+        why = Cancelled(f"local region {region_id} was deregistered")
+        for b in batches:
+            b.abort(why)
+            if b.completion is not None:
+                b.completion.fail(why)
+        with self._cond:
+            while reg.busy:
+                self._cond.wait()
+        if reg.slot >= 0:
+            self._drain_slots(reg.slot, 1)
+            with self._lock:
+                self._ctl.slots[reg.slot][0] = _FREE
+                self._free_slots.append(reg.slot)
+
+    def connect(self, peer: TMapping[str, Any], *, timeout: float) -> "ShmChannel":
+        if self._closed:
+            raise Cancelled("endpoint is closed")
+        if peer.get("transport") != "shm":
+            raise Refused(f"not a shm endpoint description: {peer.get('transport')!r}")
+        try:
+            ch = ShmChannel(self, peer, time.monotonic() + timeout)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Refused(f"bad shm endpoint description: {exc!r}") from None
+        with self._lock:
+            if self._closed:
+                ch.close()
+                raise Cancelled("endpoint is closed")
+            self._channels.add(ch)
+            self._stats["channels"] += 1
+        return ch
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ctl.hdr[2] = _CLOSED
+            channels = list(self._channels)
+            batches = list(self._batches)
+        for ch in channels:
+            ch.close()
+        why = Cancelled("endpoint closed")
+        for b in batches:
+            b.abort(why)
+            if b.completion is not None:
+                b.completion.fail(why)
+        with self._cond:
+            while any(r.busy for r in self._regs.values()):
+                self._cond.wait()
+        self._drain_slots(0, MAX_SLOTS)  # every remote reader has left its batch
+        with _owned_lock:
+            _owned_ctl.discard(self._ctl_name)
+        _seg.unlink(self._ctl_name)
+        self._ctl_map.close()
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, closed=self._closed, active_batches=len(self._batches),
+                        cma=self._cma_info["cma"], control_segment=self._ctl_name)
+
+    # ------------------------------------------------------------------ internals
+
+    def _rebuild(self) -> None:
+        items = sorted(self._regs.items())
+        self._table = RegionTable({k: r.region.size for k, r in items})
+        self._ids = np.fromiter((k for k, _ in items), np.int64, len(items))
+        self._addrs = np.fromiter((r.region.addr for _, r in items), np.uint64, len(items))
+
+    def _drain_slots(self, start: int, count: int) -> None:
+        """Wait until no reader (any process) holds a shared lock on these slots."""
+        fd = _seg.open_fd(self._ctl_name)
+        try:
+            _seg.lock(fd, _seg.F_WRLCK, start, count, wait=True)
+            _seg.lock(fd, _seg.F_UNLCK, start, count)
+        finally:
+            os.close(fd)
+
+    def _begin(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, _Batch, np.ndarray]:
+        """Validate ``ops`` (both sides) and pin the local regions; return ops, batch, local addrs."""
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            try:
+                ops = check_ops(ops, self._table, remote)
+            except Refused:
+                self._stats["refused"] += 1
+                raise
+            pos = np.searchsorted(self._ids, ops["local_region"].astype(np.int64))
+            laddr = self._addrs[pos] if len(ops) else np.empty(0, np.uint64)
+            ids = frozenset(np.unique(ops["local_region"]).tolist())
+            batch = _Batch(ids)
+            batch.pinned = [self._regs[r] for r in ids]
+            for reg in batch.pinned:
+                reg.busy += 1
+            self._batches.add(batch)
+            self._stats["batches"] += 1
+        return ops, batch, laddr
+
+    def _end(self, batch: _Batch) -> None:
+        with self._cond:
+            self._batches.discard(batch)
+            for reg in batch.pinned:
+                reg.busy -= 1
+            batch.pinned = []
+            self._cond.notify_all()
+
+    def _forget_channel(self, ch: "ShmChannel") -> None:
+        with self._lock:
+            self._channels.discard(ch)
+
+
+# --------------------------------------------------------------------------- channel
+
+
+class _Remote:
+    __slots__ = ("size", "kind", "base", "slot", "gen", "mapping", "accessible")
+
+    def __init__(self, size: int, kind: int, base: int, slot: int, gen: int,
+                 mapping: Optional[_seg.Mapping], accessible: bool) -> None:
+        self.size = size
+        self.kind = kind
+        self.base = base
+        self.slot = slot
+        self.gen = gen
+        self.mapping = mapping
+        self.accessible = accessible
+
+
+class ShmChannel(Channel):
+    """A same-host peer: its control segment and pool segments mapped, its pid attached."""
+
+    def __init__(self, endpoint: ShmEndpoint, peer: TMapping[str, Any], deadline: float) -> None:
+        self._ep = endpoint
+        self._cfg = endpoint._cfg
+        self._peer_id = bytes(peer["endpoint_id"])
+        self._pid = int(peer["pid"])
+        mine = host_identity()
+        for key in ("boot_id", "machine_id", "pidns", "ipcns"):
+            if str(peer.get(key)) != str(mine[key]):
+                raise Refused(f"peer endpoint is not on this host (its {key} {peer.get(key)!r} differs from "
+                              f"ours {mine[key]!r}); the shm transport is same-host only",
+                              status_code=LLMStatusCode.LLM_LINK_FAILED)
+        if time.monotonic() > deadline:
+            raise TransportTimeout("deadline passed before connecting")
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._closed = False
+        self._remote: dict[int, _Remote] = {}
+        self._maps: dict[str, _seg.Mapping] = {}
+        self._fds: list[int] = []
+        self._active: set[_Batch] = set()
+        self._busy = 0
+        self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0, "batches": 0,
+                       "failed": 0, "cma_calls": 0, "segments_mapped": 0, "last_error": None}
+        self._ctl_name = str(peer["ctl"])
+        try:
+            ctl_map = _seg.attach(self._ctl_name)
+        except FileNotFoundError:
+            raise PeerGone(f"peer endpoint {self._peer_id.hex()[:8]} is closed (no control segment)") from None
+        except OSError as exc:
+            raise PeerGone(f"cannot map the peer's control segment: {exc}") from None
+        self._ctl_map = ctl_map
+        try:
+            if ctl_map.size < _CTL_SIZE:
+                raise Corrupt("peer control segment is too small")
+            self._ctl = _Ctl(ctl_map)
+            hdr = self._ctl.hdr
+            if int(hdr[0]) != _MAGIC or int(hdr[1]) != VERSION:
+                raise Corrupt(f"peer does not speak llmdd-shm v{VERSION}")
+            if (int(hdr[4]), int(hdr[5])) != _id_words(self._peer_id) or int(hdr[3]) != self._pid:
+                raise PeerGone("the control segment belongs to another endpoint incarnation")
+            if int(hdr[2]) != _OPEN:
+                raise PeerGone("peer endpoint is closed")
+            self._live = _Liveness(self._pid)
+        except BaseException:
+            ctl_map.close()
+            raise
+        self._cma = Cma()
+        self._cma_ok, self._cma_reason = self._check_cma(peer)
+        if not self._cma_ok and int(peer.get("user_regions", 0)) > 0:
+            self._teardown()
+            raise Refused(f"peer {self._pid} has user-memory regions but cross-memory attach to it does not "
+                          f"work: {self._cma_reason}", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        self._rebuild()
+
+    def _check_cma(self, peer: TMapping[str, Any]) -> tuple[bool, str]:
+        if not self._cma.available:
+            return False, "process_vm_readv is not available"
+        out = np.zeros(1, np.uint64)
+        liov = iovecs(np.array([out.ctypes.data], np.uint64), np.array([8], np.uint64))
+        riov = iovecs(np.array([int(peer["probe_addr"])], np.uint64), np.array([8], np.uint64))
+        try:
+            self._cma.transfer(self._pid, liov, riov, write=False)
+        except CmaError as exc:
+            scope = probe_cma()["ptrace_scope"]
+            extra = f" (kernel.yama.ptrace_scope={scope})" if scope else ""
+            return False, f"{exc.strerror or exc}{extra}"
+        if int(out[0]) != _PROBE_MAGIC ^ _id_words(self._peer_id)[0]:
+            return False, "cross-memory attach reached a process that is not the peer endpoint"
+        return True, "ok"
+
+    # ------------------------------------------------------------------ public API
+
+    def add_remote_region(self, region_id: int, size: int, desc: TMapping[str, Any]) -> None:
+        if desc.get("endpoint_id") not in (None, self._peer_id):
+            raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
+        region_id = int(region_id)
+        size = min(int(size), int(desc.get("size", size)))
+        if not desc.get("remote_accessible", False) or "slot" not in desc:
+            rem = _Remote(size, KIND_CMA, 0, -1, 0, None, False)
+        else:
+            slot, gen = int(desc["slot"]), int(desc["gen"])
+            if not 0 <= slot < MAX_SLOTS:
+                raise Refused(f"descriptor of region {region_id} names slot {slot}")
+            if desc.get("kind") == "shm":
+                name, off = str(desc["shm_name"]), int(desc["shm_offset"])
+                with self._lock:
+                    if self._closed:
+                        raise Cancelled("channel closed")
+                    m = self._maps.get(name)
+                if m is None:
+                    try:
+                        m = _seg.attach(name)
+                    except (OSError, ValueError) as exc:
+                        if not self._live.alive():
+                            raise PeerGone(f"peer process {self._pid} is gone") from None
+                        raise Refused(f"cannot map segment {name} of region {region_id}: {exc}") from None
+                    with self._lock:
+                        other = self._maps.get(name)
+                        if other is None:
+                            self._maps[name] = m
+                            self._stats["segments_mapped"] += 1
+                        else:
+                            m.close()
+                            m = other
+                if off < 0 or off + size > m.size:
+                    self._drop_map_if_unused(m)
+                    raise Refused(f"region {region_id} ({off}+{size}) exceeds segment {name} ({m.size} bytes)")
+                rem = _Remote(size, KIND_SHM, m.addr + off, slot, gen, m, True)
+            elif desc.get("kind") == "cma":
+                if int(desc["pid"]) != self._pid:
+                    raise Refused(f"descriptor of region {region_id} names pid {desc['pid']}, peer is {self._pid}")
+                if not self._cma_ok:
+                    raise Refused(f"user-memory region {region_id} needs cross-memory attach to pid {self._pid}, "
+                                  f"which does not work: {self._cma_reason}")
+                rem = _Remote(size, KIND_CMA, int(desc["addr"]), slot, gen, None, True)
+            else:
+                raise Refused(f"descriptor of region {region_id} has unknown kind {desc.get('kind')!r}")
+        with self._lock:
+            if rem.mapping is not None:
+                rem.mapping.refs += 1
+            old = self._remote.pop(region_id, None)
+            self._remote[region_id] = rem
+            self._rebuild()
+        if old is not None and old.mapping is not None:
+            self._release_map(old.mapping, ref=True)
+
+    def remove_remote_region(self, region_id: int) -> None:
+        with self._lock:
+            old = self._remote.pop(int(region_id), None)
+            self._rebuild()
+        if old is not None and old.mapping is not None:
+            self._release_map(old.mapping, ref=True)
+
+    def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        return self._submit(False, ops, deadline)
+
+    def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        return self._submit(True, ops, deadline)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            active = list(self._active)
+        why = Cancelled("channel closed")
+        for b in active:
+            b.abort(why)
+            if b.completion is not None:
+                b.completion.fail(why)
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
+        self._teardown()
+        self._ep._forget_channel(self)
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, remote_regions=len(self._remote), mapped_segments=len(self._maps),
+                        closed=self._closed, cma=self._cma_ok, cma_reason=self._cma_reason, peer_pid=self._pid)
+
+    # ------------------------------------------------------------------ mappings and tables
+
+    def _teardown(self) -> None:
+        with self._lock:
+            maps = list(self._maps.values())
+            self._maps.clear()
+            self._remote.clear()
+            fds, self._fds = self._fds, []
+        for m in maps:
+            m.close()
+        for fd in fds:
+            os.close(fd)
+        self._live.close()
+        self._ctl_map.close()
+
+    def _drop_map_if_unused(self, m: _seg.Mapping) -> None:
+        with self._lock:
+            if m.refs or m.pins or self._maps.get(m.name) is not m:
+                return
+            del self._maps[m.name]
+        m.close()
+
+    def _release_map(self, m: _seg.Mapping, *, ref: bool = False, pin: bool = False) -> None:
+        with self._lock:
+            m.refs -= int(ref)
+            m.pins -= int(pin)
+            if m.refs or m.pins:
+                return
+            if self._maps.get(m.name) is m:
+                del self._maps[m.name]
+        m.close()
+
+    def _rebuild(self) -> None:
+        items = sorted((k, r) for k, r in self._remote.items() if r.accessible)
+        self._table = RegionTable({k: r.size for k, r in items})
+        n = len(items)
+        self._rids = np.fromiter((k for k, _ in items), np.int64, n)
+        self._rbase = np.fromiter((r.base for _, r in items), np.uint64, n)
+        self._rkind = np.fromiter((r.kind for _, r in items), np.uint8, n)
+        self._rslot = np.fromiter((r.slot for _, r in items), np.int64, n)
+        self._rgen = np.fromiter((r.gen for _, r in items), np.uint32, n)
+        self._rmaps = [r.mapping for _, r in items]
+
+    # ------------------------------------------------------------------ batches
+
+    def _submit(self, write: bool, ops: np.ndarray, deadline: float) -> Completion:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("channel closed")
+            table, rids, rbase = self._table, self._rids, self._rbase
+            rkind, rslot, rgen, rmaps = self._rkind, self._rslot, self._rgen, self._rmaps
+        ops, batch, laddr = self._ep._begin(ops, table)  # Refused before a byte moves
+        try:
+            pos = np.searchsorted(rids, ops["remote_region"].astype(np.int64))
+            used = np.unique(pos)
+            maps = [rmaps[i] for i in used.tolist() if rmaps[i] is not None]
+            with self._lock:
+                if self._closed:
+                    raise Cancelled("channel closed")
+                for m in maps:
+                    m.pins += 1
+                batch.maps = maps
+                self._busy += 1
+                self._active.add(batch)
+        except BaseException:
+            self._ep._end(batch)
+            raise
+        plan = _Plan(ops, laddr, rbase[pos], rkind[pos], rslot[used], rgen[used], rids[used])
+        total = plan.total
+        if time.monotonic() >= deadline:
+            return self._done(batch, write, plan, TransportTimeout("deadline passed before the batch started"))
+        if total < int(self._cfg[OPT_SPLIT]) or int(self._cfg[OPT_THREADS]) <= 1:
+            err = None
+            try:
+                self._run(batch, write, plan, deadline)
+            except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
+                err = self._map_exc(exc)
+            return self._done(batch, write, plan, err)
+        parts = plan.split(int(self._cfg[OPT_THREADS]))
+        workers = [(lambda p=p: self._run_mapped(batch, write, p, deadline)) for p in parts]
+        batch.completion = ThreadCompletion(
+            workers, deadline=deadline, abort=lambda: batch.abort(Cancelled("batch aborted")),
+            on_done=lambda c: self._done(batch, write, plan, self._map_exc(c._error) if c._error else None),
+            name="llmdd-shm-io")
+        return batch.completion
+
+    def _map_exc(self, exc: BaseException) -> TransportError:
+        if isinstance(exc, CmaError):
+            if exc.errno == errno.ESRCH or not self._live.alive():
+                return PeerGone(f"peer process {self._pid} is gone")
+            if exc.errno == errno.EPERM:
+                return Refused(f"cross-memory attach to pid {self._pid} not permitted: {exc}")
+            return Corrupt(f"cross-memory attach failed: {exc}")
+        if isinstance(exc, TransportError):
+            if not isinstance(exc, (PeerGone, Refused, TransportTimeout)) and not self._live.alive():
+                return PeerGone(f"peer process {self._pid} is gone")
+            return exc
+        if isinstance(exc, OSError):
+            return PeerGone(f"peer endpoint unreachable: {exc}")
+        return Corrupt(f"unexpected failure: {exc!r}")
+
+    def _done(self, batch: _Batch, write: bool, plan: "_Plan", err: Optional[TransportError]) -> Completion:
+        self._ep._end(batch)
+        for m in batch.maps:
+            self._release_map(m, pin=True)
+        batch.maps = []
+        with self._cond:
+            self._active.discard(batch)
+            self._busy -= 1
+            self._stats["batches"] += 1
+            self._stats["cma_calls"] = self._cma.calls
+            if err is None:
+                key = "written" if write else "read"
+                self._stats[f"bytes_{key}"] += plan.total
+                self._stats[f"ops_{key}"] += plan.n
+            else:
+                self._stats["failed"] += 1
+                self._stats["last_error"] = str(err)
+            self._cond.notify_all()
+        return DoneCompletion(err)
+
+    def _take_fd(self) -> int:
+        with self._lock:
+            if self._fds:
+                return self._fds.pop()
+        try:
+            return _seg.open_fd(self._ctl_name)
+        except FileNotFoundError:
+            raise PeerGone("peer endpoint closed (control segment removed)") from None
+
+    def _give_fd(self, fd: int) -> None:
+        with self._lock:
+            if not self._closed and len(self._fds) < 8:
+                self._fds.append(fd)
+                return
+        os.close(fd)
+
+    def _check_peer(self, plan: "_Plan", batch: _Batch, deadline: float, *, first: bool) -> None:
+        """Between chunks: abort, deadline, peer endpoint closed, regions deregistered."""
+        if batch.aborted:
+            raise batch.why or Cancelled("batch aborted")
+        if time.monotonic() >= deadline:
+            raise TransportTimeout("batch missed its deadline")
+        if int(self._ctl.hdr[2]) != _OPEN:
+            raise PeerGone("peer endpoint closed")
+        if len(plan.slots):
+            st = self._ctl.slots[plan.slots]
+            ok = (st[:, 0] == _LIVE) & (st[:, 1] == plan.gens)
+            if not ok.all():
+                rid = int(plan.rids[int(np.argmin(ok))])
+                if first:
+                    raise Refused(f"remote region {rid} is not registered by its owner any more")
+                raise Cancelled(f"remote region {rid} was deregistered by its owner")
+
+    def _run_mapped(self, batch: _Batch, write: bool, plan: "_Plan", deadline: float) -> None:
+        try:
+            self._run(batch, write, plan, deadline)
+        except BaseException as exc:  # noqa: BLE001 - typed errors reach the completion
+            raise self._map_exc(exc) from None
+
+    def _run(self, batch: _Batch, write: bool, plan: "_Plan", deadline: float) -> None:
+        if not self._live.alive():
+            raise PeerGone(f"peer process {self._pid} is gone")
+        if int(self._ctl.hdr[2]) != _OPEN:
+            raise PeerGone("peer endpoint closed")
+        if plan.n == 0:
+            return
+        lo, hi = plan.slot_range
+        fd = self._take_fd()
+        locked = False
+        try:
+            delay = 2e-5
+            while not _seg.lock(fd, _seg.F_RDLCK, lo, hi - lo):
+                # the owner is deregistering or closing (or stalled holding its lock)
+                if batch.aborted:
+                    raise batch.why or Cancelled("batch aborted")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout("batch missed its deadline waiting for the peer's regions")
+                self._check_peer(plan, batch, deadline, first=True)
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 2e-3)
+            locked = True
+            self._check_peer(plan, batch, deadline, first=True)
+            plan.execute(self, batch, write, deadline)
+        finally:
+            if locked:
+                _seg.lock(fd, _seg.F_UNLCK, lo, hi - lo)
+            self._give_fd(fd)
+
+
+class _Plan:
+    """A validated batch as address arrays: mapped-segment runs and CMA iovecs, chunked."""
+
+    __slots__ = ("n", "total", "slots", "gens", "rids", "slot_range", "mlocal", "mremote", "mlen",
+                 "clocal", "cremote", "clen")
+
+    def __init__(self, ops: np.ndarray, laddr: np.ndarray, rbase: np.ndarray, rkind: np.ndarray,
+                 slots: np.ndarray, gens: np.ndarray, rids: np.ndarray) -> None:
+        self.slots = slots
+        self.gens = gens
+        self.rids = rids
+        self.slot_range = (int(slots.min()), int(slots.max()) + 1) if len(slots) else (0, 1)
+        la = laddr + ops["local_offset"]
+        ra = rbase + ops["remote_offset"]
+        ln = ops["length"]
+        if len(ops) > 1:
+            # coalesce in address space: ops that continue each other on both sides merge
+            order = np.lexsort((la, ra, rkind))
+            la, ra, ln, rkind = la[order], ra[order], ln[order], rkind[order]
+            cont = (rkind[1:] == rkind[:-1]) & (la[:-1] + ln[:-1] == la[1:]) & (ra[:-1] + ln[:-1] == ra[1:])
+            if cont.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+                la, ra, rkind = la[starts], ra[starts], rkind[starts]
+                ln = np.add.reduceat(ln, starts)
+        keep = ln > 0
+        if not keep.all():
+            la, ra, ln, rkind = la[keep], ra[keep], ln[keep], rkind[keep]
+        m = rkind == KIND_SHM
+        if m.all():
+            self._set(la, ra, ln, None, None, None)
+        elif not m.any():
+            self._set(None, None, None, la, ra, ln)
+        else:
+            c = ~m
+            self._set(la[m], ra[m], ln[m], la[c], ra[c], ln[c])
+
+    def _set(self, ml, mr, mn, cl, cr, cn) -> None:
+        e = np.empty(0, np.uint64)
+        self.mlocal, self.mremote, self.mlen = (e, e, e) if ml is None else (ml, mr, mn)
+        self.clocal, self.cremote, self.clen = (e, e, e) if cl is None else (cl, cr, cn)
+        self.n = len(self.mlen) + len(self.clen)
+        self.total = int(self.mlen.sum(dtype=np.uint64)) + int(self.clen.sum(dtype=np.uint64))
+
+    def split(self, parts: int) -> list["_Plan"]:
+        """At most ``parts`` sub-plans of about equal bytes (each kind split on its own)."""
+        out = []
+        mp = _split_arrays(self.mlocal, self.mremote, self.mlen, parts)
+        cp = _split_arrays(self.clocal, self.cremote, self.clen, parts)
+        e = np.empty(0, np.uint64)
+        for i in range(max(len(mp), len(cp))):
+            p = object.__new__(_Plan)
+            p.slots, p.gens, p.rids, p.slot_range = self.slots, self.gens, self.rids, self.slot_range
+            ml, mr, mn = mp[i] if i < len(mp) else (e, e, e)
+            cl, cr, cn = cp[i] if i < len(cp) else (e, e, e)
+            p._set(ml, mr, mn, cl, cr, cn)
+            if p.n:
+                out.append(p)
+        return out or [self]
+
+    def execute(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
+        chunk = int(ch._cfg[OPT_CHUNK])
+        if len(self.mlen):
+            self._memmove(ch, batch, write, deadline, chunk)
+        if len(self.clen):
+            self._cma(ch, batch, write, deadline, chunk)
+
+    def _memmove(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float, chunk: int) -> None:
+        la, ra, ln = _cap(self.mlocal, self.mremote, self.mlen, chunk)
+        dst, src = (ra, la) if write else (la, ra)
+        bounds = _chunks(ln, chunk, IOV_MAX)
+        dl, sl, nl = dst.tolist(), src.tolist(), ln.tolist()
+        mm = ctypes.memmove
+        for k, (s, e) in enumerate(bounds):
+            if k:
+                ch._check_peer(self, batch, deadline, first=False)
+            for d, s_, n in zip(dl[s:e], sl[s:e], nl[s:e]):
+                mm(d, s_, n)
+
+    def _cma(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float, chunk: int) -> None:
+        la, ra, ln = _cap(self.clocal, self.cremote, self.clen, chunk)
+        liov = iovecs(la, ln)
+        riov = iovecs(ra, ln)
+        check = lambda: ch._check_peer(self, batch, deadline, first=False)  # noqa: E731
+        for k, (s, e) in enumerate(_chunks(ln, chunk, ch._cma.iov_max)):
+            if k:
+                check()
+            ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write, between=check)
+
+
+def _cap(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split ops longer than ``cap`` bytes into pieces of at most ``cap`` (vectorised)."""
+    if not len(ln) or int(ln.max()) <= cap:
+        return la, ra, ln
+    cap_u = np.uint64(cap)
+    pieces = ((ln + cap_u - np.uint64(1)) // cap_u).astype(np.int64)
+    idx = np.repeat(np.arange(len(ln)), pieces)
+    first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+    k = (np.arange(len(idx)) - np.repeat(first, pieces)).astype(np.uint64)
+    off = k * cap_u
+    return la[idx] + off, ra[idx] + off, np.minimum(ln[idx] - off, cap_u)
+
+
+def _chunks(ln: np.ndarray, chunk_bytes: int, max_ops: int) -> list[tuple[int, int]]:
+    """Consecutive ``(start, stop)`` index ranges of at most ``max_ops`` ops and about ``chunk_bytes``."""
+    n = len(ln)
+    if n <= max_ops and int(ln.sum(dtype=np.uint64)) <= chunk_bytes:
+        return [(0, n)]
+    ends = np.cumsum(ln, dtype=np.uint64)
+    out = []
+    s = 0
+    while s < n:
+        base = int(ends[s - 1]) if s else 0
+        e = int(np.searchsorted(ends, np.uint64(base + chunk_bytes), side="right"))
+        e = min(max(e, s + 1), s + max_ops, n)
+        out.append((s, e))
+        s = e
+    return out
+
+
+def _split_arrays(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, parts: int) -> list:
+    if not len(ln):
+        return []
+    if parts <= 1 or len(ln) < 2:
+        return [(la, ra, ln)]
+    ends = np.cumsum(ln, dtype=np.uint64)
+    total = int(ends[-1])
+    cuts = np.searchsorted(ends, [total * k // parts for k in range(1, parts)], side="left") + 1
+    cuts = np.unique(np.clip(cuts, 1, len(ln) - 1)).tolist()
+    bounds = [0] + cuts + [len(ln)]
+    return [(la[a:b], ra[a:b], ln[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]

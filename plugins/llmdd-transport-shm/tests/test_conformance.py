@@ -1,0 +1,149 @@
+"""The shipped conformance suite against the shm transport, in-process pairs.
+
+Two memory styles: *user* regions (plain numpy arrays: cross-memory attach) and *pool*
+regions (the suite's buffers allocated inside POSIX shared-memory segments and registered with
+``shm_name`` / ``shm_offset``, as the engine's pools are: mapped by the peer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import attrs
+import numpy as np
+import pytest
+
+from llmdd._memory.backend import HostBackend
+from llmdd.testing import _conformance
+from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
+from llmdd_shm import MAX_SLOTS, ShmTransport, _seg
+
+
+class _PoolNumpy(types.ModuleType):
+    """numpy, except that 1-d ``uint8`` buffers come out of shared-memory segments (pool style)."""
+
+    def __init__(self) -> None:
+        super().__init__("numpy")
+        self.backend = HostBackend()
+        self.segments: dict[int, object] = {}  # addr -> Segment
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    def empty(self, shape, dtype=float, **kw):
+        if np.dtype(dtype) != np.uint8 or not isinstance(shape, int) or shape <= 0:
+            return np.empty(shape, dtype=dtype, **kw)
+        seg = self.backend.allocate_segment(shape + 4096)
+        arr = seg.array()[4096:4096 + shape]  # at an offset inside the segment, as a pool hands it out
+        self.segments[arr.ctypes.data] = seg
+        return arr
+
+    def lookup(self, addr: int):
+        seg = self.segments.get(addr)
+        return None if seg is None else (seg.name, addr - seg.addr)
+
+    def release(self) -> None:
+        for seg in self.segments.values():
+            self.backend.release(seg)
+        self.segments.clear()
+
+
+class _PoolEndpoint:
+    """Registers the pool's buffers as pool regions (``shm_name`` set); everything else passes."""
+
+    def __init__(self, ep, pool: _PoolNumpy) -> None:
+        self._ep = ep
+        self._pool = pool
+
+    def register(self, region):
+        found = self._pool.lookup(region.addr)
+        assert found is not None, "conformance buffer not from the pool"
+        return self._ep.register(attrs.evolve(region, shm_name=found[0], shm_offset=found[1]))
+
+    def __getattr__(self, name):
+        return getattr(self._ep, name)
+
+
+def make_pair():
+    t = ShmTransport({"llm.RdmaTrafficClass": "132"})
+    return t.open_endpoint(), t.open_endpoint()
+
+
+@pytest.fixture
+def pool_pair(monkeypatch):
+    pool = _PoolNumpy()
+    monkeypatch.setattr(_conformance, "np", pool)
+
+    def make():
+        a, b = make_pair()
+        return _PoolEndpoint(a, pool), _PoolEndpoint(b, pool)
+
+    yield make
+    pool.release()
+
+
+@contextlib.contextmanager
+def stall(endpoint):
+    """While inside, ``endpoint`` holds the exclusive lock on all its slots (an owner stuck
+    mid-deregistration): readers cannot start and must fail by their deadline."""
+    ep = getattr(endpoint, "_ep", endpoint)
+    fd = _seg.open_fd(ep._ctl_name)
+    try:
+        assert _seg.lock(fd, _seg.F_WRLCK, 0, MAX_SLOTS)
+        yield
+    finally:
+        _seg.lock(fd, _seg.F_UNLCK, 0, MAX_SLOTS)
+        import os
+
+        os.close(fd)
+
+
+def _run_check(check, make):
+    if check is check_deadline:
+        check(make, stall)
+    else:
+        check(make)
+
+
+@pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
+def test_conformance_user_memory(check):
+    _run_check(check, make_pair)
+
+
+@pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
+def test_conformance_pool_memory(check, pool_pair):
+    _run_check(check, pool_pair)
+
+
+def test_pool_regions_take_the_mapped_path(pool_pair):
+    """The pool variant really maps segments (no CMA call), the user variant really uses CMA."""
+    import time
+
+    from llmdd.lowlevel import MemRegion, make_ops
+
+    for make, mapped in ((pool_pair, True), (make_pair, False)):
+        a, b = make()
+        try:
+            np_mod = _conformance.np if mapped else np
+            sb = np_mod.empty(1 << 16, dtype=np.uint8)
+            sb[:] = 7
+            da = np_mod.empty(1 << 16, dtype=np.uint8)
+            da[:] = 0
+            a.register(MemRegion(region_id=1, addr=da.ctypes.data, size=da.size, remote_accessible=False,
+                                 placement=0))
+            d = b.register(MemRegion(region_id=2, addr=sb.ctypes.data, size=sb.size, remote_accessible=True,
+                                     placement=0))
+            assert d["kind"] == ("shm" if mapped else "cma")
+            ch = a.connect(b.describe(), timeout=5)
+            ch.add_remote_region(2, sb.size, d)
+            c = ch.read(make_ops(1, 0, 2, 0, 1 << 16), deadline=time.monotonic() + 5)
+            assert c.wait(5) and c.error is None
+            assert (da == 7).all()
+            st = ch.statistics()
+            assert (st["mapped_segments"] == 1) is mapped
+            assert (st["cma_calls"] > 1) is not mapped  # the connect-time probe is one call
+            ch.close()
+        finally:
+            a.close()
+            b.close()
