@@ -28,6 +28,7 @@ from ._abc import Channel, Endpoint, MemRegion, TransportError
 from ._lifecycle.machines import Tracked
 from ._lifecycle.tables import LinkState
 from ._log import get_logger
+from ._options import is_local_address
 from ._protocol import messages as m
 from ._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 from ._protocol.handshake import (
@@ -293,6 +294,7 @@ class LinkManager:
         self._listen_addr: Optional[tuple[str, int]] = None
         self._acceptor: Optional[threading.Thread] = None
         self._group_listeners: dict[socket.socket, threading.Thread] = {}
+        self._client_host: Optional[str] = None
         self._registry = self._hooks.register_transports()
         self._endpoints: dict[str, Endpoint] = {}
         self._endpoint_lock = threading.Lock()
@@ -324,11 +326,13 @@ class LinkManager:
         return self._registry
 
     def _data_host(self) -> str:
+        """Where network transports' data endpoints bind: the option, the listen IP, the local IP a
+        client named in ``append_local_ip_info``, else loopback (never a wildcard by default)."""
         if self.settings.data_host:
             return self.settings.data_host
         if self._listen_addr is not None and self._listen_addr[0] not in ("0.0.0.0", ""):
             return self._listen_addr[0]
-        return "127.0.0.1"
+        return self._client_host or "127.0.0.1"
 
     def endpoint(self, name: str) -> Endpoint:
         with self._endpoint_lock:
@@ -659,6 +663,10 @@ class LinkManager:
                                "listen address.", status_code=S.LLM_PARAM_INVALID)
         ip_int, port = cluster.remote_ip_info_list[0]
         host = socket.inet_ntoa(int(ip_int).to_bytes(4, "little"))
+        if self._client_host is None and cluster.local_ip_info_list:
+            local = socket.inet_ntoa(int(cluster.local_ip_info_list[0][0]).to_bytes(4, "little"))
+            if local not in ("0.0.0.0",) and is_local_address(local):
+                self._client_host = local
         link = self.connect_peer(host, port, deadline)
         with self._lock:
             self._aliases[remote_id] = link.peer_cluster_id

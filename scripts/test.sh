@@ -9,4 +9,4 @@ PY=${PYTHON:-python3}
 plugins=()
 for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
 .venv/bin/python -m pip install -q -e '.[test]' "${plugins[@]}"
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -m "not slow" "$@"
