@@ -77,13 +77,19 @@ class _EngineCore:
         cm = getattr(self, "cache_manager", None)
         if cm is not None:
             cm._initialized = False
-        if self.comm_group_set is not None:
-            self.comm_group_set.close()
-        if self.transfers is not None:
-            self.transfers.close()
-        if self.link_manager is not None:
-            self.link_manager.close()
-        self.memory.close()
+        # every part is closed even when an earlier one fails (memory must never leak a segment)
+        first_error: BaseException | None = None
+        for part in (self.comm_group_set, self.transfers, self.link_manager, self.memory):
+            if part is None:
+                continue
+            try:
+                part.close()
+            except BaseException as exc:
+                _log.error("llmdd.engine.close_failed", part=type(part).__name__, error=repr(exc))
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
 
 
 class LLMDataDist:
@@ -93,7 +99,7 @@ class LLMDataDist:
     _instance_lock = threading.RLock()
 
     def __init__(self, role: LLMRole, cluster_id: int) -> None:
-        check_isinstance("role", role, LLMRole)
+        check_isinstance("role", role, LLMRole, allow_none=False)
         check_uint64("cluster_id", cluster_id)
         self._role = role
         self._cluster_id = cluster_id
@@ -164,6 +170,10 @@ class LLMDataDist:
             self._core = _EngineCore(self, parsed)
             self._engine_options = engine_options
             LLMDataDist.llm_engine_instance = self
+            # atexit is LIFO: modules imported while building the engine (memory backend, transport
+            # plugins) registered exit handlers that unlink their segments; finalize must run before them
+            atexit.unregister(_shutdown_handler)
+            atexit.register(_shutdown_handler)
             self._engine_fsm.fire("init", role=self._role.name)
             _log.info("llmdd.engine.init", cluster_id=self._cluster_id, role=self._role.name)
 
@@ -205,6 +215,8 @@ class LLMDataDist:
                                    "when local_comm_res is not configured or empty.",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID)
             check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+        if not clusters:  # nothing to link (LinkManager's thread pool refuses zero workers)
+            return LLMStatusCode.LLM_SUCCESS, []
         return core.link_manager.link_clusters(list(clusters), timeout)
 
     def unlink_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo]], timeout=3000,

@@ -621,6 +621,8 @@ class LinkManager:
 
     # ------------------------------------------------------------------ client side
     def link_clusters(self, clusters: list, timeout_ms: int) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        if not clusters:
+            return S.LLM_SUCCESS, []
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             codes = [S.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
             return S.LLM_CLUSTER_NUM_EXCEED_LIMIT, codes

@@ -113,6 +113,13 @@ class EngineOptions:
         listen = None
         if K_LISTEN_IP in opts:
             listen = (opts[K_LISTEN_IP], int(opts[K_LISTEN_PORT]))
+        local_comm_res = opts.get(K_LOCAL_COMM_RES)
+        if local_comm_res is not None:
+            if not isinstance(local_comm_res, str):
+                raise TypeError(f"{K_LOCAL_COMM_RES} only support ['str'], but got {type(local_comm_res)}.")
+            from ._ranktable import parse_local_comm_res
+
+            parse_local_comm_res(local_comm_res)  # "" (auto) or a valid 1.0/1.2/1.3 JSON, else LLM_PARAM_INVALID
         return cls(
             raw=dict(opts),
             role=role,

@@ -423,7 +423,10 @@ class ShmEndpoint(Endpoint):
         self._drain_slots(0, MAX_SLOTS)  # every remote reader has left its batch
         with _owned_lock:
             _owned_ctl.discard(self._ctl_name)
-        _seg.unlink(self._ctl_name)
+        try:
+            _seg.unlink(self._ctl_name)
+        except FileNotFoundError:
+            pass
         self._ctl_map.close()
 
     def statistics(self) -> dict:
@@ -441,7 +444,10 @@ class ShmEndpoint(Endpoint):
 
     def _drain_slots(self, start: int, count: int) -> None:
         """Wait until no reader (any process) holds a shared lock on these slots."""
-        fd = _seg.open_fd(self._ctl_name)
+        try:
+            fd = _seg.open_fd(self._ctl_name)
+        except FileNotFoundError:
+            return  # the segment is already gone (exit handler): no reader can hold a lock on it
         try:
             _seg.lock(fd, _seg.F_WRLCK, start, count, wait=True)
             _seg.lock(fd, _seg.F_UNLCK, start, count)
