@@ -1,0 +1,3 @@
+"""``llm_datadist.v2.llm_datadist``."""
+
+from ..._datadist import LLMDataDist, _shutdown_handler  # noqa: F401

@@ -1,0 +1,79 @@
+"""Opt-in drop-in alias: make ``import llm_datadist`` (and its submodules) resolve to llmdd.
+
+Two ways to opt in:
+
+* call :func:`install_alias` early (before the client imports ``llm_datadist``), or
+* install the tiny ``llm-datadist-alias`` distribution shipped in ``compat/`` of this
+  repository (``pip install ./compat/llm-datadist-alias``), whose ``llm_datadist``
+  package installs the alias when imported: unmodified client code then runs as is.
+
+Nothing is aliased unless you opt in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+
+__all__ = ["install_alias", "uninstall_alias", "ALIAS", "SUBMODULES"]
+
+ALIAS = "llm_datadist"
+
+#: upstream submodule path -> llmdd module serving it
+SUBMODULES = {
+    "status": "llmdd._compat.status",
+    "configs": "llmdd._compat.configs",
+    "data_type": "llmdd._compat.data_type",
+    "v2": "llmdd._compat.v2",
+    "v2.llm_types": "llmdd._compat.v2.llm_types",
+    "v2.llm_datadist": "llmdd._compat.v2.llm_datadist",
+    "v2.cache_manager": "llmdd._compat.v2.cache_manager",
+    "utils": "llmdd._compat.utils",
+    "utils.utils": "llmdd._compat.utils.utils",
+    "utils.log": "llmdd._compat.utils.log",
+}
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str) -> None:
+        self._target = target
+
+    def create_module(self, spec):
+        return importlib.import_module(self._target)
+
+    def exec_module(self, module) -> None:  # the target module is already executed
+        return None
+
+
+class _AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == ALIAS:
+            target_name = "llmdd"
+        elif fullname.startswith(ALIAS + "."):
+            target_name = SUBMODULES.get(fullname[len(ALIAS) + 1:])
+            if target_name is None:
+                return None
+        else:
+            return None
+        is_pkg = target_name == "llmdd" or fullname[len(ALIAS) + 1:] in ("v2", "utils")
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name), is_package=is_pkg)
+
+
+_FINDER = _AliasFinder()
+
+
+def install_alias() -> None:
+    """Resolve ``llm_datadist`` and its client-visible submodules to llmdd from now on."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def uninstall_alias() -> None:
+    """Remove the alias (modules already imported under ``llm_datadist`` stay in sys.modules)."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for name in [n for n in sys.modules if n == ALIAS or n.startswith(ALIAS + ".")]:
+        del sys.modules[name]
