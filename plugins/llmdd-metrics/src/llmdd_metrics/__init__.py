@@ -1,0 +1,135 @@
+"""Prometheus metrics for llmdd: a hook subscriber, nothing on the data path.
+
+Installed, this distribution registers one :class:`MetricsSubscriber` in every engine
+(entry-point group ``llmdd``).  It turns lifecycle events into:
+
+* ``llmdd_transfers_total{peer, transport, kind, outcome}`` and
+  ``llmdd_transfer_bytes_total{peer, transport, kind, direction}``;
+* ``llmdd_transfer_seconds{transport, kind}`` (histogram, from a task's start to its end);
+* ``llmdd_transfer_failures_total{kind, status}`` (by upstream status code name);
+* ``llmdd_links{transport, state}`` and ``llmdd_link_transitions_total{trigger}``;
+* ``llmdd_caches{state}`` and ``llmdd_peer_reads_total`` / ``llmdd_peer_writes_total``.
+
+Expose them with ``prometheus_client.start_http_server(port)`` in the application, or
+read them from :data:`REGISTRY` (a framework may pass its own registry to
+:class:`MetricsSubscriber` and register that instance instead).  Set
+``LLMDD_METRICS=0`` to keep the entry-point instance from subscribing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Optional
+
+import pluggy
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["MetricsSubscriber", "REGISTRY"]
+
+hookimpl = pluggy.HookimplMarker("llmdd")
+
+_TERMINAL = {"completed": "ok", "failed": "failed", "timed_out": "timeout", "cancelled": "cancelled"}
+
+
+class MetricsSubscriber:
+    """A pluggy plugin object: register it on an engine's plugin manager (``dd._pm``)."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+        reg = registry if registry is not None else REGISTRY
+        self.registry = reg
+        self.transfers = Counter("llmdd_transfers", "Transfer tasks by outcome",
+                                 ["peer", "transport", "kind", "outcome"], registry=reg)
+        self.bytes = Counter("llmdd_transfer_bytes", "Bytes moved by transfer tasks",
+                             ["peer", "transport", "kind", "direction"], registry=reg)
+        self.latency = Histogram("llmdd_transfer_seconds", "Transfer task duration", ["transport", "kind"],
+                                 buckets=(50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                                          0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=reg)
+        self.failures = Counter("llmdd_transfer_failures", "Failed transfers by status code", ["kind", "status"],
+                                registry=reg)
+        self.links = Gauge("llmdd_links", "Links per state", ["transport", "state"], registry=reg)
+        self.link_transitions = Counter("llmdd_link_transitions", "Link transitions", ["trigger"], registry=reg)
+        self.caches = Gauge("llmdd_caches", "Caches per state", ["state"], registry=reg)
+        self.peer_reads = Counter("llmdd_peer_reads", "Peers finished reading a cache of this engine", registry=reg)
+        self.peer_writes = Counter("llmdd_peer_writes", "Peers pushed into a cache of this engine", registry=reg)
+        self._lock = threading.Lock()
+        self._started: dict[Any, tuple[float, int, str]] = {}
+        self._link_transport: dict[Any, str] = {}
+
+    # ------------------------------------------------------------------ hooks
+    @hookimpl
+    def llmdd_link_transition(self, event) -> None:
+        transport = event.info.get("transport") or self._link_transport.get(event.id, "")
+        if transport:
+            self._link_transport[event.id] = transport
+        self.link_transitions.labels(event.trigger).inc()
+        if event.source is not event.dest:
+            self.links.labels(self._link_transport.get(event.id, ""), event.source.value).dec()
+            if event.dest.value != "closed":
+                self.links.labels(transport, event.dest.value).inc()
+            else:
+                self._link_transport.pop(event.id, None)
+
+    @hookimpl
+    def llmdd_task_transition(self, event) -> None:
+        info = event.info
+        kind = str(info.get("kind", "transfer"))
+        dest = event.dest.value
+        if event.trigger == "start" and event.source.value in ("created", "waiting"):
+            with self._lock:
+                first = self._started.get(event.id)
+                self._started[event.id] = (first[0] if first else time.perf_counter(),
+                                           int(info.get("bytes", 0)) + (first[1] if first else 0),
+                                           str(info.get("peer", "")))
+            return
+        outcome = _TERMINAL.get(dest)
+        if outcome is None:
+            return
+        with self._lock:
+            started = self._started.pop(event.id, None)
+        peer = str(info.get("peer", started[2] if started else ""))
+        transport = self._link_transport.get(_as_int(peer), "")
+        self.transfers.labels(peer, transport, kind, outcome).inc()
+        if started is not None:
+            self.latency.labels(transport, kind).observe(time.perf_counter() - started[0])
+            if outcome == "ok" and started[1]:
+                direction = "in" if kind.startswith("pull") else "out"
+                self.bytes.labels(peer, transport, kind, direction).inc(started[1])
+        if outcome != "ok":
+            status = getattr(event.error, "status_code", None)
+            self.failures.labels(kind, getattr(status, "name", type(event.error).__name__)).inc()
+
+    @hookimpl
+    def llmdd_cache_transition(self, event) -> None:
+        if event.trigger == "peer_read":
+            self.peer_reads.inc()
+        elif event.trigger == "peer_written":
+            self.peer_writes.inc()
+        if event.source is not event.dest:
+            if event.source.value != "new":
+                self.caches.labels(event.source.value).dec()
+            if event.dest.value != "released":
+                self.caches.labels(event.dest.value).inc()
+
+
+def _as_int(text: str) -> Any:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        return text
+
+
+_ENTRY_POINT_SUBSCRIBER: Optional[MetricsSubscriber] = None
+
+
+@hookimpl
+def llmdd_addhooks(pluginmanager) -> None:
+    """Entry-point load: subscribe one process-wide instance (default registry) to this engine."""
+    global _ENTRY_POINT_SUBSCRIBER
+    if os.environ.get("LLMDD_METRICS", "1").lower() in ("0", "false", "no", "off"):
+        return
+    if _ENTRY_POINT_SUBSCRIBER is None:
+        _ENTRY_POINT_SUBSCRIBER = MetricsSubscriber()
+    if not pluginmanager.is_registered(_ENTRY_POINT_SUBSCRIBER):
+        pluginmanager.register(_ENTRY_POINT_SUBSCRIBER, name="llmdd-metrics-subscriber")
