@@ -1,0 +1,806 @@
+"""Multi-process test harness: peers in child processes that run arbitrary callables.
+
+A *peer* is a child process (``multiprocessing`` spawn context by default) running a small
+command loop.  The parent sends ``handle.call(fn, *args)``; ``fn`` must be an importable,
+module-level function (it is pickled by reference) and is executed in the child as
+``fn(state, *args, **kwargs)``, where ``state`` is a dict private to that child that survives
+between calls (create an engine in one call, use it in the next).
+
+Every call has a deadline: the parent raises :class:`TimeoutError` when the child does not
+answer in time, and never blocks on a dead, stalled or busy child.  Exceptions raised in the
+child are re-raised in the parent with the child's traceback text attached (``__cause__`` is a
+:class:`RemoteTraceback`, and ``exc.remote_traceback`` holds the text when the exception accepts
+attributes); ``LLMException.status_code`` survives the trip.
+
+Faults: ``handle.kill()`` (SIGKILL), ``handle.stall()`` / ``handle.resume()`` (SIGSTOP /
+SIGCONT), and named checkpoints: code running in the child calls ``checkpoint("mid_payload")``
+and the parent arms it beforehand with ``handle.arm("mid_payload", "kill")``.  Arming travels on
+the same ordered pipe as calls, so it takes effect before every call sent after it (a call that
+is already running in the child does not see it).  The child reports each firing before acting;
+``handle.fired`` lists them and ``handle.wait_fired(name)`` waits for one (for ``"stall"``, until
+the child is really stopped, so that ``resume()`` cannot overtake it).
+
+Children are never daemonic but always reaped: ``close()`` stops gracefully then kills, the
+:func:`peers` context manager closes every child it started even when the test fails, and an
+``atexit`` hook kills whatever is left (before ``multiprocessing`` would join, and hang on, a
+stalled child).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import importlib
+import importlib.util
+import io
+import itertools
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from contextlib import contextmanager
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable, Iterator, Literal, Mapping
+
+__all__ = [
+    "DEFAULT_CALL_TIMEOUT",
+    "CheckpointError",
+    "Cluster",
+    "PeerCallError",
+    "PeerExitedError",
+    "PeerFuture",
+    "PeerHandle",
+    "RemoteTraceback",
+    "checkpoint",
+    "checkpoint_hits",
+    "free_port",
+    "peers",
+    "spawn_peer",
+]
+
+DEFAULT_CALL_TIMEOUT = 10.0
+_DEFAULT_STARTUP_TIMEOUT = 30.0
+_REAP_TIMEOUT = 5.0
+
+Action = Literal["kill", "stall", "raise"]
+_ACTIONS = ("kill", "stall", "raise")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class RemoteTraceback(Exception):
+    """Carries the child's formatted traceback; set as ``__cause__`` of a re-raised exception."""
+
+    def __init__(self, tb_text: str) -> None:
+        super().__init__(tb_text)
+        self.tb_text = tb_text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.tb_text}"""'
+
+
+class PeerCallError(RuntimeError):
+    """A call failed in a way that cannot be expressed by the child's own exception.
+
+    Raised when the child's exception (or the call's result) cannot be pickled or unpickled,
+    or when the function cannot be loaded in the child.  The message names the original type.
+    """
+
+
+class PeerExitedError(ConnectionError):
+    """The peer process exited (or was killed) before answering; ``exitcode`` as ``Process``."""
+
+    def __init__(self, message: str, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.exitcode))
+
+
+class CheckpointError(RuntimeError):
+    """Raised in the child by a checkpoint armed with ``action="raise"``."""
+
+
+# --------------------------------------------------------------------------- free port
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (bind to port 0, read it, close).
+
+    Another process may take it before you bind it; when the code under test can listen on
+    port 0 itself, prefer that and return ``sock.getsockname()`` from a peer call.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- child side
+
+_IN_PEER = False
+_ARMED: dict[str, list[Any]] = {}  # name -> [action, remaining hits before firing]
+_HITS: dict[str, int] = {}
+_CP_LOCK = threading.Lock()
+_CONN: Any = None  # the child's end of the pipe, once in a peer
+_SEND_LOCK = threading.Lock()  # checkpoints may fire in any thread of the child
+
+
+def _send(msg: tuple[Any, ...]) -> None:
+    with _SEND_LOCK:
+        _CONN.send(msg)
+
+
+def checkpoint(name: str) -> None:
+    """Mark a named point in code that may run inside a peer.
+
+    Outside a peer, or when ``name`` is not armed, this only counts the hit (cheap).  When the
+    parent armed ``name`` with :meth:`PeerHandle.arm`, the child SIGKILLs itself (``"kill"``),
+    SIGSTOPs itself until :meth:`PeerHandle.resume` (``"stall"``), or raises
+    :class:`CheckpointError` (``"raise"``) on the armed hit.  An armed checkpoint fires once.
+    """
+    with _CP_LOCK:
+        _HITS[name] = _HITS.get(name, 0) + 1
+        entry = _ARMED.get(name)
+        if entry is None or not _IN_PEER:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _ARMED[name]
+        action = entry[0]
+    try:
+        _send(("fired", name, action))  # before acting: the parent learns the fault fired
+    except OSError:
+        pass
+    if action == "kill":
+        _flush_stdio()
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stall":
+        _flush_stdio()
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        raise CheckpointError(f"checkpoint {name!r} armed to raise")
+
+
+def checkpoint_hits(state: dict[str, Any]) -> dict[str, int]:
+    """Peer function: how many times each checkpoint was reached in this child so far."""
+    with _CP_LOCK:
+        return dict(_HITS)
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or odd stream must not prevent the fault
+            pass
+
+
+# -------------------------------------------------------------- pickling across processes
+#
+# Functions and classes are pickled by reference (module + qualified name).  A module the
+# parent imported from a file that is not importable through sys.path in the child (pytest's
+# ``--import-mode=importlib`` names test modules ``tests.unit.test_x`` without touching
+# sys.path) is loaded in the child from the same file, under the same name.
+
+
+class _CallPickler(pickle.Pickler):
+    """Records ``module -> file`` of every function and class it pickles."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.origins: dict[str, str] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            name = getattr(obj, "__module__", None)
+            if name and name not in self.origins:
+                path = getattr(sys.modules.get(name), "__file__", None)
+                if path:
+                    self.origins[name] = path
+        return NotImplemented
+
+
+def _dumps_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    pickler = _CallPickler(buf)
+    pickler.dump((fn, args, kwargs))
+    return pickle.dumps((pickler.origins, buf.getvalue()))
+
+
+def _load_from_file(name: str, path: str) -> None:
+    """Import module ``name`` from ``path``, creating missing parent packages as namespaces."""
+    parts = name.split(".")
+    for i in range(1, len(parts)):
+        parent = ".".join(parts[:i])
+        if parent in sys.modules:
+            continue
+        try:
+            importlib.import_module(parent)
+        except ImportError:
+            pkg = types.ModuleType(parent)
+            pkg.__path__ = []  # type: ignore[attr-defined]
+            sys.modules[parent] = pkg
+            if i > 1:
+                setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], pkg)
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {name!r} from {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    if len(parts) > 1:
+        setattr(sys.modules[".".join(parts[:-1])], parts[-1], module)
+
+
+class _CallUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, origins: Mapping[str, str]) -> None:
+        super().__init__(file)
+        self._origins = origins
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except ImportError:
+            if module not in self._origins or module in sys.modules:
+                raise
+        _load_from_file(module, self._origins[module])
+        return super().find_class(module, name)
+
+
+def _loads_call(payload: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    origins, blob = pickle.loads(payload)
+    return _CallUnpickler(io.BytesIO(blob), origins).load()
+
+
+def _error_message(cid: int, exc: BaseException) -> tuple[Any, ...]:
+    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        blob = pickle.dumps(exc)
+        pickle.loads(blob)  # refuse exceptions that would not rebuild in the parent
+    except Exception:
+        blob = None
+    return ("err", cid, blob, tb_text, type_name, str(exc))
+
+
+def _peer_main(conn: Any, name: str, env: Mapping[str, str | None] | None) -> None:
+    """Entry point of the child: apply env, then serve the command loop until stop or EOF."""
+    global _IN_PEER, _CONN
+    _IN_PEER = True
+    _CONN = conn
+    faulthandler.enable()
+    if env:  # already applied at spawn for spawn/fork; this covers forkserver
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    state: dict[str, Any] = {"peer_name": name}
+    _send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        kind = msg[0]
+        if kind == "stop":
+            return
+        if kind == "arm":
+            _, cp_name, action, nth = msg
+            with _CP_LOCK:
+                _ARMED[cp_name] = [action, nth]
+            continue
+        if kind == "disarm":
+            with _CP_LOCK:
+                if msg[1] is None:
+                    _ARMED.clear()
+                else:
+                    _ARMED.pop(msg[1], None)
+            continue
+        # kind == "call"
+        _, cid, payload = msg
+        try:
+            fn, args, kwargs = _loads_call(payload)
+        except BaseException as exc:  # module not importable here, etc.
+            reply = _error_message(cid, PeerCallError(f"cannot load the call in peer {name!r}: {exc!r}"))
+        else:
+            try:
+                value = fn(state, *args, **kwargs)
+            except BaseException as exc:  # everything goes back to the parent, even SystemExit
+                reply = _error_message(cid, exc)
+            else:
+                try:
+                    reply = ("ok", cid, pickle.dumps(value))
+                except Exception as exc:
+                    reply = _error_message(cid, PeerCallError(
+                        f"result of {getattr(fn, '__qualname__', fn)!r} is not picklable: {exc!r}"))
+        try:
+            _send(reply)
+        except (BrokenPipeError, OSError):
+            return
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class PeerFuture:
+    """Result of :meth:`PeerHandle.call_async`; ``result(timeout)`` raises ``TimeoutError``."""
+
+    def __init__(self, peer: str, what: str) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._peer = peer
+        self._what = what
+
+    def _set_result(self, value: Any) -> None:
+        self._value = value
+        self._event.set()
+
+    def _set_exception(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
+        """Wait at most ``timeout`` seconds (``None``: no deadline — avoid in tests)."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"peer {self._peer!r}: {self._what} did not answer within {timeout} s")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def exception(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> BaseException | None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"peer {self._peer!r}: {self._what} did not answer within {timeout} s")
+        return self._exc
+
+
+_LIVE: "set[PeerHandle]" = set()  # strong refs: a dropped handle is still reaped at exit
+_LIVE_LOCK = threading.Lock()
+_ENV_LOCK = threading.Lock()
+
+
+@contextmanager
+def _patched_environ(env: Mapping[str, str | None] | None) -> Iterator[None]:
+    if not env:
+        yield
+        return
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        try:
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+class PeerHandle:
+    """Parent-side handle of one peer process; see the module docstring.  Use :func:`spawn_peer`."""
+
+    def __init__(self, name: str, *, env: Mapping[str, str | None] | None = None,
+                 start_method: str = "spawn") -> None:
+        self.name = name
+        self._env = dict(env) if env else None
+        self._ctx = multiprocessing.get_context(start_method)
+        self._conn, child_conn = self._ctx.Pipe(duplex=True)
+        self._process = self._ctx.Process(
+            target=_peer_main, args=(child_conn, name, self._env), name=f"llmdd-peer-{name}", daemon=False)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, PeerFuture] = {}
+        self._lock = threading.Lock()
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._ready = PeerFuture(name, "startup")
+        self._dead_reason: str | None = None
+        self._stalled = False
+        self._closed = False
+        self._fired: list[tuple[str, str]] = []
+        self._fired_cond = threading.Condition()
+        self._proc_lock = threading.Lock()  # serializes waitpid between the reader and kill()
+        self._released_exitcode: int | None = None
+        self._released = False
+        with _patched_environ(self._env):
+            self._process.start()
+        child_conn.close()  # so that the child's death gives EOF here
+        self._pid: int = self._process.pid  # type: ignore[assignment]
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        self._reader = threading.Thread(target=self._read_loop, name=f"llmdd-peer-{name}-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, name=f"llmdd-peer-{name}-writer", daemon=True)
+        self._reader.start()
+        self._writer.start()
+
+    # -- properties
+    @property
+    def pid(self) -> int:
+        return self._pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """``None`` while running; the exit status, or ``-signal`` when killed by a signal."""
+        with self._proc_lock:
+            if self._released:
+                return self._released_exitcode
+            return self._process.exitcode
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def _join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the child to exit, and reap it; never holds the lock while waiting."""
+        with self._proc_lock:
+            if self._released:
+                return
+            sentinel = self._process.sentinel
+        try:
+            exiting = bool(mp_wait([sentinel], timeout))
+        except (OSError, ValueError):  # released meanwhile by another thread
+            exiting = False
+        with self._proc_lock:
+            if not self._released:
+                # the sentinel fires when the child's fds close, a moment before it can be
+                # reaped: then wait for the zombie (blocking, as Process.join does), else just poll
+                self._process.join(None if exiting else 0)
+
+    @property
+    def stalled(self) -> bool:
+        return self._stalled
+
+    def __repr__(self) -> str:
+        return f"<PeerHandle {self.name!r} pid={self._pid} exitcode={self.exitcode}>"
+
+    # -- background threads
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as exc:  # a reply the parent cannot even decode: fail everything
+                self._dead_reason = f"undecodable message from peer: {exc!r}"
+                break
+            kind = msg[0]
+            if kind == "ready":
+                self._ready._set_result(msg[1])
+                continue
+            if kind == "fired":
+                if msg[2] == "stall":  # report it only once the child is really stopped
+                    self._stalled = True
+                    self._wait_proc_state(lambda st: st in ("T", "t"))
+                with self._fired_cond:
+                    self._fired.append((msg[1], msg[2]))
+                    self._fired_cond.notify_all()
+                continue
+            with self._lock:
+                fut = self._pending.pop(msg[1], None)
+            if fut is None:
+                continue
+            if kind == "ok":
+                try:
+                    fut._set_result(pickle.loads(msg[2]))
+                except Exception as exc:
+                    fut._set_exception(PeerCallError(f"cannot unpickle the result in the parent: {exc!r}"))
+            else:
+                fut._set_exception(self._rebuild_error(msg))
+        # EOF: the child is gone (or never answers again); reap it and fail every waiter
+        self._join(_REAP_TIMEOUT)
+        exitcode = self.exitcode
+        err_text = self._dead_reason or f"peer {self.name!r} exited with code {exitcode}"
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self._closed = True
+        with self._fired_cond:
+            self._fired_cond.notify_all()
+        for fut in [self._ready, *pending.values()]:
+            if not fut.done():
+                fut._set_exception(PeerExitedError(err_text, exitcode))
+
+    def _rebuild_error(self, msg: tuple[Any, ...]) -> BaseException:
+        _, _, blob, tb_text, type_name, text = msg
+        exc: BaseException
+        if blob is None:
+            exc = PeerCallError(f"{type_name}: {text}")
+        else:
+            try:
+                exc = pickle.loads(blob)
+            except Exception:
+                exc = PeerCallError(f"{type_name}: {text}")
+        exc.__cause__ = RemoteTraceback(f"[peer {self.name!r} pid {self._pid}]\n{tb_text}")
+        try:
+            exc.remote_traceback = tb_text  # type: ignore[attr-defined]
+        except AttributeError:  # __slots__ exceptions
+            pass
+        return exc
+
+    def _write_loop(self) -> None:
+        while True:
+            msg = self._outbox.get()
+            if msg is None:
+                return
+            try:
+                self._conn.send(msg)
+            except (BrokenPipeError, OSError):
+                return  # the reader reports the death
+
+    # -- calls
+    def _wait_ready(self, timeout: float) -> None:
+        try:
+            self._ready.result(timeout)
+        except BaseException:
+            self._request_stop()
+            self._finish_close(time.monotonic())
+            raise
+
+    def call_async(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PeerFuture:
+        """Send ``fn(state, *args, **kwargs)`` to the child; returns at once with a future.
+
+        ``fn`` and the arguments are pickled here, so an unpicklable call fails immediately.
+        Calls run one at a time in the child, in the order they were sent.
+        """
+        what = f"call {getattr(fn, '__qualname__', repr(fn))}"
+        payload = _dumps_call(fn, args, kwargs)
+        fut = PeerFuture(self.name, what)
+        with self._lock:
+            if self._closed:
+                raise PeerExitedError(f"peer {self.name!r} is not running (exit code {self.exitcode})",
+                                      self.exitcode)
+            cid = next(self._ids)
+            self._pending[cid] = fut
+        self._outbox.put(("call", cid, payload))
+        return fut
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT,
+             **kwargs: Any) -> Any:
+        """Run ``fn(state, *args, **kwargs)`` in the child and return its result.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the
+        call; its late answer is discarded), :class:`PeerExitedError` if the child dies first,
+        or the child's exception (``__cause__``: :class:`RemoteTraceback`).
+        """
+        return self.call_async(fn, *args, **kwargs).result(timeout)
+
+    # -- checkpoints
+    def arm(self, checkpoint: str, action: Action = "kill", *, nth: int = 1) -> None:
+        """Make the child ``action`` itself on the ``nth`` next hit of ``checkpoint(name)``.
+
+        Takes effect before any call sent after this one (not inside a call already running).
+        """
+        if action not in _ACTIONS:
+            raise ValueError(f"action must be one of {_ACTIONS}, not {action!r}")
+        if nth < 1:
+            raise ValueError("nth must be >= 1")
+        self._send_control(("arm", checkpoint, action, nth))
+
+    @property
+    def fired(self) -> list[tuple[str, str]]:
+        """``(checkpoint, action)`` of every armed checkpoint that fired in the child, in order."""
+        with self._fired_cond:
+            return list(self._fired)
+
+    def wait_fired(self, checkpoint: str, timeout: float = DEFAULT_CALL_TIMEOUT) -> str:
+        """Wait until the armed ``checkpoint`` fired in the child; return its action.
+
+        For ``"stall"`` this returns once the child is actually stopped, so a following
+        :meth:`resume` cannot overtake the child's own SIGSTOP.
+        """
+        def hit() -> str | None:
+            return next((a for n, a in self._fired if n == checkpoint), None)
+
+        with self._fired_cond:
+            if not self._fired_cond.wait_for(lambda: hit() is not None or self._closed, timeout):
+                raise TimeoutError(f"peer {self.name!r}: checkpoint {checkpoint!r} did not fire within {timeout} s")
+            action = hit()
+        if action is None:
+            raise PeerExitedError(f"peer {self.name!r} exited before checkpoint {checkpoint!r} fired", self.exitcode)
+        return action
+
+    def disarm(self, checkpoint: str | None = None) -> None:
+        """Disarm one checkpoint, or all of them with ``None``."""
+        self._send_control(("disarm", checkpoint))
+
+    def _send_control(self, msg: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self._closed:
+                raise PeerExitedError(f"peer {self.name!r} is not running", self.exitcode)
+        self._outbox.put(msg)
+
+    # -- signals
+    def _signal(self, sig: int) -> bool:
+        if self.exitcode is not None:
+            return False
+        try:
+            os.kill(self._pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self, timeout: float = _REAP_TIMEOUT) -> None:
+        """SIGKILL the child and reap it (``exitcode`` becomes ``-9``)."""
+        self._signal(signal.SIGKILL)
+        self._join(timeout)
+        self._stalled = False
+
+    def stall(self) -> None:
+        """SIGSTOP the child; returns once the kernel reports it stopped (Linux) or after 1 s."""
+        if self._signal(signal.SIGSTOP):
+            self._stalled = True
+            self._wait_proc_state(lambda s: s in ("T", "t"))
+
+    def resume(self) -> None:
+        """SIGCONT the child (also after a checkpoint armed with ``"stall"``)."""
+        if self._signal(signal.SIGCONT):
+            self._wait_proc_state(lambda s: s not in ("T", "t"))
+        self._stalled = False
+
+    def _wait_proc_state(self, ok: Callable[[str], bool], limit: float = 1.0) -> None:
+        path = f"/proc/{self._pid}/stat"
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    stat = f.read()
+            except OSError:
+                return  # gone, or no procfs
+            if ok(stat.rsplit(")", 1)[1].split()[0]):
+                return
+            time.sleep(0.001)
+
+    # -- shutdown
+    def _request_stop(self) -> None:
+        self._signal(signal.SIGCONT)  # a stalled child must be able to read "stop"
+        self._stalled = False
+        self._outbox.put(("stop",))
+
+    def _finish_close(self, deadline: float) -> None:
+        self._join(max(0.0, deadline - time.monotonic()))
+        if self.exitcode is None:
+            self.kill()
+        self._outbox.put(None)
+        self._writer.join(_REAP_TIMEOUT)
+        self._reader.join(_REAP_TIMEOUT)
+        if self._reader.is_alive() or self.exitcode is None:
+            return  # cannot happen after a reaped SIGKILL; keep it registered for the exit hook
+        self._conn.close()
+        with self._proc_lock:
+            self._released_exitcode = self._process.exitcode
+            self._process.close()  # releases the sentinel fd now rather than at garbage collection
+            self._released = True
+        with _LIVE_LOCK:
+            _LIVE.discard(self)
+
+    def close(self, timeout: float = _REAP_TIMEOUT) -> None:
+        """Ask the child to stop (after the call it is running), kill it after ``timeout``; reap it.
+
+        Idempotent.  Pending futures fail with :class:`PeerExitedError`.
+        """
+        if self._released:
+            return
+        self._request_stop()
+        self._finish_close(time.monotonic() + timeout)
+
+    def __enter__(self) -> "PeerHandle":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def spawn_peer(name: str, *, env: Mapping[str, str | None] | None = None, start_method: str = "spawn",
+               startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> PeerHandle:
+    """Start a peer child process and wait until its command loop answers.
+
+    ``env`` entries are set (``None``: removed) in the child's environment before the
+    interpreter starts (spawn/fork), so code reading the environment at import sees them.
+    """
+    handle = PeerHandle(name, env=env, start_method=start_method)
+    handle._wait_ready(startup_timeout)
+    return handle
+
+
+class Cluster:
+    """A named group of peers that are all reaped by :meth:`close` (or on ``with`` exit).
+
+    ``cluster["prompt"]`` gets a handle; iterating yields the handles in spawn order, so
+    ``with peers("p", "d") as (p, d):`` unpacks them.
+    """
+
+    def __init__(self, *, env: Mapping[str, str | None] | None = None, start_method: str = "spawn",
+                 close_timeout: float = _REAP_TIMEOUT) -> None:
+        self._env = env
+        self._start_method = start_method
+        self._close_timeout = close_timeout
+        self._handles: dict[str, PeerHandle] = {}
+
+    def spawn(self, *names: str, env: Mapping[str, str | None] | None = None,
+              startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> list[PeerHandle]:
+        """Start peers concurrently, wait until all answer; returns their handles in order."""
+        for n in names:
+            if n in self._handles:
+                raise ValueError(f"a peer named {n!r} already exists in this cluster")
+        merged = {**(self._env or {}), **(env or {})}
+        started = []
+        for n in names:
+            h = PeerHandle(n, env=merged, start_method=self._start_method)
+            self._handles[n] = h
+            started.append(h)
+        deadline = time.monotonic() + startup_timeout
+        for h in started:
+            h._wait_ready(max(0.0, deadline - time.monotonic()))
+        return started
+
+    def __getitem__(self, name: str) -> PeerHandle:
+        return self._handles[name]
+
+    def __iter__(self) -> Iterator[PeerHandle]:
+        return iter(list(self._handles.values()))
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._handles)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop every peer concurrently (graceful, then SIGKILL after ``timeout``) and reap it."""
+        deadline = time.monotonic() + (self._close_timeout if timeout is None else timeout)
+        live = [h for h in self._handles.values() if not h._released]
+        for h in live:
+            h._request_stop()
+        for h in live:
+            h._finish_close(deadline)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+@contextmanager
+def peers(*names: str, env: Mapping[str, str | None] | None = None, start_method: str = "spawn",
+          startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT,
+          close_timeout: float = _REAP_TIMEOUT) -> Iterator[Cluster]:
+    """``with peers("prompt", "decoder") as cluster:`` — every child is reaped at exit, even on failure."""
+    cluster = Cluster(env=env, start_method=start_method, close_timeout=close_timeout)
+    try:
+        cluster.spawn(*names, startup_timeout=startup_timeout)
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def _reap_all_at_exit() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for h in live:
+        h.kill(1.0)
+
+
+# registered after multiprocessing's own hook, so it runs first (atexit is LIFO) and a stalled
+# non-daemon child cannot make interpreter exit hang in multiprocessing's join
+atexit.register(_reap_all_at_exit)
