@@ -327,6 +327,10 @@ class DoneCompletion(Completion):
 def _wrap_error(exc: BaseException) -> TransportError:
     if isinstance(exc, TransportError):
         return exc
+    if isinstance(exc, (ConnectionError, EOFError)):  # reset, broken pipe, refused, aborted
+        return PeerGone(f"peer connection lost: {exc!r}")
+    if isinstance(exc, (TimeoutError,)):
+        return TransportTimeout(f"transport worker timed out: {exc!r}")
     return Corrupt(f"transport worker failed: {exc!r}")
 
 

@@ -146,6 +146,13 @@ class LLMDataDist:
         self._engine_fsm = Lifecycle(Machine.ENGINE, self._hooks.emitter(Machine.ENGINE)).create(
             self._cluster_id, cluster_id=self._cluster_id)
 
+    def add_plugin(self, plugin: Any, name: Optional[str] = None) -> None:
+        """Register a pluggy plugin object (hook subscriber, transport, fault injector) on this
+        engine's plugin manager.  llmdd extension, not part of upstream's API: call it before
+        ``init`` for plugins that contribute transports, at any time for subscribers."""
+        self._ensure_plugins()
+        self._pm.register(plugin, name=name)
+
     def init(self, options: Dict[str, str]) -> None:
         with LLMDataDist._instance_lock, self._lock:
             if self._core is not None:
