@@ -348,8 +348,12 @@ class LinkManager:
             return ep
 
     def offers(self) -> tuple[m.TransportOffer, ...]:
+        """The transports this engine offers in a handshake (only the forced one when forced, so a
+        forcing client is honoured even though the server side decides)."""
         offers = []
         for cand in self._registry.candidates():
+            if self.settings.forced_transport and cand.name != self.settings.forced_transport:
+                continue
             try:
                 desc = self.endpoint(cand.name).describe()
             except (TransportError, OSError) as exc:

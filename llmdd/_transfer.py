@@ -65,6 +65,7 @@ class TransferEngine:
         self._layouts: dict[tuple[int, int], tuple[int, CacheLayout]] = {}
         self._read_done: dict[int, list] = {}
         self._read_done_lock = threading.Condition()
+        self._reservations: dict[int, set] = {}  # id(link) -> key indices a peer reserved and still holds
         self._closed = False
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
@@ -177,7 +178,13 @@ class TransferEngine:
             task.fire("transfer_failed", error=exc)
             if isinstance(exc, PeerGone):
                 self._lm._fail(link, exc, trigger="peer_lost")
-            code = S.LLM_LINK_FAILED if isinstance(exc, PeerGone) else exc.status_code
+                code = S.LLM_LINK_FAILED
+            elif link.state is not LinkState.LINKED:
+                # cancelled because the link went down under it (peer lost, force unlink, finalize):
+                # report why the link is gone, not a generic failure
+                code = getattr(link, "failure_status", None) or S.LLM_LINK_FAILED
+            else:
+                code = exc.status_code
             raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code) from None
         except Refused as exc:
             link.failures += 1
@@ -209,8 +216,18 @@ class TransferEngine:
         reserved = None
         if isinstance(key, CacheKey):
             index = cache_key_index(key)
-            status, result = self._lm.request(link, "reserve_key", {"id": int(index[0]), "model_id": int(index[1])},
-                                              deadline=time.monotonic() + self.timeout_s)
+            try:
+                status, result = self._lm.request(link, "reserve_key",
+                                                  {"id": int(index[0]), "model_id": int(index[1])},
+                                                  deadline=time.monotonic() + self.timeout_s)
+            except LLMException as exc:
+                # the owner may still reserve the key after we gave up: tell it to put the key back
+                self._lm.notify(link, m.TransferRequest(request_id=0, op="release_key", args={
+                    "id": int(index[0]), "model_id": int(index[1])}))
+                if exc.status_code is S.LLM_TIMEOUT:  # the owner did not answer within sync_kv_timeout:
+                    link.failures += 1                # the link is unusable until relinked (contract)
+                    self._lm.transfer_timed_out(link, exc)
+                raise
             if status != 0:
                 raise _err(f"cache key {key} does not exist on cluster {key.cluster_id}",
                            S.LLM_KV_CACHE_NOT_EXIST if status == S.LLM_KV_CACHE_NOT_EXIST.value else S.LLM_FAILED)
@@ -334,13 +351,26 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ owner side handlers
     def _serve_reserve_key(self, link: Any, args: dict) -> tuple[int, dict]:
-        hit = self._memory.reserve_key((int(args["id"]), int(args["model_id"])))
+        index = (int(args["id"]), int(args["model_id"]))
+        hit = self._memory.reserve_key(index)
         if hit is None:
             return S.LLM_KV_CACHE_NOT_EXIST.value, {}
+        with self._read_done_lock:
+            self._reservations.setdefault(id(link), set()).add(index)
         return 0, {"cache_id": int(hit[0]), "batch_index": int(hit[1])}
 
+    def _end_reservation(self, link: Any, index: tuple) -> None:
+        with self._read_done_lock:
+            held = self._reservations.get(id(link))
+            if held is not None:
+                held.discard(index)
+                if not held:
+                    del self._reservations[id(link)]
+
     def _serve_release_key(self, link: Any, args: dict) -> tuple[int, dict]:
-        self._memory.finish_reserved((int(args["id"]), int(args["model_id"])), None, pulled=False)
+        index = (int(args["id"]), int(args["model_id"]))
+        self._end_reservation(link, index)
+        self._memory.finish_reserved(index, None, pulled=False)
         return 0, {}
 
     def _serve_key_consumed(self, link: Any, args: dict) -> tuple[int, dict]:
@@ -350,6 +380,7 @@ class TransferEngine:
             tensors = set()
             for span in msg.tensor_spans:
                 tensors.update(range(span.start, span.stop))
+        self._end_reservation(link, (msg.key.id, msg.key.model_id))
         self._memory.finish_reserved((msg.key.id, msg.key.model_id), tensors, pulled=True)
         return 0, {}
 
@@ -379,6 +410,9 @@ class TransferEngine:
             task.link_down(link)
         with self._read_done_lock:
             self._read_done.pop(id(link), None)
+            orphaned = self._reservations.pop(id(link), set())
+        for index in orphaned:  # a puller that is gone will never consume or release these keys
+            self._memory.finish_reserved(index, None, pulled=False)
         return 0, {}
 
     # ------------------------------------------------------------------ batched read-done notices
@@ -469,11 +503,14 @@ class AsyncTransfer:
             self._cancelled.set()
 
     # -- the worker -----------------------------------------------------------------------
-    def _layers(self) -> range:
-        first = self._configs[0]
-        if first.src_layer_range is not None:
-            return first.src_layer_range
+    def _config_layers(self, config: Any) -> range:
+        if config.src_layer_range is not None:
+            return config.src_layer_range
         return range(0, self._src.num_tensors // 2)
+
+    def _layers(self) -> list:
+        """Every layer some config transfers, in ascending order (configs may cover different ranges)."""
+        return sorted({layer for config in self._configs for layer in self._config_layers(config)})
 
     def _set(self, i: int, code: LLMStatusCode) -> None:
         with self._lock:
@@ -494,8 +531,9 @@ class AsyncTransfer:
                 released_at = time.monotonic()
                 ok = bool(self._sync.synchronize_layer(layer, None))
                 if not ok:
-                    for i in range(len(self._configs)):
-                        if not failed[i]:
+                    # the configs that transfer this layer fail; configs whose layers never started keep None
+                    for i, config in enumerate(self._configs):
+                        if not failed[i] and layer in self._config_layers(config):
                             failed[i] = True
                             self._set(i, S.LLM_PARAM_INVALID)
                     final_error = LLMException(f"synchronize_layer({layer}) returned False",
@@ -506,8 +544,7 @@ class AsyncTransfer:
                 for i, config in enumerate(self._configs):
                     if failed[i]:
                         continue
-                    layers = config.src_layer_range or self._layers()
-                    if layer not in layers:
+                    if layer not in self._config_layers(config):
                         continue
                     link = self._links[i]
                     try:
