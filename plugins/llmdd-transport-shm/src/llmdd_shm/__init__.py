@@ -230,7 +230,30 @@ class ShmTransport(Transport):
         self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
 
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> "ShmEndpoint":
+        _allow_same_user_tracers()
         return ShmEndpoint(cfg=self._cfg)
+
+
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = (1 << 64) - 1
+
+
+def _allow_same_user_tracers() -> None:
+    """With Yama ``ptrace_scope=1`` only ancestors may attach to a process, so two engines started
+    separately could not use cross-memory attach on each other.  An engine that opens an shm
+    endpoint declares, with ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, that processes of the
+    same user may attach: exactly the trust boundary the shm transport already has (docs/transports.md).
+    Scope 0 needs nothing; scope >= 2 cannot be relaxed this way (CMA is then reported unavailable)."""
+    scope = probe_cma().get("ptrace_scope")
+    if scope != 1:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PTRACER, ctypes.c_ulong(_PR_SET_PTRACER_ANY), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 @hookimpl
