@@ -60,6 +60,7 @@ OPT_TLS_CA = "llmdd.tls_ca"
 OPT_KEEPALIVE_MS = "llmdd.keepalive_interval_ms"
 OPT_PEER_TIMEOUT_MS = "llmdd.peer_timeout_ms"
 OPT_DATA_HOST = "llmdd.data_host"
+OPT_HANDSHAKE_MS = "llmdd.handshake_timeout_ms"
 
 MAX_CLUSTERS_PER_CALL = 16
 
@@ -89,6 +90,7 @@ class LinkSettings:
     server_tls: Optional[ssl.SSLContext]
     client_tls: Optional[ssl.SSLContext]
     data_host: Optional[str]
+    handshake_s: float
 
     @classmethod
     def from_options(cls, options) -> "LinkSettings":
@@ -113,6 +115,7 @@ class LinkSettings:
             server_tls=server_tls,
             client_tls=client_tls,
             data_host=raw.get(OPT_DATA_HOST) or None,
+            handshake_s=_ms_option(raw, OPT_HANDSHAKE_MS, 10000) / 1000.0,
         )
 
 
@@ -531,7 +534,7 @@ class LinkManager:
 
     def _serve_handshake(self, sock: socket.socket, addr, comm_id: Optional[int] = None) -> None:
         """Server side of one link: authenticate, choose the transport, exchange tables."""
-        deadline = time.monotonic() + max(5.0, self.settings.peer_timeout_s)
+        deadline = time.monotonic() + self.settings.handshake_s
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.settings.server_tls is not None:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, final
 
 import attrs
 import pluggy
+from pluggy._manager import DistFacade
 
 from . import hookspecs
 from ._events import TransitionEvent
@@ -144,6 +145,31 @@ class LLMDDPluginManager(pluggy.PluginManager):
 
         return undo_and_count
 
+    def load_setuptools_entrypoints(self, group: str, name: Optional[str] = None) -> int:
+        """pluggy's loader, one entry point at a time: a plugin that fails to load is logged as
+        ``llmdd.plugin.load_failed`` and skipped (strict mode: the error propagates)."""
+        import importlib.metadata as metadata
+
+        count = 0
+        for dist in list(metadata.distributions()):
+            for ep in dist.entry_points:
+                if (ep.group != group or (name is not None and ep.name != name)
+                        or self.get_plugin(ep.name) or self.is_blocked(ep.name)):
+                    continue
+                try:
+                    plugin = ep.load()
+                except Exception as exc:
+                    if self.strict:
+                        raise
+                    _log.error("llmdd.plugin.load_failed", plugin=ep.name, value=ep.value,
+                               error=f"{type(exc).__name__}: {exc}")
+                    continue
+                self.register(plugin, name=ep.name)
+                # keep pluggy's record of which distribution a plugin came from (list_plugin_distinfo)
+                self._plugin_distinfo.append((plugin, DistFacade(dist)))
+                count += 1
+        return count
+
     def parse_hookimpl_opts(self, plugin: object, name: str) -> Optional[pluggy.HookimplOpts]:
         opts = super().parse_hookimpl_opts(plugin, name)
         if opts is None:
@@ -167,8 +193,9 @@ def make_plugin_manager(autoload: bool = True, blocked: Iterable[str] = (), stri
     :param blocked: plugin names never to register (added to ``LLMDD_DISABLED_PLUGINS``).
     :param strict: subscriber exceptions are re-raised (tests) instead of only logged.
 
-    A plugin module that fails to import stops the creation with its error (as in
-    pytest): fix it, or block it by name.  Unknown ``llmdd_*`` hook
+    A plugin whose entry point fails to load is skipped and logged as
+    ``llmdd.plugin.load_failed`` (one broken or half-installed plugin must not stop
+    every engine of the machine); in strict mode the error propagates.  Unknown ``llmdd_*`` hook
     implementations fail :meth:`~pluggy.PluginManager.check_pending`.
     """
     pm = LLMDDPluginManager(strict=strict)

@@ -1,0 +1,120 @@
+"""Comm groups (rank-table ``link()``) across real processes on 127.0.0.1.
+
+Members whose ``device_ip`` is an address of this host meet through the same-host rendezvous
+(``LLMDD_RENDEZVOUS_DIR``, one directory per test here); see ``llmdd/_ranktable.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from llmdd.testing._harness import Cluster
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _peers as P  # noqa: E402  (children load it from its file: see the harness)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def rank_table_v10(n: int) -> str:
+    devices = [{"device_id": str(i), "device_ip": "127.0.0.1", "rank_id": str(i)} for i in range(n)]
+    return json.dumps({"version": "1.0", "server_count": "1",
+                       "server_list": [{"server_id": "127.0.0.1", "device": devices}], "status": "completed"})
+
+
+def rank_table_v12(n: int) -> str:
+    devices = [{"device_id": str(i), "device_ip": "127.0.0.1", "super_device_id": str(100 + i), "rank_id": str(i)}
+               for i in range(n)]
+    return json.dumps({"version": "1.2", "server_count": "1",
+                       "server_list": [{"server_id": "127.0.0.1", "device": devices}],
+                       "super_pod_list": [{"super_pod_id": "0", "server_list": [{"server_id": "127.0.0.1"}]}],
+                       "status": "completed"})
+
+
+def _env(tmp_path) -> dict:
+    return {"LLMDD_AUTH_SECRET": None, "LLMDD_RENDEZVOUS_DIR": str(tmp_path / "rendezvous")}
+
+
+def test_two_groups_of_four_link_concurrently_and_every_pair_transfers(tmp_path):
+    groups = {
+        "group-a": ([501, 502, 503, 504], rank_table_v10(4)),
+        "group-b": ([601, 602, 603, 604], rank_table_v12(4)),
+    }
+    with Cluster(env=_env(tmp_path)) as c:
+        names = [f"m{cid}" for ids, _ in groups.values() for cid in ids]
+        handles = dict(zip(names, c.spawn(*names)))
+        for ids, _ in groups.values():
+            for rank, cid in enumerate(ids):
+                handles[f"m{cid}"].call_async(P.start, "PROMPT" if rank == 0 else "DECODER", cid, seed=cid,
+                                              local_comm_res=False)
+        # every member of both groups calls link() at the same time
+        futures = {}
+        for comm_name, (ids, table) in groups.items():
+            rank_info = {cid: rank for rank, cid in enumerate(ids)}
+            for cid in ids:
+                futures[cid] = handles[f"m{cid}"].call_async(P.group_link, comm_name, rank_info, table)
+        comm_ids = {cid: f.result(30.0) for cid, f in futures.items()}
+        assert set(comm_ids.values()) == {1}      # comm ids start at 1, per engine
+        waits = {cid: handles[f"m{cid}"].call_async(P.group_wait, comm_ids[cid], 10.0) for cid in comm_ids}
+        for cid, fut in waits.items():
+            status, took = fut.result(15.0)
+            assert status == "OK", (cid, status, took)
+
+        for comm_name, (ids, _) in groups.items():
+            for a, b in itertools.permutations(ids, 2):
+                h = handles[f"m{a}"]
+                assert h.call(P.link_states)[b] == "linked"
+                # block 0 of every member is never written: it still holds the member's own pattern
+                assert h.call(P.pull, b, [0], [3])[0] == "LLM_SUCCESS", (a, b)
+                np.testing.assert_array_equal(h.call(P.blocks)[:, 3], P.pattern(b, b)[:, 0])
+            # nothing links across groups
+            other = [cid for cid in comm_ids if cid not in ids]
+            assert not set(handles[f"m{ids[0]}"].call(P.link_states)) & set(other)
+
+        # unlink: everyone at once
+        unlinks = {cid: handles[f"m{cid}"].call_async(P.group_unlink, comm_ids[cid]) for cid in comm_ids}
+        for cid, fut in unlinks.items():
+            assert fut.result(15.0) is None, cid
+        deadline = time.monotonic() + 5.0
+        for cid in comm_ids:
+            h = handles[f"m{cid}"]
+            while h.call(P.link_states) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert h.call(P.link_states) == {}, cid
+            assert h.call(P.group_status, comm_ids[cid]) == "LLM_PARAM_INVALID"   # the comm id is gone
+        assert not os.listdir(tmp_path / "rendezvous")  # published addresses were removed
+
+
+def test_group_with_a_missing_member_fails_after_link_total_time(tmp_path):
+    ids = [701, 702, 703]          # rank 2 never shows up
+    table = rank_table_v10(3)
+    rank_info = {cid: rank for rank, cid in enumerate(ids)}
+    with Cluster(env=_env(tmp_path)) as c:
+        present = c.spawn("m701", "m702")
+        for h, cid in zip(present, ids):
+            h.call(P.start, "DECODER", cid, seed=cid, local_comm_res=False, link_total_time=2)
+        futures = [h.call_async(P.group_link, "lonely", rank_info, table) for h in present]
+        comm_ids = [f.result(10.0) for f in futures]
+        waits = [h.call_async(P.group_wait, cid, 8.0) for h, cid in zip(present, comm_ids)]
+        for fut in waits:
+            status, took = fut.result(12.0)
+            assert status == "FAILED"
+            assert 1.5 <= took <= 3.5, took
+        events = present[0].call(P.events, "comm_group")
+        assert events and events[-1]["dest"] == "failed" and events[-1]["error"], events
+        # it stays FAILED, and unlink cleans it up on both present members
+        assert present[1].call(P.group_status, comm_ids[1]) == "FAILED"
+        for h, cid in zip(present, comm_ids):
+            assert h.call(P.group_unlink, cid) is None
+        deadline = time.monotonic() + 5.0
+        for h in present:
+            while h.call(P.link_states) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert h.call(P.link_states) == {}
