@@ -82,7 +82,7 @@ class CommGroups:
         for cid, rank in cluster_rank_info.items():
             table.member(rank)  # every rank must be in the table (LLM_PARAM_INVALID otherwise)
         comm_id = next(self._ids)
-        fsm = self._lc.create(comm_id, comm_name=comm_name, members=len(cluster_rank_info))
+        fsm = self._lc.create(comm_id, comm_id=comm_id, comm_name=comm_name, members=len(cluster_rank_info))
         group = _Group(comm_id, comm_name, table, dict(cluster_rank_info), cluster_rank_info[my_id], fsm)
         total = self._lm.settings.total_time_s or DEFAULT_TOTAL_TIME_S
         deadline = time.monotonic() + total

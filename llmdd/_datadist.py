@@ -113,10 +113,12 @@ class LLMDataDist:
     # -- properties ---------------------------------------------------------------
     @property
     def cluster_id(self) -> int:
+        """The cluster id given at construction (peers key their links by it)."""
         return self._cluster_id
 
     @property
     def cache_manager(self):
+        """The engine's ``CacheManager`` (RuntimeError before ``init`` / after ``finalize``)."""
         core = self._core
         if core is None:
             raise _not_initialized()
@@ -124,6 +126,7 @@ class LLMDataDist:
 
     @property
     def kv_cache_manager(self):
+        """Legacy v1 manager: not available (llmdd implements the cache-manager mode only)."""
         if self._core is None:
             raise _not_initialized()
         raise LLMException("kv_cache_manager is not supported in cache manager mode, use cache_manager.",
@@ -154,6 +157,12 @@ class LLMDataDist:
         self._pm.register(plugin, name=name)
 
     def init(self, options: Dict[str, str]) -> None:
+        """Initialize the engine from ``options`` (usually ``LLMConfig().generate_options()``).
+
+        Completes and checks the options as upstream does, builds the plugin manager (once per
+        object), lifecycles, memory, cache manager, control and data planes, and listens when
+        ``llm.listenIpInfo`` is set.  A no-op when already initialized; one engine per process.
+        """
         with LLMDataDist._instance_lock, self._lock:
             if self._core is not None:
                 return
@@ -185,6 +194,7 @@ class LLMDataDist:
             _log.info("llmdd.engine.init", cluster_id=self._cluster_id, role=self._role.name)
 
     def finalize(self) -> None:
+        """Tear everything down silently (links included); the object may be initialized again."""
         with LLMDataDist._instance_lock, self._lock:
             core = self._core
             if core is None:

@@ -105,7 +105,7 @@ def llmdd_select_transport(link: LinkInfo, candidates: tuple[TransportCandidate,
 
     :param link: who links with whom (:class:`llmdd.plugin.LinkInfo`): cluster
         ids, whether the peer is on this host, the transport forced by option
-        (``llm.TransferBackend``) if any, and the transports the peer offers.
+        (``llmdd.transport`` or ``llm.TransferBackend``) if any, and the transports the peer offers.
     :param candidates: the transports available on both sides, most preferred
         first (highest ``priority``).
     :return: the name of one of ``candidates``, or ``None`` to let the next
@@ -180,7 +180,7 @@ def llmdd_link_transition(event: TransitionEvent) -> None:
 def llmdd_comm_group_transition(event: TransitionEvent) -> None:
     """A comm group built by rank-table ``link()`` changed state.
 
-    :param event: the transition; ``event.info`` carries ``comm_id`` and members.
+    :param event: the transition; ``event.info`` carries ``comm_id``, ``comm_name`` and ``members``.
 
     Called after the transition.  The result is not used; an implementation
     that raises is logged and ignored.
@@ -207,7 +207,7 @@ def llmdd_cache_transition(event: TransitionEvent) -> None:
 def llmdd_task_transition(event: TransitionEvent) -> None:
     """A transfer task changed state (started, layer done, completed, failed...).
 
-    :param event: the transition; ``event.info`` carries ``bytes``, ``layers``
+    :param event: the transition; ``event.info`` carries ``bytes``, ``layer`` (per-layer steps)
         and ``peer`` where known; ``event.error`` is set on failures.
 
     Called after the transition, possibly on an I/O thread: keep it short.  The

@@ -75,7 +75,7 @@ class LinkInfo:
     :ivar local_cluster_id: this engine's cluster id.
     :ivar peer_cluster_id: the peer engine's cluster id.
     :ivar same_host: the peer runs on this host (same-host transports may serve it).
-    :ivar forced: the transport name forced by option (``llm.TransferBackend``), or None.
+    :ivar forced: the transport name forced by option (``llmdd.transport``, or ``llm.TransferBackend``), or None.
     :ivar peer_transports: the names of the transports the peer offered in the handshake.
     """
 

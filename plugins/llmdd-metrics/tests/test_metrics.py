@@ -48,7 +48,7 @@ def test_pull_feeds_counters_histogram_and_link_gauges():
         cfg.enable_cache_manager = True
         dd.init(cfg.generate_options())
         sub = MetricsSubscriber(registry)
-        dd._pm.register(sub)
+        dd.add_plugin(sub)
         dst = np.zeros((2, 8 * 4096), dtype=np.uint8)
         cache = dd.cache_manager.register_blocks_cache(CacheDesc(2, [8, 4096], DataType.DT_UINT8),
                                                        [int(dst[0].ctypes.data), int(dst[1].ctypes.data)])

@@ -34,7 +34,7 @@ _TERMINAL = {"completed": "ok", "failed": "failed", "timed_out": "timeout", "can
 
 
 class MetricsSubscriber:
-    """A pluggy plugin object: register it on an engine's plugin manager (``dd._pm``)."""
+    """A pluggy plugin object: register it on an engine with ``LLMDataDist.add_plugin(subscriber)``."""
 
     def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         reg = registry if registry is not None else REGISTRY
