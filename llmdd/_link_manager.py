@@ -320,6 +320,7 @@ class LinkManager:
         }
         self.request_handlers: dict[str, Callable[[Link, dict], tuple[int, dict]]] = {}
         core.memory.regions.add_listener(self._on_regions_changed)
+        core.memory.add_change_listener(self.announce_all)
         if core.options.listen is not None:
             self.listen(*core.options.listen)
 
@@ -394,7 +395,7 @@ class LinkManager:
                 descs = self._region_descs.setdefault(region.region_id, {})
                 for name, ep in self._endpoints.items():
                     descs[name] = ep.register(self._mem_region(region))
-        self.announce_all()
+        # announcements follow the memory manager's change notice, once caches and keys are consistent
 
     # ------------------------------------------------------------------ table announcements
     def _local_tables(self) -> tuple[dict, dict, dict]:
@@ -994,6 +995,7 @@ class LinkManager:
             self._core.memory.regions.remove_listener(self._on_regions_changed)
         except (KeyError, ValueError):
             pass
+        self._core.memory.remove_change_listener(self.announce_all)
         with self._endpoint_lock:
             endpoints, self._endpoints = self._endpoints, {}
         for ep in endpoints.values():

@@ -121,6 +121,7 @@ class MemoryManager:
         self._keys: dict[KeyIndex, tuple[int, int]] = {}
         self._blocks_keys: dict[int, int] = {}
         self._reserved: dict[KeyIndex, tuple[int, int]] = {}
+        self._change_listeners: list = []
         self._coverage: dict[KeyIndex, set] = {}
         self.regions = RegionTable()
         self._closed = False
@@ -228,6 +229,7 @@ class MemoryManager:
             if rec.owned:
                 del self._keys[index]
                 self._reserved[index] = hit
+                self._changed()
             return hit
 
     def finish_reserved(self, index: KeyIndex, tensors: Optional[range], *, pulled: bool) -> None:
@@ -250,6 +252,7 @@ class MemoryManager:
                     self._drop_key_locked(rec, index, reason="consumed")
                     return
             self._keys[index] = hit
+            self._changed()
 
     def remove_key(self, index: KeyIndex) -> bool:
         """``remove_cache_key``: unknown key or registered cache -> no-op. True when removed."""
@@ -272,8 +275,25 @@ class MemoryManager:
             self._release_locked(rec)
         else:
             rec.tracked.fire("keys_changed", cache_id=rec.cache_id, reason=reason, keys=len(rec.keys))
+            self._changed()
 
     # ------------------------------------------------------------------ caches
+    def add_change_listener(self, listener) -> None:
+        """``listener()`` is called after every change of the cache, key or region tables, once the
+        tables are consistent again (the control plane announces them to linked peers from there)."""
+        self._change_listeners.append(listener)
+
+    def remove_change_listener(self, listener) -> None:
+        if listener in self._change_listeners:
+            self._change_listeners.remove(listener)
+
+    def _changed(self) -> None:
+        for listener in list(self._change_listeners):
+            try:
+                listener()
+            except Exception as exc:  # a listener must not corrupt the tables
+                _log.error("llmdd.memory.change_listener_failed", error=repr(exc))
+
     def key_items(self) -> list[tuple[KeyIndex, tuple[int, int]]]:
         """Snapshot of the CacheKey table: ``(index, (cache_id, batch_index))`` pairs."""
         with self._lock:
@@ -331,6 +351,7 @@ class MemoryManager:
                 _log.info("llmdd.memory.blocks_key_overwritten", model_id=blocks_key.model_id,
                           previous_cache_id=previous, cache_id=cache_id)
             self._blocks_keys[blocks_key.model_id] = cache_id
+        self._changed()
         return rec
 
     def register_cache(self, desc: CacheDesc, addrs: Sequence[int], *, keys: Sequence[CacheKey] = (),
@@ -419,6 +440,7 @@ class MemoryManager:
             if pool is not None and not pool.closed:
                 for a in rec.pool_addrs:
                     pool.free(a)
+        self._changed()
 
     # ------------------------------------------------------------------ remap
     def remap(self, ranges: Iterable[tuple[int, int]]) -> list[Region]:
@@ -431,6 +453,7 @@ class MemoryManager:
                 if rec is not None and rec.tracked.can("remapped"):
                     rec.tracked.fire("remapped", cache_id=cache_id,
                                      regions=[r.region_id for r in updated if r.cache_id == cache_id])
+            self._changed()
             return updated
 
     # ------------------------------------------------------------------ teardown
