@@ -19,6 +19,7 @@ import numpy as np
 
 from ._enums import Memtype, Placement
 from ._log import get_logger
+from ._profiles import PROFILES, check_registration
 from ._memory.copy import Bounds, as_index_array, block_copy_ops, execute, slot_copy_ops
 from ._memory.manager import CacheRecord, MemoryManager
 from ._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
@@ -44,6 +45,7 @@ class CacheManager:
         self._enable_host_mem_pool = len(options.get("llm.HostMemPoolConfig", "") or "") > 0
         self._enable_remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self._enable_local_comm_res = "llm.LocalCommRes" in options
+        self._profile = PROFILES["generic"]  # the engine sets the selected chip-family profile
 
     # ------------------------------------------------------------------ helpers
     def _check_is_inited(self) -> None:
@@ -96,9 +98,10 @@ class CacheManager:
         raise_if_false(len(addrs) > 0, "addrs can not be empty.")
         raise_if_false(len(addrs) == cache_desc.num_tensors, "addrs length should be equal to num_tensors.")
         self._check_addrs(addrs)
+        granted = self._remote_accessible(cache_desc, remote_accessible)
+        check_registration(self._profile, self._memory.records(), cache_desc, addrs, remote_accessible=granted)
         rec = self._memory.register_cache(cache_desc, list(addrs), keys=tuple(cache_keys or ()),
-                                          remote_accessible=self._remote_accessible(cache_desc, remote_accessible),
-                                          is_blocks=False)
+                                          remote_accessible=granted, is_blocks=False)
         _log.debug("llmdd.cache.registered", cache_id=rec.cache_id, tensors=len(addrs))
         return Cache(rec.cache_id, cache_desc, list(addrs), self, True, False)
 
@@ -118,9 +121,10 @@ class CacheManager:
         # the engine's check (C++ side): one address per tensor
         raise_if_false(cache_desc.num_tensors == len(addrs),
                        "cache_desc num_tensors:{0} is not equal to addrs num:{1}.", cache_desc.num_tensors, len(addrs))
+        granted = self._remote_accessible(cache_desc, remote_accessible)
+        check_registration(self._profile, self._memory.records(), cache_desc, addrs, remote_accessible=granted)
         rec = self._memory.register_cache(cache_desc, list(addrs), blocks_key=blocks_cache_key,
-                                          remote_accessible=self._remote_accessible(cache_desc, remote_accessible),
-                                          is_blocks=True)
+                                          remote_accessible=granted, is_blocks=True)
         _log.debug("llmdd.cache.registered", cache_id=rec.cache_id, tensors=len(addrs), blocks=True)
         return Cache(rec.cache_id, cache_desc, list(addrs), self, True, True)
 
@@ -285,6 +289,7 @@ class CacheManager:
     def remap_registered_memory(self, mem_infos: Union[MemInfo, List[MemInfo]]) -> None:
         """Re-map registered device memory after a memory fault; transports re-register it."""
         self._check_is_inited()
+        self._profile.require_api("remap_registered_memory")
         raise_if_false(isinstance(mem_infos, (list, MemInfo)),
                        "mem_infos type only support list of MemInfo or MemInfo, but got {0}.", type(mem_infos))
         infos = mem_infos if isinstance(mem_infos, list) else [mem_infos]

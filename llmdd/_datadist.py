@@ -49,6 +49,11 @@ class _EngineCore:
         from ._profiles import profile_from_options
 
         self.profile = profile_from_options(options.raw)
+        from ._config import parse_mem_pool_cfg
+        from ._profiles import check_pool_options
+
+        host_pool = options.raw.get("llm.HostMemPoolConfig")
+        check_pool_options(self.profile, parse_mem_pool_cfg(host_pool)[0] if host_pool else None)
         self.caches = Lifecycle(Machine.CACHE, self.hooks.emitter(Machine.CACHE))
         self.tasks = Lifecycle(Machine.TASK, self.hooks.emitter(Machine.TASK))
         self.links = Lifecycle(Machine.LINK, self.hooks.emitter(Machine.LINK))
@@ -59,6 +64,7 @@ class _EngineCore:
         self.comm_group_set = None
         try:
             self.cache_manager = CacheManager(self.memory, options.raw)
+            self.cache_manager._profile = self.profile
             from ._link_manager import LinkManager
 
             self.link_manager = LinkManager(self)

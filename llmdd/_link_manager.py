@@ -254,6 +254,7 @@ class Link:
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
     comm_id: Optional[int] = None
+    engine_info: Optional[dict] = None        # the peer's pools and profile (asked once, when needed)
     is_client: bool = True
     created_at: float = attrs.field(factory=time.monotonic)
     bytes_read: int = 0
@@ -559,6 +560,11 @@ class LinkManager:
                 conn.close()
                 return
             hello = hs.hello
+            if self._link_limit_reached() and hello.cluster_id not in self._links:
+                conn.send(hs.refuse(S.LLM_CLUSTER_NUM_EXCEED_LIMIT.value,
+                                    f"this engine has reached its link limit ({self._core.profile.max_links})"))
+                conn.close()
+                return
             offered = {o.name: o for o in hello.transports}
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=hello.cluster_id,
                             same_host=self.host.same_ipc_domain(hello.host),
@@ -657,9 +663,15 @@ class LinkManager:
             _log.warning("llmdd.link.failed", remote=cluster.remote_cluster_id, error=repr(exc))
             return S.LLM_LINK_FAILED
 
+    def _link_limit_reached(self) -> bool:
+        limit = self._core.profile.max_links
+        return limit is not None and sum(1 for lk in self._links.values() if not lk.fsm.is_final) >= limit
+
     def _link_one(self, cluster, deadline: float) -> LLMStatusCode:
         remote_id = cluster.remote_cluster_id
         with self._lock:
+            if self._link_limit_reached():
+                return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
             existing = self._links.get(self._aliases.get(remote_id, remote_id))
             if existing is not None:
                 if existing.linked:

@@ -83,3 +83,39 @@ def profile_from_options(options: Mapping[str, str]) -> ChipProfile:
             raise LLMException(f"transfer_backend='hixl' is required with a non-empty local_comm_res on "
                                f"{profile.description}.", status_code=LLMStatusCode.LLM_PARAM_INVALID)
     return profile
+
+
+def check_registration(profile: ChipProfile, records, desc, addrs, *, remote_accessible: bool) -> None:
+    """The profile's limits on ``register_cache`` / ``register_blocks_cache`` (before anything changes)."""
+    from ._enums import Placement
+
+    invalid = LLMStatusCode.LLM_PARAM_INVALID
+    if profile.max_registered_addrs is not None:
+        used = sum(len(r.addrs) for r in records if not r.owned)
+        if used + len(addrs) > profile.max_registered_addrs:
+            raise LLMException(
+                f"{profile.description} allows at most {profile.max_registered_addrs} registered addresses in "
+                f"total; {used} are registered and {len(addrs)} more were asked.", status_code=invalid)
+    if desc.placement == Placement.DEVICE and profile.device_alignment:
+        first = addrs[0]
+        if first % profile.device_alignment:
+            raise LLMException(
+                f"{profile.description}: device memory for intra-node transfers must start "
+                f"{profile.device_alignment >> 20} MB aligned, got address {first:#x}.", status_code=invalid)
+    if desc.placement == Placement.HOST and remote_accessible and not profile.host_remote_cache:
+        raise LLMException(f"{profile.description}: host memory cannot be a remote cache.", status_code=invalid)
+    cap = profile.max_device_memory if desc.placement == Placement.DEVICE else profile.max_host_memory
+    if cap is not None:
+        used = sum(r.tensor_size * len(r.addrs) for r in records if not r.owned and r.placement == desc.placement)
+        new = desc.size * len(addrs)
+        if used + new > cap:
+            raise LLMException(
+                f"{profile.description} allows at most {cap >> 30} GB of registered {desc.placement.name.lower()} "
+                f"memory; {used} bytes are registered and {new} more were asked.",
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+
+
+def check_pool_options(profile: ChipProfile, host_pool_bytes: Optional[int]) -> None:
+    if profile.max_host_pool is not None and host_pool_bytes is not None and host_pool_bytes > profile.max_host_pool:
+        raise LLMException(f"{profile.description}: host_mem_pool_cfg memory_size {host_pool_bytes} exceeds "
+                           f"{profile.max_host_pool >> 30} GB.", status_code=LLMStatusCode.LLM_PARAM_INVALID)

@@ -22,6 +22,7 @@ import numpy as np
 
 from ._abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
 from ._lifecycle.tables import LinkState, TaskState
+from ._enums import Placement
 from ._log import get_logger
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
 from ._protocol import messages as m
@@ -74,6 +75,7 @@ class TransferEngine:
         handlers["reserve_key"] = self._serve_reserve_key
         handlers["release_key"] = self._serve_release_key
         handlers["push_done"] = self._serve_push_done
+        handlers["engine_info"] = self._serve_engine_info
         handlers["__read_done__"] = self._serve_read_done
         handlers["__key_consumed__"] = self._serve_key_consumed
         handlers["__link_failed__"] = self._on_link_down
@@ -239,6 +241,8 @@ class TransferEngine:
         src_tensors = None
         try:
             src = self.remote_layout(link, cache_id)
+            self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="dst", kind=kind,
+                                   remote_is_blocks=src.is_blocks)
             src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
             dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
             if kind == "pull_cache":
@@ -282,6 +286,8 @@ class TransferEngine:
         link = self._link_for(key.cluster_id)
         cache_id, dst_unit = self._resolve_remote(link, key)
         dst = self.remote_layout(link, cache_id)
+        self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="src", kind=kind,
+                               remote_is_blocks=dst.is_blocks)
         src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
         dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
         if kind == "push_cache":
@@ -348,6 +354,57 @@ class TransferEngine:
         return plan_to_addresses(src=src, src_tensors=src_tensors, dst=dst, src_unit=config.src_batch_index,
                                  src_blocks=src_blocks, dst_blocks=dst_blocks,
                                  dst_block_size=dst_block_size, local="src")
+
+    # ------------------------------------------------------------------ device memory rules
+    MIN_HOST_SIDE_DEVICE_POOL = 100 * 1024 * 1024
+
+    def _device_pool_bytes(self) -> int:
+        text = self._core.options.raw.get("llm.MemPoolConfig") or ""
+        if not text:
+            return 0
+        from ._config import parse_mem_pool_cfg
+
+        return parse_mem_pool_cfg(text)[0]
+
+    def _peer_device_pool_bytes(self, link: Any) -> int:
+        info = getattr(link, "engine_info", None)
+        if info is None:
+            status, info = self._lm.request(link, "engine_info", {}, deadline=time.monotonic() + self.timeout_s)
+            if status != 0:
+                raise _err(f"cluster {link.peer_cluster_id} did not describe its memory pools", S.LLM_FAILED)
+            link.engine_info = info
+        return int(info.get("device_pool_bytes", 0))
+
+    def _check_placements(self, link: Any, *, remote_cache_id: int, local_rec: Any, local_is: str, kind: str,
+                          remote_is_blocks: bool) -> None:
+        """The contract's D2D/D2H/H2D rules, checked before a byte moves.
+
+        * host -> device ``pull_blocks`` only between two blocks caches;
+        * D2H and H2D transfers need a device memory pool of at least 100 MB on the side that holds
+          the host cache (that side stages the copy on an NPU; llmdd keeps the rule so that code
+          tested here keeps working on hardware).
+        """
+        entry = link.tables.cache(remote_cache_id)
+        if entry is None:
+            return
+        local_place, remote_place = local_rec.placement, Placement(entry.placement)
+        src_place, dst_place = (remote_place, local_place) if local_is == "dst" else (local_place, remote_place)
+        if src_place == dst_place:
+            return
+        if (kind == "pull_blocks" and src_place == Placement.HOST and dst_place == Placement.DEVICE
+                and not remote_is_blocks):
+            raise _err("pull_blocks from a host cache into a device cache needs both to be blocks caches",
+                       S.LLM_PARAM_INVALID)
+        host_is_local = local_place == Placement.HOST
+        pool = self._device_pool_bytes() if host_is_local else self._peer_device_pool_bytes(link)
+        if pool < self.MIN_HOST_SIDE_DEVICE_POOL:
+            where = "this engine" if host_is_local else f"cluster {link.peer_cluster_id}"
+            raise _err(f"{'D2H' if dst_place == Placement.HOST else 'H2D'} transfer: {where} holds the host cache "
+                       f"and needs a device memory pool (mem_pool_cfg) of at least 100 MB, it has {pool} bytes",
+                       S.LLM_PARAM_INVALID)
+
+    def _serve_engine_info(self, link: Any, args: dict) -> tuple[int, dict]:
+        return 0, {"device_pool_bytes": self._device_pool_bytes(), "profile": self._core.profile.name}
 
     # ------------------------------------------------------------------ owner side handlers
     def _serve_reserve_key(self, link: Any, args: dict) -> tuple[int, dict]:

@@ -52,11 +52,25 @@ def _check_transport(d, transport):
 
 
 # ------------------------------------------------------------------------------ pull_cache
+def test_h2d_pull_needs_a_device_pool_on_the_host_side(pair_factory):
+    pools = {"mem_pool": 8 * MiB, "host_pool": 8 * MiB}
+    p, d, port = pair_factory("tcp", prompt_kw=pools, decoder_kw=pools)
+    p.call(P.allocate, "pc", 2, [1, 4096], seed=3, keys=(CacheKey(PROMPT, 5),), placement="HOST")
+    d.call(P.allocate, "dc", 2, [1, 4096], placement="DEVICE")
+    _linked(d, port)
+    code, _, _ = d.call(P.cm_status, "pull_cache", CacheKey(PROMPT, 5), P.Ref("dc"), 0)
+    assert code == "LLM_PARAM_INVALID"
+    assert not d.call(P.snapshot, "dc").any()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("placement", ["DEVICE", "HOST"])
 def test_pull_cache_by_cache_key(pair_factory, transport, placement):
     pools = {"mem_pool": 8 * MiB, "host_pool": 8 * MiB}
-    p, d, port = pair_factory(transport, prompt_kw=pools, decoder_kw=pools)
+    # an H2D pull needs a device pool of at least 100 MB on the host-cache side (contract);
+    # pools are created on first use, so configuring it costs nothing here
+    prompt_pools = dict(pools, mem_pool=128 * MiB) if placement == "HOST" else pools
+    p, d, port = pair_factory(transport, prompt_kw=prompt_pools, decoder_kw=pools)
     # 4 tensors (2 layers), batch 3, 4 KiB per slot; keys: req ids 10, 11 and a prefix key
     keys = (CacheKey(PROMPT, 10), CacheKey(PROMPT, 11, 0), CacheKey(PROMPT, 2**64 - 1, 0, 77))
     p.call(P.allocate, "pc", 4, [3, 4096], seed=11, keys=keys, placement=placement)
