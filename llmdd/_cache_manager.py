@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Tuple, Union
 
-import numpy as np
-
 from ._enums import Memtype, Placement
+from ._cache_manager_remote import RemoteOperations
 from ._log import get_logger
 from ._profiles import PROFILES, check_registration
 from ._memory.copy import Bounds, as_index_array, block_copy_ops, execute, slot_copy_ops
 from ._memory.manager import CacheRecord, MemoryManager
 from ._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
-from ._types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, CacheTask, LayerSynchronizer,
-                     MemInfo, TransferConfig, TransferWithCacheKeyConfig, cache_key_index, check_cache_key)
-from ._validation import INVALID_ID, check_dict, check_int64, check_isinstance, check_uint32, check_uint64
+from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, MemInfo, cache_key_index, check_cache_key
+from ._validation import check_dict, check_int64, check_isinstance, check_uint32, check_uint64
 
 __all__ = ["CacheManager"]
 
@@ -34,7 +32,7 @@ _log = get_logger("llmdd.cache_manager")
 _NUM_TENSORS_PER_LAYER = 2
 
 
-class CacheManager:
+class CacheManager(RemoteOperations):
     """Obtained through ``LLMDataDist.cache_manager``; not built by users."""
 
     def __init__(self, memory: MemoryManager, options: Mapping[str, str]) -> None:
@@ -301,203 +299,3 @@ class CacheManager:
             raise_if_false(info.addr != 0, "check mem_info.addr failed, addr can not be zero, index={0}.", i)
             raise_if_false(info.size > 0, "check mem_info.size failed, size must be > 0, index={0}.", i)
         self._memory.remap([(info.addr, info.size) for info in infos])
-
-
-# ---------------------------------------------------------------------- remote operations
-# (bound to CacheManager below; they need the data plane, which the engine attaches as
-# ``cache_manager._transfers`` once links exist)
-
-_PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
-
-
-def _check_pull_kwargs(kwargs: dict) -> tuple:
-    for name in kwargs:
-        raise_if_false(name in _PULL_KWARGS, "Unsupported param:{}", name)
-    src_range = kwargs.get("src_layer_range")
-    dst_range = kwargs.get("dst_layer_range")
-    tnpl = kwargs.get("tensor_num_per_layer", _NUM_TENSORS_PER_LAYER)
-    check_isinstance("src_layer_range", src_range, range)
-    check_isinstance("dst_layer_range", dst_range, range)
-    check_uint32("tensor_num_per_layer", tnpl)
-    raise_if_false(tnpl > 0, "tensor_num_per_layer must be > 0, but got {}.", tnpl)
-    return src_range, dst_range, tnpl
-
-
-def _check_blocks(name: str, blocks) -> list:
-    check_isinstance(name, blocks, (list, tuple), allow_none=False)
-    for i, b in enumerate(blocks):
-        check_uint64(f"{name}[{i}]", b)
-    return list(blocks)
-
-
-def _check_size(size) -> None:
-    check_int64("size", size)
-    raise_if_false(size == -1 or size > 0, "size must be -1 or > 0, but got {}.", size)
-
-
-def _transfers(self: "CacheManager"):
-    self._check_is_inited()
-    engine = getattr(self, "_transfers", None)
-    if engine is None:
-        raise LLMException("the data plane is not available", status_code=LLMStatusCode.LLM_FAILED)
-    return engine
-
-
-def pull_cache(self: "CacheManager", cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache,
-               batch_index: int = 0, size: int = -1, **kwargs) -> None:
-    """Pull a remote cache (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into a local non-blocks cache."""
-    engine = _transfers(self)
-    if self._enable_remote_cache_accessible:
-        check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False,
-                         extra_fmt=" With enable_remote_cache_accessible only CacheKeyByIdAndIndex is supported.")
-    else:
-        check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex), allow_none=False)
-    check_isinstance("cache", cache, Cache, allow_none=False)
-    raise_if_true(cache.is_blocks_cache, "pull_cache does not support a blocks cache, use pull_blocks.")
-    check_uint32("batch_index", batch_index)
-    _check_size(size)
-    src_range, dst_range, tnpl = _check_pull_kwargs(kwargs)
-    if isinstance(cache_key, CacheKey):
-        check_cache_key(cache_key)
-    engine.pull(cache_key, cache, kind="pull_cache", batch_index=batch_index, size=size,
-                src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
-
-
-def pull_blocks(self: "CacheManager", src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
-                dst_cache: Cache, src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
-                dst_blocks: Union[Tuple[int], List[int]] = (), **kwargs) -> None:
-    """Pull remote blocks (or a contiguous remote batch slot) into blocks of a local blocks cache."""
-    engine = _transfers(self)
-    check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey),
-                     allow_none=False)
-    check_isinstance("dst_cache", dst_cache, Cache, allow_none=False)
-    raise_if_false(dst_cache.is_blocks_cache, "dst_cache must be a blocks cache.")
-    src_list = _check_blocks("src_blocks", () if src_blocks is None else src_blocks)
-    dst_list = _check_blocks("dst_blocks", dst_blocks)
-    raise_if_false(len(dst_list) > 0, "dst_blocks can not be empty.")
-    if isinstance(src_cache_key, BlocksCacheKey):
-        raise_if_false(len(src_list) > 0, "src_blocks can not be empty when src_cache_key is a BlocksCacheKey.")
-        raise_if_false(len(src_list) == len(dst_list),
-                       "src_blocks and dst_blocks must have the same length, but got {} and {}.",
-                       len(src_list), len(dst_list))
-    else:
-        raise_if_false(len(src_list) == 0, "src_blocks must be empty when pulling from a non-blocks cache key.")
-    src_range, dst_range, tnpl = _check_pull_kwargs(kwargs)
-    if isinstance(src_cache_key, CacheKey):
-        check_cache_key(src_cache_key)
-    engine.pull(src_cache_key, dst_cache, kind="pull_blocks", src_blocks=src_list or None, dst_blocks=dst_list,
-                src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
-
-
-def _default_layers(cache: Cache, tnpl: int, src_range, dst_range) -> tuple:
-    layers = cache.cache_desc.num_tensors // tnpl
-    src_range = range(0, layers) if src_range is None else src_range
-    dst_range = range(0, layers) if dst_range is None else dst_range
-    check_isinstance("src_layer_range", src_range, range, allow_none=False)
-    check_isinstance("dst_layer_range", dst_range, range, allow_none=False)
-    raise_if_false(len(src_range) == len(dst_range),
-                   "src_layer_range and dst_layer_range must have the same length, but got {} and {}.",
-                   len(src_range), len(dst_range))
-    return src_range, dst_range
-
-
-def push_cache(self: "CacheManager", dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
-               src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
-               size: int = -1, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER) -> None:
-    """Push a local non-blocks cache into a remote cache addressed by id and batch index."""
-    engine = _transfers(self)
-    raise_if_false(self._enable_remote_cache_accessible,
-                   "push_cache requires enable_remote_cache_accessible to be True.")
-    check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex, allow_none=False)
-    check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-    raise_if_true(src_cache.is_blocks_cache, "push_cache does not support a blocks cache, use push_blocks.")
-    check_uint32("src_batch_index", src_batch_index)
-    check_int64("size", size)
-    raise_if_false(size == -1, "push_cache only supports size -1, but got {}.", size)
-    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-    raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0.")
-    src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
-    engine.push(dst_cache_key, src_cache, kind="push_cache", src_batch_index=src_batch_index,
-                src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tensor_num_per_layer)
-
-
-def push_blocks(self: "CacheManager", dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
-                dst_blocks: Union[Tuple[int], List[int]] = (), src_layer_range: range = None,
-                dst_layer_range: range = None, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER) -> None:
-    """Push blocks of a local blocks cache into blocks of a remote blocks cache."""
-    engine = _transfers(self)
-    raise_if_false(self._enable_remote_cache_accessible,
-                   "push_blocks requires enable_remote_cache_accessible to be True.")
-    check_isinstance("dst_cache_key", dst_cache_key, (BlocksCacheKey, CacheKeyByIdAndIndex), allow_none=False)
-    check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-    raise_if_false(src_cache.is_blocks_cache, "src_cache must be a blocks cache.")
-    src_list = _check_blocks("src_blocks", () if src_blocks is None else src_blocks)
-    dst_list = _check_blocks("dst_blocks", dst_blocks)
-    raise_if_false(len(dst_list) > 0, "dst_blocks can not be empty.")
-    raise_if_false(len(src_list) == len(dst_list),
-                   "src_blocks and dst_blocks must have the same length, but got {} and {}.",
-                   len(src_list), len(dst_list))
-    check_uint32("tensor_num_per_layer", tensor_num_per_layer)
-    raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0.")
-    src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
-    engine.push(dst_cache_key, src_cache, kind="push_blocks", src_blocks=src_list, dst_blocks=dst_list,
-                src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tensor_num_per_layer)
-
-
-def transfer_cache_async(self: "CacheManager", src_cache: Cache, layer_synchronizer: LayerSynchronizer,
-                         transfer_configs: Union[List[Union[TransferConfig, TransferWithCacheKeyConfig]],
-                                                 Tuple[Union[TransferConfig, TransferWithCacheKeyConfig]]],
-                         src_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
-                         dst_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
-                         dst_block_memory_size: Optional[int] = None) -> CacheTask:
-    """Transfer layer by layer as ``layer_synchronizer`` releases each layer; returns a ``CacheTask``."""
-    engine = _transfers(self)
-    check_isinstance("src_cache", src_cache, Cache, allow_none=False)
-    check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
-    raise_if_true(src_cache.cache_desc.placement == Placement.HOST,
-                  "transfer_cache_async does not support a source cache in host memory.")
-    config_cls = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
-    check_isinstance("transfer_configs", transfer_configs, (list, tuple), inner_class=config_cls,
-                     allow_none=False)
-    raise_if_false(len(transfer_configs) > 0, "transfer_configs can not be empty.")
-    raise_if_false(src_cache.cache_desc.num_tensors % 2 == 0,
-                   "transfer_cache_async needs an even number of tensors (2 per layer), but got {}.",
-                   src_cache.cache_desc.num_tensors)
-    src_blocks = None if src_block_indices is None else _check_blocks("src_block_indices", src_block_indices)
-    dst_blocks = None if dst_block_indices is None else _check_blocks("dst_block_indices", dst_block_indices)
-    if dst_block_memory_size is not None:
-        check_uint64("dst_block_memory_size", dst_block_memory_size)
-    raise_if_true(src_blocks is not None and dst_blocks is None,
-                  "transfer from a blocks cache to a non-blocks cache is not supported.")
-    if src_blocks is not None:
-        raise_if_false(len(src_blocks) == len(dst_blocks),
-                       "src_block_indices and dst_block_indices must have the same length.")
-    elif dst_blocks is not None:
-        raise_if_false(bool(dst_block_memory_size),
-                       "dst_block_memory_size is required to transfer a cache into blocks.")
-    else:
-        raise_if_false(dst_block_memory_size in (None, 0),
-                       "dst_block_memory_size must be None or 0 for a non-blocks destination.")
-    layers = src_cache.cache_desc.num_tensors // 2
-    for config in transfer_configs:
-        rng = config.src_layer_range
-        if rng is not None:
-            raise_if_false(rng.stop <= layers, "src_layer_range {} exceeds the {} layers of the cache.", rng, layers)
-        if isinstance(config, TransferConfig):
-            count = len(rng) if rng is not None else layers
-            raise_if_false(len(config.dst_addrs) == 2 * count,
-                           "dst_addrs must hold 2 addresses per transferred layer ({}), but got {}.",
-                           2 * count, len(config.dst_addrs))
-        else:
-            raise_if_true(isinstance(config.cache_key, BlocksCacheKey) and config.src_batch_index != 0,
-                          "src_batch_index must be 0 with a BlocksCacheKey.")
-    task = engine.transfer_async(src_cache, layer_synchronizer, list(transfer_configs),
-                                 src_block_indices=src_blocks, dst_block_indices=dst_blocks,
-                                 dst_block_memory_size=dst_block_memory_size)
-    return CacheTask(task)
-
-
-for _fn in (pull_cache, pull_blocks, push_cache, push_blocks, transfer_cache_async):
-    setattr(CacheManager, _fn.__name__, _fn)
-del _fn

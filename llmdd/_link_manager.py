@@ -20,7 +20,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 

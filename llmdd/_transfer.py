@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ._abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
-from ._lifecycle.tables import LinkState, TaskState
+from ._lifecycle.tables import LinkState
 from ._enums import Placement
 from ._log import get_logger
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
