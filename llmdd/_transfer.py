@@ -78,6 +78,7 @@ class TransferEngine:
         handlers["engine_info"] = self._serve_engine_info
         handlers["__read_done__"] = self._serve_read_done
         handlers["__key_consumed__"] = self._serve_key_consumed
+        handlers["consume_key"] = self._serve_consume_key
         handlers["__link_failed__"] = self._on_link_down
         handlers["__link_closed__"] = self._on_link_down
 
@@ -266,9 +267,16 @@ class TransferEngine:
         finally:
             if reserved is not None:
                 if pulled:
-                    self._lm.notify(link, m.KeyConsumed(
-                        key=m.KeyRef.for_req(int(reserved[0]), int(reserved[1])), cache_id=cache_id,
-                        tensor_spans=(m.Span(start=src_tensors.start, stop=src_tensors.stop),)))
+                    # acknowledged, so that when pull_cache returns the owner's key table is final
+                    # (a layer-wise pull leaves the key for the remaining layers, a full one removes it)
+                    try:
+                        self._lm.request(link, "consume_key", {
+                            "id": int(reserved[0]), "model_id": int(reserved[1]), "cache_id": int(cache_id),
+                            "tensors": [src_tensors.start, src_tensors.stop]},
+                            deadline=time.monotonic() + self.timeout_s)
+                    except LLMException as exc:  # the bytes are here; the owner will learn on relink
+                        _log.warning("llmdd.transfer.consume_key_failed", peer=link.peer_cluster_id,
+                                     error=str(exc))
                 else:
                     self._lm.notify(link, m.TransferRequest(request_id=0, op="release_key",
                                                             args={"id": int(reserved[0]),
@@ -439,6 +447,14 @@ class TransferEngine:
                 tensors.update(range(span.start, span.stop))
         self._end_reservation(link, (msg.key.id, msg.key.model_id))
         self._memory.finish_reserved((msg.key.id, msg.key.model_id), tensors, pulled=True)
+        return 0, {}
+
+    def _serve_consume_key(self, link: Any, args: dict) -> tuple[int, dict]:
+        index = (int(args["id"]), int(args["model_id"]))
+        start, stop = args.get("tensors") or (0, 0)
+        self._end_reservation(link, index)
+        self._memory.finish_reserved(index, set(range(int(start), int(stop))) if stop > start else None,
+                                     pulled=True)
         return 0, {}
 
     def _cache_event(self, cache_id: int, trigger: str, **info: Any) -> None:
