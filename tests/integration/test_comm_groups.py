@@ -106,7 +106,7 @@ def test_group_with_a_missing_member_fails_after_link_total_time(tmp_path):
         for fut in waits:
             status, took = fut.result(12.0)
             assert status == "FAILED"
-            assert 1.5 <= took <= 3.5, took
+            assert 1.5 <= took <= 5.0, took  # link_total_time 2 s + margin for a loaded machine
         events = present[0].call(P.events, "comm_group")
         assert events and events[-1]["dest"] == "failed" and events[-1]["error"], events
         # it stays FAILED, and unlink cleans it up on both present members
