@@ -585,13 +585,17 @@ class LinkManager:
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
             if not link.tables_ready.is_set():
                 raise TimeoutError("peer did not send its tables")
+            if link.state is not LinkState.LINKING:
+                raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             self._connect_channel(link, offered[name].descriptor, deadline)
             self._send_initial_tables(link)
             link.fsm.fire("handshake_succeeded", transport=name, reason=link.transport_reason)
         except (TimeoutError, ProtocolError, HandshakeRefused, TransportError, LLMException, OSError) as exc:
             _log.warning("llmdd.link.accept_failed", peer=str(addr), error=str(exc))
             if link is not None:
+                # a link that never came up leaves nothing behind on the server side
                 self._fail(link, exc, trigger="handshake_failed")
+                self._close_link(link, trigger="force_unlink", reason=f"link setup failed: {exc}")
             else:
                 conn.close()
 

@@ -193,10 +193,12 @@ class TransferEngine:
             link.failures += 1
             task.fire("transfer_failed", error=exc)
             raise _err(f"{kind} refused by cluster {link.peer_cluster_id}: {exc}", exc.status_code) from None
-        except TransportError as exc:
+        except TransportError as exc:  # Corrupt & co: the data channel can no longer be trusted
             link.failures += 1
             task.fire("transfer_failed", error=exc)
-            raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", exc.status_code) from None
+            self._lm._fail(link, exc, trigger="peer_lost", status=exc.status_code)
+            raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
+                       exc.status_code) from None
         except BaseException as exc:
             if task.can("transfer_failed"):
                 task.fire("transfer_failed", error=exc)
