@@ -1,7 +1,9 @@
 """Prometheus metrics for llmdd: a hook subscriber, nothing on the data path.
 
-Installed, this distribution registers one :class:`MetricsSubscriber` in every engine
-(entry-point group ``llmdd``).  It turns lifecycle events into:
+Opt in either way: register a subscriber on an engine (``dd.add_plugin(MetricsSubscriber())``),
+or set ``LLMDD_METRICS=1`` and the installed distribution (entry-point group ``llmdd``)
+subscribes one process-wide instance to every engine.  Installed alone it costs nothing.
+It turns lifecycle events into:
 
 * ``llmdd_transfers_total{peer, transport, kind, outcome}`` and
   ``llmdd_transfer_bytes_total{peer, transport, kind, direction}``;
@@ -12,8 +14,7 @@ Installed, this distribution registers one :class:`MetricsSubscriber` in every e
 
 Expose them with ``prometheus_client.start_http_server(port)`` in the application, or
 read them from :data:`REGISTRY` (a framework may pass its own registry to
-:class:`MetricsSubscriber` and register that instance instead).  Set
-``LLMDD_METRICS=0`` to keep the entry-point instance from subscribing.
+:class:`MetricsSubscriber` and register that instance instead).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ _ENTRY_POINT_SUBSCRIBER: Optional[MetricsSubscriber] = None
 def llmdd_addhooks(pluginmanager) -> None:
     """Entry-point load: subscribe one process-wide instance (default registry) to this engine."""
     global _ENTRY_POINT_SUBSCRIBER
-    if os.environ.get("LLMDD_METRICS", "1").lower() in ("0", "false", "no", "off"):
+    if os.environ.get("LLMDD_METRICS", "0").lower() in ("", "0", "false", "no", "off"):
         return
     if _ENTRY_POINT_SUBSCRIBER is None:
         _ENTRY_POINT_SUBSCRIBER = MetricsSubscriber()

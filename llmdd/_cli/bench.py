@@ -1,0 +1,99 @@
+"""``llmdd bench``: llmdd's transfers against this machine's limits, in one run.
+
+For every available transport: ``pull_blocks`` / ``push_blocks`` of paged KV (64 tensors,
+64 KiB and 16 KiB blocks, random block tables), ``pull_cache`` of a contiguous cache, the
+latency of one 64 KiB block, ``transfer_cache_async`` with a layer synchronizer, N
+decoders pulling from one prompt, link setup time and server memory per link, idle engine
+memory.  In the same run: single-thread memcpy and gather, ``process_vm_readv``, raw
+Python sockets (1 and 2 streams, request/reply).  Every llmdd figure is also reported as a
+ratio to its anchor, and the DESIGN.md section 8 targets as met / not met.
+
+``--report results.json [--peers DIR]`` re-renders a finished run, merging the NIXL and
+Mooncake results that ``bench/run_peers.sh`` wrote into DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, fewer repetitions, up to 2 decoders and 8 links (CI; under a minute)")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="results directory (default bench/results/<UTC stamp>/)")
+    parser.add_argument("--transport", action="append", default=None, metavar="NAME",
+                        help="measure only this transport (repeatable; default: every available one)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write cProfile listings of the decoder's pulls (profile_*.txt)")
+    parser.add_argument("--no-anchors", action="store_true", help="skip the machine's anchors (no ratios)")
+    parser.add_argument("--seed", type=int, default=0, help="block tables")
+    parser.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of the table")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="do not measure: re-render this results.json (with --peers merged) and rewrite it")
+    parser.add_argument("--peers", default=None, metavar="DIR",
+                        help="with --report: NIXL / Mooncake anchor JSON lines from bench/run_peers.sh")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .._bench.report import all_verified, finish, table
+
+    if args.report:
+        with open(args.report) as f:
+            results = json.load(f)
+        if args.peers:
+            from .._bench.peers import load_peers
+
+            results["peers"] = load_peers(args.peers)
+            if not results["peers"]["values"]:
+                print(f"llmdd bench: no peer measurements found under {args.peers}", file=sys.stderr)
+        results = finish(results, os.path.dirname(os.path.abspath(args.report)))
+        _emit(results, args, table)
+        return 0
+
+    from .._bench.runner import Options, Sizes, available_transports, run_bench
+
+    transports = available_transports()
+    if args.transport:
+        unknown = [t for t in args.transport if t not in transports]
+        if unknown:
+            print(f"llmdd bench: transport(s) not available here: {', '.join(unknown)} "
+                  f"(available: {', '.join(transports)})", file=sys.stderr)
+            return 2
+        transports = list(args.transport)
+    out = args.out or os.path.join("bench", "results", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    opts = Options(sizes=Sizes.quick() if args.quick else Sizes(), transports=transports, profile=args.profile,
+                   seed=args.seed, skip={"anchors"} if args.no_anchors else set())
+    if not args.quiet:
+        print(f"llmdd bench: transports {', '.join(transports)}; results in {out}", file=sys.stderr)
+    results = run_bench(opts, progress_enabled=not args.quiet)
+    results["meta"]["command"] = " ".join(["llmdd", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] \
+        else "llmdd bench"
+    results["meta"]["quick"] = bool(args.quick)
+    results = finish(results, out)
+    _emit(results, args, table)
+    if not args.quiet:
+        print(f"llmdd bench: wrote {os.path.join(out, 'results.json')}", file=sys.stderr)
+        skipped = results.get("plots", {}).get("skipped")
+        print(f"llmdd bench: {skipped}" if skipped else f"llmdd bench: plots {results['plots'].get('files')}",
+              file=sys.stderr)
+    if results.get("errors"):
+        return 1
+    return 0 if all_verified(results) else 1
+
+
+def _emit(results: dict, args: argparse.Namespace, table) -> None:
+    if args.json:
+        json.dump(results, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        for line in table(results, results["ratios"], results["targets"]):
+            print(line)
+    sys.stdout.flush()
