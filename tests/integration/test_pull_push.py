@@ -51,6 +51,28 @@ def _check_transport(d, transport):
     assert d.call(P.link_info, PROMPT)["transport"] == transport
 
 
+def test_d2h_pull_needs_a_device_pool_on_the_local_host_side(pair_factory):
+    p, d, port = pair_factory("tcp", prompt_kw={"mem_pool": 8 * MiB},
+                              decoder_kw={"mem_pool": 8 * MiB, "host_pool": 8 * MiB})
+    p.call(P.register, "pb", 2, [4, 4096], blocks=True, seed=5, key=BlocksCacheKey(PROMPT, 0))
+    d.call(P.allocate, "dh", 2, [4, 4096], placement="HOST", blocks=True)
+    _linked(d, port)
+    code, _, _ = d.call(P.cm_status, "pull_blocks", BlocksCacheKey(PROMPT, 0), P.Ref("dh"), [0], [1])
+    assert code == "LLM_PARAM_INVALID"
+    assert not d.call(P.snapshot, "dh").any()
+
+
+def test_h2d_pull_blocks_from_a_contiguous_host_cache_is_refused(pair_factory):
+    pools = {"mem_pool": 128 * MiB, "host_pool": 8 * MiB}
+    p, d, port = pair_factory("tcp", prompt_kw=pools, decoder_kw=pools)
+    p.call(P.allocate, "ph", 2, [1, 4 * 4096], seed=9, placement="HOST")
+    d.call(P.register, "db", 2, [4, 4096], blocks=True)
+    _linked(d, port)
+    code, _, _ = d.call(P.cm_status, "pull_blocks", CacheKeyByIdAndIndex(PROMPT, 1, 0), P.Ref("db"), [], [0])
+    assert code == "LLM_PARAM_INVALID"
+    assert not d.call(P.snapshot, "db").any()
+
+
 # ------------------------------------------------------------------------------ pull_cache
 def test_h2d_pull_needs_a_device_pool_on_the_host_side(pair_factory):
     pools = {"mem_pool": 8 * MiB, "host_pool": 8 * MiB}
