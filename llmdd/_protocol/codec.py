@@ -32,6 +32,8 @@ oversized length), before the payload is buffered.  Any malformed input ends in
 
 from __future__ import annotations
 
+import abc
+
 import struct
 import zlib
 from typing import Any
@@ -168,14 +170,18 @@ def _bad(msg: str) -> LocalProtocolError:
     return LocalProtocolError(msg)
 
 
-class _Field:
+class _Field(abc.ABC):
+    """One field codec of a message schema (every concrete field implements both directions)."""
+
     min_size = 1
 
-    def enc(self, v: Any, out: bytearray) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def enc(self, v: Any, out: bytearray) -> None:
+        """Append the encoding of ``v`` to ``out``."""
 
-    def dec(self, r: _Reader) -> Any:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def dec(self, r: _Reader) -> Any:
+        """Decode one value from ``r`` (bounded; raises on malformed input)."""
 
 
 class _Int(_Field):
