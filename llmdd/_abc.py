@@ -153,6 +153,10 @@ class Cancelled(_TypedTransportError):
 # --------------------------------------------------------------------------- op helpers
 
 
+#: batches of at most this many ops are checked with plain Python integers
+_SMALL_BATCH = 8
+
+
 class RegionTable:
     """An immutable snapshot ``region_id -> size`` kept as sorted numpy arrays.
 
@@ -160,12 +164,14 @@ class RegionTable:
     vectorised numpy calls, whatever its length.
     """
 
-    __slots__ = ("ids", "sizes")
+    __slots__ = ("ids", "sizes", "by_id")
 
     def __init__(self, sizes: Mapping[int, Any] = ()) -> None:
         items = sorted((int(k), int(v.size if hasattr(v, "size") else v)) for k, v in dict(sizes).items())
         self.ids = np.fromiter((k for k, _ in items), dtype=np.int64, count=len(items))
         self.sizes = np.fromiter((v for _, v in items), dtype=np.uint64, count=len(items))
+        #: the same table as a dict, for batches of a few ops (no numpy fixed costs)
+        self.by_id = dict(items)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -176,7 +182,19 @@ class RegionTable:
 
     def check(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, side: str) -> None:
         """Raise :class:`Refused` unless every ``(id, offset, length)`` lies inside its region."""
-        if not len(ids):
+        n = len(ids)
+        if not n:
+            return
+        if n <= _SMALL_BATCH:
+            # plain integer compares: same checks, same messages, without numpy's per-call costs
+            by_id = self.by_id
+            for i, (rid, off, ln) in enumerate(zip(ids.tolist(), offsets.tolist(), lengths.tolist())):
+                size = by_id.get(rid)
+                if size is None:
+                    raise Refused(f"{side} region {rid} is not registered")
+                if off < 0 or ln < 0 or off > size or ln > size - off:
+                    raise Refused(f"{side} op {i} out of bounds: region {rid} offset {off % 2**64} "
+                                  f"length {ln % 2**64} size {size}")
             return
         ids = ids.astype(np.int64, copy=False)
         if not len(self.ids):
@@ -205,6 +223,8 @@ def _as_table(regions: Union[RegionTable, Mapping[int, Any]]) -> RegionTable:
 
 def as_ops(ops: Any) -> np.ndarray:
     """Return ``ops`` as a 1-d C-contiguous array of :data:`OP_DTYPE` (no copy when it already is)."""
+    if type(ops) is np.ndarray and ops.dtype is OP_DTYPE and ops.ndim == 1 and ops.flags.c_contiguous:
+        return ops
     arr = np.asarray(ops)
     if arr.dtype != OP_DTYPE:
         raise Refused(f"ops must be a numpy array of OP_DTYPE, got dtype {arr.dtype}")

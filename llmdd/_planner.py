@@ -340,6 +340,9 @@ def plan_blocks(*, src: CacheLayout, dst: CacheLayout, src_blocks: BlockList, ds
                        f"dst cache {dst.cache_id} has {dst.unit_size}-byte blocks")
     if src.unit_size == 0:
         raise _invalid(f"nothing to copy: blocks of cache {src.cache_id} are empty")
+    few = _plan_blocks_few(src, dst, src_blocks, dst_blocks, st, dt, local)
+    if few is not None:
+        return few
     s = block_array(src_blocks, "src_blocks", src.units)
     d = block_array(dst_blocks, "dst_blocks", dst.units)
     if len(s) != len(d):
@@ -347,6 +350,50 @@ def plan_blocks(*, src: CacheLayout, dst: CacheLayout, src_blocks: BlockList, ds
     bs = src.unit_size
     s0, d0, counts = _runs(s, d)
     return _emit(src.regions(st), dst.regions(dt), s0 * bs, d0 * bs, counts * bs, local)
+
+
+#: block lists up to this length (and op grids up to _FEW_OPS) are planned with plain Python ints
+_FEW_BLOCKS = 16
+_FEW_OPS = 64
+
+
+def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: Any, dst_blocks: Any, st: range, dt: range,
+                     local: str) -> Union[np.ndarray, None]:
+    """:func:`plan_blocks` for a few blocks given as lists of in-range Python ints (the latency
+    path: numpy's fixed per-call costs dominate there). Returns None for anything else (other
+    types, out-of-range or unequal lists), which the numpy path then plans or refuses with its
+    usual message; the ops are identical to the numpy path's."""
+    if type(src_blocks) not in (list, tuple) or type(dst_blocks) not in (list, tuple):
+        return None
+    n = len(src_blocks)
+    if not 0 < n <= _FEW_BLOCKS or len(dst_blocks) != n:
+        return None
+    su, du = src.units, dst.units
+    for b in src_blocks:
+        if type(b) is not int or not 0 <= b < su:
+            return None
+    for b in dst_blocks:
+        if type(b) is not int or not 0 <= b < du:
+            return None
+    runs = []
+    ps = pd = -2
+    for a, b in zip(src_blocks, dst_blocks):
+        if a == ps + 1 and b == pd + 1:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+        ps, pd = a, b
+    if len(runs) * len(st) > _FEW_OPS:
+        return None
+    bs = src.unit_size
+    sreg, dreg = src.region_ids, dst.region_ids
+    if local == "dst":
+        rows = [(dreg[t2], d0 * bs, sreg[t1], s0 * bs, c * bs)
+                for t1, t2 in zip(st, dt) for s0, d0, c in runs]
+    else:
+        rows = [(sreg[t1], s0 * bs, dreg[t2], d0 * bs, c * bs)
+                for t1, t2 in zip(st, dt) for s0, d0, c in runs]
+    return np.array(rows, dtype=OP_DTYPE)
 
 
 def plan_contiguous_to_blocks(*, src: CacheLayout, dst: CacheLayout, src_unit: int, dst_blocks: BlockList,

@@ -43,6 +43,15 @@ def _err(msg: str, code: LLMStatusCode) -> LLMException:
 
 def _spans(blocks: Any) -> tuple:
     """Block indices as sorted disjoint spans (for the owner's "peer finished reading" event)."""
+    if isinstance(blocks, (list, tuple)) and len(blocks) <= 16:
+        # a few blocks (the latency path): plain Python beats numpy's fixed per-call costs
+        out = []
+        for b in sorted(set(map(int, blocks))):
+            if out and out[-1][1] == b:
+                out[-1][1] = b + 1
+            else:
+                out.append([b, b + 1])
+        return tuple(m.Span(start=a, stop=b) for a, b in out)
     arr = np.unique(np.asarray(blocks, dtype=np.int64))
     if not len(arr):
         return ()
@@ -64,6 +73,8 @@ class TransferEngine:
         self.timeout_s = core.options.sync_kv_timeout_ms / 1000.0
         self._ids = itertools.count(1)
         self._layouts: dict[tuple[int, int], tuple[int, CacheLayout]] = {}
+        self._local_layouts: dict[int, tuple[Any, tuple, CacheLayout]] = {}
+        self._blocks_refs: dict[int, Any] = {}  # model_id -> KeyRef of its blocks key (immutable)
         self._read_done: dict[int, list] = {}
         self._read_done_lock = threading.Condition()
         self._reservations: dict[int, set] = {}  # id(link) -> key indices a peer reserved and still holds
@@ -87,9 +98,17 @@ class TransferEngine:
         rec = self._memory.get(cache_id)
         if rec is None or not rec.live:
             raise _err(f"local cache {cache_id} does not exist", S.LLM_KV_CACHE_NOT_EXIST)
+        # cached per cache: valid while the engine holds the same record with the same regions
+        # tuple (re-registration makes a new record, a region change a new tuple)
+        hit = self._local_layouts.get(cache_id)
+        if hit is not None and hit[0] is rec and hit[1] is rec.regions:
+            return rec, hit[2]
         regions = sorted(rec.regions, key=lambda r: r.tensor_index)
         layout = CacheLayout(cache_id=cache_id, region_ids=tuple(r.region_id for r in regions),
                              tensor_size=rec.tensor_size, units=rec.rows, is_blocks=rec.is_blocks)
+        if len(self._local_layouts) > 4096:
+            self._local_layouts.clear()
+        self._local_layouts[cache_id] = (rec, rec.regions, layout)
         return rec, layout
 
     def remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
@@ -105,7 +124,9 @@ class TransferEngine:
         region_ids = []
         for addr in entry.addrs:
             region = link.tables.find_region(addr, entry.tensor_size)
-            if region is None or region.addr != addr:
+            # a region the owner does not grant (remote-accessible mode) reads as absent, so the
+            # answer does not reveal that such a cache exists (reliability.md S6)
+            if region is None or region.addr != addr or not region.remote_accessible:
                 raise _err(f"cache {cache_id} of cluster {link.peer_cluster_id} is not registered for remote "
                            f"access", S.LLM_KV_CACHE_NOT_EXIST)
             region_ids.append(region.region_id)
@@ -122,7 +143,13 @@ class TransferEngine:
         if isinstance(key, CacheKeyByIdAndIndex):
             return key.cache_id, key.batch_index
         if isinstance(key, BlocksCacheKey):
-            entry = link.tables.lookup_key(m.KeyRef.for_blocks(key.model_id))
+            ref = self._blocks_refs.get(key.model_id)
+            if ref is None:
+                ref = m.KeyRef.for_blocks(key.model_id)
+                if len(self._blocks_refs) > 4096:
+                    self._blocks_refs.clear()
+                self._blocks_refs[key.model_id] = ref
+            entry = link.tables.lookup_key(ref)
             if entry is None:
                 raise _err(f"no blocks cache with model_id {key.model_id} on cluster {link.peer_cluster_id}",
                            S.LLM_KV_CACHE_NOT_EXIST)
@@ -149,7 +176,8 @@ class TransferEngine:
 
     def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, task: Any = None) -> None:
         """Move ``ops`` over ``link`` as one task step with the sync_kv_timeout deadline."""
-        nbytes = int(ops["length"].sum()) if len(ops) else 0
+        n_ops = len(ops)
+        nbytes = (sum(ops["length"].tolist()) if n_ops <= 8 else int(ops["length"].sum())) if n_ops else 0
         own_task = task is None
         if own_task:
             task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
@@ -493,8 +521,10 @@ class TransferEngine:
     # ------------------------------------------------------------------ batched read-done notices
     def _queue_read_done(self, link: Any, entry: m.ReadDoneEntry) -> None:
         with self._read_done_lock:
+            wake = not self._read_done  # the flusher sleeps only while the queue is empty
             self._read_done.setdefault(id(link), [link]).append(entry)
-            self._read_done_lock.notify()
+            if wake:
+                self._read_done_lock.notify()
 
     def _flush_loop(self) -> None:
         while True:

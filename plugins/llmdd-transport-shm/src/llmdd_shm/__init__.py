@@ -76,7 +76,7 @@ from llmdd.lowlevel import (
 )
 
 from . import _seg
-from ._cma import IOV_MAX, Cma, CmaError, iovecs, probe_cma
+from ._cma import FEW, IOV_MAX, Cma, CmaError, iovecs, probe_cma
 
 __all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
            "host_identity"]
@@ -464,6 +464,7 @@ class ShmEndpoint(Endpoint):
         self._table = RegionTable({k: r.region.size for k, r in items})
         self._ids = np.fromiter((k for k, _ in items), np.int64, len(items))
         self._addrs = np.fromiter((r.region.addr for _, r in items), np.uint64, len(items))
+        self._addr_of = {k: int(r.region.addr) for k, r in items}
 
     def _drain_slots(self, start: int, count: int) -> None:
         """Wait until no reader (any process) holds a shared lock on these slots."""
@@ -478,7 +479,8 @@ class ShmEndpoint(Endpoint):
             os.close(fd)
 
     def _begin(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, _Batch, np.ndarray]:
-        """Validate ``ops`` (both sides) and pin the local regions; return ops, batch, local addrs."""
+        """Validate ``ops`` (both sides) and pin the local regions; return ops, batch, local addrs
+        (a list of ints for at most ``FEW`` ops, else a numpy array)."""
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
@@ -487,9 +489,16 @@ class ShmEndpoint(Endpoint):
             except Refused:
                 self._stats["refused"] += 1
                 raise
-            pos = np.searchsorted(self._ids, ops["local_region"].astype(np.int64))
-            laddr = self._addrs[pos] if len(ops) else np.empty(0, np.uint64)
-            ids = frozenset(np.unique(ops["local_region"]).tolist())
+            if 0 < len(ops) <= FEW:
+                # a few ops (the latency path): Python ints, returned as a list
+                lids = ops["local_region"].tolist()
+                addr_of = self._addr_of
+                laddr = [addr_of[r] for r in lids]
+                ids = frozenset(lids)
+            else:
+                pos = np.searchsorted(self._ids, ops["local_region"].astype(np.int64))
+                laddr = self._addrs[pos] if len(ops) else np.empty(0, np.uint64)
+                ids = frozenset(np.unique(ops["local_region"]).tolist())
             batch = _Batch(ids)
             batch.pinned = [self._regs[r] for r in ids]
             for reg in batch.pinned:
@@ -734,6 +743,7 @@ class ShmChannel(Channel):
         self._rslot = np.fromiter((r.slot for _, r in items), np.int64, n)
         self._rgen = np.fromiter((r.gen for _, r in items), np.uint32, n)
         self._rmaps = [r.mapping for _, r in items]
+        self._rinfo = {k: (r.base, r.kind, r.slot, r.gen, r.mapping) for k, r in items}
 
     # ------------------------------------------------------------------ batches
 
@@ -743,11 +753,18 @@ class ShmChannel(Channel):
                 raise Cancelled("channel closed")
             table, rids, rbase = self._table, self._rids, self._rbase
             rkind, rslot, rgen, rmaps = self._rkind, self._rslot, self._rgen, self._rmaps
+            rinfo = self._rinfo
         ops, batch, laddr = self._ep._begin(ops, table)  # Refused before a byte moves
+        small = type(laddr) is list
         try:
-            pos = np.searchsorted(rids, ops["remote_region"].astype(np.int64))
-            used = np.unique(pos)
-            maps = [rmaps[i] for i in used.tolist() if rmaps[i] is not None]
+            if small:
+                rl = ops["remote_region"].tolist()
+                used_ids = sorted(set(rl))
+                maps = [rinfo[r][4] for r in used_ids if rinfo[r][4] is not None]
+            else:
+                pos = np.searchsorted(rids, ops["remote_region"].astype(np.int64))
+                used = np.unique(pos)
+                maps = [rmaps[i] for i in used.tolist() if rmaps[i] is not None]
             with self._lock:
                 if self._closed:
                     raise Cancelled("channel closed")
@@ -759,7 +776,13 @@ class ShmChannel(Channel):
         except BaseException:
             self._ep._end(batch)
             raise
-        plan = _Plan(ops, laddr, rbase[pos], rkind[pos], rslot[used], rgen[used], rids[used])
+        plan: Union[_Plan, _FewPlan]
+        if small:
+            plan = _FewPlan(ops, laddr, rl, rinfo, used_ids)
+            if plan.total >= int(self._cfg[OPT_SPLIT]) and int(self._cfg[OPT_THREADS]) > 1:
+                plan = plan.full()  # big enough to split across the copy threads
+        else:
+            plan = _Plan(ops, laddr, rbase[pos], rkind[pos], rslot[used], rgen[used], rids[used])
         total = plan.total
         if time.monotonic() >= deadline:
             return self._done(batch, write, plan, TransportTimeout("deadline passed before the batch started"))
@@ -837,7 +860,14 @@ class ShmChannel(Channel):
             raise TransportTimeout("batch missed its deadline")
         if int(self._ctl.hdr[2]) != _OPEN:
             raise PeerGone("peer endpoint closed")
-        if len(plan.slots):
+        if type(plan.slots) is list:  # a _FewPlan: a few slots, Python ints
+            slots = self._ctl.slots
+            for slot, gen, rid in zip(plan.slots, plan.gens, plan.rids):
+                if int(slots[slot, 0]) != _LIVE or int(slots[slot, 1]) != gen:
+                    if first:
+                        raise Refused(f"remote region {rid} is not registered by its owner any more")
+                    raise Cancelled(f"remote region {rid} was deregistered by its owner")
+        elif len(plan.slots):
             st = self._ctl.slots[plan.slots]
             ok = (st[:, 0] == _LIVE) & (st[:, 1] == plan.gens)
             if not ok.all():
@@ -970,6 +1000,71 @@ class _Plan:
             if k:
                 check()
             ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write, between=check)
+
+
+class _FewPlan:
+    """A validated batch of at most ``FEW`` ops as Python ints (the latency path).
+
+    Same contract as :class:`_Plan` (``n``, ``total``, ``slots`` / ``gens`` / ``rids`` of the remote
+    regions, ``slot_range``, ``execute``), without numpy's fixed per-call costs: mapped-segment ops
+    are ``memmove``d, CMA ops go into one ``process_vm_readv`` / ``writev`` with reused ctypes
+    iovecs. Ops larger than the chunk size, or a split across threads, go through :meth:`full`.
+    """
+
+    __slots__ = ("n", "total", "slots", "gens", "rids", "slot_range", "mm", "cm", "_args")
+
+    def __init__(self, ops: np.ndarray, laddr: list, rl: list, rinfo: dict, used_ids: list) -> None:
+        lo, ro, ln = ops["local_offset"].tolist(), ops["remote_offset"].tolist(), ops["length"].tolist()
+        mm: list = []
+        cm: list = []
+        total = 0
+        for la, off, rid, roff, n in zip(laddr, lo, rl, ro, ln):
+            if n <= 0:
+                continue
+            base, kind = rinfo[rid][0], rinfo[rid][1]
+            (mm if kind == KIND_SHM else cm).append((la + off, base + roff, n))
+            total += n
+        self.mm, self.cm = mm, cm
+        self.n = len(mm) + len(cm)
+        self.total = total
+        self.rids = used_ids
+        self.slots = [rinfo[r][2] for r in used_ids]
+        self.gens = [rinfo[r][3] for r in used_ids]
+        self.slot_range = (min(self.slots), max(self.slots) + 1) if self.slots else (0, 1)
+        self._args = (ops, laddr, rl, rinfo)
+
+    def full(self) -> "_Plan":
+        """The same batch as a numpy :class:`_Plan` (chunking, splitting)."""
+        ops, laddr, rl, rinfo = self._args
+        info = [rinfo[r] for r in rl]
+        ids = self.rids
+        return _Plan(ops, np.asarray(laddr, np.uint64), np.asarray([i[0] for i in info], np.uint64),
+                     np.asarray([i[1] for i in info], np.uint8),
+                     np.asarray([rinfo[r][2] for r in ids], np.int64),
+                     np.asarray([rinfo[r][3] for r in ids], np.uint32), np.asarray(ids, np.int64))
+
+    def split(self, parts: int) -> list:
+        return self.full().split(parts)
+
+    def execute(self, ch: "ShmChannel", batch: _Batch, write: bool, deadline: float) -> None:
+        chunk = int(ch._cfg[OPT_CHUNK])
+        if any(n > chunk for _, _, n in self.mm) or any(n > chunk for _, _, n in self.cm) \
+                or sum(n for _, _, n in self.mm) > chunk or sum(n for _, _, n in self.cm) > chunk:
+            self.full().execute(ch, batch, write, deadline)  # checks between chunks
+            return
+        if self.mm:
+            mm = ctypes.memmove
+            for la, ra, n in self.mm:
+                if write:
+                    mm(ra, la, n)
+                else:
+                    mm(la, ra, n)
+        if self.cm:
+            if self.mm:
+                ch._check_peer(self, batch, deadline, first=False)
+            cm = self.cm
+            ch._cma.transfer_few(ch._pid, [c[0] for c in cm], [c[1] for c in cm], [c[2] for c in cm], write=write,
+                                 between=lambda: ch._check_peer(self, batch, deadline, first=False))
 
 
 def _cap(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

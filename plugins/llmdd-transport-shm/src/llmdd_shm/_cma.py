@@ -16,6 +16,7 @@ import ctypes
 import errno
 import os
 import sys
+import threading
 from typing import Callable, Optional
 
 import numpy as np
@@ -82,6 +83,7 @@ class Cma:
         self.iov_max = max(1, int(iov_max))
         self.calls = 0
         self.short_returns = 0
+        self._tls = threading.local()  # per-thread ctypes iovec buffers of transfer_few
 
     @property
     def available(self) -> bool:
@@ -136,6 +138,66 @@ class Cma:
                     r[0, 0] += np.uint64(skip)
                     r[0, 1] -= np.uint64(skip)
         return total
+
+
+    def transfer_few(self, pid: int, laddrs: list, raddrs: list, lengths: list, *, write: bool,
+                     between: Optional[Callable[[], None]] = None) -> int:
+        """:meth:`transfer` for at most :data:`FEW` elements given as Python int lists.
+
+        The iovecs go into per-thread ctypes buffers that are reused from call to call (no numpy
+        array per call); a short transfer resumes through :meth:`transfer` from the exact byte.
+        """
+        n = len(lengths)
+        if n > FEW or n > self.iov_max:
+            return self.transfer(pid, iovecs(np.asarray(laddrs, np.uint64), np.asarray(lengths, np.uint64)),
+                                 iovecs(np.asarray(raddrs, np.uint64), np.asarray(lengths, np.uint64)),
+                                 write=write, between=between)
+        fn = self._writev if write else self._readv
+        if fn is None:
+            raise CmaError(errno.ENOSYS, "process_vm_readv/writev are not available")
+        want = sum(lengths)
+        if n == 0 or want == 0:
+            return 0
+        bufs = getattr(self._tls, "bufs", None)
+        if bufs is None:
+            bufs = self._tls.bufs = ((ctypes.c_uint64 * (2 * FEW))(), (ctypes.c_uint64 * (2 * FEW))())
+        li, ri = bufs
+        for i in range(n):
+            ln = lengths[i]
+            li[2 * i] = laddrs[i]
+            li[2 * i + 1] = ln
+            ri[2 * i] = raddrs[i]
+            ri[2 * i + 1] = ln
+        got = fn(pid, ctypes.addressof(li), n, ctypes.addressof(ri), n, 0)
+        self.calls += 1
+        if got < 0:
+            err = ctypes.get_errno()
+            raise CmaError(err, f"process_vm_{'writev' if write else 'readv'}(pid={pid}): {os.strerror(err)}")
+        if got == 0:
+            raise CmaError(errno.EFAULT, f"process_vm_{'writev' if write else 'readv'}(pid={pid}) "
+                                         f"made no progress ({want} bytes left)")
+        if got >= want:
+            return got
+        # short transfer: the rest, from the exact byte, through the general path
+        self.short_returns += 1
+        la, ra, ln, skip = [], [], [], got
+        for a, b, c in zip(laddrs, raddrs, lengths):
+            if skip >= c:
+                skip -= c
+                continue
+            la.append(a + skip)
+            ra.append(b + skip)
+            ln.append(c - skip)
+            skip = 0
+        if between is not None:
+            between()
+        lens = np.asarray(ln, np.uint64)
+        return got + self.transfer(pid, iovecs(np.asarray(la, np.uint64), lens),
+                                   iovecs(np.asarray(ra, np.uint64), lens), write=write, between=between)
+
+
+#: most elements :meth:`Cma.transfer_few` puts into its reusable ctypes buffers
+FEW = 8
 
 
 def _read_int(path: str) -> Optional[int]:

@@ -81,7 +81,7 @@ ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
 WIRE_OP = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])  # packed, 20 bytes
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
-_WINDOW = 256                              # memoryviews per sendmsg / recvmsg_into call
+_WINDOW = 1024                             # memoryviews per sendmsg / recvmsg_into call (Linux IOV_MAX)
 _HANDSHAKE_TIMEOUT = 10.0
 
 # options (engine options pass through; unknown keys such as "llm.RdmaTrafficClass" are ignored)
@@ -419,8 +419,9 @@ class TcpEndpoint(Endpoint):
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            check_ops(ops, self._local_table, remote)
-            ids = frozenset(np.unique(ops["local_region"]).tolist())
+            ops = check_ops(ops, self._local_table, remote)
+            local = ops["local_region"]
+            ids = frozenset(local.tolist() if len(ops) <= 8 else np.unique(local).tolist())
             batch = _Batch(ids)
             mvs = {}
             for r in ids:
@@ -529,7 +530,8 @@ class TcpEndpoint(Endpoint):
                 refused = reason
             else:
                 refused = None
-                ids = frozenset(np.unique(wire["region"]).tolist())
+                regions = wire["region"].tolist() if len(wire) <= _WINDOW else np.unique(wire["region"]).tolist()
+                ids = frozenset(regions)
                 pinned = [self._regs[r] for r in ids]
                 for reg in pinned:
                     reg.busy += 1
@@ -541,7 +543,13 @@ class TcpEndpoint(Endpoint):
             _send_rsp(sock, ST_REFUSED, refused)
             return
         try:
-            if kind == READ:
+            if kind == READ and len(wire) < _WINDOW:
+                # one window (header + views <= IOV_MAX buffers): the OK header and the bytes leave in one
+                # sendmsg (the same bytes on the wire)
+                views = [mvs[a][b:b + c] for a, b, c in zip(wire["region"].tolist(), wire["offset"].tolist(),
+                                                             wire["length"].tolist())]
+                _sendmsg_all(sock, [_RSP.pack(_M_RSP, ST_OK, 0, 0, 0)] + views)
+            elif kind == READ:
                 _send_rsp(sock, ST_OK)
                 _move(sock, mvs, wire["region"], wire["offset"], wire["length"], None, send=True)
             else:

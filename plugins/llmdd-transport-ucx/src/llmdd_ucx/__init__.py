@@ -84,11 +84,14 @@ OPT_INFLIGHT = "llmdd.ucx.inflight"
 OPT_CONTROL_TIMEOUT = "llmdd.ucx.control_timeout"
 OPT_DRAIN_TIMEOUT = "llmdd.ucx.drain_timeout"
 OPT_SPIN_US = "llmdd.ucx.spin_us"
+OPT_PROGRESS_THREAD = "llmdd.ucx.progress_thread"  # 1: NIXL's own progress thread (busy-polls on cma/shm)
+OPT_NOTIF_IDLE_MS = "llmdd.ucx.notif_idle_ms"      # the notification loop's longest idle sleep
 OPT_TRAFFIC_CLASS = "llm.RdmaTrafficClass"      # -> UCX_IB_TRAFFIC_CLASS
 OPT_SERVICE_LEVEL = "llm.RdmaServiceLevel"      # -> UCX_IB_SL
 _DEFAULTS: dict[str, Any] = {
     OPT_TLS: "", OPT_DEVICES: "", OPT_CHUNK_BYTES: 256 << 20, OPT_CHUNK_DESCS: 1 << 16,
     OPT_INFLIGHT: 4, OPT_CONTROL_TIMEOUT: 5.0, OPT_DRAIN_TIMEOUT: 60.0, OPT_SPIN_US: 50.0,
+    OPT_PROGRESS_THREAD: 0, OPT_NOTIF_IDLE_MS: 20.0,
 }
 
 _INIT_AGENT = "NIXL_INIT_AGENT"
@@ -425,7 +428,11 @@ class UcxEndpoint(Endpoint):
         init = {}
         if self._cfg.get(OPT_DEVICES):
             init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
-        conf = api.nixl_agent_config(enable_prog_thread=True, backends=[],
+        # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
+        # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
+        # default: requests are progressed by whoever waits on them (check_xfer_state) and the
+        # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
+        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
             with _nixl.scoped_env(_ucx_env(self._cfg)):
@@ -451,6 +458,7 @@ class UcxEndpoint(Endpoint):
         self._metadata = agent.get_agent_metadata()
         self._log = _log.bind(agent=self._name)
         self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the notification loop early (a request awaits a reply, close)
         self._notif_thread = threading.Thread(target=self._notif_loop, name=f"llmdd-ucx-ctl-{self._name[-6:]}",
                                               daemon=True)
         self._notif_thread.start()
@@ -547,6 +555,7 @@ class UcxEndpoint(Endpoint):
             ch.close()
         self._broadcast(_proto.BYE, b"")
         self._stop.set()
+        self._kick.set()
         if self._notif_thread is not threading.current_thread():
             self._notif_thread.join(5.0)
         with self._lock:
@@ -591,6 +600,7 @@ class UcxEndpoint(Endpoint):
         ev = threading.Event()
         with self._lock:
             self._waiters[token] = ev
+        self._kick.set()  # poll fast until the reply is in
         try:
             if not self._send(peer, kind, token, payload):
                 return False
@@ -626,7 +636,11 @@ class UcxEndpoint(Endpoint):
             self._log.warning("llmdd.transport.ucx.client_silent", kind=kind, clients=silent)
 
     def _notif_loop(self) -> None:
+        """Poll NIXL's notifications (which also progresses the worker): every 0.5 ms while a reply
+        is awaited or messages arrive, backing off to ``notif_idle_ms`` when idle (no busy polling)."""
         idle = 0.0005
+        longest = max(0.0005, float(self._cfg.get(OPT_NOTIF_IDLE_MS, 20.0)) / 1000.0)
+        kick = self._kick
         while not self._stop.is_set():
             try:
                 agent = self._agent
@@ -635,8 +649,14 @@ class UcxEndpoint(Endpoint):
                 self._log.warning("llmdd.transport.ucx.notif_failed", error=repr(exc))
                 notifs = {}
             if not notifs:
-                self._stop.wait(idle)
-                idle = min(idle * 2, 0.005)
+                if self._waiters:
+                    idle = 0.0005  # a request of ours awaits its reply
+                kick.wait(idle)
+                if kick.is_set():
+                    kick.clear()
+                    idle = 0.0005
+                else:
+                    idle = min(idle * 2, longest)
                 continue
             idle = 0.0005
             for sender, msgs in notifs.items():
