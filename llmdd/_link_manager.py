@@ -205,8 +205,9 @@ class ControlConnection:
             if not self._closed:
                 on_closed(error)
 
-        self._reader = threading.Thread(target=run, name=f"llmdd-ctl-{self.name}", daemon=True)
-        self._reader.start()
+        reader = threading.Thread(target=run, name=f"llmdd-ctl-{self.name}", daemon=True)
+        reader.start()
+        self._reader = reader   # only once started: a concurrent close() may join it from then on
 
     def close(self) -> None:
         with self._send_lock:
@@ -292,6 +293,7 @@ class LinkManager:
         self._lock = threading.RLock()
         self._links: dict[int, Link] = {}           # peer cluster id -> live link
         self._aliases: dict[int, int] = {}          # remote_cluster_id given by the user -> peer id
+        self._linking: set[int] = set()             # remote_cluster_ids with a link_clusters in progress
         self._request_ids = itertools.count(1)
         self._closed = False
         self._listener: Optional[socket.socket] = None
@@ -589,6 +591,7 @@ class LinkManager:
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             self._connect_channel(link, offered[name].descriptor, deadline)
             self._send_initial_tables(link)
+            link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=name, reason=link.transport_reason)
         except (TimeoutError, ProtocolError, HandshakeRefused, TransportError, LLMException, OSError) as exc:
             _log.warning("llmdd.link.accept_failed", peer=str(addr), error=str(exc))
@@ -684,6 +687,17 @@ class LinkManager:
                     return S.LLM_PROCESSING_LINK
                 # FAILED: the caller relinks without unlinking first; replace it
                 self._close_link(existing, trigger="force_unlink", reason="relink after failure")
+            if remote_id in self._linking:
+                # another call is linking this cluster: its handshake would be replaced by ours
+                return S.LLM_PROCESSING_LINK
+            self._linking.add(remote_id)
+        try:
+            return self._link_one_unreserved(cluster, remote_id, deadline)
+        finally:
+            with self._lock:
+                self._linking.discard(remote_id)
+
+    def _link_one_unreserved(self, cluster, remote_id: int, deadline: float) -> LLMStatusCode:
         if not cluster.remote_ip_info_list:
             raise LLMException("remote_ip_info_list is empty. Call append_remote_ip_info to set the server's "
                                "listen address.", status_code=S.LLM_PARAM_INVALID)
@@ -746,6 +760,7 @@ class LinkManager:
             if not link.tables_ready.is_set():
                 raise TimeoutError("the peer did not send its tables in time")
             self._connect_channel(link, peer.transport.descriptor, deadline)
+            link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
             return link
         except HandshakeRefused as exc:

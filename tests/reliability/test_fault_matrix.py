@@ -1,0 +1,482 @@
+"""The fault matrix of reliability.md 3.3, across processes (prompt, stable prompt, decoder).
+
+Each case asserts the contract's status code, the time bound (timeout + EPS; fast faults within
+EPS), the states afterwards (link failed / removed, every task terminal) and then the invariants
+of 3.2 through ``Rig.invariants``: stable pair intact, pool accounting and threads/fds/shm back to
+the baseline, the next transfer correct, relink works.  Faults come from the faults plugin
+(a ``FaultInjector`` added to the decoder before ``init``, targeted at cluster 1 only), the
+harness (kill/stall) and ``LoopbackProxy``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from llmdd.testing import LoopbackProxy, free_port
+
+from conftest import EPS, NB, NT, PROMPT, STABLE, SYNC_S, BS, R
+
+pytestmark = pytest.mark.timeout(90)
+
+PULL_BIG = ("pull_blocks", ("blocks", PROMPT, 1), "bigdst", list(range(NB)), list(range(NB)))
+PULL_ALL = ("pull_blocks", ("blocks", PROMPT, 0), "dst", list(range(NB)), list(range(NB)))
+#: what a transfer whose peer died may fail with (DESIGN.md 3: typed, never a bare LLM_FAILED)
+PEER_ERRORS = {"LLM_LINK_FAILED", "LLM_TIMEOUT"}
+#: a silent peer is declared lost within peer timeout + one keepalive interval (docs/links.md)
+LIVENESS_S = (R.PEER_TIMEOUT_MS + R.KEEPALIVE_MS) / 1000.0
+
+
+def plan(*faults: dict, seed: int = 1) -> str:
+    return json.dumps({"seed": seed, "faults": [dict(f, peer=f.get("peer", PROMPT)) for f in faults]})
+
+
+def _poison_after_error(d, res: dict) -> None:
+    assert res["poison_kept"] is True, f"bytes landed in the caller's memory after the error: {res}"
+
+
+# --------------------------------------------------------------------------- F1, F2
+def test_f1_transfer_before_link_is_not_yet_link(rig):
+    rig.fresh(link_p=False, d_kw={"mem_pool": 1 << 20})
+    d = rig.d
+    d.call(R.allocate, "dc", NT, [1, 8192])
+    for method, args in (("pull_blocks", (["blocks", PROMPT, 0], "dst", [0], [0])),
+                         ("pull_cache", (["key", PROMPT, 1], "dc", 0)),
+                         ("pull_cache", (["id", PROMPT, 1, 0], "dc", 0))):
+        status, took, _ = d.call(R.transfer, method, tuple(args[0]), *args[1:])
+        assert status == "LLM_NOT_YET_LINK" and took < EPS, (method, status, took)
+    assert d.call(R.poison_kept, "dst") and d.call(R.poison_kept, "dc")
+    assert PROMPT not in d.call(R.link_states)
+    assert d.call(R.deallocate, "dc") == "LLM_SUCCESS"
+    rig.invariants()
+
+
+def test_f2_link_twice_is_already_link_and_first_link_intact(rig):
+    rig.fresh()
+    res = rig.d.call(R.link, [(PROMPT, rig.port)])
+    assert "LLM_ALREADY_LINK" in [res["status"], *res["each"]], res
+    assert res["took"] < EPS
+    assert rig.d.call(R.link_states)[PROMPT] == "linked"
+    rig.check_p_data()
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F3, F4, F6
+def test_f3_link_to_blackhole_fails_by_its_timeout_without_half_open_state(rig):
+    rig.fresh(link_p=False)
+    with LoopbackProxy("127.0.0.1", rig.port) as proxy:
+        proxy.partition()
+        t0 = time.monotonic()
+        res = rig.d.call(R.link, [(PROMPT, proxy.port)], 1000)
+        took = time.monotonic() - t0
+        assert res["status"] == "LLM_LINK_FAILED" or res["each"] == ["LLM_LINK_FAILED"], res
+        assert took <= 1.0 + EPS + 0.2, took   # + the harness round trip
+        assert PROMPT not in rig.d.call(R.link_states)
+    rig.invariants()
+
+
+def test_f4_link_to_closed_port_fails_fast(rig):
+    rig.fresh(link_p=False)
+    res = rig.d.call(R.link, [(PROMPT, free_port())], 3000)
+    assert res["status"] == "LLM_LINK_FAILED" or res["each"] == ["LLM_LINK_FAILED"], res
+    assert res["took"] < EPS, res
+    assert PROMPT not in rig.d.call(R.link_states)
+    rig.invariants()
+
+
+def test_f6_more_than_16_clusters_in_one_call_links_nothing(rig):
+    rig.fresh(link_p=False)
+    targets = [(100 + i, rig.port) for i in range(17)]
+    res = rig.d.call(R.link, targets)
+    assert res["status"] == "LLM_CLUSTER_NUM_EXCEED_LIMIT", res
+    assert res["took"] < EPS
+    assert set(rig.d.call(R.link_states)) == {STABLE}
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F5
+def test_f5_concurrent_link_and_unlink_of_one_cluster_keep_the_table_consistent(rig):
+    """16 threads link the same cluster at once: exactly one links, the others get
+    LLM_ALREADY_LINK or LLM_PROCESSING_LINK.  Then 16 threads mix link and force unlink for 5
+    rounds: every call answers one of its documented codes and the table ends with 0 or 1 link,
+    in a state the next calls can use."""
+    rig.fresh(link_p=False)
+    d = rig.d
+    got = d.call(R.link_race, rig.port, 16, timeout=60)
+    codes = [c for _, c in got]
+    assert codes.count("LLM_SUCCESS") == 1, got
+    assert set(codes) <= {"LLM_SUCCESS", "LLM_ALREADY_LINK", "LLM_PROCESSING_LINK"}, got
+    assert d.call(R.link_states)[PROMPT] == "linked"
+    rig.check_p_data()
+    got = d.call(R.link_race, rig.port, 16, True, 5, timeout=90)
+    for tag, code in got:
+        allowed = {"LLM_SUCCESS"} if tag == "unlink" else {"LLM_SUCCESS", "LLM_ALREADY_LINK", "LLM_PROCESSING_LINK",
+                                                             "LLM_LINK_FAILED"}
+        assert code in allowed, (tag, code, got)
+    state = d.call(R.link_states).get(PROMPT)
+    assert state in (None, "linked", "failed"), state
+    if state is not None:   # whatever is left is usable after the documented recovery
+        d.call(R.unlink, [(PROMPT, rig.port)], True)
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F7, F8
+def test_f7_unknown_or_freed_cache_is_kv_cache_not_exist_link_stays(rig):
+    rig.fresh(p_kw={"mem_pool": 1 << 20}, d_kw={"mem_pool": 1 << 20})
+    d, p = rig.d, rig.p
+    d.call(R.allocate, "dc", NT, [1, 8192])
+    for method, key, args in (("pull_cache", ("id", PROMPT, 999, 0), ("dc", 0)),
+                              ("pull_blocks", ("blocks", PROMPT, 7), ("dst", [0], [0])),
+                              ("pull_cache", ("key", PROMPT, 424242), ("dc", 0))):
+        status, took, _ = d.call(R.transfer, method, key, *args)
+        assert status == "LLM_KV_CACHE_NOT_EXIST", (key, status)
+        assert took < EPS
+    # a cache freed on the owner: its key is gone with it
+    p.call(R.allocate, "pc", NT, [1, 8192], seed=5, keys=((PROMPT, 77),))
+    assert p.call(R.deallocate, "pc") == "LLM_SUCCESS"
+    # deallocation with a live key is deferred (contract): the pull gets the original bytes, or
+    # the key is gone (LLM_KV_CACHE_NOT_EXIST); never other bytes
+    p.call(R.allocate, "reuse", NT, [1, 8192], seed=6)
+    status, took, _ = d.call(R.transfer, "pull_cache", ("key", PROMPT, 77), "dc", 0)
+    if status == "LLM_SUCCESS":
+        np.testing.assert_array_equal(d.call(R.snapshot, "dc"), R.pattern(PROMPT, 5, NT, 8192))
+    else:
+        assert status == "LLM_KV_CACHE_NOT_EXIST", status
+        assert d.call(R.poison_kept, "dc")
+    assert p.call(R.deallocate, "reuse") == "LLM_SUCCESS"
+    assert d.call(R.link_states)[PROMPT] == "linked"
+    rig.check_p_data()
+    assert d.call(R.deallocate, "dc") == "LLM_SUCCESS"
+    rig.invariants()
+
+
+def test_f8_owner_deallocates_during_pull_never_stale_bytes(rig):
+    """A pull in flight (delayed 0.3 s by the plugin) while the owner deallocates the cache and
+    reuses the pool for another cache with other bytes: full success with the original bytes
+    (free deferred) or LLM_KV_CACHE_NOT_EXIST; never the new cache's bytes."""
+    mem = {"mem_pool": 4 << 20}
+    rig.fresh(p_kw=mem, d_kw={**mem, "faults": plan({"op": "read", "action": "delay", "delay": 0.3})})
+    p, d = rig.p, rig.d
+    shape = [1, 8192]
+    p_pool_before = p.call(R.pool_in_use)
+    p.call(R.allocate, "pc", NT, shape, seed=7, keys=((PROMPT, 5),))
+    d.call(R.allocate, "dc", NT, shape)
+    d.call(R.start_background, "pull", "pull_cache", ("key", PROMPT, 5), "dc", 0)
+    time.sleep(0.1)
+    assert p.call(R.deallocate, "pc") == "LLM_SUCCESS"
+    p.call(R.allocate, "other", NT, shape, seed=99)      # reuses the freed pages if they were freed
+    status, took, _ = d.call(R.join_background, "pull")
+    assert took <= SYNC_S + EPS
+    got = d.call(R.snapshot, "dc")
+    if status == "LLM_SUCCESS":
+        np.testing.assert_array_equal(got, R.pattern(PROMPT, 7, NT, 8192))
+    else:
+        assert status == "LLM_KV_CACHE_NOT_EXIST", status
+        assert (got == R.POISON).all()
+    stale = R.pattern(PROMPT, 99, NT, 8192)
+    assert not np.array_equal(got, stale)
+    assert p.call(R.deallocate, "other") == "LLM_SUCCESS"
+    assert p.call(R.wait_tasks_terminal) == {}
+    assert p.call(R.pool_in_use) == p_pool_before   # the deferred free happened once the pull drained
+    assert d.call(R.deallocate, "dc") == "LLM_SUCCESS"
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F9, F10/F26, F11
+def test_f9_owner_killed_mid_pull(rig):
+    rig.fresh(d_kw={"faults": plan({"op": "read", "action": "kill_peer", "point": "mid_transfer"})})
+    d = rig.d
+    res = d.call(R.transfer_watch, *PULL_BIG, timeout=10)
+    assert res["status"] in PEER_ERRORS, res
+    assert res["took"] <= SYNC_S + EPS, res
+    _poison_after_error(d, res)
+    assert d.call(R.fault_fired) == [("read", "kill_peer")]
+    state, _ = d.call(R.wait_link_state, PROMPT, ("failed",), 3.0)
+    assert state == "failed"
+    status, took, _ = d.call(R.transfer, *PULL_ALL)          # later ops on the link fail fast
+    assert status in PEER_ERRORS and took < EPS, (status, took)
+    rig.invariants(p_restarted=True)
+
+
+def test_f10_f26_stalled_owner_times_out_late_bytes_never_land(rig):
+    """F10: owner stopped mid-pull, resumed after the timeout: LLM_TIMEOUT by sync_kv_timeout + EPS,
+    link FAILED, and nothing it still sends lands.  F26: the destination blocks are reused at once
+    for a pull from the stable pair; the old writer never overwrites them."""
+    rig.fresh(d_kw={"faults": plan({"op": "read", "action": "stall_peer", "point": "mid_transfer"}),
+                    "sync_ms": 600})
+    d = rig.d
+    status, took, _ = d.call(R.transfer, *PULL_BIG, timeout=10)
+    assert status == "LLM_TIMEOUT", status
+    assert took <= 0.6 + EPS, took
+    assert d.call(R.link_states)[PROMPT] == "failed"
+    d.call(R.fill, "bigdst", R.POISON)
+    # F26: reuse dst for another request right away, then let the stalled writer go on
+    d.call(R.fill, "dst", R.POISON)
+    st = d.call(R.transfer, "pull_blocks", ("blocks", STABLE, 0), "dst", list(range(NB)), list(range(NB)))
+    assert st[0] == "LLM_SUCCESS"
+    d.call(R.fault_heal)                                     # SIGCONTs the owner
+    time.sleep(0.5)
+    np.testing.assert_array_equal(d.call(R.snapshot, "dst"), R.pattern(STABLE, 3, NT, NB * BS))
+    assert d.call(R.poison_kept, "bigdst"), "the timed-out pull's late bytes landed"
+    status, took, _ = d.call(R.transfer, *PULL_BIG)
+    assert status in PEER_ERRORS and took < EPS, (status, took)
+    rig.invariants()
+
+
+@pytest.mark.slow   # waits out the peer timeout / respawns the owner: seconds on a loaded box
+def test_f11_partition_control_by_proxy_and_data_by_plugin(rig):
+    rig.fresh(link_p=False, d_kw={"faults": plan({"op": "read", "action": "partition"}), "sync_ms": 600})
+    d = rig.d
+    with LoopbackProxy("127.0.0.1", rig.port) as proxy:
+        assert d.call(R.link, [(PROMPT, proxy.port)])["status"] == "LLM_SUCCESS"
+        proxy.partition()
+        res = d.call(R.transfer_watch, *PULL_ALL, timeout=10)
+        assert res["status"] == "LLM_TIMEOUT", res
+        assert res["took"] <= 0.6 + EPS, res
+        assert d.call(R.link_states)[PROMPT] == "failed"
+        # the owner notices too, while the partition lasts: nothing reaches it over the control link
+        # for peer_timeout (a FAILED link keeps its control connection until it is unlinked, so
+        # after a heal the owner would only learn it from the unlink)
+        state, waited = rig.p.call(R.wait_link_state, DECODER_ID, ("failed", None), LIVENESS_S + 2.0, timeout=15)
+        assert state in ("failed", None), (state, waited)
+        d.call(R.fault_heal)
+        proxy.heal()
+        time.sleep(0.5)
+        assert d.call(R.poison_kept, "dst"), "bytes of the partitioned pull landed after the heal"
+        d.call(R.unlink, [(PROMPT, proxy.port)], True)
+    rig.invariants()
+
+
+DECODER_ID = 2
+
+
+# --------------------------------------------------------------------------- F12, F13
+@pytest.mark.parametrize("fault", [
+    {"op": "read", "action": "fail", "error": "PeerGone"},                     # F12: RST mid-transfer
+    {"op": "read", "action": "truncate", "nbytes": 1000},                      # F13: truncated payload
+], ids=["f12_rst", "f13_truncate"])
+def test_f12_f13_broken_stream_fails_the_link(rig, fault):
+    rig.fresh(d_kw={"faults": plan(fault)})
+    d = rig.d
+    res = d.call(R.transfer_watch, *PULL_ALL)
+    # a truncated payload is a protocol error: Corrupt, whose documented status is upstream's LLM_FAILED
+    allowed = PEER_ERRORS | ({"LLM_FAILED"} if fault["action"] == "truncate" else set())
+    assert res["status"] in allowed, res
+    assert res["took"] < EPS, res
+    _poison_after_error(d, res)
+    assert d.call(R.link_states)[PROMPT] == "failed"
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F17, F18
+def test_f17_pool_exhausted_is_out_of_memory_without_partial_allocation(rig):
+    rig.fresh(d_kw={"mem_pool": 256 << 10})
+    d = rig.d
+    before = d.call(R.pool_in_use)
+    assert d.call(R.allocate_status, "big", NT, [1, 128 << 10]) == "LLM_OUT_OF_MEMORY"
+    assert d.call(R.pool_in_use) == before
+    assert d.call(R.allocate_status, "ok", NT, [1, 16 << 10]) == "LLM_SUCCESS"
+    n = 0
+    while d.call(R.allocate_status, f"fill{n}", NT, [1, 16 << 10]) == "LLM_SUCCESS":
+        n += 1
+        assert n < 64
+    assert d.call(R.allocate_status, "again", NT, [1, 16 << 10]) == "LLM_OUT_OF_MEMORY"
+    for name in ["ok"] + [f"fill{i}" for i in range(n)]:
+        assert d.call(R.deallocate, name) == "LLM_SUCCESS"
+    assert d.call(R.pool_in_use) == before
+    rig.invariants()
+
+
+BK = ("blocks", PROMPT, 0)
+BAD = [
+    ("LLM_PARAM_INVALID", (BK, "dst", [NB], [0])),
+    ("LLM_PARAM_INVALID", (BK, "dst", [0], [NB])),
+    ("LLM_PARAM_INVALID", (BK, "dst", [2**63 - 1], [0])),
+    ("LLM_PARAM_INVALID", (BK, "dst", [0, 1], [0])),
+    ("LLM_PARAM_INVALID", (BK, "dst", [], [0])),
+    ("LLM_PARAM_INVALID", (BK, "dst", [0], [])),
+    ("ValueError", (BK, "dst", [-1], [0])),
+    ("ValueError", (BK, "dst", [0], [-5])),
+    ("TypeError", (BK, "dst", ["0"], [0])),
+    ("TypeError", (BK, "dst", [0.5], [0])),
+]
+
+
+def test_f18_bad_indices_refused_before_io_link_usable(rig):
+    rig.fresh()
+    d = rig.d
+    before = d.call(R.bytes_read)
+    got = []
+    for expected, args in BAD:
+        status, took, _ = d.call(R.transfer, "pull_blocks", *args)
+        got.append(status)
+        assert took < EPS
+    assert got == [e for e, _ in BAD]
+    ranges = [({"src_layer_range": range(2, 5), "dst_layer_range": range(0, 3)}, "LLM_PARAM_INVALID"),
+              ({"src_layer_range": range(0, 2), "dst_layer_range": range(0, 1)}, "LLM_PARAM_INVALID"),
+              ({"tensor_num_per_layer": 0}, "LLM_PARAM_INVALID")]
+    for kw, expected in ranges:
+        status, _, _ = d.call(R.transfer, "pull_blocks", BK, "dst", [0], [0], **kw)
+        assert status == expected, (kw, status)
+    assert d.call(R.bytes_read) == before, "a refused call moved bytes"
+    assert d.call(R.poison_kept, "dst")
+    assert d.call(R.link_states)[PROMPT] == "linked"
+    rig.check_p_data()
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F19, F20, F22
+def test_f19_force_unlink_with_pulls_in_flight_fails_them_promptly(rig):
+    rig.fresh(d_kw={"faults": plan({"op": "read", "action": "delay", "delay": 0.6, "count": 8})})
+    d = rig.d
+    jobs = [("pull_blocks", BK, "dst", [i], [i]) for i in range(8)]
+    for i, job in enumerate(jobs):
+        d.call(R.start_background, f"j{i}", *job)
+    time.sleep(0.15)
+    t0 = d.call(R.now)
+    res = d.call(R.unlink, [(PROMPT, rig.port)], True)
+    assert res["status"] == "LLM_SUCCESS" and res["took"] < EPS, res
+    results = [d.call(R.join_background, f"j{i}") for i in range(8)]
+    for status, took, end in results:
+        assert status != "LLM_SUCCESS" or end - t0 < 0, (status, took)
+        assert end - t0 <= EPS, (status, end - t0)
+    assert PROMPT not in d.call(R.link_states)
+    d.call(R.fill, "dst", R.POISON)
+    time.sleep(0.5)
+    assert d.call(R.poison_kept, "dst")
+    # the owner detects it (control EOF / keepalive) and drops its side
+    state, _ = rig.p.call(R.wait_link_state, DECODER_ID, ("failed", None), LIVENESS_S + 2.0, timeout=15)
+    assert state in ("failed", None)
+    rig.invariants()
+
+
+@pytest.mark.slow   # waits out the peer timeout / respawns the owner: seconds on a loaded box
+def test_f20_non_force_unlink_with_dead_peer_then_force(rig):
+    rig.fresh()
+    rig.p.kill()
+    res = rig.d.call(R.unlink, [(PROMPT, rig.port)], False, 500)
+    assert "LLM_NOTIFY_PROMPT_UNLINK_FAILED" in [res["status"], *res["each"]], res
+    assert res["took"] <= 0.5 + EPS
+    res = rig.d.call(R.unlink, [(PROMPT, rig.port)], True)
+    assert res["status"] == "LLM_SUCCESS"
+    assert PROMPT not in rig.d.call(R.link_states)
+    rig.invariants(p_restarted=True)
+
+
+def test_f22_switch_role_with_links_is_exist_link(rig):
+    rig.fresh()
+    assert rig.d.call(R.switch_role, "PROMPT") == "LLM_EXIST_LINK"
+    assert rig.d.call(R.link_states) == {STABLE: "linked", PROMPT: "linked"}
+    rig.check_p_data()
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F23, F24, F25
+def test_f23_restart_on_same_port_never_uses_stale_descriptors(rig):
+    rig.fresh()
+    d = rig.d
+    port = rig.port
+    rig.p.kill()
+    state, waited = d.call(R.wait_link_state, PROMPT, ("failed",), 3.0)
+    assert state == "failed"
+    rig.respawn_p()
+    assert rig.p.call(R.setup, "PROMPT", PROMPT, listen=True, port=port) == port
+    rig.p.call(R.register_blocks, "src", NT, NB, BS, seed=2, key=(PROMPT, 0))   # new incarnation, new bytes
+    status, took, _ = d.call(R.transfer, *PULL_ALL)
+    assert status in PEER_ERRORS and took < EPS, (status, took)
+    assert d.call(R.poison_kept, "dst"), "the old link's descriptors reached the new incarnation"
+    d.call(R.unlink, [(PROMPT, port)], True)
+    rig.link_p(port)
+    rig.check_p_data(seed=2)
+    rig.p_seed = 2
+    rig.invariants()
+    rig.p_seed = 1
+
+
+@pytest.mark.slow   # waits out the peer timeout / respawns the owner: seconds on a loaded box
+def test_f24_idle_link_peer_exits_cleanly(rig):
+    rig.fresh()
+    t0 = time.monotonic()
+    rig.p.call(R.finalize)
+    rig.p.close()
+    state, waited = rig.d.call(R.wait_link_state, PROMPT, ("failed", None), LIVENESS_S + 2.0, timeout=15)
+    assert state in ("failed", None)
+    assert time.monotonic() - t0 <= LIVENESS_S + EPS + 0.5
+    if state == "failed":
+        status, took, _ = rig.d.call(R.transfer, *PULL_ALL)
+        assert status in PEER_ERRORS and took < EPS
+    rig.invariants(p_restarted=True)
+
+
+def test_f25_unregister_local_cache_under_an_inflight_pull(rig):
+    rig.fresh(d_kw={"faults": plan({"op": "read", "action": "delay", "delay": 0.4})})
+    d = rig.d
+    d.call(R.start_background, "pull", *PULL_ALL)
+    time.sleep(0.1)
+    res = d.call(R.unregister, "dst")
+    result = d.call(R.join_background, "pull")
+    assert rig.d.is_alive()
+    assert res in ("LLM_SUCCESS", "LLM_EXIST_LINK", "LLM_PARAM_INVALID"), res
+    if res == "LLM_SUCCESS":
+        d.call(R.fill, "dst", R.POISON)
+        time.sleep(0.5)
+        assert d.call(R.poison_kept, "dst"), "a pull wrote into memory after it was unregistered"
+        d.call(R.register_blocks, "dst", NT, NB, BS)
+    else:
+        assert result[0] == "LLM_SUCCESS"
+    rig.invariants()
+
+
+# --------------------------------------------------------------------------- F29
+def test_f29_deadlines_never_read_the_wall_clock():
+    """A wall-clock jump cannot cause a spurious timeout: every deadline and timeout in llmdd and
+    its plugins is computed from ``time.monotonic``; ``time.time()`` only stamps events and logs."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    allowed = {"llmdd/_lifecycle/machines.py"}      # the ``at`` timestamp of lifecycle events
+    wall = re.compile(r"\btime\.time\(\)|datetime\.now\(|\btime\.sleep\(\s*[^)]*time\.time")
+    offenders = []
+    for base in [root / "llmdd", *sorted((root / "plugins").glob("*/src"))]:
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(("llmdd/testing/", "llmdd/_bench/", "llmdd/_demo/", "llmdd/_cli/")) or rel in allowed:
+                continue
+            for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if wall.search(line.split("#", 1)[0]) and "at=" not in line and "\"at\"" not in line:
+                    offenders.append(f"{rel}:{no}: {line.strip()}")
+    assert not offenders, "wall-clock reads outside event timestamps:\n" + "\n".join(offenders)
+
+
+# --------------------------------------------------------------------------- F28
+@pytest.mark.parametrize("p_secret,d_secret", [("s3cret-A", None), (None, "s3cret-A"), ("s3cret-A", "s3cret-B")],
+                         ids=["server_only", "client_only", "wrong"])
+def test_f28_auth_mismatch_fails_link_without_deadlock(rig, p_secret, d_secret):
+    """The rig's warm-up links d to p without secrets; then p and/or d are re-initialised with
+    mismatching secrets and the link must fail within the handshake timeout, leaving no link entry
+    on either side.  Afterwards both are re-initialised without secrets and relink (I6)."""
+    rig.fresh(link_p=False)
+    p, d = rig.p, rig.d
+    port = rig.port
+    if p_secret:
+        port = p.call(R.setup, "PROMPT", PROMPT, listen=True, extra={"llmdd.auth_secret": p_secret})
+    if d_secret:
+        d.call(R.setup, "DECODER", DECODER_ID, extra={"llmdd.auth_secret": d_secret})
+    res = d.call(R.link, [(PROMPT, port)], 2000)
+    assert res["status"] == "LLM_LINK_FAILED" or res["each"] == ["LLM_LINK_FAILED"], res
+    assert res["took"] <= 1.0 + EPS, res        # handshake timeout of the suite: 1 s
+    assert PROMPT not in d.call(R.link_states)
+    # the server never adopted the refused client (and dropped it if it got as far as a link entry)
+    state, _ = p.call(R.wait_link_state, DECODER_ID, (None,), 2.0)
+    assert state is None, state
+    if d_secret:
+        rig.fresh()                 # d was re-initialised: a new baseline, then the full check
+        rig.check_p_data()
+        rig.check_stable()
+    else:
+        rig.port = port
+        rig.invariants(p_restarted=True)       # p back without a secret, relink, correct bytes
