@@ -144,7 +144,15 @@ def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str]):
 
 
 class ControlConnection:
-    """A socket carrying protocol frames: blocking sends under a lock, one reader thread."""
+    """A socket carrying protocol frames: blocking sends under a lock, one reader thread.
+
+    Once the reader runs, the socket's timeout is fixed (:attr:`IO_TIMEOUT`) and never changed
+    again: changing it while another thread is blocked reading breaks TLS sockets.  The reader
+    treats a timeout as "nothing yet" and reads on; a send that cannot progress for that long
+    fails the link.
+    """
+
+    IO_TIMEOUT = 5.0
 
     def __init__(self, sock: socket.socket, *, name: str) -> None:
         self.sock = sock
@@ -152,6 +160,7 @@ class ControlConnection:
         self.name = name
         self._send_lock = threading.Lock()
         self._closed = False
+        self._reading = False
         self._reader: Optional[threading.Thread] = None
 
     def send(self, msg: Any, *, timeout: float = 5.0) -> None:
@@ -160,7 +169,8 @@ class ControlConnection:
             if self._closed:
                 raise ProtocolError("control connection is closed")
             try:
-                self.sock.settimeout(timeout)
+                if not self._reading:
+                    self.sock.settimeout(timeout)
                 self.sock.sendall(data)
             except (OSError, ValueError) as exc:
                 raise ProtocolError(f"control send failed: {exc}") from None
@@ -187,11 +197,15 @@ class ControlConnection:
         def run() -> None:
             error: BaseException | None = None
             try:
-                self.sock.settimeout(None)
                 while True:
                     msg = self.codec.next_message()
                     if msg is NEED_DATA:
-                        data = self.sock.recv(1 << 20)
+                        try:
+                            data = self.sock.recv(1 << 20)
+                        except socket.timeout:
+                            if self._closed:
+                                break
+                            continue  # idle: liveness is the keepalive's business
                         self.codec.receive_data(data)
                         continue
                     if msg is PEER_CLOSED:
@@ -205,6 +219,9 @@ class ControlConnection:
             if not self._closed:
                 on_closed(error)
 
+        with self._send_lock:
+            self.sock.settimeout(self.IO_TIMEOUT)
+            self._reading = True
         reader = threading.Thread(target=run, name=f"llmdd-ctl-{self.name}", daemon=True)
         reader.start()
         self._reader = reader   # only once started: a concurrent close() may join it from then on
