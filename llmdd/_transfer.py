@@ -627,6 +627,7 @@ class AsyncTransfer:
         task = self.task
         failed = [False] * len(self._configs)
         final_error: Optional[BaseException] = None
+        timed_out = False
         try:
             for layer in self._layers():
                 if self._cancelled.is_set():
@@ -656,7 +657,11 @@ class AsyncTransfer:
                         ops = engine.plan_async_config(link, self._src, config, layer,
                                                        src_blocks=self._src_blocks, dst_blocks=self._dst_blocks,
                                                        dst_block_size=self._dst_block_size)
-                        engine.run_ops(link, ops, write=True, kind="transfer_cache_async", task=_StepTask(task))
+                        step = _StepTask(task)
+                        try:
+                            engine.run_ops(link, ops, write=True, kind="transfer_cache_async", task=step)
+                        finally:
+                            timed_out = timed_out or step.timed_out
                         self._set(i, S.LLM_SUCCESS)
                     except LLMException as exc:
                         failed[i] = True
@@ -665,7 +670,7 @@ class AsyncTransfer:
                 self.layer_times.append((layer, released_at, time.monotonic()))
                 task.fire("layer_transferred", layer=layer)
             if final_error is not None:
-                task.fire("transfer_failed", error=final_error)
+                task.fire("deadline_expired" if timed_out else "transfer_failed", error=final_error)
             else:
                 task.fire("transfer_succeeded")
         except LLMException as exc:
@@ -691,16 +696,17 @@ class AsyncTransfer:
 class _StepTask:
     """A per-layer step of an async task: ``start`` on the real task is already fired per layer."""
 
-    __slots__ = ("_task",)
+    __slots__ = ("_task", "timed_out")
 
     def __init__(self, task: Any) -> None:
         self._task = task
+        self.timed_out = False
 
     def fire(self, trigger: str, **info: Any) -> None:
-        if trigger == "start":
-            return
-        if self._task.can(trigger) and trigger in ("deadline_expired",):
-            self._task.fire(trigger, **info)
+        """A step's own outcome is recorded per config by ``AsyncTransfer``; the task machine gets
+        one terminal transition when every layer was handled (a timed-out step makes it TIMED_OUT)."""
+        if trigger == "deadline_expired":
+            self.timed_out = True
 
     def can(self, trigger: str) -> bool:
         return self._task.can(trigger)
