@@ -421,11 +421,14 @@ class LinkManager:
     def _local_tables(self) -> tuple[dict, dict, dict]:
         """Current regions, caches and keys of this engine, in wire form."""
         memory = self._core.memory
-        regions = {r.region_id: self._region_descriptor(r) for r in memory.regions.regions()}
+        # memory peers may not access is not announced at all: they cannot even learn it exists
+        regions = {r.region_id: self._region_descriptor(r) for r in memory.regions.regions() if self._granted(r)}
         caches: dict[int, m.CacheEntry] = {}
         keys: dict[m.KeyRef, m.KeyEntry] = {}
         for rec in memory.records():
             if not rec.live and rec.state.value != "release_pending":
+                continue
+            if not any(self._granted(r) for r in rec.regions):
                 continue
             caches[rec.cache_id] = m.CacheEntry(
                 cache_id=rec.cache_id, addrs=tuple(rec.addrs), tensor_size=rec.tensor_size,
@@ -435,6 +438,8 @@ class LinkManager:
                 ref = m.KeyRef.for_blocks(rec.blocks_model_id)
                 keys[ref] = m.KeyEntry(key=ref, cache_id=rec.cache_id, batch_index=0)
         for index, (cache_id, batch_index) in memory.key_items():
+            if cache_id not in caches:
+                continue
             ref = _index_to_ref(index)
             keys[ref] = m.KeyEntry(key=ref, cache_id=cache_id, batch_index=batch_index)
         return regions, caches, keys
