@@ -36,6 +36,7 @@ import ctypes
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import threading
@@ -211,6 +212,15 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _readable(sock: socket.socket) -> bool:
+    """True when ``sock`` has data or EOF pending (a zero-timeout poll; no byte is consumed)."""
+    try:
+        ready, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(ready)
 
 
 def _close(sock: socket.socket) -> None:
@@ -677,10 +687,16 @@ class TcpChannel(Channel):
         return sock
 
     def _acquire(self, batch: _Batch, deadline: float) -> socket.socket:
-        with self._lock:
-            if self._closed:
-                raise Cancelled("channel closed")
-            sock = self._idle.pop() if self._idle else None
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise Cancelled("channel closed")
+                sock = self._idle.pop() if self._idle else None
+            if sock is None or not _readable(sock):
+                break
+            # an idle stream has nothing to read: readable means the owner closed it (it fails the
+            # streams of batches that touched a region it deregistered); never reuse it
+            _close(sock)
         if sock is None:
             sock = self._open_stream(deadline)
         batch.adopt(sock)
