@@ -733,7 +733,7 @@ def check_pools(mem_pool_cfg: Optional[str] = None, host_mem_pool_cfg: Optional[
             memory_size, page_shift = parse_mem_pool_cfg(text, name)
         except LLMException as exc:
             checks.append(Check(name=name, status=FAIL, message=f"{name} is invalid: {exc}",
-                                fix=f'write it as {{"memory_size": <bytes>, "page_shift": <10..30>}}'))
+                                fix='write it as {"memory_size": <bytes>, "page_shift": <10..30>}'))
             continue
         total += memory_size
         page = 1 << page_shift

@@ -572,8 +572,11 @@ class AsyncTransfer:
                                          configs=len(configs))
         self._thread = threading.Thread(target=self._run, name="llmdd-async", daemon=True)
 
+    def _distinct_links(self) -> list:
+        """Each link once, however many configs target it (Link objects compare by identity)."""
+        return list({id(lk): lk for lk in self._links}.values())
+
     def start(self) -> None:
-        lm = self._engine._lm
         try:
             for config in self._configs:
                 link = self._engine._link_for(config.dst_cluster_id)
@@ -584,11 +587,8 @@ class AsyncTransfer:
         except LLMException:
             self._engine._async.discard(self)
             raise
-        for link in set(map(id, self._links)):
-            pass
-        for link in {id(lk): lk for lk in self._links}.values():
+        for link in self._distinct_links():
             link.async_busy += 1
-        del lm
         self._thread.start()
 
     # -- the CacheTask protocol -------------------------------------------------------
@@ -687,7 +687,7 @@ class AsyncTransfer:
             if task.can("transfer_failed"):
                 task.fire("transfer_failed", error=exc)
         finally:
-            for link in {id(lk): lk for lk in self._links}.values():
+            for link in self._distinct_links():
                 link.async_busy -= 1
             engine._async.discard(self)
             self._done.set()

@@ -38,7 +38,7 @@ import secrets
 import sys
 import threading
 from multiprocessing import shared_memory
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 

@@ -25,7 +25,6 @@ from typing import Any, ClassVar, Mapping, Optional, Union
 import numpy as np
 
 from llmdd._log import get_logger
-from llmdd._status import TransportError
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
     Cancelled,

@@ -20,7 +20,6 @@ import fcntl
 import os
 import struct
 import sys
-from typing import Optional
 
 __all__ = ["Mapping", "create", "attach", "open_fd", "unlink", "lock", "F_RDLCK", "F_WRLCK", "F_UNLCK"]
 
