@@ -21,7 +21,8 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, event, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, event as _hyp_event, given, settings, strategies as st
+from hypothesis.control import currently_in_test_context
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REL = os.path.join(os.path.dirname(HERE), "reliability")
@@ -42,6 +43,24 @@ pytestmark = pytest.mark.timeout(120)
 PROMPT, DECODER = 1, 2
 NT, NB, BS = 2, 8, 1024
 ALLOWED = (TypeError, ValueError, AttributeError, LLMException)
+#: the contract's one RuntimeError: ``append_local_ip_info`` / ``append_remote_ip_info`` given a string that
+#: is not an IPv4 address raise ``RuntimeError("Can not parse ip str:<ip>")``, as upstream's ``trans_str_ip``
+IP_METHODS = ("append_local_ip_info", "append_remote_ip_info")
+IP_ERROR = "Can not parse ip str:"
+
+
+def event(text: str) -> None:
+    """hypothesis' ``event`` inside a hypothesis test; nothing in the plain regression tests."""
+    if currently_in_test_context():
+        _hyp_event(text)
+
+
+def _documented(fn, exc: BaseException) -> bool:
+    """Is ``exc`` a documented outcome of calling ``fn``?"""
+    if isinstance(exc, ALLOWED):
+        return True
+    return (isinstance(exc, RuntimeError) and getattr(fn, "__name__", "") in IP_METHODS
+            and str(exc).startswith(IP_ERROR))
 # no shrinking: a failing call sequence is reported as drawn (every call is logged by ``event``
 # and the failing example is printed); shrinking through a live engine and a child costs minutes
 SETTINGS = dict(deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate], suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -247,7 +266,9 @@ def _call(world: World, fn, args: list, kwargs: dict | None = None) -> None:
     label = getattr(fn, "__name__", str(fn))
     try:
         result = fn(*args, **(kwargs or {}))
-    except ALLOWED as exc:
+    except Exception as exc:  # noqa: BLE001 - only documented outcomes pass
+        if not _documented(fn, exc):
+            raise
         code = getattr(getattr(exc, "status_code", None), "name", "")
         event(f"{label}: {type(exc).__name__} {code} {str(exc)[:50]}")
         return
@@ -284,8 +305,9 @@ def test_public_api_with_random_arguments_raises_only_documented_errors(world, d
             try:
                 info.remote_cluster_id = data.draw(ints.filter(lambda v: v != PROMPT))
                 info.append_local_ip_info(data.draw(values), data.draw(values))
-            except ALLOWED:
-                pass
+            except Exception as exc:  # noqa: BLE001 - only documented outcomes pass
+                if not _documented(info.append_local_ip_info, exc):
+                    raise
             args = [[info], *args[1:2]]
         fn = getattr(world.dd, name)
     else:
@@ -312,6 +334,24 @@ def test_public_api_with_random_arguments_raises_only_documented_errors(world, d
         else:
             fn = ctor
     _call(world, fn, args)
+
+
+@pytest.mark.parametrize("method", IP_METHODS)
+@pytest.mark.parametrize("ip", ["", "not-an-ip", "1.2.3.4.5", "::1", "256.0.0.1 "])
+def test_regression_bad_ip_string_raises_the_contracts_runtime_error(world, method, ip):
+    """The example that made the fuzz test fail for ~5% of seeds (hypothesis then replayed it from
+    its database on every rerun): a string that is not an IPv4 address.  The contract's outcome is
+    ``RuntimeError("Can not parse ip str:<ip>")``, which the fuzz now accepts from these two
+    methods only; a RuntimeError from anything else still fails it (control below)."""
+    fn = getattr(LLMClusterInfo(), method)
+    with pytest.raises(RuntimeError, match=r"^Can not parse ip str:"):
+        fn(ip, 0)
+    _call(world, fn, [ip, 0])          # accepted as a documented outcome
+
+    def other(*_a):
+        raise RuntimeError(IP_ERROR + "x")
+    with pytest.raises(RuntimeError):  # the same error from another callable is not documented
+        _call(world, other, [])
 
 
 @settings(max_examples=20, **SETTINGS)
