@@ -175,8 +175,12 @@ class RemoteOperations:
         raise_if_false(src_cache.cache_desc.num_tensors % 2 == 0,
                        "transfer_cache_async needs an even number of tensors (2 per layer), but got {}.",
                        src_cache.cache_desc.num_tensors)
+        # an empty block list counts as none (upstream tests the lists' truth): with no dst blocks the
+        # transfer is cache to cache whatever kind the source cache is
         src_blocks = None if src_block_indices is None else _check_blocks("src_block_indices", src_block_indices)
         dst_blocks = None if dst_block_indices is None else _check_blocks("dst_block_indices", dst_block_indices)
+        src_blocks = src_blocks or None
+        dst_blocks = dst_blocks or None
         if dst_block_memory_size is not None:
             check_uint64("dst_block_memory_size", dst_block_memory_size)
         raise_if_true(src_blocks is not None and dst_blocks is None,
@@ -193,6 +197,8 @@ class RemoteOperations:
         layers = src_cache.cache_desc.num_tensors // 2
         for config in transfer_configs:
             rng = config.src_layer_range
+            raise_if_true(src_blocks is not None and config.src_batch_index != 0,
+                          "src_batch_index ({}) must be 0 when the source is blocks.", config.src_batch_index)
             if rng is not None:
                 raise_if_false(rng.stop <= layers, "src_layer_range {} exceeds the {} layers of the cache.", rng, layers)
             if isinstance(config, TransferConfig):

@@ -61,6 +61,18 @@ def _spans(blocks: Any) -> tuple:
     return tuple(m.Span(start=int(a), stop=int(b)) for a, b in zip(starts, stops))
 
 
+def _one_slot(layout: CacheLayout, *, whole: bool) -> CacheLayout:
+    """A blocks cache seen as a cache of one batch slot, as upstream's cache table describes it
+    (batch size 1): the slot is one block on the sending side (``whole`` False: what a
+    cache-to-cache step copies) or the whole tensor (``whole`` True: the room it may fill).
+    A non-blocks layout is returned as is."""
+    if not layout.is_blocks:
+        return layout
+    size = layout.tensor_size if whole else layout.unit_size
+    return CacheLayout(cache_id=layout.cache_id, region_ids=layout.region_ids, tensor_size=size, units=1,
+                       is_blocks=False)
+
+
 class TransferEngine:
     """Pulls and pushes of one engine."""
 
@@ -370,15 +382,19 @@ class TransferEngine:
             dst_tensors = range(dst_layer * 2, dst_layer * 2 + 2)
             cache_id, dst_unit = self._resolve_remote(link, config.cache_key)
             dst = self.remote_layout(link, cache_id)
-            if src_blocks is not None:
+            # The path follows the block lists alone, as upstream's layer-wise job decides it:
+            # no dst blocks -> cache to cache, dst blocks only -> cache to blocks, both -> blocks.
+            if not dst_blocks:
+                src_unit = 0 if isinstance(config.cache_key, BlocksCacheKey) else config.src_batch_index
+                return plan_cache(src=_one_slot(src, whole=False), dst=_one_slot(dst, whole=True),
+                                  src_tensors=src_tensors, dst_tensors=dst_tensors,
+                                  src_unit=src_unit, dst_unit=dst_unit, local="src")
+            if src_blocks:
                 return plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
                                    src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
-            if dst.is_blocks:
-                return plan_contiguous_to_blocks(src=src, dst=dst, src_unit=config.src_batch_index,
-                                                 dst_blocks=dst_blocks, src_tensors=src_tensors,
-                                                 dst_tensors=dst_tensors, local="src")
-            return plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
-                              src_unit=config.src_batch_index, dst_unit=dst_unit, local="src")
+            return plan_contiguous_to_blocks(src=_one_slot(src, whole=True), dst=dst,
+                                             src_unit=config.src_batch_index, dst_blocks=dst_blocks,
+                                             src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
         # TransferConfig: raw destination addresses, two per transferred layer
         layers = config.src_layer_range or range(0, src.num_tensors // 2)
         pos = layer - layers.start
@@ -389,6 +405,8 @@ class TransferEngine:
                 raise _err(f"destination address {addr:#x} is not registered on cluster {link.peer_cluster_id}",
                            S.LLM_PARAM_INVALID)
             dst.append((region.region_id, addr - region.addr, region.size))
+        if not dst_blocks:  # cache to raw addresses whatever the source kind (upstream's rule)
+            src, src_blocks, dst_blocks = _one_slot(src, whole=False), None, None
         return plan_to_addresses(src=src, src_tensors=src_tensors, dst=dst, src_unit=config.src_batch_index,
                                  src_blocks=src_blocks, dst_blocks=dst_blocks,
                                  dst_block_size=dst_block_size, local="src")
