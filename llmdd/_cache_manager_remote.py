@@ -11,7 +11,7 @@ from typing import List, Optional, Tuple, Union
 from ._enums import Placement
 from ._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from ._types import (BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, CacheTask, LayerSynchronizer,
-                     TransferConfig, TransferWithCacheKeyConfig, check_cache_key)
+                     TransferConfig, TransferWithCacheKeyConfig, check_cache_key, check_layer_range)
 from ._validation import check_int64, check_isinstance, check_uint32, check_uint64
 
 __all__ = ["RemoteOperations"]
@@ -56,6 +56,10 @@ def _transfers(self):
 
 
 def _default_layers(cache: Cache, tnpl: int, src_range, dst_range) -> tuple:
+    """Upstream's defaults: every whole layer, ``range(0, num_tensors // tnpl)`` (empty when the
+    cache has fewer tensors than a layer: the push then sends nothing)."""
+    check_layer_range("src_layer_range", src_range)
+    check_layer_range("dst_layer_range", dst_range)
     layers = cache.cache_desc.num_tensors // tnpl
     src_range = range(0, layers) if src_range is None else src_range
     dst_range = range(0, layers) if dst_range is None else dst_range
@@ -130,6 +134,8 @@ class RemoteOperations:
         check_uint32("tensor_num_per_layer", tensor_num_per_layer)
         raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0.")
         src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
+        if not src_range:
+            return
         engine.push(dst_cache_key, src_cache, kind="push_cache", src_batch_index=src_batch_index,
                     src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tensor_num_per_layer)
 
@@ -153,6 +159,8 @@ class RemoteOperations:
         check_uint32("tensor_num_per_layer", tensor_num_per_layer)
         raise_if_false(tensor_num_per_layer > 0, "tensor_num_per_layer must be > 0.")
         src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
+        if not src_range:
+            return
         engine.push(dst_cache_key, src_cache, kind="push_blocks", src_blocks=src_list, dst_blocks=dst_list,
                     src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tensor_num_per_layer)
 
