@@ -90,11 +90,14 @@ class Tracked:
     def can(self, trigger: str) -> bool:
         return (self.state, trigger) in self._lifecycle._table
 
-    def fire(self, trigger: str, *, error: BaseException | None = None, **info: Any) -> TransitionEvent | None:
+    def fire(self, trigger: str, *, error: BaseException | None = None,
+             defer: Callable[[Callable[[], None]], Any] | None = None, **info: Any) -> TransitionEvent | None:
         """Fire ``trigger``; raise :class:`InvalidStateError` (state unchanged) if illegal.
 
         Returns the event, or None when the lifecycle has no subscriber (the
-        event is then never built).
+        event is then never built).  With ``defer``, the state changes now but the event is handed
+        to subscribers later: ``defer(deliver)`` receives a callable that emits it (a caller that
+        holds a lock records it in its outbox and delivers once the lock is released).
         """
         lc = self._lifecycle
         with self._lock:
@@ -120,7 +123,11 @@ class Tracked:
         event = TransitionEvent(
             machine=self.machine, id=self.id, source=source, dest=dest, trigger=trigger,
             error=error, at=time.time(), info={**self.info, **info} if info else self.info)
-        lc._emit(event)
+        if defer is not None:
+            emit = lc._emit
+            defer(lambda: emit(event))
+        else:
+            lc._emit(event)
         return event
 
     def __repr__(self) -> str:

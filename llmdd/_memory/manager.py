@@ -29,12 +29,19 @@ Theory of operation
   with ``unregister``.
 * **Trust.** Geometry (addresses, sizes, strides) always comes from the record,
   never from a caller's ``Cache`` object.
+* **No upcalls under the lock.** Every change is decided under ``_lock``; what it causes (cache
+  lifecycle events to subscribers, region notices to transports, the "tables changed" notice from
+  which the control plane announces to peers) is recorded in an :class:`~.outbox.Outbox` and
+  delivered, in order, after ``_lock`` is released; a mutating method returns once its records have
+  been delivered.  ``_lock`` is therefore a leaf for every other component: they may call into the
+  manager while holding their own locks, and the manager never calls out while holding its own.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import attrs
 
@@ -48,6 +55,7 @@ from .._types import BlocksCacheKey, CacheDesc, CacheKey, cache_key_index
 from .._validation import INVALID_ID
 from .backend import MemoryBackend, backend_for
 from .copy import Bounds
+from .outbox import Outbox
 from .pool import PagePool
 from .regions import Region, RegionSpec, RegionTable
 
@@ -63,6 +71,20 @@ KeyIndex = tuple  # (id, model_id)
 
 def _invalid(msg: str) -> LLMException:
     return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _publishes(method: _F) -> _F:
+    """A mutating method: once it has released ``_lock``, deliver what it recorded (even when it raised)."""
+    @functools.wraps(method)
+    def wrapper(self: "MemoryManager", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._outbox.flush()
+    return wrapper  # type: ignore[return-value]  # functools.wraps keeps the signature
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -125,6 +147,8 @@ class MemoryManager:
         self._coverage: dict[KeyIndex, set] = {}
         self.regions = RegionTable()
         self._closed = False
+        self._outbox = Outbox("memory")
+        self._defer = self._outbox.record
 
     @classmethod
     def from_options(cls, options: Mapping[str, str], *, caches: Lifecycle,
@@ -198,6 +222,7 @@ class MemoryManager:
     def resolve_key(self, key: Any) -> Optional[tuple[CacheRecord, int]]:
         return self.resolve_index(cache_key_index(key))
 
+    @_publishes
     def consume_key(self, index: KeyIndex) -> bool:
         """A successful pull by ``CacheKey`` consumed the key (allocated caches only).
 
@@ -214,6 +239,7 @@ class MemoryManager:
             self._drop_key_locked(rec, index, reason="consumed")
             return True
 
+    @_publishes
     def reserve_key(self, index: KeyIndex) -> Optional[tuple[int, int]]:
         """A peer starts pulling by ``CacheKey``: take the key out of the table (a second puller
         sees ``LLM_KV_CACHE_NOT_EXIST``) while keeping the cache alive until
@@ -232,6 +258,7 @@ class MemoryManager:
                 self._changed()
             return hit
 
+    @_publishes
     def finish_reserved(self, index: KeyIndex, tensors: Optional[range], *, pulled: bool) -> None:
         """End a reservation: a successful pull of ``tensors`` (None = all) consumes the key once every
         tensor has been pulled (layer-wise pulls); a failed pull puts the key back."""
@@ -254,6 +281,7 @@ class MemoryManager:
             self._keys[index] = hit
             self._changed()
 
+    @_publishes
     def remove_key(self, index: KeyIndex) -> bool:
         """``remove_cache_key``: unknown key or registered cache -> no-op. True when removed."""
         with self._lock:
@@ -271,10 +299,10 @@ class MemoryManager:
         del self._keys[index]
         rec.keys.discard(index)
         if rec.dealloc_requested and not rec.keys:
-            rec.tracked.fire("keys_released", cache_id=rec.cache_id, reason=reason)
+            rec.tracked.fire("keys_released", defer=self._defer, cache_id=rec.cache_id, reason=reason)
             self._release_locked(rec)
         else:
-            rec.tracked.fire("keys_changed", cache_id=rec.cache_id, reason=reason, keys=len(rec.keys))
+            rec.tracked.fire("keys_changed", defer=self._defer, cache_id=rec.cache_id, reason=reason, keys=len(rec.keys))
             self._changed()
 
     # ------------------------------------------------------------------ caches
@@ -288,6 +316,10 @@ class MemoryManager:
             self._change_listeners.remove(listener)
 
     def _changed(self) -> None:
+        """Under ``_lock``: the tables changed; listeners hear it after the lock is released."""
+        self._outbox.record(self._notify_change, coalesce=True)
+
+    def _notify_change(self) -> None:
         for listener in list(self._change_listeners):
             try:
                 listener()
@@ -326,14 +358,14 @@ class MemoryManager:
                             remote_accessible=remote_accessible, owned=owned, shm_name=shm_name,
                             shm_offset=pool.offset_of(a) if pool is not None else 0)
                  for i, a in enumerate(addrs)]
-        regions = self.regions.add_many(specs)
+        regions = self.regions.add_many(specs, defer=self._defer)
         try:
             tracked = self._caches_lc.create(cache_id, cache_id=cache_id, placement=desc.placement.name,
                                              blocks=is_blocks, owned=owned)
-            tracked.fire("allocate" if owned else "register", cache_id=cache_id, tensors=len(addrs),
+            tracked.fire("allocate" if owned else "register", defer=self._defer, cache_id=cache_id, tensors=len(addrs),
                          bytes=size * len(addrs))
         except BaseException:
-            self.regions.remove_many(r.region_id for r in regions)
+            self.regions.remove_many((r.region_id for r in regions), defer=self._defer)
             raise
         self._next_id += 1
         rec = CacheRecord(cache_id=cache_id, desc=desc, addrs=tuple(addrs), tensor_size=size, rows=rows,
@@ -354,6 +386,7 @@ class MemoryManager:
         self._changed()
         return rec
 
+    @_publishes
     def register_cache(self, desc: CacheDesc, addrs: Sequence[int], *, keys: Sequence[CacheKey] = (),
                        blocks_key: Optional[BlocksCacheKey] = None, remote_accessible: bool,
                        is_blocks: bool) -> CacheRecord:
@@ -368,6 +401,7 @@ class MemoryManager:
                                     remote_accessible=remote_accessible, keys=keys, blocks_key=blocks_key,
                                     pool=None)
 
+    @_publishes
     def allocate_cache(self, desc: CacheDesc, *, keys: Sequence[CacheKey] = (),
                        blocks_key: Optional[BlocksCacheKey] = None, is_blocks: bool) -> CacheRecord:
         """Allocate ``num_tensors`` tensors of ``desc.size`` bytes from the pool of ``desc.placement``."""
@@ -388,6 +422,7 @@ class MemoryManager:
                     pool.free(a)
                 raise
 
+    @_publishes
     def deallocate_cache(self, cache_id: int) -> bool:
         """Drop the id reference of an allocated cache; returns True when freed now.
 
@@ -404,12 +439,13 @@ class MemoryManager:
             rec.dealloc_requested = True
             self._drop_blocks_key_locked(rec)
             if rec.keys:
-                rec.tracked.fire("defer_release", cache_id=cache_id, keys=len(rec.keys))
+                rec.tracked.fire("defer_release", defer=self._defer, cache_id=cache_id, keys=len(rec.keys))
                 return False
-            rec.tracked.fire("deallocate", cache_id=cache_id)
+            rec.tracked.fire("deallocate", defer=self._defer, cache_id=cache_id)
             self._release_locked(rec)
             return True
 
+    @_publishes
     def unregister_cache(self, cache_id: int) -> bool:
         """Forget registered memory; unknown id: success. An allocated cache is ``LLM_PARAM_INVALID``."""
         with self._lock:
@@ -423,7 +459,7 @@ class MemoryManager:
                 self._keys.pop(index, None)
             rec.keys.clear()
             self._drop_blocks_key_locked(rec)
-            rec.tracked.fire("unregister", cache_id=cache_id)
+            rec.tracked.fire("unregister", defer=self._defer, cache_id=cache_id)
             self._release_locked(rec)
             return True
 
@@ -434,7 +470,7 @@ class MemoryManager:
     def _release_locked(self, rec: CacheRecord) -> None:
         """Remove regions and record; give pool memory back. The lifecycle has already moved."""
         self._records.pop(rec.cache_id, None)
-        self.regions.remove_cache(rec.cache_id)
+        self.regions.remove_cache(rec.cache_id, defer=self._defer)
         if rec.owned:
             pool = self._pools.get(rec.placement)
             if pool is not None and not pool.closed:
@@ -443,15 +479,16 @@ class MemoryManager:
         self._changed()
 
     # ------------------------------------------------------------------ remap
+    @_publishes
     def remap(self, ranges: Iterable[tuple[int, int]]) -> list[Region]:
         """``remap_registered_memory``: mark device regions remapped and tell listeners (transports)."""
         with self._lock:
             self._check_open()
-            updated = self.regions.remap(list(ranges), placement=Placement.DEVICE)
+            updated = self.regions.remap(list(ranges), placement=Placement.DEVICE, defer=self._defer)
             for cache_id in sorted({r.cache_id for r in updated}):
                 rec = self._records.get(cache_id)
                 if rec is not None and rec.tracked.can("remapped"):
-                    rec.tracked.fire("remapped", cache_id=cache_id,
+                    rec.tracked.fire("remapped", defer=self._defer, cache_id=cache_id,
                                      regions=[r.region_id for r in updated if r.cache_id == cache_id])
             self._changed()
             return updated
@@ -461,6 +498,7 @@ class MemoryManager:
     def closed(self) -> bool:
         return self._closed
 
+    @_publishes
     def close(self) -> None:
         """Release everything: every cache goes through ``finalize``, pools are unlinked. Idempotent."""
         with self._lock:
@@ -475,16 +513,17 @@ class MemoryManager:
             for rec in records:
                 try:
                     if rec.tracked.can("finalize"):
-                        rec.tracked.fire("finalize", cache_id=rec.cache_id)
+                        rec.tracked.fire("finalize", defer=self._defer, cache_id=rec.cache_id)
                 except Exception as exc:  # noqa: BLE001 - finalize is silent
                     errors.append(exc)
                 rec.keys.clear()
             try:
-                self.regions.clear()
+                self.regions.clear(defer=self._defer)
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
             pools = list(self._pools.values())
             self._pools.clear()
+        self._outbox.flush()  # transports forget the regions before their memory goes
         for pool in pools:
             try:
                 pool.close()

@@ -7,7 +7,9 @@ One region per tensor of a cache.  Regions never overlap (checked on add, with
 from these notifications and transports (re-)register the memory.
 
 Listeners run after the table's lock is released, in the caller's thread; one
-that raises is logged and does not break the table.
+that raises is logged and does not break the table.  A caller that holds a lock of its own
+(the memory manager) passes ``defer``: the change is then handed to it as a record to deliver once
+that lock is released too (see :mod:`llmdd._memory.outbox`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import threading
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import attrs
 
@@ -77,6 +79,8 @@ class RegionSpec:
 
 #: ``listener(kind, regions, version)`` with kind ``"add"``, ``"remove"`` or ``"remap"``
 RegionListener = Callable[[str, tuple, int], None]
+#: receives a change notice to deliver later, outside the caller's locks
+Defer = Callable[[Callable[[], None]], Any]
 
 
 def _invalid(msg: str) -> LLMException:
@@ -110,7 +114,16 @@ class RegionTable:
             except ValueError:
                 pass
 
-    def _notify(self, kind: str, regions: tuple, version: int, listeners: Sequence[RegionListener]) -> None:
+    def _publish(self, kind: str, regions: tuple, version: int, defer: Optional[Defer]) -> None:
+        """Outside the table's lock: tell listeners now, or hand the notice to ``defer``."""
+        if defer is not None:
+            defer(lambda: self._notify(kind, regions, version))
+        else:
+            self._notify(kind, regions, version)
+
+    def _notify(self, kind: str, regions: tuple, version: int) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
         for listener in listeners:
             try:
                 listener(kind, regions, version)
@@ -183,7 +196,7 @@ class RegionTable:
         """Add one region (keywords of :class:`RegionSpec`)."""
         return self.add_many([RegionSpec(**spec)])[0]
 
-    def add_many(self, specs: Iterable[RegionSpec]) -> list[Region]:
+    def add_many(self, specs: Iterable[RegionSpec], *, defer: Optional[Defer] = None) -> list[Region]:
         """Add regions atomically: all or none (``LLM_PARAM_INVALID`` on any overlap)."""
         specs = list(specs)
         for s in specs:
@@ -217,31 +230,37 @@ class RegionTable:
             for lst in self._by_cache.values():
                 lst.sort(key=lambda rid: self._regions[rid].tensor_index)
             self._version += 1
-            version, listeners = self._version, list(self._listeners)
-        self._notify("add", tuple(added), version, listeners)
+            version = self._version
+        self._publish("add", tuple(added), version, defer)
         return added
 
     def remove(self, region_id: int) -> Region:
         return self.remove_many([region_id])[0]
 
-    def remove_many(self, region_ids: Iterable[int]) -> list[Region]:
+    def remove_many(self, region_ids: Iterable[int], *, defer: Optional[Defer] = None) -> list[Region]:
         with self._lock:
-            region_ids = list(region_ids)
-            for rid in region_ids:
-                self.get(rid)
-            removed = [self._remove_locked(rid) for rid in region_ids]
-            self._version += 1
-            version, listeners = self._version, list(self._listeners)
-        self._notify("remove", tuple(removed), version, listeners)
+            removed = self._remove_many_locked(list(region_ids))
+            version = self._version
+        self._publish("remove", tuple(removed), version, defer)
         return removed
 
-    def remove_cache(self, cache_id: int) -> list[Region]:
+    def _remove_many_locked(self, region_ids: list) -> list[Region]:
+        for rid in region_ids:
+            self.get(rid)
+        removed = [self._remove_locked(rid) for rid in region_ids]
+        self._version += 1
+        return removed
+
+    def remove_cache(self, cache_id: int, *, defer: Optional[Defer] = None) -> list[Region]:
         """Remove every region of a cache (none: nothing happens)."""
         with self._lock:
             ids = list(self._by_cache.get(cache_id, ()))
             if not ids:
                 return []
-            return self.remove_many(ids)
+            removed = self._remove_many_locked(ids)
+            version = self._version
+        self._publish("remove", tuple(removed), version, defer)
+        return removed
 
     def _remove_locked(self, rid: int) -> Region:
         r = self._regions.pop(rid)
@@ -258,7 +277,8 @@ class RegionTable:
             del self._start_ids[i]
         return r
 
-    def remap(self, ranges: Iterable[tuple[int, int]], *, placement: Optional[Placement] = None) -> list[Region]:
+    def remap(self, ranges: Iterable[tuple[int, int]], *, placement: Optional[Placement] = None,
+              defer: Optional[Defer] = None) -> list[Region]:
         """Mark the regions holding each ``(addr, size)`` range as remapped.
 
         Every range must lie inside one region (of ``placement`` when given), else
@@ -282,12 +302,17 @@ class RegionTable:
                 self._regions[rid] = nr
                 updated.append(nr)
             self._version += 1
-            version, listeners = self._version, list(self._listeners)
-        self._notify("remap", tuple(updated), version, listeners)
+            version = self._version
+        self._publish("remap", tuple(updated), version, defer)
         return updated
 
-    def clear(self) -> list[Region]:
+    def clear(self, *, defer: Optional[Defer] = None) -> list[Region]:
         """Remove everything (engine finalize)."""
         with self._lock:
             ids = list(self._regions)
-        return self.remove_many(ids) if ids else []
+            if not ids:
+                return []
+            removed = self._remove_many_locked(ids)
+            version = self._version
+        self._publish("remove", tuple(removed), version, defer)
+        return removed
