@@ -2,8 +2,8 @@
 
 Argument checks follow the contract (``TypeError`` for a wrong type,
 ``ValueError`` for an integer out of range, ``LLMException(LLM_PARAM_INVALID)``
-for a semantic violation, ``RuntimeError("llm datadist is not initialized")``
-once the engine was finalized), then the call is translated to the memory
+for a semantic violation, ``LLMException(LLM_ENGINE_FINALIZED)`` (a ``RuntimeError``
+saying "llm datadist is not initialized") once the engine was finalized), then the call is translated to the memory
 manager.  Every copy takes its geometry from the engine's cache table (or, for
 a ``Cache.create_cpu_cache``, from that cache's own ``CacheDesc``) and is
 checked against those bounds before a byte moves.
@@ -47,8 +47,12 @@ class CacheManager(RemoteOperations):
 
     # ------------------------------------------------------------------ helpers
     def _check_is_inited(self) -> None:
+        # A manager lives as long as the engine that made it: once that engine is finalized the
+        # manager stays dead, also after the same object is initialized again (which makes a new
+        # manager) and while another engine runs.  LLMException is a RuntimeError.
         if not self._initialized:
-            raise RuntimeError("llm datadist is not initialized")
+            raise LLMException("llm datadist is not initialized: the engine of this cache manager was finalized.",
+                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
 
     @staticmethod
     def check_cache_key(cache_key: CacheKey) -> None:

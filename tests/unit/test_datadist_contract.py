@@ -275,8 +275,9 @@ def test_cache_manager_methods_after_finalize(name, call):
     cm = dd.cache_manager
     buf = np.zeros((4, 16), np.float32)
     dd.finalize()
-    with pytest.raises(RuntimeError, match="llm datadist is not initialized"):
+    with pytest.raises(LLMException, match="llm datadist is not initialized") as info:
         call(cm, buf)
+    assert info.value.status_code is S.LLM_ENGINE_FINALIZED
     with pytest.raises(RuntimeError, match="llm datadist is not initialized"):
         dd.cache_manager
 
