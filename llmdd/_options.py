@@ -91,6 +91,41 @@ def _int_option(opts: Mapping[str, str], key: str, default: int | None, low: int
     return value
 
 
+_U32_MAX = 2**32 - 1
+
+
+def _rdma_options(opts: Mapping[str, str]) -> tuple[int | None, int | None]:
+    """``llm.RdmaTrafficClass`` / ``llm.RdmaServiceLevel`` bounded as upstream bounds them per mode.
+
+    Upstream's default link managers read both as unsigned 32-bit numbers and pass them to the
+    comm library; only the hixl backend (``llm.TransferBackend`` = ``hixl``) bounds them: traffic
+    class in [0, 255] and a multiple of 4, service level in [0, 7].  llmdd has no RDMA NIC to
+    give them to; they are checked and kept.
+    """
+    tc = _int_option(opts, "llm.RdmaTrafficClass", None, 0, _U32_MAX)
+    sl = _int_option(opts, "llm.RdmaServiceLevel", None, 0, _U32_MAX)
+    if opts.get(K_TRANSFER_BACKEND) == "hixl":
+        if tc is not None and (tc > 255 or tc % 4):
+            raise _param_invalid(f"option llm.RdmaTrafficClass={tc} is invalid with the hixl transfer backend: "
+                                 "it must be in [0, 255] and a multiple of 4.")
+        if sl is not None and sl > 7:
+            raise _param_invalid(f"option llm.RdmaServiceLevel={sl} is invalid with the hixl transfer backend: "
+                                 "it must be in [0, 7].")
+    return tc, sl
+
+
+def _check_device_ids(opts: Mapping[str, str]) -> None:
+    """``ge.exec.deviceId``, when given, is one device id or several separated by ``;`` (upstream
+    parses each as a number at init and refuses the options otherwise)."""
+    if "ge.exec.deviceId" not in opts:
+        return
+    text = opts["ge.exec.deviceId"]
+    items = text.split(";") if isinstance(text, str) else None
+    if not items or not all(item.isdigit() and int(item) < 2**31 for item in items):
+        raise _param_invalid(f"option ge.exec.deviceId={text!r} is invalid: it should be composed of numbers, "
+                             "separated by semicolons.")
+
+
 @attrs.frozen(kw_only=True)
 class EngineOptions:
     """The options an initialized engine reads, parsed and checked once at ``init``."""
@@ -120,6 +155,8 @@ class EngineOptions:
             from ._ranktable import parse_local_comm_res
 
             parse_local_comm_res(local_comm_res)  # "" (auto) or a valid 1.0/1.2/1.3 JSON, else LLM_PARAM_INVALID
+        _check_device_ids(opts)
+        rdma_tc, rdma_sl = _rdma_options(opts)
         return cls(
             raw=dict(opts),
             role=role,
@@ -131,8 +168,8 @@ class EngineOptions:
             transfer_backend=opts.get(K_TRANSFER_BACKEND),
             link_total_time_s=_int_option(opts, "llm.LinkTotalTime", None, 0, 2**32 - 1),
             link_retry_count=_int_option(opts, "llm.LinkRetryCount", None, 1, 100),
-            rdma_traffic_class=_int_option(opts, "llm.RdmaTrafficClass", None, 0, 255),
-            rdma_service_level=_int_option(opts, "llm.RdmaServiceLevel", None, 0, 7),
+            rdma_traffic_class=rdma_tc,
+            rdma_service_level=rdma_sl,
         )
 
 

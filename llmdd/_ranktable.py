@@ -161,10 +161,8 @@ def parse_local_comm_res(text: str) -> LocalCommRes:
     if version not in LOCAL_COMM_RES_VERSIONS:
         raise _invalid(f"{what}: version must be one of {list(LOCAL_COMM_RES_VERSIONS)}, got {version!r}.")
     if version == "1.0":
-        if "server_count" in doc or any(
-                isinstance(s, dict) and any(isinstance(d, dict) and "rank_id" in d for d in s.get("device", []) or [])
-                for s in doc.get("server_list", []) or []):
-            raise _invalid(f"{what}: version 1.0 takes no server_count and no rank_id.")
+        # upstream's 1.0 reader takes version and server_list[*].device[*] (device_id, optional
+        # device_ip / device_port) and ignores every other key: server_count, status, rank_id
         devices = _parse_devices(doc, what, need_rank=False)
     elif version == "1.2":
         devices = _parse_devices(doc, what, need_rank=False)
