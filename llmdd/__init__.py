@@ -44,13 +44,16 @@ __all__ = [
     "RegisterMemStatus", "Cache", "LayerSynchronizer", "TransferConfig", "CacheTask",
     "TransferWithCacheKeyConfig", "Memtype", "MemInfo",
     "LLMDataDist",
+    "TensorDesc", "Tensor", "KvCacheManager",
 ]
 
 _LEGACY_V1 = ("TensorDesc", "Tensor", "KvCacheManager")
 
 
 def __getattr__(name: str):
+    # as upstream, the legacy v1 names are served lazily (from llmdd's own v1 package, docs/v1.md)
     if name in _LEGACY_V1:
-        raise ImportError(
-            f"{name} belongs to the legacy non-cache-manager API (llm_datadist_v1), which llmdd does not provide")
+        from . import _v1
+
+        return getattr(_v1, name)
     raise AttributeError(f"Module 'llmdd' has no attribute '{name}'")

@@ -80,9 +80,10 @@ class _EngineCore:
             raise
 
     def close(self) -> None:
-        cm = getattr(self, "cache_manager", None)
-        if cm is not None:
-            cm._initialized = False
+        for name in ("cache_manager", "kv_cache_manager"):
+            cm = getattr(self, name, None)
+            if cm is not None:
+                cm._initialized = False
         # every part is closed even when an earlier one fails (memory must never leak a segment)
         first_error: BaseException | None = None
         for part in (self.comm_group_set, self.transfers, self.link_manager, self.memory):
@@ -115,6 +116,7 @@ class LLMDataDist:
         self._hooks = None
         self._engine_fsm = None
         self._lock = threading.RLock()
+        self._v1 = None  # the legacy v1 mode's settings when init selected it (llmdd/_v1)
 
     # -- properties ---------------------------------------------------------------
     @property
@@ -128,15 +130,23 @@ class LLMDataDist:
         core = self._core
         if core is None:
             raise _not_initialized()
+        if self._v1 is not None:
+            from ._v1.datadist import not_in_v1
+
+            raise not_in_v1("cache_manager")
         return core.cache_manager
 
     @property
     def kv_cache_manager(self):
-        """Legacy v1 manager: not available (llmdd implements the cache-manager mode only)."""
-        if self._core is None:
+        """The legacy v1 ``KvCacheManager`` (engines initialized without cache-manager mode; docs/v1.md)."""
+        core = self._core
+        if core is None:
             raise _not_initialized()
-        raise LLMException("kv_cache_manager is not supported in cache manager mode, use cache_manager.",
-                           status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+        if self._v1 is None:
+            from ._v1.datadist import not_in_v2
+
+            raise not_in_v2("kv_cache_manager")
+        return core.kv_cache_manager
 
     @staticmethod
     def _role_to_str(role: LLMRole) -> str:
@@ -177,12 +187,11 @@ class LLMDataDist:
                 raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
             check_isinstance("options", options, dict, allow_none=False)
             engine_options = prepare_engine_options(options, self._role)
-            if engine_options.get("llm.EnableCacheManager") != "1":
-                raise LLMException(
-                    "[LLMDataDist.init] failed: llmdd implements the cache-manager mode only; set "
-                    "LLMConfig.enable_cache_manager = True (or local_comm_res) to use it. The legacy "
-                    "non-cache-manager mode (kv_cache_manager) is not available.",
-                    status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+            v1 = None
+            if engine_options.get("llm.EnableCacheManager") != "1":  # legacy v1 mode (llmdd/_v1)
+                from ._v1.options import prepare_v1_options
+
+                engine_options, v1 = prepare_v1_options(engine_options, self._role, self._cluster_id)
             parsed = EngineOptions.parse(engine_options, self._role)
             self._ensure_plugins()
             from .plugin import EngineConfig
@@ -190,6 +199,11 @@ class LLMDataDist:
             self._hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role,
                                                options=engine_options))
             self._core = _EngineCore(self, parsed)
+            self._v1 = v1
+            if v1 is not None:
+                from ._v1 import KvCacheManager
+
+                self._core.kv_cache_manager = KvCacheManager(self._core, self._role)
             self._engine_options = engine_options
             LLMDataDist.llm_engine_instance = self
             # atexit is LIFO: modules imported while building the engine (memory backend, transport
@@ -231,6 +245,12 @@ class LLMDataDist:
         """Link to server engines, in parallel; returns ``(status, [status per cluster])``, never raises on failure."""
         core = self._require_core()
         self._check_clusters(clusters, timeout)
+        if self._v1 is not None:
+            from ._v1.datadist import v1_link_clusters
+
+            for cluster in clusters:
+                check_uint64("remote_cluster_id", cluster.remote_cluster_id)
+            return v1_link_clusters(core, self._role, clusters, timeout)
         auto_comm_res = not core.options.local_comm_res
         for cluster in clusters:
             if auto_comm_res and not cluster.local_ip_info_list:
@@ -255,6 +275,14 @@ class LLMDataDist:
     def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
         """Change role; ``llm.listenIpInfo`` in the options starts/moves listening, its absence stops it."""
         core = self._require_core()
+        if self._v1 is not None:
+            from ._v1.datadist import v1_switch_role
+
+            v1_switch_role(self, core, role, switch_options, self._v1.enable_switch_role)
+            self._engine_options["llm.Role"] = self._role_to_str(role)
+            addr = core.link_manager.listen_address
+            self._engine_fsm.fire("switch_role", role=role.name, listen=f"{addr[0]}:{addr[1]}" if addr else None)
+            return
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_isinstance("switch_options", switch_options, dict)
         options = dict(switch_options or {})
@@ -282,6 +310,7 @@ class LLMDataDist:
     def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
         """Bilateral link of up to 4 members from a rank table; returns the comm id (from 1)."""
         core = self._require_core()
+        self._refuse_in_v1("link")
         check_isinstance("comm_name", comm_name, str, allow_none=False)
         raise_if_false(0 < len(comm_name) < _MAX_CLUSTER_NAME,
                        "comm_name length must be in (0, {}), but got {}.", _MAX_CLUSTER_NAME, len(comm_name))
@@ -305,6 +334,7 @@ class LLMDataDist:
     def unlink(self, comm_id: int) -> None:
         """Tear down the comm group ``comm_id`` (LLMException on failure)."""
         core = self._require_core()
+        self._refuse_in_v1("unlink")
         check_uint64("comm_id", comm_id)
         core.profile.require_api("unlink")
         core.comm_group_set.unlink(comm_id)
@@ -312,9 +342,25 @@ class LLMDataDist:
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """PREPARING until every member's memory is exchanged, then OK (or FAILED)."""
         core = self._require_core()
+        self._refuse_in_v1("query_register_mem_status")
         check_uint64("comm_id", comm_id)
         core.profile.require_api("query_register_mem_status")
         return core.comm_group_set.status(comm_id)
+
+    def _refuse_in_v1(self, func_name: str) -> None:
+        if self._v1 is not None:
+            from ._v1.datadist import not_in_v1
+
+            raise not_in_v1(func_name)
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """Legacy v1 mode, DECODER: the link to ``remote_cluster_id`` answers in time, else LLMException."""
+        core = self._require_core()
+        from ._v1.datadist import not_in_v2, v1_check_link_status
+
+        if self._v1 is None:
+            raise not_in_v2("check_link_status")
+        v1_check_link_status(core, self._role, remote_cluster_id)
 
     def statistics(self) -> dict:
         """A snapshot of the engine: links, caches, pools, transports, lifecycle counters."""

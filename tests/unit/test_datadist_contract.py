@@ -161,19 +161,23 @@ def test_init_refuses_bad_options(given, exc, needle):
         dd.cache_manager
 
 
-@pytest.mark.parametrize("given", [
-    {},
-    {"llm.EnableCacheManager": "0"},
-    {"ge.exec.deviceId": "0", "llm.listenIpInfo": "127.0.0.1:26000", "llm.MemoryUtilization": "0.95"},
-    LLMConfig().generate_options(),
+@pytest.mark.parametrize("given, v1_selected", [
+    ({}, False),
+    ({"llm.EnableCacheManager": "0"}, False),
+    ({"ge.exec.deviceId": "0", "llm.listenIpInfo": "127.0.0.1:0", "llm.MemoryUtilization": "0.95"}, True),
+    (LLMConfig().generate_options(), False),
 ])
-def test_init_refuses_v1_mode(given):
+def test_init_without_cache_manager_is_v1_mode(given, v1_selected):
+    """Legacy v1 mode (docs/v1.md): selected without llm.EnableCacheManager; it needs ge.exec.deviceId."""
     dd = LLMDataDist(LLMRole.PROMPT, 1)
-    with pytest.raises(LLMException) as info:
-        dd.init(given)
-    assert info.value.status_code is S.LLM_FEATURE_NOT_ENABLED
-    assert "cache-manager" in str(info.value) and "enable_cache_manager" in str(info.value)
-    assert LLMDataDist.llm_engine_instance is None
+    if not v1_selected:
+        with pytest.raises(LLMException) as info:
+            dd.init(given)
+        assert info.value.status_code is S.LLM_PARAM_INVALID and "ge.exec.deviceId" in str(info.value)
+        assert LLMDataDist.llm_engine_instance is None
+        return
+    dd.init(given)
+    assert type(dd.kv_cache_manager).__name__ == "KvCacheManager"
 
 
 def test_second_instance_refused():
@@ -252,7 +256,7 @@ def test_calls_before_init(call):
 def test_kv_cache_manager_refused_in_cache_mode(dd):
     with pytest.raises(LLMException) as info:
         dd.kv_cache_manager
-    assert info.value.status_code is S.LLM_FEATURE_NOT_ENABLED
+    assert info.value.status_code is S.LLM_PARAM_INVALID  # upstream: raise_if_false's default status
 
 
 _DESC = CacheDesc(1, [4, 16], DataType.DT_FLOAT)
