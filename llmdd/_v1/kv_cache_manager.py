@@ -252,8 +252,12 @@ class KvCacheManager:
         raise_if_false(batch_index < rec.rows, "[pull_cache] batch_index ({0}) out of range [0, {1})",
                        batch_index, rec.rows)
         if src_offset >= 0 or dst_offset >= 0:
-            raise LLMException("pull_cache with src_cache_offset / dst_cache_offset is not implemented by llmdd's "
-                               "v1 mode yet (docs/v1.md).", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
+            from .offsets import pull_with_offsets
+
+            pull_with_offsets(self._memory, self._transfers(), cache_key, rec, batch_index=batch_index, size=size,
+                              src_offset=max(src_offset, 0), dst_offset=max(dst_offset, 0),
+                              src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
+            return
         self._transfers().pull(cache_key, kv_cache, kind="pull_cache", batch_index=batch_index, size=size,
                                src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
 

@@ -270,3 +270,16 @@ def transfer_async(state: dict, src: str, dst_cluster: int, dst_addrs: list, *, 
     status = task.synchronize(timeout_ms)
     return {"status": status.name, "results": [r.name if r is not None else None for r in task.get_results(0)],
             "layers": sync.seen, "range": [config.src_layer_range.start, config.src_layer_range.stop]}
+
+
+def switch_role(state: dict, role: str, listen: Optional[str] = None) -> tuple:
+    """``switch_role(LLMRole.<role>, {"llm.listenIpInfo": listen} or None)``; returns (outcome, port)."""
+    ld = _ld()
+    options = None if listen is None else {"llm.listenIpInfo": listen}
+    out = km_call(state, "switch_role", ld.LLMRole[role], options)
+    addr = state["dd"].statistics()["listen"]
+    return out, (addr[1] if addr else None)
+
+
+def link_count(state: dict) -> int:
+    return sum(1 for entry in state["dd"].statistics()["links"].values() if entry["state"] == "linked")

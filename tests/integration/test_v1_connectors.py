@@ -198,6 +198,43 @@ def _wait_link_not_linked(state: dict, remote: int, timeout: float = 10.0):
     return "linked"
 
 
+# ---------------------------------------------------------------------------- switch_role
+def test_switch_role_swaps_prompt_and_decoder_and_data_flows_the_other_way(cluster):
+    p, d = cluster
+    switch = {"llm.EnableSwitchRole": "1"}
+    port = p.call(V.v0_prepare_data_dist, "PROMPT", PROMPT, extra=switch)
+    d.call(V.v0_prepare_data_dist, "DECODER", DECODER, extra=switch)
+    _linked(d, port)
+    # links first: refused on both sides
+    out, _ = p.call(V.switch_role, "DECODER")
+    assert out[:3] == ("error", "LLMException", "LLM_EXIST_LINK")
+    # the same role again, and PROMPT without a listen address, are parameter errors
+    out, _ = p.call(V.switch_role, "PROMPT", "127.0.0.1:0")
+    assert out[:3] == ("error", "LLMException", "LLM_PARAM_INVALID") and "role not changed" in out[3]
+    assert d.call(V.v0_close) == ["LLM_SUCCESS", "LLM_SUCCESS"]
+    assert p.call(V.link_count) == 0
+    out, _ = d.call(V.switch_role, "PROMPT")
+    assert out[:3] == ("error", "LLMException", "LLM_PARAM_INVALID") and "llm.listenIpInfo" in out[3]
+    # swap: the old prompt stops listening, the old decoder listens
+    out, old_port = p.call(V.switch_role, "DECODER")
+    assert out == ("ok", None) and old_port is None
+    out, new_port = d.call(V.switch_role, "PROMPT", "127.0.0.1:0")
+    assert out == ("ok", None) and new_port
+    # the roles' rules follow the switch: the new prompt keys caches, the new decoder pulls them
+    sent = d.call(V.pipe_send_tensor, DECODER, "swapped", 1, [1, 4, 4, 8], 77)
+    assert p.call(V.v0_link, DECODER, new_port) == ["LLM_SUCCESS", "LLM_SUCCESS"]
+    assert p.call(V.pipe_recv_tensor, DECODER, "swapped", 1, [1, 4, 4, 8]) == {"digest": sent["digest"]}
+    assert d.call(V.memory_stats)["caches"] == {}  # deferred free on the new prompt after the pull
+    assert p.call(V.v0_close) == ["LLM_SUCCESS", "LLM_SUCCESS"]
+
+
+def test_switch_role_needs_enable_switch_role(pair):
+    p, d, port = pair
+    out, still = p.call(V.switch_role, "DECODER")
+    assert out[:3] == ("error", "LLMException", "LLM_FEATURE_NOT_ENABLED")
+    assert still == port  # nothing changed: still listening
+
+
 # ---------------------------------------------------------------------------- layer ranges, async transfer
 def test_layer_range_pull_writes_only_the_named_layers(pair):
     p, d, port = pair
@@ -223,6 +260,48 @@ def test_transfer_cache_async_pushes_every_layer_to_the_decoders_addresses(pair)
     out = p.call(V.transfer_async, "src", DECODER, info["addrs"])
     assert out == {"status": "LLM_SUCCESS", "results": ["LLM_SUCCESS"], "layers": [0, 1], "range": [0, 2]}
     assert np.array_equal(d.call(V.snapshot, "dst"), p.call(V.snapshot, "src"))
+
+
+def test_pull_cache_with_offsets_moves_exactly_the_named_byte_range(pair):
+    p, d, port = pair
+    _linked(d, port)
+    p.call(V.allocate, "src", 4, [2, 256], keys=(CacheKey(PROMPT, 1), CacheKey(PROMPT, 2)), seed=41)
+    d.call(V.allocate, "dst", 4, [2, 256], seed=42)
+    src = p.call(V.snapshot, "src").reshape(4, 2, 256)
+    want = d.call(V.snapshot, "dst").reshape(4, 2, 256)
+    # by id: slot 1 bytes [32, 132) -> slot 1 bytes [64, 164), every tensor
+    out = d.call(V.km_call, "pull_cache", CacheKeyByIdAndIndex(PROMPT, 1, 1), ("buf", "dst"), 1, 100,
+                 src_cache_offset=32, dst_cache_offset=64)
+    assert out == ("ok", None)
+    want[:, 1, 64:164] = src[:, 1, 32:132]
+    assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
+    # by key, size -1 (the rest of the dst slot), layer by layer: the key stays on the prompt until
+    # every layer was pulled (the engine's layer-wise rule), then it is consumed
+    out = d.call(V.km_call, "pull_cache", CacheKey(PROMPT, 1), ("buf", "dst"), 0,
+                 src_cache_offset=16, dst_cache_offset=200, src_layer_range=range(1, 2), dst_layer_range=range(0, 1))
+    assert out == ("ok", None)
+    want[0:2, 0, 200:256] = src[2:4, 0, 16:72]
+    assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
+    assert p.call(V.memory_stats)["cache_keys"] == 2
+    out = d.call(V.km_call, "pull_cache", CacheKey(PROMPT, 1), ("buf", "dst"), 0,
+                 src_cache_offset=16, dst_cache_offset=200, src_layer_range=range(0, 1), dst_layer_range=range(1, 2))
+    assert out == ("ok", None)
+    want[2:4, 0, 200:256] = src[0:2, 0, 16:72]
+    assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
+    assert p.call(V.memory_stats)["cache_keys"] == 1
+    # only one of the two offsets given: the other is 0
+    out = d.call(V.km_call, "pull_cache", CacheKeyByIdAndIndex(PROMPT, 1, 0), ("buf", "dst"), 1, 8,
+                 dst_cache_offset=8)
+    assert out == ("ok", None)
+    want[:, 1, 8:16] = src[:, 0, 0:8]
+    assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
+    # out of a slot on either side: refused, nothing moved, the staging memory given back
+    for kwargs, size in [({"src_cache_offset": 200}, -1), ({"dst_cache_offset": 250}, 10),
+                         ({"dst_cache_offset": 256}, -1), ({"src_cache_offset": 250}, 10)]:
+        out = d.call(V.km_call, "pull_cache", CacheKeyByIdAndIndex(PROMPT, 1, 0), ("buf", "dst"), 0, size, **kwargs)
+        assert out[:3] == ("error", "LLMException", "LLM_PARAM_INVALID"), (kwargs, out)
+    assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
+    assert d.call(V.memory_stats)["caches"] == {"allocated": 1}
 
 
 # ---------------------------------------------------------------------------- the same errors as v2
