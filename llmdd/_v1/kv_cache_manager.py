@@ -98,8 +98,11 @@ class KvCacheManager:
         return self._initialized
 
     def _check_is_inited(self) -> None:
+        # as the cache manager of cache-manager mode: once its engine is finalized the manager stays
+        # dead (also after the same LLMDataDist is initialized again); LLMException is a RuntimeError
         if not self._initialized:
-            raise RuntimeError("llm datadist is not initialized")
+            raise LLMException("llm datadist is not initialized: the engine of this kv cache manager was finalized.",
+                               status_code=LLMStatusCode.LLM_ENGINE_FINALIZED)
 
     def _check_role(self, func_name: str, role: LLMRole) -> None:
         raise_if_false(self._role == role, "{0} is not supported by {1}", func_name, self._role)

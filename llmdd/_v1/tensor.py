@@ -69,6 +69,19 @@ class Tensor:
                                "tensors: build a Tensor from a numpy array.",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
+    @staticmethod
+    def from_tensor_tuple(tensor_tuple: Tuple[int, int, List[int]]) -> "Tensor":
+        """Upstream builds a Tensor from its wrapper's ``(tensor handle, dtype, shape)`` tuple; the
+        desc is checked here, and the handle is refused as in ``Tensor(int)``."""
+        from .._enums import get_python_dtype_from_wrapper_dtype
+
+        check_isinstance("tensor_tuple", tensor_tuple, (tuple, list), allow_none=False)
+        if len(tensor_tuple) != 3:
+            raise LLMException(f"tensor_tuple must be (tensor_id, dtype, shape), got {tensor_tuple!r}",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        desc = TensorDesc(get_python_dtype_from_wrapper_dtype(tensor_tuple[1]), tensor_tuple[2])
+        return Tensor(tensor_tuple[0], desc)
+
     @classmethod
     def _from_buffer(cls, raw: np.ndarray, desc: TensorDesc) -> "Tensor":
         """A tensor owning ``raw`` (uint8 bytes of ``desc``'s shape and dtype); no copy."""

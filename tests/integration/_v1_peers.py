@@ -283,3 +283,38 @@ def switch_role(state: dict, role: str, listen: Optional[str] = None) -> tuple:
 
 def link_count(state: dict) -> int:
     return sum(1 for entry in state["dd"].statistics()["links"].values() if entry["state"] == "linked")
+
+
+def start_gated_transfer(state: dict, src: str, configs: list) -> None:
+    """``transfer_cache_async`` whose synchronizer holds every layer until :func:`open_gate` (bounded wait).
+
+    ``configs`` items: ``("addrs", dst_cluster, [addr...])`` for a TransferConfig, or
+    ``("key", key, src_range, dst_range)`` for a TransferWithCacheKeyConfig."""
+    import threading
+
+    ld = _ld()
+    gate = threading.Event()
+
+    class Gate(ld.LayerSynchronizer):
+        def synchronize_layer(self, layer_index, timeout_in_millis):
+            return gate.wait(30.0)  # released by the test; bounded so a broken test cannot hang
+
+    built = []
+    for item in configs:
+        if item[0] == "addrs":
+            built.append(ld.TransferConfig(item[1], item[2]))
+        else:
+            built.append(ld.TransferWithCacheKeyConfig(item[1], item[2], item[3]))
+    task = state["kv"].transfer_cache_async(state["bufs"][src], Gate(), built)
+    state["gated"] = (task, gate)
+
+
+def gated_status(state: dict, timeout_ms: Optional[int]) -> dict:
+    task, _ = state["gated"]
+    return {"sync": task.synchronize(timeout_ms).name,
+            "results": [r.name if r is not None else None for r in task.get_results(0 if timeout_ms is not None
+                                                                                   else None)]}
+
+
+def open_gate(state: dict) -> None:
+    state["gated"][1].set()

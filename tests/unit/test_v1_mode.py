@@ -191,10 +191,16 @@ def test_v1_calls_before_init_and_after_finalize():
     km = dd.kv_cache_manager
     dd.finalize()
     assert km.is_initialized() is False
-    with pytest.raises(RuntimeError, match="not initialized"):
+    with pytest.raises(LLMException, match="not initialized") as info:  # as v2's CacheManager
         km.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_UINT8))
+    assert info.value.status_code is S.LLM_ENGINE_FINALIZED
     with pytest.raises(RuntimeError, match="not initialized"):
         dd.kv_cache_manager
+    dd.init(v1_options(LLMRole.DECODER))  # a new engine makes a new manager; the old one stays dead
+    assert dd.kv_cache_manager is not km and dd.kv_cache_manager.is_initialized()
+    with pytest.raises(LLMException) as info:
+        km.pull_cache(CacheKeyByIdAndIndex(1, 1), KvCache(1, CacheDesc(1, [1, 8], DataType.DT_UINT8), [[1]]))
+    assert info.value.status_code is S.LLM_ENGINE_FINALIZED
 
 
 # ---------------------------------------------------------------------------- memory bound
@@ -577,3 +583,83 @@ def test_public_names_are_the_v1_classes():
     assert llmdd.KvCacheManager is KvCacheManager
     assert llmdd.Tensor is Tensor and llmdd.TensorDesc is TensorDesc
     assert {"TensorDesc", "Tensor", "KvCacheManager"} <= set(llmdd.__all__)
+
+
+def test_tensor_from_tensor_tuple_checks_desc_then_refuses_the_native_handle():
+    with pytest.raises(LLMException) as info:
+        Tensor.from_tensor_tuple((123, DataType.DT_INT32.value, [2, 3]))
+    assert info.value.status_code is PARAM and "native" in str(info.value)
+    with pytest.raises(ValueError):
+        Tensor.from_tensor_tuple((123, 987654, [2]))  # not a dtype of the wrapper
+    with pytest.raises(LLMException):
+        Tensor.from_tensor_tuple((1, 2))
+
+
+# ---------------------------------------------------------------------------- the remaining v1 names
+def test_check_cache_key_is_static_and_needs_exactly_one_id():
+    KvCacheManager.check_cache_key(CacheKey(1, 5))
+    KvCacheManager.check_cache_key(CacheKey(1, 2**64 - 1, 0, 9))
+    for bad in (CacheKey(1, 2**64 - 1), CacheKey(1, 5, 0, 9)):
+        with pytest.raises(LLMException) as info:
+            KvCacheManager.check_cache_key(bad)
+        assert info.value.status_code is PARAM
+
+
+def test_create_cpu_cache_flat_and_per_device_addresses():
+    desc = CacheDesc(2, [4, 8], DataType.DT_UINT8, Placement.HOST)
+    flat = KvCache.create_cpu_cache(desc, [4096, 8192])
+    assert flat.cache_id == -1 and flat.per_device_tensor_addrs == [[4096, 8192]] and flat.cache_desc is desc
+    nested = KvCache.create_cpu_cache(desc, [[4096, 8192]])
+    assert nested.per_device_tensor_addrs == [[4096, 8192]]
+    for bad, exc in [([4096], LLMException), ([[4096]], LLMException), ([4096, [8192]], LLMException),
+                     ([], LLMException), ("x", TypeError)]:
+        with pytest.raises(exc):
+            KvCache.create_cpu_cache(desc, bad)
+    with pytest.raises(LLMException):
+        KvCache.create_cpu_cache(CacheDesc(2, [4, 8], DataType.DT_UINT8), [4096, 8192])  # DEVICE placement
+
+
+def test_swap_blocks_refuses_a_cpu_cache_of_several_devices():
+    km = v1_engine(LLMRole.DECODER).kv_cache_manager
+    npu = km.allocate_blocks_cache(CacheDesc(1, [2, 64], DataType.DT_UINT8))
+    host = np.zeros(2 * 64, dtype=np.uint8)
+    desc = CacheDesc(1, [2, 64], DataType.DT_UINT8, Placement.HOST)
+    cpu = KvCache.create_cpu_cache(desc, [[int(host.ctypes.data)], [int(host.ctypes.data)]])
+    with pytest.raises(LLMException) as info:
+        km.swap_blocks(cpu, npu, {0: 1})
+    assert info.value.status_code is PARAM and "device num:1" in str(info.value)
+
+
+def test_given_cluster_info_replaces_device_and_listen_options():
+    info = {"cluster_id": 5, "logic_device_id": ["0:0:0:0"],
+            "listen_ip_info": [{"ip": int.from_bytes(bytes([127, 0, 0, 1]), "little"), "port": 0}]}
+    dd = LLMDataDist(LLMRole.PROMPT, 5)
+    dd.init({"llm.ClusterInfo": json.dumps(info)})
+    assert dd.statistics()["listen"][0] == "127.0.0.1"
+    assert dd._engine_options["llm.ClusterInfo"] == json.dumps(info)  # kept as given
+    dd.finalize()
+    info["logic_device_id"] = ["0:0:0:0", "0:0:1:0"]
+    with pytest.raises(LLMException) as err:
+        dd.init({"llm.ClusterInfo": json.dumps(info)})
+    assert err.value.status_code is S.LLM_FEATURE_NOT_ENABLED
+    for bad in ("{", "[]", json.dumps({"listen_ip_info": [{"ip": "127.0.0.1"}]})):
+        with pytest.raises(LLMException) as err:
+            dd.init({"llm.ClusterInfo": bad})
+        assert err.value.status_code is PARAM
+
+
+def test_llmconfig_v1_keys_are_accepted():
+    """buf_pool_cfg, output_max_size, deploy_res_path and enable_switch_role reach a v1 engine's options
+    (upstream's v1 reads them in GE; llmdd has no GE and keeps them as given, docs/v1.md)."""
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.buf_pool_cfg = '{"buf_cfg":[{"total_size":2097152,"blk_size":256,"max_buf_size":8192}]}'
+    cfg.output_max_size = 1024
+    cfg.deploy_res_path = "/tmp/unused"
+    cfg.enable_switch_role = True
+    dd = LLMDataDist(LLMRole.DECODER, 4)
+    dd.init(cfg.generate_options())
+    opts = dd._engine_options
+    assert opts["llm.BufPoolCfg"] == cfg.buf_pool_cfg and opts["llm.OutputMaxSize"] == "1024"
+    assert opts["llm.EnableSwitchRole"] == "1" and dd._v1.enable_switch_role is True
+    assert isinstance(dd.kv_cache_manager, KvCacheManager)
