@@ -168,6 +168,20 @@ def test_check_link_status_follows_the_link(pair):
     assert d.call(V.km_call, "check_link_status", PROMPT) == ("ok", None)
 
 
+def test_the_prompt_may_unlink_too(pair):
+    p, d, port = pair
+    _linked(d, port)
+    assert p.call(V.link_count) == 1
+    info = LLMClusterInfo()
+    info.remote_cluster_id = DECODER
+    assert p.call(V.km_call, "unlink_clusters", [info], 3000, True) == ("ok", ["LLM_SUCCESS", ["LLM_SUCCESS"]])
+    assert p.call(V.link_count) == 0
+    # a force unlink closes the prompt's side: the decoder sees its link fail, and check_link_status says so
+    assert d.call(_wait_link_not_linked, PROMPT) == "failed"
+    out = d.call(V.km_call, "check_link_status", PROMPT)
+    assert out[:3] == ("error", "LLMException", "LLM_LINK_FAILED"), out
+
+
 def test_check_link_status_after_the_prompt_went_away():
     from llmdd.testing import Cluster
 
