@@ -925,6 +925,11 @@ class LinkManager:
             return
         reason = f"control connection lost: {error}" if error else "peer closed the control connection"
         self._fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
+        if isinstance(error, ProtocolError):
+            # the peer sent something this side refuses (a bad frame, an invalid table update): tell it
+            # the link is dead at once, instead of letting it find out from its liveness timeout
+            self.notify(link, m.Error(status_code=S.LLM_LINK_FAILED.value, message=f"link failed: {error}",
+                                      fatal=True))
 
     # ------------------------------------------------------------------ failure and teardown
     def _fail(self, link: Link, error: BaseException, *, trigger: str,

@@ -13,6 +13,7 @@ for layer-wise transfers).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -24,6 +25,7 @@ from ._abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
 from ._lifecycle.tables import LinkState
 from ._enums import Placement
 from ._log import get_logger
+from ._peer_input import U64_MAX, PeerInputError, covered, peer_bool, peer_int, peer_key_index, peer_range, peer_spans
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
 from ._protocol import messages as m
 from ._status import LLMException, LLMStatusCode
@@ -89,19 +91,22 @@ class TransferEngine:
         self._blocks_refs: dict[int, Any] = {}  # model_id -> KeyRef of its blocks key (immutable)
         self._read_done: dict[int, list] = {}
         self._read_done_lock = threading.Condition()
-        self._reservations: dict[int, set] = {}  # id(link) -> key indices a peer reserved and still holds
+        # id(link) -> {key index a peer reserved and still holds: its cache id}
+        self._reservations: dict[int, dict[tuple, int]] = {}
+        self._refused: set = set()  # (id(link), message type) already logged
         self._closed = False
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
         self._async: set = set()
         handlers = self._lm.request_handlers
-        handlers["reserve_key"] = self._serve_reserve_key
-        handlers["release_key"] = self._serve_release_key
-        handlers["push_done"] = self._serve_push_done
+        for op, handler in (("reserve_key", self._serve_reserve_key), ("release_key", self._serve_release_key),
+                            ("push_done", self._serve_push_done), ("consume_key", self._serve_consume_key)):
+            handlers[op] = functools.partial(self._guard, what=op, handler=handler)
         handlers["engine_info"] = self._serve_engine_info
-        handlers["__read_done__"] = self._serve_read_done
-        handlers["__key_consumed__"] = self._serve_key_consumed
-        handlers["consume_key"] = self._serve_consume_key
+        handlers["__read_done__"] = lambda link, args: self._guard(
+            link, args["msg"], what="read_done", handler=self._serve_read_done, notice=True)
+        handlers["__key_consumed__"] = lambda link, args: self._guard(
+            link, args["msg"], what="key_consumed", handler=self._serve_key_consumed, notice=True)
         handlers["__link_failed__"] = self._on_link_down
         handlers["__link_closed__"] = self._on_link_down
 
@@ -463,67 +468,145 @@ class TransferEngine:
         return 0, {"device_pool_bytes": self._device_pool_bytes(), "profile": self._core.profile.name}
 
     # ------------------------------------------------------------------ owner side handlers
-    def _serve_reserve_key(self, link: Any, args: dict) -> tuple[int, dict]:
-        index = (int(args["id"]), int(args["model_id"]))
+    # Every number a peer sends is checked against this engine's tables before any work proportional
+    # to it (llmdd._peer_input); docs/reliability.md lists what each violation does to the link.
+    def _refuse_peer(self, link: Any, what: str, exc: PeerInputError, *, notice: bool) -> None:
+        """Log a violating message once per link and message type; fail the link when it says so.
+        A refused *notice* (no reply travels back) is answered with a fatal Error message."""
+        key = (id(link), what)
+        with self._read_done_lock:
+            first = key not in self._refused
+            if first:
+                self._refused.add(key)
+        if first:
+            _log.warning("llmdd.transfer.peer_input_refused", peer=link.peer_cluster_id, message=what,
+                         error=str(exc), fails_link=exc.fail_link)
+        if notice or exc.fail_link:
+            self._lm.notify(link, m.Error(status_code=exc.status_code.value,
+                                          message=f"{what} refused: {exc}", fatal=exc.fail_link))
+        if exc.fail_link:
+            self._lm._fail(link, exc, trigger="peer_lost", status=S.LLM_LINK_FAILED)
+
+    def _guard(self, link: Any, args: Any, *, what: str, handler: Any, notice: bool = False) -> tuple[int, dict]:
+        try:
+            return handler(link, args)
+        except PeerInputError as exc:
+            self._refuse_peer(link, what, exc, notice=notice)
+            if notice:
+                return exc.status_code.value, {}
+            raise
+
+    def _served_record(self, link: Any, cache_id: Any, what: str) -> Any:
+        """The live record of a cache id a peer named, if this engine announces it to that peer.
+        None when unknown (a benign race: the cache went after the peer read it); a cache the peer
+        was never told about is a violation."""
+        cache_id = peer_int(cache_id, f"{what} cache_id", 0, 2**63 - 1)
+        rec = self._memory.get(cache_id)
+        if rec is None:
+            return None
+        if not (rec.remote_accessible or not self._core.options.remote_cache_accessible):
+            raise PeerInputError(f"{what}: cache {cache_id} is not served to this peer")
+        return rec
+
+    def _held(self, link: Any, index: tuple) -> Optional[int]:
+        """The cache id of ``index`` if this link reserved it and holds it still."""
+        with self._read_done_lock:
+            return self._reservations.get(id(link), {}).get(index)
+
+    def _serve_reserve_key(self, link: Any, args: Any) -> tuple[int, dict]:
+        index = peer_key_index(args)
         hit = self._memory.reserve_key(index)
         if hit is None:
             return S.LLM_KV_CACHE_NOT_EXIST.value, {}
         with self._read_done_lock:
-            self._reservations.setdefault(id(link), set()).add(index)
+            self._reservations.setdefault(id(link), {})[index] = int(hit[0])
         return 0, {"cache_id": int(hit[0]), "batch_index": int(hit[1])}
 
-    def _end_reservation(self, link: Any, index: tuple) -> None:
+    def _end_reservation(self, link: Any, index: tuple) -> bool:
+        """Forget ``index`` among the link's reservations; False when the link did not hold it."""
         with self._read_done_lock:
             held = self._reservations.get(id(link))
-            if held is not None:
-                held.discard(index)
-                if not held:
-                    del self._reservations[id(link)]
+            if held is None or index not in held:
+                return False
+            del held[index]
+            if not held:
+                del self._reservations[id(link)]
+            return True
 
-    def _serve_release_key(self, link: Any, args: dict) -> tuple[int, dict]:
-        index = (int(args["id"]), int(args["model_id"]))
-        self._end_reservation(link, index)
-        self._memory.finish_reserved(index, None, pulled=False)
+    def _serve_release_key(self, link: Any, args: Any) -> tuple[int, dict]:
+        index = peer_key_index(args)
+        # a release of a key this link does not hold is benign (a puller that gave up on a reserve
+        # the owner never granted) and must never touch another link's reservation
+        if self._end_reservation(link, index):
+            self._memory.finish_reserved(index, None, pulled=False)
         return 0, {}
 
-    def _serve_key_consumed(self, link: Any, args: dict) -> tuple[int, dict]:
-        msg: m.KeyConsumed = args["msg"]
+    def _consumed(self, link: Any, index: tuple, cache_id: Any, spans: Optional[list], what: str) -> None:
+        """A pull of ``index`` ended: check it against the link's reservation and the cache's tensors,
+        then consume (``spans`` None or empty = every tensor)."""
+        held = self._held(link, index)
+        if held is None:
+            raise PeerInputError(f"{what}: key {index} is not reserved by this peer", fail_link=False)
+        if peer_int(cache_id, f"{what} cache_id", 0, 2**63 - 1) != held:
+            raise PeerInputError(f"{what}: key {index} was reserved for cache {held}, not {cache_id}")
+        rec = self._memory.get(held)
         tensors = None
-        if msg.tensor_spans:
-            tensors = set()
-            for span in msg.tensor_spans:
-                tensors.update(range(span.start, span.stop))
-        self._end_reservation(link, (msg.key.id, msg.key.model_id))
-        self._memory.finish_reserved((msg.key.id, msg.key.model_id), tensors, pulled=True)
-        return 0, {}
-
-    def _serve_consume_key(self, link: Any, args: dict) -> tuple[int, dict]:
-        index = (int(args["id"]), int(args["model_id"]))
-        start, stop = args.get("tensors") or (0, 0)
+        if spans and rec is not None:
+            ranges = peer_spans(spans, f"{what} tensors", len(rec.addrs))
+            tensors = covered(ranges)
         self._end_reservation(link, index)
-        self._memory.finish_reserved(index, set(range(int(start), int(stop))) if stop > start else None,
-                                     pulled=True)
+        self._memory.finish_reserved(index, tensors, pulled=True)
+
+    def _serve_key_consumed(self, link: Any, msg: Any) -> tuple[int, dict]:
+        self._consumed(link, (msg.key.id, msg.key.model_id), msg.cache_id, list(msg.tensor_spans), "key_consumed")
         return 0, {}
 
-    def _cache_event(self, cache_id: int, trigger: str, **info: Any) -> None:
-        rec = self._memory.get(cache_id)
-        if rec is not None and rec.tracked.can(trigger):
+    def _serve_consume_key(self, link: Any, args: Any) -> tuple[int, dict]:
+        index = peer_key_index(args)
+        tensors = args.get("tensors")
+        spans = None
+        if tensors is not None:
+            pair = peer_range(tensors, "consume_key tensors", U64_MAX)
+            spans = [tensors] if len(pair) else None
+        self._consumed(link, index, args.get("cache_id"), spans, "consume_key")
+        return 0, {}
+
+    def _cache_event(self, rec: Any, trigger: str, **info: Any) -> None:
+        if rec.tracked.can(trigger):
             rec.tracked.fire(trigger, **info)
 
-    def _serve_read_done(self, link: Any, args: dict) -> tuple[int, dict]:
-        msg: m.ReadDone = args["msg"]
-        for entry in msg.entries:
-            blocks = [[s.start, s.stop] for s in entry.block_spans]
-            self._cache_event(entry.cache_id, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
+    def _block_spans(self, rec: Any, spans: Any, what: str) -> list:
+        """Block (or batch) spans of a notice, inside the cache's rows."""
+        return [[r.start, r.stop] for r in peer_spans(list(spans), what, rec.rows)]
+
+    def _serve_read_done(self, link: Any, msg: Any) -> tuple[int, dict]:
+        checked = []
+        for entry in msg.entries:   # validate the whole notice before any event fires
+            rec = self._served_record(link, entry.cache_id, "read_done")
+            if rec is not None:
+                checked.append((rec, self._block_spans(rec, entry.block_spans, "read_done blocks")))
+        for rec, blocks in checked:
+            self._cache_event(rec, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
         return 0, {}
 
-    def _serve_push_done(self, link: Any, args: dict) -> tuple[int, dict]:
+    def _serve_push_done(self, link: Any, args: Any) -> tuple[int, dict]:
+        if not isinstance(args, dict):
+            raise PeerInputError("push_done arguments must be a map")
+        failed = peer_bool(args.get("failed", False), "push_done failed")
+        rec = self._served_record(link, args.get("cache_id"), "push_done")
+        if rec is None:
+            return 0, {}
+        blocks = self._block_spans(rec, args.get("blocks", []), "push_done blocks")
+        tensors = args.get("tensors")
+        if tensors is not None:
+            r = peer_range(tensors, "push_done tensors", len(rec.addrs))
+            tensors = [r.start, r.stop]
         error = None
-        if args.get("failed"):
+        if failed:
             error = LLMException(f"a push from cluster {link.peer_cluster_id} failed; these blocks may be "
                                  f"partially written", status_code=S.LLM_FAILED)
-        self._cache_event(int(args["cache_id"]), "peer_written", peer=link.peer_cluster_id,
-                          blocks=args.get("blocks", []), tensors=args.get("tensors"), error=error)
+        self._cache_event(rec, "peer_written", peer=link.peer_cluster_id, blocks=blocks, tensors=tensors,
+                          error=error)
         return 0, {}
 
     def _on_link_down(self, link: Any, args: dict) -> tuple[int, dict]:
@@ -531,7 +614,8 @@ class TransferEngine:
             task.link_down(link)
         with self._read_done_lock:
             self._read_done.pop(id(link), None)
-            orphaned = self._reservations.pop(id(link), set())
+            orphaned = self._reservations.pop(id(link), {})
+            self._refused = {k for k in self._refused if k[0] != id(link)}
         for index in orphaned:  # a puller that is gone will never consume or release these keys
             self._memory.finish_reserved(index, None, pulled=False)
         return 0, {}

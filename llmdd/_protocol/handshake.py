@@ -441,6 +441,13 @@ def _unique(kind: str, items: Iterable) -> set:
     return seen
 
 
+#: what one peer may announce (its tables are held per link, so these bound the memory a peer can
+#: make this engine hold, whatever it sends): regions (one per tensor), caches and CacheKeys
+MAX_PEER_REGIONS = 1 << 17
+MAX_PEER_CACHES = 1 << 16
+MAX_PEER_KEYS = 1 << 18
+
+
 class DescriptorTables:
     """The peer's regions, caches and keys for one peer incarnation, as announced.
 
@@ -457,6 +464,7 @@ class DescriptorTables:
         self._keys: dict[m.KeyRef, m.KeyEntry] = {}
         self._by_addr: list[tuple[int, int]] = []  # sorted (addr, region_id)
         self._max_size = 0
+        self._keys_of: dict[int, set] = {}  # cache id -> its keys
 
     # -- state
     @property
@@ -513,13 +521,16 @@ class DescriptorTables:
                                   status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
     def _apply_regions(self, u: m.RegionsUpdate) -> None:
+        # validated completely first; then applied in place, so the work is proportional to the
+        # update's size (a peer's small updates never make this side copy its whole table)
         _check_version("regions", self._regions_version, u.version, u.full)
         added_ids = _unique("region", (r.region_id for r in u.added))
         removed = _unique("removed region", u.removed)
         if u.full:
             if removed:
                 raise TableUpdateError("a regions snapshot removes nothing")
-            table: dict = {}
+            if len(added_ids) > MAX_PEER_REGIONS:
+                raise TableUpdateError(f"{len(added_ids)} regions exceed the {MAX_PEER_REGIONS} a peer may announce")
         else:
             for rid in removed:
                 if rid not in self._regions:
@@ -527,48 +538,75 @@ class DescriptorTables:
             for rid in added_ids:
                 if rid in self._regions and rid not in removed:
                     raise TableUpdateError(f"region {rid} is already announced")
-            table = {rid: r for rid, r in self._regions.items() if rid not in removed}
+            if len(self._regions) - len(removed) + len(added_ids) > MAX_PEER_REGIONS:
+                raise TableUpdateError(f"the update would exceed the {MAX_PEER_REGIONS} regions a peer may announce")
+        if u.full:
+            self._regions = {}
+            self._by_addr = []
+            self._max_size = 0
+        for rid in removed:
+            r = self._regions.pop(rid)
+            i = bisect.bisect_left(self._by_addr, (r.addr, rid))
+            del self._by_addr[i]
         for r in u.added:
-            table[r.region_id] = r
-        self._regions = table
-        self._by_addr = sorted((r.addr, rid) for rid, r in table.items())
-        self._max_size = max((r.size for r in table.values()), default=0)
+            self._regions[r.region_id] = r
+            bisect.insort(self._by_addr, (r.addr, r.region_id))
+            self._max_size = max(self._max_size, r.size)
+        if removed:  # the largest size may have gone (only a removal costs a scan)
+            self._max_size = max((r.size for r in self._regions.values()), default=0)
         self._regions_version = u.version
 
     def _apply_cache_table(self, u: m.CacheTableUpdate) -> None:
         _check_version("cache table", self._cache_version, u.version, u.full)
         added_caches = _unique("cache", (c.cache_id for c in u.caches_added))
         removed_caches = _unique("removed cache", u.caches_removed)
-        _unique("key", (e.key for e in u.keys_added))
+        added_keys = _unique("key", (e.key for e in u.keys_added))
         removed_keys = _unique("removed key", u.keys_removed)
+        caches = {} if u.full else self._caches
+        keys = {} if u.full else self._keys
         if u.full:
             if removed_caches or removed_keys:
                 raise TableUpdateError("a cache-table snapshot removes nothing")
-            caches: dict = {}
-            keys: dict = {}
         else:
             for cid in removed_caches:
-                if cid not in self._caches:
+                if cid not in caches:
                     raise TableUpdateError(f"removed cache {cid} is unknown")
             for cid in added_caches:
-                if cid in self._caches and cid not in removed_caches:
+                if cid in caches and cid not in removed_caches:
                     raise TableUpdateError(f"cache {cid} is already announced")
             for key in removed_keys:
-                if key not in self._keys:
+                if key not in keys:
                     raise TableUpdateError(f"removed key {key} is unknown")
-            caches = {cid: c for cid, c in self._caches.items() if cid not in removed_caches}
-            # keys of a removed cache go with it
-            keys = {k: e for k, e in self._keys.items() if k not in removed_keys and e.cache_id in caches}
-        for c in u.caches_added:
-            caches[c.cache_id] = c
+        if len(caches) - len(removed_caches) + len(added_caches) > MAX_PEER_CACHES:
+            raise TableUpdateError(f"the update would exceed the {MAX_PEER_CACHES} caches a peer may announce")
+        # keys of a removed cache go with it: found through the cache-to-keys index, never by a scan
+        dropped = set(removed_keys)
+        for cid in removed_caches:
+            dropped.update(self._keys_of.get(cid, ()))
         for e in u.keys_added:
-            if e.key in keys:
+            if e.key in keys and e.key not in dropped:
                 raise TableUpdateError(f"key {e.key} is already bound")
-            if e.cache_id not in caches:
+            if e.cache_id not in added_caches and (e.cache_id not in caches or e.cache_id in removed_caches):
                 raise TableUpdateError(f"key {e.key} refers to unknown cache {e.cache_id}")
-            keys[e.key] = e
-        self._caches = caches
-        self._keys = keys
+        if len(keys) - len(dropped) + len(added_keys) > MAX_PEER_KEYS:
+            raise TableUpdateError(f"the update would exceed the {MAX_PEER_KEYS} keys a peer may announce")
+        # valid: apply in place (work proportional to the update)
+        if u.full:
+            self._caches, self._keys, self._keys_of = {}, {}, {}
+        for key in dropped:
+            e = self._keys.pop(key)
+            owned = self._keys_of.get(e.cache_id)
+            if owned is not None:
+                owned.discard(key)
+                if not owned:
+                    del self._keys_of[e.cache_id]
+        for cid in removed_caches:
+            del self._caches[cid]
+        for c in u.caches_added:
+            self._caches[c.cache_id] = c
+        for e in u.keys_added:
+            self._keys[e.key] = e
+            self._keys_of.setdefault(e.cache_id, set()).add(e.key)
         self._cache_version = u.version
 
 

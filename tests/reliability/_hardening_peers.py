@@ -100,3 +100,97 @@ def link_pull_unlink_loop(state: dict, remote: int, port: int, seconds: float, n
         if res["status"] != "LLM_SUCCESS":
             R.unlink(state, [(remote, port)], force=True)
     return out
+
+
+# ---------------------------------------------------------------------------- a linked hostile peer
+def _link_to(state: dict, remote: int):
+    return state["dd"]._core.link_manager.get(remote)
+
+
+def hostile_send(state: dict, remote: int, port: int, msgs: list, deadline_s: float) -> dict:
+    """Send ``msgs`` (post-handshake control messages, any content) over this engine's real, linked
+    control connection to ``remote``, then probe the owner with a request round trip (the owner's
+    reader handles messages in order, so its answer means every message before it was handled).
+    Relinks first when an earlier batch made the owner fail the link."""
+    link = _link_to(state, remote)
+    if link is None or R.link_states(state).get(remote) != "linked":
+        R.unlink(state, [(remote, port)], force=True)
+        res = R.link(state, [(remote, port)])
+        if res["status"] != "LLM_SUCCESS":
+            return {"relinked": False, "link": res["status"]}
+        link = _link_to(state, remote)
+    lm = state["dd"]._core.link_manager
+    sent = 0
+    for msg in msgs:
+        try:
+            link.control.send(msg)
+            sent += 1
+        except Exception:  # noqa: BLE001 - the owner closed the link mid-batch: that is an outcome
+            break
+    # a link the owner failed is already failed here when its Error arrived before we ask
+    first = "failed" if R.link_states(state).get(remote) == "failed" else _probe(lm, link, deadline_s)
+    out = {"relinked": True, "sent": sent, "probe": first, "state": R.link_states(state).get(remote)}
+    if first != "answered":
+        # the owner failed the link (on purpose, for a refused message): it must still serve a new one
+        R.unlink(state, [(remote, port)], force=True)
+        res = R.link(state, [(remote, port)])
+        out["fresh_link"] = res["status"]
+        out["fresh_probe"] = _probe(lm, _link_to(state, remote), deadline_s) if res["status"] == "LLM_SUCCESS" \
+            else None
+    return out
+
+
+def _probe(lm, link, deadline_s: float) -> str:
+    try:
+        status, _ = lm.request(link, "engine_info", {}, deadline=time.monotonic() + deadline_s)
+        return "answered" if status == 0 else f"status {status}"
+    except LLMException as exc:
+        return exc.status_code.name
+
+
+def request_raw(state: dict, remote: int, op: str, args: dict, deadline_s: float) -> dict:
+    """One request with arbitrary arguments over the real link; the owner's reply status and the link
+    state after it."""
+    lm = state["dd"]._core.link_manager
+    try:
+        status, result = lm.request(_link_to(state, remote), op, args, deadline=time.monotonic() + deadline_s)
+        out = {"status": status, "error": result.get("error", "")}
+    except LLMException as exc:
+        out = {"status": exc.status_code.name, "error": str(exc)}
+    out["state"] = R.link_states(state).get(remote)
+    return out
+
+
+def notify_raw(state: dict, remote: int, msg) -> None:
+    _link_to(state, remote).control.send(msg)
+
+
+def wait_link_failed(state: dict, remote: int, timeout: float) -> str:
+    """The link's state once it is no longer linked, or at the deadline."""
+    return R.wait_link_state(state, remote, ("failed", None), timeout)[0]
+
+
+# ---------------------------------------------------------------------------- cache events
+class _CacheEvents:
+    def __init__(self) -> None:
+        self.events: list = []
+
+    @__import__("llmdd.plugin").plugin.hookimpl
+    def llmdd_cache_transition(self, event) -> None:
+        self.events.append(event)
+
+
+def record_cache_events(state: dict) -> None:
+    if "cache_events" not in state:
+        rec = _CacheEvents()
+        state["dd"].add_plugin(rec)
+        state["cache_events"] = rec
+    state["cache_events"].events.clear()
+
+
+def cache_events(state: dict, trigger: str) -> list:
+    return [(e.id, e.info.get("blocks")) for e in state["cache_events"].events if e.trigger == trigger]
+
+
+def cache_id_of(state: dict, name: str) -> int:
+    return state["caches"][name].cache_id

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -54,3 +55,216 @@ def test_registration_churn_while_clients_link_pull_and_unlink_never_deadlocks(t
         # the server is still healthy afterwards: a fresh link and a verified pull
         res = client.call(H.link_pull_unlink_loop, PROMPT, port, 0.01, NT, NB, BS, 3)
         assert res["pulled"] >= 1 and res["pulled"] == res["linked"] and res["wrong_bytes"] == 0, res
+
+
+# ---------------------------------------------------------------------------- bounded peer input
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from llmdd import LLMStatusCode  # noqa: E402
+from llmdd._protocol import messages as m  # noqa: E402
+from llmdd.testing import peer_snapshot  # noqa: E402
+
+BIG = [0, 1, 2, 7, 255, 2**16, 10**9, 2**31 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**64 - 1]
+u64 = st.sampled_from(BIG) | st.integers(0, 2**64 - 1)
+i64 = st.sampled_from([-1, 0, 1, 2, 3, 10**9, 2**63 - 1, -2**63]) | st.integers(-2**63, 2**63 - 1)
+small_ids = st.integers(0, 8)
+
+
+@st.composite
+def spans(draw, max_size=8):
+    out = []
+    for _ in range(draw(st.integers(0, max_size))):
+        a = draw(u64)
+        b = draw(st.sampled_from([a, a + 1, 2**64 - 1]) | st.integers(a, 2**64 - 1))
+        out.append(m.Span(start=a, stop=min(b, 2**64 - 1)))
+    return tuple(out)
+
+
+junk = st.recursive(st.none() | st.booleans() | u64 | i64 | st.text(max_size=8) | st.binary(max_size=8),
+                    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+                    max_leaves=12)
+arg_values = (junk | st.lists(u64, min_size=2, max_size=2) | st.sampled_from([[0, 10**9], [0, 2**40], [5, 2],
+                                                                               [[0, 2**40]] * 3]))
+ARG_NAMES = ["id", "model_id", "cache_id", "tensors", "blocks", "failed", "batch_index"]
+OPS = ["reserve_key", "release_key", "consume_key", "push_done", "engine_info", "no_such_op"]
+key_refs = st.one_of(st.builds(m.KeyRef.for_req, u64, i64), st.builds(m.KeyRef.for_prefix, u64, i64),
+                     st.builds(m.KeyRef.for_blocks, i64))
+
+post_link_messages = st.one_of(
+    st.builds(lambda op, args, rid: m.TransferRequest(request_id=rid, op=op, args=args),
+              st.sampled_from(OPS) | st.text(max_size=12),
+              st.dictionaries(st.sampled_from(ARG_NAMES) | st.text(max_size=6), arg_values, max_size=6), u64),
+    st.builds(lambda k, c, s: m.KeyConsumed(key=k, cache_id=c, tensor_spans=s), key_refs, small_ids | i64, spans()),
+    st.builds(lambda entries: m.ReadDone(entries=entries), st.lists(st.builds(
+        lambda c, s: m.ReadDoneEntry(cache_id=c, block_spans=s), small_ids | i64, spans()), max_size=6).map(tuple)),
+    st.builds(lambda v, f, rem: m.RegionsUpdate(version=v, full=f, removed=rem), u64, st.booleans(),
+              st.lists(st.integers(0, 2**32 - 1), max_size=4).map(tuple)),
+    st.builds(lambda v, f, rem: m.CacheTableUpdate(version=v, full=f, caches_removed=rem), u64, st.booleans(),
+              st.lists(small_ids, max_size=4).map(tuple)),
+    st.builds(lambda s, t: m.Keepalive(seq=s, sent_at_ns=t), u64, u64),
+    st.builds(lambda s, e, t: m.KeepaliveAck(seq=s, echo_sent_at_ns=e, sent_at_ns=t), u64, u64, u64),
+    st.builds(lambda r, c, res: m.TransferReply(request_id=r, status_code=c, result=res), u64, i64,
+              st.dictionaries(st.text(max_size=6), junk, max_size=3)),
+    st.builds(lambda r, c: m.UnlinkAck(request_id=r, status_code=c), u64, i64),
+    st.builds(lambda c, msg, f: m.Error(status_code=c, message=msg, fatal=f), i64, st.text(max_size=20),
+              st.booleans()),
+)
+
+HOSTILE_MESSAGES = 1000
+#: how long the owner may take to finish the threads of links it failed (a loaded 2-core machine)
+SETTLE_S = 5.0
+BATCH = 5
+RSS_BOUND = 32 << 20
+#: deadline of the probe request after a batch (the owner answers in milliseconds when it is responsive)
+PROBE_S = 2.0
+
+
+def _reserve(hostile, req_id: int) -> dict:
+    out = hostile.peer.call(H.request_raw, PROMPT, "reserve_key", {"id": req_id, "model_id": 0}, PROBE_S)
+    assert out["status"] == 0, out
+    return out
+
+
+def _relink(hostile) -> None:
+    hostile.peer.call(R.unlink, [(PROMPT, hostile.port)], True)
+    hostile.warm()
+
+
+def test_regression_consume_key_naming_a_billion_tensors_is_refused_without_work(hostile):
+    """A consume_key request for tensors [0, 10^9] used to build a set of 10^9 ints on the owner
+    (MemoryError or 2.4 GiB RSS, the link's reader blocked).  Now: refused with LLM_PARAM_INVALID
+    before any work, the link failed (out-of-table indices), the owner's RSS unchanged."""
+    _relink(hostile)
+    before = hostile.owner.call(peer_snapshot)
+    _reserve(hostile, 1)
+    out = hostile.peer.call(H.request_raw, PROMPT, "consume_key",
+                            {"id": 1, "model_id": 0, "cache_id": 2, "tensors": [0, 10**9]}, PROBE_S)
+    assert out["status"] in (LLMStatusCode.LLM_PARAM_INVALID.value, "LLM_LINK_FAILED"), out
+    assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
+    after = hostile.owner.call(peer_snapshot)
+    assert after.rss_bytes - before.rss_bytes < 8 << 20, (before.rss_bytes, after.rss_bytes)
+    # the key the hostile peer reserved went back to the table with its link: a good pull still works
+    _relink(hostile)
+    assert hostile.peer.call(R.allocate, "kvdst", NT, [4, 1024]) > 0
+    assert hostile.peer.call(R.transfer, "pull_cache", ("key", PROMPT, 1, 0), "kvdst", 0)[0] == "LLM_SUCCESS"
+    got = hostile.peer.call(R.snapshot, "kvdst")
+    want = R.pattern(PROMPT, 6, NT, 4 * 1024)
+    np.testing.assert_array_equal(got[:, :1024], want[:, :1024])
+
+
+def test_regression_key_consumed_notice_with_a_2_pow_40_span_is_refused_without_work(hostile):
+    """A KeyConsumed notice whose tensor span is [0, 2^40) used to build a Python set of 2^40 ints.
+    Now: a fatal Error back to the peer, its link failed, RSS unchanged, the owner serves a new link."""
+    _relink(hostile)
+    before = hostile.owner.call(peer_snapshot)
+    _reserve(hostile, 2)
+    msg = m.KeyConsumed(key=m.KeyRef.for_req(2, 0), cache_id=2, tensor_spans=(m.Span(start=0, stop=2**40),))
+    hostile.peer.call(H.notify_raw, PROMPT, msg)
+    assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
+    after = hostile.owner.call(peer_snapshot)
+    assert after.rss_bytes - before.rss_bytes < 8 << 20, (before.rss_bytes, after.rss_bytes)
+    _relink(hostile)
+    out = hostile.peer.call(H.request_raw, PROMPT, "engine_info", {}, PROBE_S)
+    assert out["status"] == 0, out
+
+
+def test_read_done_spans_outside_the_cache_fail_the_link_and_fire_no_event(hostile):
+    """A peer-read notice naming blocks past the cache's end: no event, link failed; one inside it: the
+    owner's "peer finished reading" event fires with exactly those spans (control)."""
+    _relink(hostile)
+    src_id = hostile.owner.call(H.cache_id_of, "src")
+    hostile.owner.call(H.record_cache_events)
+    good = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_spans=(m.Span(start=1, stop=3),)),))
+    hostile.peer.call(H.notify_raw, PROMPT, good)
+    assert hostile.peer.call(H.request_raw, PROMPT, "engine_info", {}, PROBE_S)["status"] == 0
+    assert hostile.owner.call(H.cache_events, "peer_read") == [(src_id, [[1, 3]])]
+    bad = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_spans=(m.Span(start=0, stop=NB + 1),)),))
+    hostile.peer.call(H.notify_raw, PROMPT, bad)
+    assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
+    assert hostile.owner.call(H.cache_events, "peer_read") == [(src_id, [[1, 3]])]
+    _relink(hostile)
+
+
+class HostileRig:
+    def __init__(self) -> None:
+        self.cluster = Cluster(env=ENV)
+        self.owner, self.peer = self.cluster.spawn("hostile_owner", "hostile_peer")
+        self.port = self.owner.call(R.setup, "PROMPT", PROMPT, listen=True, mem_pool=1 << 20)
+        self.owner.call(R.register_blocks, "src", NT, NB, BS, seed=5, key=(PROMPT, 0))
+        self.owner.call(R.allocate, "kv", NT, [4, 1024], seed=6, keys=((PROMPT, 1, 0), (PROMPT, 2, 0)))
+        self.peer.call(R.setup, "DECODER", DECODER, mem_pool=1 << 20)
+        self.peer.call(R.register_blocks, "dst", NT, NB, BS)
+        self.sent = 0
+        self.outcomes: dict = {}
+        self.warm()
+        self.baseline = self.owner.call(peer_snapshot)
+
+    def warm(self) -> None:
+        """Link, pull verified bytes, and leave the link up (the state the baseline is taken in)."""
+        out = self.peer.call(H.link_pull_unlink_loop, PROMPT, self.port, 0.01, NT, NB, BS, 5)
+        assert out["pulled"] >= 1 and out["wrong_bytes"] == 0, out
+        assert self.peer.call(R.link, [(PROMPT, self.port)])["status"] == "LLM_SUCCESS"
+
+    def close(self) -> None:
+        self.cluster.close()
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    rig = HostileRig()
+    yield rig
+    rig.close()
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=HOSTILE_MESSAGES // BATCH, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.generate])  # no shrinking through live processes
+@given(batch=st.lists(post_link_messages, min_size=BATCH, max_size=BATCH))
+def test_post_link_message_fuzz_owner_stays_responsive(hostile, batch):
+    out = hostile.peer.call(H.hostile_send, PROMPT, hostile.port, batch, PROBE_S, timeout=30)
+    assert out["relinked"], out                     # the owner always accepts a new link
+    hostile.sent += out["sent"]
+    # either the owner answered on the same link, or it failed the link (a refused message; the peer
+    # sees the failure, or its request times out if it asked after the failure arrived) and then
+    # serves a fresh link at once
+    kinds = [type(x).__name__ for x in batch]
+    peer_said_fatal = any(isinstance(x, m.Error) and x.fatal for x in batch)
+    if out["probe"] == "answered":
+        outcome = "answered"
+    elif out["state"] == "failed":
+        assert out["probe"] in ("failed", "LLM_LINK_FAILED", "LLM_TIMEOUT"), (out, kinds)
+        outcome = "owner failed the link"
+    else:
+        # the hostile peer itself sent a fatal Error: the owner dropped the link as told, and this
+        # side learns only from its own liveness timeout
+        assert peer_said_fatal and out["probe"] == "LLM_TIMEOUT", (out, kinds)
+        outcome = "peer declared the link dead"
+    if outcome != "answered":
+        assert out["fresh_link"] == "LLM_SUCCESS" and out["fresh_probe"] == "answered", (out, kinds)
+    hostile.outcomes[outcome] = hostile.outcomes.get(outcome, 0) + 1
+
+
+def test_post_link_message_fuzz_owner_resources_back_to_baseline(hostile):
+    assert hostile.sent >= HOSTILE_MESSAGES * 0.9, hostile.sent   # the fuzz above really sent them
+    # back to the baseline's state (one live link), then: threads and fds as before, RSS bounded
+    hostile.peer.call(R.unlink, [(PROMPT, hostile.port)], True)
+    hostile.warm()
+    base = hostile.baseline
+    # a relinked link has new threads and sockets (new idents, new fd numbers): compare counts, polling
+    # with a deadline while the failed links' threads finish
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        after = hostile.owner.call(peer_snapshot)
+        if (after.native_threads <= base.native_threads and len(after.fds) <= len(base.fds)) or \
+                time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    print(f"hostile fuzz: {hostile.sent} messages, outcomes {hostile.outcomes}; owner RSS "
+          f"{base.rss_bytes / 2**20:.1f} -> {after.rss_bytes / 2**20:.1f} MiB, threads {base.native_threads} -> "
+          f"{after.native_threads}, fds {len(base.fds)} -> {len(after.fds)}, shm {len(base.shm)} -> {len(after.shm)}")
+    assert after.native_threads <= base.native_threads, (base.native_threads, after.native_threads)
+    assert len(after.fds) <= len(base.fds), (base.fds, after.fds)
+    assert after.rss_bytes - base.rss_bytes <= RSS_BOUND, (base.rss_bytes, after.rss_bytes)
+    assert not (after.shm - base.shm - hostile.peer.call(peer_snapshot).shm), after.shm - base.shm
