@@ -51,6 +51,7 @@ __all__ = [
     "check_listen",
     "check_pools",
     "check_dev_shm",
+    "check_shm_leftovers",
     "check_cross_memory_attach",
     "check_peer",
     "local_ipv4_addresses",
@@ -770,6 +771,26 @@ def check_pools(mem_pool_cfg: Optional[str] = None, host_mem_pool_cfg: Optional[
     return checks, total
 
 
+def check_shm_leftovers(reclaim: bool = False, path: str = "/dev/shm") -> Check:
+    """Shared-memory segments crashed llmdd processes left (same user and pid namespace, creator gone):
+    listed, or removed with ``reclaim`` (``llmdd doctor --reclaim-shm``).  An engine reclaims them
+    at init anyway; this shows what is there before one does."""
+    from ._memory.segments import find_leftovers, reclaim_leftovers
+
+    found = reclaim_leftovers(path) if reclaim else find_leftovers(path)
+    details = {"segments": [{"name": f.name, "pid": f.pid, "kind": f.kind, "bytes": f.size} for f in found]}
+    total = sum(f.size for f in found)
+    if not found:
+        return Check(name="shm_leftovers", status=OK, message=f"no llmdd segment of a dead process in {path}")
+    if reclaim:
+        return Check(name="shm_leftovers", status=OK, details=details,
+                     message=f"removed {len(found)} segment(s) of dead llmdd processes ({format_bytes(total)})")
+    names = ", ".join(f.name for f in found[:5]) + (" ..." if len(found) > 5 else "")
+    return Check(name="shm_leftovers", status=WARN, details=details,
+                 message=f"{len(found)} segment(s) of dead llmdd processes hold {format_bytes(total)}: {names}",
+                 fix="llmdd doctor --reclaim-shm removes them (any engine's init does too)")
+
+
 def check_dev_shm(pool_bytes: int, path: str = "/dev/shm") -> Check:
     """``/dev/shm`` has room for the pools (every pool is a shared-memory segment there)."""
     stats = _dev_shm_stats(path)
@@ -865,6 +886,7 @@ def _link_outcome(host: str, port: int, secret: Optional[str], timeout_ms: int) 
         options = dict(cfg.generate_options())
         if secret is not None:
             options["llmdd.auth_secret"] = secret
+        options["llmdd.reclaim_leftover_shm"] = "0"  # leftovers are the shm_leftovers check's business
         dd = LLMDataDist(LLMRole.DECODER, secrets.randbits(62))
         dd.init(options)
         cluster = LLMClusterInfo()
@@ -956,11 +978,13 @@ def check_peer(peer: str, secret: Optional[str] = None, timeout: float = 5.0) ->
 def run_doctor(*, profile: str = "generic", seconds: float = 3.0, listen: Optional[str] = None,
                secret: Optional[str] = None, peer: Optional[str] = None, mem_pool_cfg: Optional[str] = None,
                host_mem_pool_cfg: Optional[str] = None, register_bytes: Optional[int] = None,
-               peer_timeout: float = 5.0, processes: str = "auto") -> DoctorReport:
+               peer_timeout: float = 5.0, processes: str = "auto", reclaim_shm: bool = False) -> DoctorReport:
     """Everything :func:`collect_info` reports, a self-test per available transport, and the
-    checks the arguments ask for.  ``seconds <= 0`` skips the self-tests."""
+    checks the arguments ask for.  ``seconds <= 0`` skips the self-tests.  Crash leftovers in
+    /dev/shm are listed first (removed with ``reclaim_shm``), before anything here creates an engine."""
+    leftovers = check_shm_leftovers(reclaim_shm)
     info = collect_info(profile)
-    checks: list[Check] = []
+    checks: list[Check] = [leftovers]
     plugins_error = info["plugins"]["error"]
     if plugins_error:
         checks.append(Check(name="plugins", status=FAIL, message=f"the plugins could not be loaded: {plugins_error}",

@@ -2,7 +2,9 @@
 
 ``MemRegion`` and ``OP_DTYPE`` describe what moves; ``check_ops`` / ``RegionTable`` validate a
 batch with numpy before a byte moves; ``coalesce_ops`` / ``split_ops`` shape it;
-``ThreadCompletion`` and ``DoneCompletion`` are ready-made ``Completion`` implementations.
+``ThreadCompletion`` and ``DoneCompletion`` are ready-made ``Completion`` implementations;
+``segment_name`` names a shared-memory segment so that a crash leftover of it is reclaimed by
+the next engine (and by ``llmdd doctor --reclaim-shm``).
 """
 
 from ._abc import OP_DTYPE as OP_DTYPE
@@ -21,9 +23,11 @@ from ._abc import check_ops as check_ops
 from ._abc import coalesce_ops as coalesce_ops
 from ._abc import make_ops as make_ops
 from ._abc import split_ops as split_ops
+from ._memory.segments import segment_name as segment_name
 from ._status import TransportError as TransportError
 
 __all__ = [
+    "segment_name",
     "OP_DTYPE",
     "MemRegion",
     "RegionTable",

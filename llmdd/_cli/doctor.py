@@ -57,6 +57,8 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser)
     parser.add_argument("--seconds", type=_seconds, default=3.0, metavar="S",
                         help="length of each transport's loopback self-test (default 3; 0 skips it)")
+    parser.add_argument("--reclaim-shm", action="store_true",
+                        help="remove the /dev/shm segments of dead llmdd processes (listed by default)")
     parser.add_argument("--two-process", action="store_true",
                         help="run every self-test with the region owned by a second process")
     parser.add_argument("--listen", metavar="IP:PORT",
@@ -189,7 +191,8 @@ def run_doctor(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     report = d.run_doctor(profile=args.profile, seconds=args.seconds, listen=args.listen, secret=args.secret,
                           peer=args.peer, mem_pool_cfg=args.mem_pool_cfg, host_mem_pool_cfg=args.host_mem_pool_cfg,
                           register_bytes=args.register_bytes, peer_timeout=args.peer_timeout,
-                          processes="two" if args.two_process else "auto")
+                          processes="two" if args.two_process else "auto",
+                          reclaim_shm=getattr(args, "reclaim_shm", False))
     if args.json:
         out.write(d.report_json(report) + "\n")
     else:

@@ -45,6 +45,7 @@ import numpy as np
 from .._enums import Placement
 from .._log import get_logger
 from .._status import LLMException, LLMStatusCode
+from . import segments as _segments
 
 __all__ = [
     "Segment",
@@ -60,8 +61,9 @@ __all__ = [
 
 _log = get_logger("llmdd.memory")
 
-#: every segment llmdd creates is named ``SEGMENT_PREFIX + "<pid>_<n>_<random>"``
-SEGMENT_PREFIX = "llmdd_"
+#: every segment llmdd creates is named by :func:`llmdd._memory.segments.segment_name`
+#: (``llmdd_<pid>_<pidns>_<kind>_<unique>``)
+SEGMENT_PREFIX = _segments.SEGMENT_PREFIX
 
 _TRACK_PARAM = sys.version_info >= (3, 13)
 
@@ -156,7 +158,7 @@ def _shm_unlink(name: str) -> None:
 
 
 def _create_shm(size: int) -> shared_memory.SharedMemory:
-    name = f"{SEGMENT_PREFIX}{os.getpid()}_{next(_counter)}_{secrets.token_hex(4)}"
+    name = _segments.segment_name("pool", f"{next(_counter)}_{secrets.token_hex(4)}")
     if _TRACK_PARAM:
         shm = shared_memory.SharedMemory(name=name, create=True, size=size, track=False)  # type: ignore[call-arg]
     else:
@@ -304,32 +306,10 @@ def owned_segment_names() -> set[str]:
 def sweep_orphan_segments(directory: str = "/dev/shm") -> list[str]:
     """Unlink llmdd segments whose creating process is gone (after a crash); returns their names.
 
-    Explicit, never automatic: pid namespaces may differ between processes sharing ``/dev/shm``.
+    The rules (same user, same pid namespace, creator dead, llmdd's name form only) are those of
+    :func:`llmdd._memory.segments.find_leftovers`; an engine runs this at ``init``.
     """
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        if not name.startswith(SEGMENT_PREFIX):
-            continue
-        try:
-            pid = int(name[len(SEGMENT_PREFIX):].split("_", 1)[0])
-        except ValueError:
-            continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-            continue  # alive
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # alive, another user
-        _shm_unlink(name)
-        removed.append(name)
-    return removed
+    return [left.name for left in _segments.reclaim_leftovers(directory)]
 
 
 def _forget_owned_in_child() -> None:
@@ -345,9 +325,9 @@ if hasattr(os, "register_at_fork"):
 
 @atexit.register
 def _unlink_owned_at_exit() -> None:
-    mine = f"{SEGMENT_PREFIX}{os.getpid()}_"
+    me = os.getpid()
     with _owned_lock:
-        names = [n for n in _owned if n.startswith(mine)]
+        names = [n for n in _owned if (_segments.parse_segment_name(n) or (0, -1, ""))[1] == me]
         _owned.clear()
     for name in names:
         _shm_unlink(name)

@@ -58,11 +58,15 @@ from .copy import Bounds
 from .outbox import Outbox
 from .pool import PagePool
 from .regions import Region, RegionSpec, RegionTable
+from .segments import reclaim_leftovers
 
 __all__ = ["MemoryManager", "CacheRecord", "OPT_MEM_POOL", "OPT_HOST_MEM_POOL"]
 
 _log = get_logger("llmdd.memory")
 
+#: "0"/"false"/"off": this engine leaves crash leftovers in /dev/shm alone (``llmdd doctor`` uses it to
+#: list them without removing them); default: reclaim at init
+OPT_RECLAIM_SHM = "llmdd.reclaim_leftover_shm"
 OPT_MEM_POOL = "llm.MemPoolConfig"
 OPT_HOST_MEM_POOL = "llm.HostMemPoolConfig"
 
@@ -153,7 +157,16 @@ class MemoryManager:
     @classmethod
     def from_options(cls, options: Mapping[str, str], *, caches: Lifecycle,
                      backends: Optional[Mapping[Placement, MemoryBackend]] = None) -> "MemoryManager":
-        """Pools from ``llm.MemPoolConfig`` (DEVICE) and ``llm.HostMemPoolConfig`` (HOST); empty = none."""
+        """Pools from ``llm.MemPoolConfig`` (DEVICE) and ``llm.HostMemPoolConfig`` (HOST); empty = none.
+
+        An engine's memory starts by reclaiming the shared-memory segments crashed llmdd processes
+        left behind (:mod:`llmdd._memory.segments`: same user, same pid namespace, creator gone).
+        """
+        reclaim = (options.get(OPT_RECLAIM_SHM) or "1").strip().lower() not in ("0", "false", "off", "no")
+        reclaimed = reclaim_leftovers() if reclaim else []
+        if reclaimed:
+            _log.info("llmdd.memory.leftovers_reclaimed", segments=len(reclaimed),
+                      bytes=sum(left.size for left in reclaimed), pids=sorted({left.pid for left in reclaimed}))
         dev = options.get(OPT_MEM_POOL) or ""
         host = options.get(OPT_HOST_MEM_POOL) or ""
         return cls(caches=caches,

@@ -194,3 +194,17 @@ def cache_events(state: dict, trigger: str) -> list:
 
 def cache_id_of(state: dict, name: str) -> int:
     return state["caches"][name].cache_id
+
+
+# ---------------------------------------------------------------------------- crash leftovers
+def own_segments(state: dict) -> list:
+    """The /dev/shm names this process created (pool and control segments)."""
+    prefix = f"llmdd_{os.getpid()}_"
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+
+
+def link_and_pull_once(state: dict, remote: int, port: int) -> str:
+    res = R.link(state, [(remote, port)])
+    if res["status"] != "LLM_SUCCESS":
+        return res["status"]
+    return R.transfer(state, "pull_blocks", ("blocks", remote, 0), "dst", [0, 1], [0, 1])[0]

@@ -268,3 +268,108 @@ def test_post_link_message_fuzz_owner_resources_back_to_baseline(hostile):
     assert len(after.fds) <= len(base.fds), (base.fds, after.fds)
     assert after.rss_bytes - base.rss_bytes <= RSS_BOUND, (base.rss_bytes, after.rss_bytes)
     assert not (after.shm - base.shm - hostile.peer.call(peer_snapshot).shm), after.shm - base.shm
+
+
+# ---------------------------------------------------------------------------- crash leftovers
+import subprocess  # noqa: E402
+
+from llmdd._memory.segments import find_leftovers, parse_segment_name, pid_namespace, reclaim_leftovers  # noqa: E402
+
+SHM = "/dev/shm"
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _plant(name: str, *, uid: int | None = None) -> str:
+    path = os.path.join(SHM, name)
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    if uid is not None:
+        os.chown(path, uid, -1)
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_segments_of_a_sigkilled_engine_are_reclaimed_when_an_engine_initializes():
+    """A SIGKILLed engine leaves its pool and shm control segments; the next engine's init removes
+    exactly those: never a live process's, never another user's or namespace's, never a name
+    without llmdd's form (controls planted beside them survive every engine init of the test)."""
+    dead = _dead_pid()
+    ns = pid_namespace()
+    planted = {
+        "not_llmdd": _plant(f"other_{dead}_{ns}_pool_x"),                     # no llmdd prefix
+        "other_ns": _plant(f"llmdd_{dead}_{ns + 1}_pool_x"),                  # another pid namespace
+        "other_user": _plant(f"llmdd_{dead}_{ns}_pool_y", uid=4242),          # another user's
+        "bad_form": _plant(f"llmdd_{dead}_pool"),                             # not the name form
+    }
+    try:
+        with Cluster(env=ENV) as cluster:
+            victim, live, fresh = cluster.spawn("victim", "live", "fresh")
+            port = victim.call(R.setup, "PROMPT", PROMPT, listen=True, transport="shm", mem_pool=1 << 20)
+            victim.call(R.register_blocks, "src", NT, NB, BS, seed=1, key=(PROMPT, 0))
+            victim.call(R.allocate, "kv", NT, [2, 1024])                      # creates the pool segment
+            live.call(R.setup, "DECODER", DECODER, transport="shm", mem_pool=1 << 20)
+            live.call(R.register_blocks, "dst", NT, NB, BS)
+            live.call(R.allocate, "kv", NT, [2, 1024])
+            assert live.call(H.link_and_pull_once, PROMPT, port) == "LLM_SUCCESS"   # shm endpoints open
+            victim_segments = victim.call(H.own_segments)
+            live_segments = live.call(H.own_segments)
+            kinds = {parse_segment_name(n)[2] for n in victim_segments}
+            assert {"pool", "shmctl"} <= kinds, victim_segments
+            planted["dead_mine"] = _plant(f"llmdd_{dead}_{ns}_shmctl_z")     # a leftover of another crash
+            victim.kill()
+            assert all(os.path.exists(os.path.join(SHM, n)) for n in victim_segments)
+            found = {left.name for left in find_leftovers()}
+            assert set(victim_segments) | {os.path.basename(planted["dead_mine"])} <= found, found
+            # a new engine's init reclaims them
+            fresh.call(R.setup, "PROMPT", 3)
+            left = set(os.listdir(SHM))
+            assert not set(victim_segments) & left, sorted(set(victim_segments) & left)
+            assert os.path.basename(planted["dead_mine"]) not in left
+            assert set(live_segments) <= left                                # a live process's: kept
+            for kind in ("not_llmdd", "other_ns", "other_user", "bad_form"):
+                assert os.path.exists(planted[kind]), kind                   # never touched
+            assert live.call(H.link_and_pull_once, PROMPT, port) != "LLM_SUCCESS"  # (the victim is gone)
+    finally:
+        for path in planted.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_doctor_lists_leftovers_and_removes_them_only_with_the_flag(tmp_path):
+    dead = _dead_pid()
+    ns = pid_namespace()
+    names = [f"llmdd_{dead}_{ns}_pool_1_ab", f"llmdd_{dead}_{ns}_shmctl_cd"]
+    keep = [f"llmdd_{os.getpid()}_{ns}_pool_1_ef", "unrelated_file"]
+    for n in names + keep:
+        (tmp_path / n).write_bytes(b"x" * 100)
+    from llmdd._doctor import check_shm_leftovers
+
+    listed = check_shm_leftovers(False, str(tmp_path))
+    assert listed.status == "warn" and sorted(s["name"] for s in listed.details["segments"]) == sorted(names)
+    assert all((tmp_path / n).exists() for n in names)                      # listing removes nothing
+    removed = check_shm_leftovers(True, str(tmp_path))
+    assert removed.status == "ok" and len(removed.details["segments"]) == 2
+    assert sorted(os.listdir(tmp_path)) == sorted(keep)
+    assert check_shm_leftovers(False, str(tmp_path)).status == "ok"
+    assert reclaim_leftovers(str(tmp_path)) == []
+
+
+def test_doctor_cli_reports_leftovers_before_any_engine_reclaims_them():
+    dead = _dead_pid()
+    path = _plant(f"llmdd_{dead}_{pid_namespace()}_pool_9_cli")
+    try:
+        exe = os.path.join(os.path.dirname(sys.executable), "llmdd")
+        out = subprocess.run([exe, "doctor", "--seconds", "0", "--json"], capture_output=True, text=True, timeout=60)
+        assert os.path.basename(path) in out.stdout, out.stdout[-2000:]
+        assert os.path.exists(path)
+        out = subprocess.run([exe, "doctor", "--seconds", "0", "--json", "--reclaim-shm"], capture_output=True,
+                             text=True, timeout=60)
+        assert os.path.basename(path) in out.stdout and not os.path.exists(path), out.stdout[-2000:]
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -19,7 +19,8 @@ return a finished completion: no socket, no control round trip, no thread hop pe
 
 One-sided safety
 ----------------
-Every endpoint owns a *control segment* (``llmdd_<pid>_shmctl_<random>``): a header (magic,
+Every endpoint owns a *control segment* (``llmdd_<pid>_<pidns>_shmctl_<random>``, named by
+``llmdd.lowlevel.segment_name`` so that a crashed endpoint's one is reclaimed): a header (magic,
 endpoint id, open/closed, pid) and one slot per remote-accessible region (state
 FREE/LIVE/DYING, generation, region id). Descriptors carry (slot, generation).
 
@@ -69,6 +70,7 @@ from llmdd.lowlevel import (
     MemRegion,
     PeerGone,
     RegionTable,
+    segment_name,
     Refused,
     ThreadCompletion,
     TransportTimeout,
@@ -143,7 +145,7 @@ def host_identity() -> dict:
 
 
 def _dev_shm_usable() -> tuple[bool, str]:
-    name = f"llmdd_{os.getpid()}_shmprobe_{os.urandom(4).hex()}"
+    name = segment_name("shmprobe")
     try:
         m = _seg.create(name, 4096)
     except OSError as exc:
@@ -330,7 +332,7 @@ class ShmEndpoint(Endpoint):
         self._cma = Cma()
         self._cma_info = probe_cma()
         self._stats = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
-        self._ctl_name = f"llmdd_{os.getpid()}_shmctl_{self._id.hex()[:12]}"
+        self._ctl_name = segment_name("shmctl", self._id.hex()[:12])
         self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
         with _owned_lock:
             _owned_ctl.add(self._ctl_name)
