@@ -47,6 +47,18 @@ __all__ = [
     "TensorDesc", "Tensor", "KvCacheManager",
 ]
 
+#: upstream's list of the cache-manager (v2) names; every upstream engine test imports it
+v2_list = [
+    "LLMClusterInfo", "LLMStatusCode", "LLMException", "LLMRole", "LlmConfig", "LLMConfig", "DataType", "Status",
+    "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "KvCache", "Cache", "BlocksCacheKey", "LLMDataDist",
+    "Placement", "RegisterMemStatus", "LayerSynchronizer", "TransferConfig", "CacheTask",
+    "TransferWithCacheKeyConfig", "Memtype", "MemInfo",
+]
+
+# upstream's module paths (llm_datadist.status, .configs, .data_type, .utils.*, .v2.*), loaded at
+# import as upstream's package loads them, so they are attributes of the package
+from . import configs, data_type, status, utils, v2  # noqa: E402,F401
+
 _LEGACY_V1 = ("TensorDesc", "Tensor", "KvCacheManager")
 
 

@@ -32,14 +32,14 @@ def _check_pull_kwargs(kwargs: dict) -> tuple:
     check_isinstance("dst_layer_range", dst_range, range)
     check_uint32("tensor_num_per_layer", tnpl)
     raise_if_false(tnpl > 0, "tensor_num_per_layer must be > 0, but got {}.", tnpl)
-    return src_range, dst_range, tnpl
+    return src_range, dst_range, int(tnpl)
 
 
 def _check_blocks(name: str, blocks) -> list:
     check_isinstance(name, blocks, (list, tuple), allow_none=False)
     for i, b in enumerate(blocks):
         check_uint64(f"{name}[{i}]", b)
-    return list(blocks)
+    return [int(b) for b in blocks]  # a bool passes as upstream and travels as the int it stands for
 
 
 def _check_size(size) -> None:
@@ -79,8 +79,7 @@ class RemoteOperations:
         """Pull a remote cache (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into a local non-blocks cache."""
         engine = _transfers(self)
         if self._enable_remote_cache_accessible:
-            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False,
-                             extra_fmt=" With enable_remote_cache_accessible only CacheKeyByIdAndIndex is supported.")
+            check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
         else:
             check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex), allow_none=False)
         check_isinstance("cache", cache, Cache, allow_none=False)
@@ -90,7 +89,7 @@ class RemoteOperations:
         src_range, dst_range, tnpl = _check_pull_kwargs(kwargs)
         if isinstance(cache_key, CacheKey):
             check_cache_key(cache_key)
-        engine.pull(cache_key, cache, kind="pull_cache", batch_index=batch_index, size=size,
+        engine.pull(cache_key, cache, kind="pull_cache", batch_index=int(batch_index), size=int(size),
                     src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
 
     def pull_blocks(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
@@ -136,8 +135,8 @@ class RemoteOperations:
         src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
         if not src_range:
             return
-        engine.push(dst_cache_key, src_cache, kind="push_cache", src_batch_index=src_batch_index,
-                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tensor_num_per_layer)
+        engine.push(dst_cache_key, src_cache, kind="push_cache", src_batch_index=int(src_batch_index),
+                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=int(tensor_num_per_layer))
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
@@ -162,7 +161,7 @@ class RemoteOperations:
         if not src_range:
             return
         engine.push(dst_cache_key, src_cache, kind="push_blocks", src_blocks=src_list, dst_blocks=dst_list,
-                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tensor_num_per_layer)
+                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=int(tensor_num_per_layer))
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Union[List[Union[TransferConfig, TransferWithCacheKeyConfig]],
@@ -178,7 +177,8 @@ class RemoteOperations:
                       "transfer_cache_async does not support a source cache in host memory.")
         config_cls = TransferWithCacheKeyConfig if self._enable_remote_cache_accessible else TransferConfig
         check_isinstance("transfer_configs", transfer_configs, (list, tuple), inner_class=config_cls,
-                         allow_none=False)
+                         extra_fmt="While enable_remote_cache_accessible is True, "
+                         if self._enable_remote_cache_accessible else "", allow_none=False)
         raise_if_false(len(transfer_configs) > 0, "transfer_configs can not be empty.")
         raise_if_false(src_cache.cache_desc.num_tensors % 2 == 0,
                        "transfer_cache_async needs an even number of tensors (2 per layer), but got {}.",
@@ -219,5 +219,6 @@ class RemoteOperations:
                               "src_batch_index must be 0 with a BlocksCacheKey.")
         task = engine.transfer_async(src_cache, layer_synchronizer, list(transfer_configs),
                                      src_block_indices=src_blocks, dst_block_indices=dst_blocks,
-                                     dst_block_memory_size=dst_block_memory_size)
+                                     dst_block_memory_size=None if dst_block_memory_size is None
+                                     else int(dst_block_memory_size))
         return CacheTask(task)

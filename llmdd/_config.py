@@ -131,7 +131,7 @@ class LLMClusterInfo:
     @remote_cluster_id.setter
     def remote_cluster_id(self, remote_cluster_id: int) -> None:
         check_uint64("remote_cluster_id", remote_cluster_id)
-        self._remote_cluster_id = remote_cluster_id
+        self._remote_cluster_id = int(remote_cluster_id)  # a bool passes the check and is kept as 0/1
 
     @property
     def remote_role_type(self) -> Optional[Union[LLMRole, int]]:
@@ -156,13 +156,15 @@ class LLMClusterInfo:
         check_uint16("port", port)
         return trans_str_ip(ip)
 
+    # A bool passes the int checks, as upstream (whose native layer then reads it as 0/1); it is
+    # stored as that int, so the socket layer, which refuses bool ports, gets a plain number.
     def append_local_ip_info(self, ip: Union[str, int], port: int) -> None:
         """Add this side's ip (str or int) and port (uint16)."""
-        self._local_ip_info_list.append((self._check_ip_port(ip, port), port))
+        self._local_ip_info_list.append((int(self._check_ip_port(ip, port)), int(port)))
 
     def append_remote_ip_info(self, ip: Union[str, int], port: int) -> None:
         """Add the peer's ip (str or int) and port (uint16): where to connect."""
-        self._remote_ip_info_list.append((self._check_ip_port(ip, port), port))
+        self._remote_ip_info_list.append((int(self._check_ip_port(ip, port)), int(port)))
 
     def __repr__(self) -> str:
         return (f"LLMClusterInfo(remote_cluster_id={self._remote_cluster_id}, "
@@ -274,6 +276,7 @@ class LlmConfig:
 
     @ge_options.setter
     def ge_options(self, ge_options: Dict[str, str]) -> None:
+        check_isinstance("ge_options", ge_options, dict, allow_none=False)
         check_dict("ge_options", ge_options, str, str)
         self._ge_options = ge_options
 

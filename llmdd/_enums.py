@@ -76,7 +76,7 @@ def get_python_dtype_from_wrapper_dtype(wrapper_dtype: int) -> DataType:
     try:
         return _wrapper_to_python[wrapper_dtype]
     except KeyError:
-        raise ValueError(f"wrapper dtype {wrapper_dtype} is not supported.") from None
+        raise ValueError(f"The data type {wrapper_dtype} is not supported.") from None
 
 
 def _np_maps():
@@ -88,12 +88,13 @@ def _np_maps():
         DataType.DT_INT8: np.int8, DataType.DT_INT16: np.int16, DataType.DT_UINT16: np.uint16,
         DataType.DT_UINT8: np.uint8, DataType.DT_INT32: np.int32, DataType.DT_INT64: np.int64,
         DataType.DT_UINT32: np.uint32, DataType.DT_UINT64: np.uint64, DataType.DT_BOOL: np.bool_,
-        DataType.DT_DOUBLE: np.float64, DataType.DT_STRING: np.str_,
+        DataType.DT_DOUBLE: np.float64, DataType.DT_STRING: np.bytes_,
     }
     from_np = {}
     for dt, npt in to_np.items():
         if dt is not DataType.DT_BF16:
             from_np[np.dtype(npt)] = dt
+    from_np.setdefault(np.dtype(np.str_), DataType.DT_STRING)  # llmdd: unicode text is a string tensor too
     return to_np, from_np
 
 
@@ -103,7 +104,7 @@ def __getattr__(name: str):
         to_np, from_np = _np_maps()
         globals()["dtype_to_np_dtype"] = to_np
         globals()["np_dtype_to_dtype"] = from_np
-        globals()["valid_np_dtypes"] = list(from_np)
+        globals()["valid_np_dtypes"] = list(to_np.values())  # numpy types, one per DataType, as upstream
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

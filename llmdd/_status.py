@@ -1,7 +1,8 @@
 """Status codes and exceptions of the llm_datadist contract.
 
-``LLMStatusCode`` carries the raw native status values of upstream (a plain
-``Enum``: members compare only with members).  ``LLMException`` is the one
+``LLMStatusCode`` carries the raw native status values of upstream; like upstream's
+(an ``IntEnum`` since its v1/v2 split) members also compare equal to those ints, and
+``str()`` gives ``LLMStatusCode.<NAME>``.  ``LLMException`` is the one
 exception type clients catch; llmdd adds subclasses grouped by blame (the
 caller's fault versus the peer's or the fabric's) so that code inside llmdd can
 be precise while clients keep comparing ``e.status_code``.
@@ -33,7 +34,7 @@ _log = get_logger("llmdd.status")
 _BASE = 0x5010B000
 
 
-class LLMStatusCode(enum.Enum):
+class LLMStatusCode(enum.IntEnum):
     """Status values, identical to upstream's native ``ge::Status`` numbers."""
 
     LLM_SUCCESS = 0
@@ -65,6 +66,9 @@ class LLMStatusCode(enum.Enum):
     LLM_DEVICE_MEM_ERROR = 507053
     LLM_SUSPECT_REMOTE_ERROR = 507057
     LLM_UNKNOWN_ERROR = -1
+
+    def __str__(self) -> str:
+        return f"{self.__class__.__name__}.{self.name}"
 
 
 _CODE_TO_STATUS = {m.value: m for m in LLMStatusCode if m is not LLMStatusCode.LLM_UNKNOWN_ERROR}

@@ -359,10 +359,11 @@ class CacheKey:
         check_uint64("req_id", req_id)
         check_uint64("model_id", model_id)
         check_uint64("prefix_id", prefix_id)
-        self._cluster_id = cluster_id
-        self._req_id = req_id
-        self._model_id = model_id
-        self._prefix_id = prefix_id
+        # bools pass the int checks as upstream; kept as the plain ints they stand for
+        self._cluster_id = int(cluster_id)
+        self._req_id = int(req_id)
+        self._model_id = int(model_id)
+        self._prefix_id = int(prefix_id)
 
     @property
     def prompt_cluster_id(self) -> int:
@@ -412,9 +413,9 @@ class CacheKeyByIdAndIndex:
         check_uint64("cluster_id", cluster_id)
         check_int64("cache_id", cache_id)
         check_uint32("batch_index", batch_index)
-        self._cluster_id = cluster_id
-        self._cache_id = cache_id
-        self._batch_index = batch_index
+        self._cluster_id = int(cluster_id)
+        self._cache_id = int(cache_id)
+        self._batch_index = int(batch_index)
 
     @property
     def cluster_id(self) -> int:
@@ -469,6 +470,7 @@ class BlocksCacheKey:
         self._model_id = params.get("model_id", 0)
         check_isinstance("cluster_id", self._cluster_id, int, extra_fmt="The first param ", allow_none=False)
         check_isinstance("model_id", self._model_id, int, extra_fmt="The second param ", allow_none=False)
+        self._cluster_id, self._model_id = int(self._cluster_id), int(self._model_id)
 
     @property
     def prompt_cluster_id(self) -> int:
@@ -611,10 +613,10 @@ class TransferConfig:
         self._check_dst_addrs(dst_addrs)
         check_layer_range("src_layer_range", src_layer_range)
         self._check_src_batch_index(src_batch_index)
-        self._dst_cluster_id = dst_cluster_id
+        self._dst_cluster_id = int(dst_cluster_id)
         self._dst_addrs = dst_addrs
         self._src_layer_range = src_layer_range
-        self._src_batch_index = src_batch_index
+        self._src_batch_index = int(src_batch_index)
         self.dst_layer_range: Optional[range] = None
 
     @staticmethod
@@ -664,7 +666,7 @@ class TransferConfig:
     @src_batch_index.setter
     def src_batch_index(self, batch_index: int) -> None:
         self._check_src_batch_index(batch_index)
-        self._src_batch_index = batch_index
+        self._src_batch_index = int(batch_index)
 
     def __repr__(self) -> str:
         return (f"TransferConfig(dst_cluster_id={self._dst_cluster_id},"
@@ -698,7 +700,7 @@ class TransferWithCacheKeyConfig:
         self._cache_key = cache_key
         self._src_layer_range = src_layer_range
         self._dst_layer_range = dst_layer_range
-        self._src_batch_index = src_batch_index
+        self._src_batch_index = int(src_batch_index)
         self.dst_cluster_id: int = cache_key.cluster_id
 
     @property
@@ -738,7 +740,7 @@ class TransferWithCacheKeyConfig:
         raise_if_true(isinstance(self._cache_key, BlocksCacheKey) and src_batch_index != 0,
                       "src_batch_index should be 0 when cache_key is BlocksCacheKey.")
         check_uint32("src_batch_index", src_batch_index)
-        self._src_batch_index = src_batch_index
+        self._src_batch_index = int(src_batch_index)
 
     def __repr__(self) -> str:
         return (f"TransferWithCacheKeyConfig(cache_key={self._cache_key},"

@@ -5,6 +5,9 @@
   ("<name>'s value is out of range,<v> is not a uint32 value.");
 * semantic checks live with their callers and raise ``LLMException(LLM_PARAM_INVALID)``.
 
+The functions upstream's ``llm_datadist.utils.utils`` defines behave as there (return values,
+what they refuse, messages); ``check_int`` and ``check_list_of`` are llmdd's own helpers.
+
 ``bool`` is an ``int`` subclass and passes the integer checks, as upstream.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 __all__ = [
+    "check_inner",
     "check_isinstance",
     "check_int",
     "check_uint64",
@@ -44,29 +48,36 @@ _RANGES = {
 }
 
 
-def _names(classes: Any) -> list[str]:
-    if not isinstance(classes, (list, tuple)):
-        classes = [classes]
-    return [c.__name__ for c in classes]
+def _as_list(classes: Any) -> list:
+    return list(classes) if isinstance(classes, (list, tuple)) else [classes]
 
 
-def check_isinstance(name: str, value: Any, classes: Any, inner_class: Any = None,
-                     extra_fmt: str = "", allow_none: bool = True) -> None:
-    """TypeError unless ``value`` is an instance of ``classes`` (None passes by default).
+def check_inner(arg_name: str, arg_value: Any, inner_class: Any) -> None:
+    """TypeError unless every element of ``arg_value`` is an ``inner_class``.
 
-    With ``inner_class``, every element of the (list/tuple) value must be of it.
+    The message names the class list as upstream prints it (``[<class 'int'>]``).
     """
-    if value is None and allow_none:
-        return
-    cls_tuple = tuple(classes) if isinstance(classes, (list, tuple)) else (classes,)
-    if not isinstance(value, cls_tuple):
-        raise TypeError(f"{name} only support {_names(classes)}, but got {type(value)}.{extra_fmt}")
-    if inner_class is not None:
-        inner = tuple(inner_class) if isinstance(inner_class, (list, tuple)) else (inner_class,)
-        for item in value:
-            if not isinstance(item, inner):
-                raise TypeError(f"{name} element only support {_names(inner_class)}, "
-                                f"but got {type(item)}.{extra_fmt}")
+    for item in arg_value:
+        if not isinstance(item, inner_class):
+            raise TypeError(f"{arg_name} inner type only support {[inner_class]}, but got {type(item)}.")
+
+
+def check_isinstance(arg_name: str, arg_value: Any, classes: Any, inner_class: Any = None,
+                     extra_fmt: str = "", allow_none: bool = True) -> Any:
+    """Return ``arg_value`` if it is an instance of one of ``classes`` (None passes when
+    ``allow_none``), else TypeError.  ``extra_fmt`` prefixes the message; with
+    ``inner_class`` the elements of the matched value are checked by :func:`check_inner`.
+    """
+    if allow_none and arg_value is None:
+        return arg_value
+    classes = _as_list(classes)
+    for cls in classes:
+        if isinstance(arg_value, cls):
+            if inner_class:
+                check_inner(arg_name, arg_value, tuple(inner_class) if isinstance(inner_class, list) else inner_class)
+            return arg_value
+    raise TypeError(f"{extra_fmt}{arg_name} only support {[c.__name__ for c in classes]}, "
+                    f"but got {type(arg_value)}.")
 
 
 def check_int(name: str, value: Any, kind: str) -> None:
@@ -101,11 +112,16 @@ def check_uint8(name: str, value: Any) -> None:
     check_int(name, value, "uint8")
 
 
-def check_dict(name: str, d: Any, k_cls: Any, v_cls: Any, v_inner_cls: Any = None) -> None:
-    check_isinstance(name, d, dict, allow_none=False)
-    for k, v in d.items():
-        check_isinstance(f"{name} key", k, k_cls, allow_none=False)
-        check_isinstance(f"{name} value", v, v_cls, inner_class=v_inner_cls, allow_none=False)
+def check_dict(arg_name: str, arg_value: Any, k_class: Any, v_class: Any, v_inner_class: Any = None) -> None:
+    """Every key must be a ``k_class`` and every value a ``v_class`` (TypeError); with
+    ``v_inner_class`` the elements of each value too.  The caller checks that it is a dict."""
+    for k, v in arg_value.items():
+        if not isinstance(k, k_class):
+            raise TypeError(f"{arg_name} dict key only support {k_class}, but got {type(k)}.")
+        if not isinstance(v, v_class):
+            raise TypeError(f"{arg_name} dict value only support {v_class}, but got {type(v)}.")
+        if v_inner_class is not None:
+            check_inner("dict value", v, v_inner_class)
 
 
 def check_list_of(name: str, values: Any, kind: str, containers: tuple = (list, tuple)) -> None:
@@ -117,21 +133,26 @@ def check_list_of(name: str, values: Any, kind: str, containers: tuple = (list, 
 
 
 def check_list_uint64(name: str, values: Iterable[int]) -> None:
-    check_list_of(name, values, "uint64")
+    """Each element a uint64 (the caller checks the container); errors name ``name`` itself."""
+    for value in values:
+        check_uint64(name, value)
 
 
 def check_list_int64(name: str, values: Iterable[int]) -> None:
-    check_list_of(name, values, "int64")
+    for value in values:
+        check_int64(name, value)
 
 
 def check_list_int32(name: str, values: Iterable[int]) -> None:
-    check_list_of(name, values, "int32")
+    for value in values:
+        check_int32(name, value)
 
 
 def check_positive_or_set_default(name: str, value: Any, default: int = -1) -> int:
+    """``default`` for None; else an int64 that is not negative (0 passes), returned as is."""
     if value is None:
         return default
     check_int64(name, value)
-    if value <= 0:
-        raise ValueError(f"{name}'s value must be positive, but got {value}.")
+    if value < 0:
+        raise ValueError(f"{name}'s value:{value} is invalid, should be >= 0")
     return value

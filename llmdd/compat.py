@@ -22,18 +22,20 @@ __all__ = ["install_alias", "uninstall_alias", "ALIAS", "SUBMODULES"]
 
 ALIAS = "llm_datadist"
 
-#: upstream submodule path -> llmdd module serving it
+#: upstream submodule path -> llmdd module serving it (llmdd's public modules of the same path)
 SUBMODULES = {
-    "status": "llmdd._compat.status",
-    "configs": "llmdd._compat.configs",
-    "data_type": "llmdd._compat.data_type",
-    "v2": "llmdd._compat.v2",
-    "v2.llm_types": "llmdd._compat.v2.llm_types",
-    "v2.llm_datadist": "llmdd._compat.v2.llm_datadist",
-    "v2.cache_manager": "llmdd._compat.v2.cache_manager",
-    "utils": "llmdd._compat.utils",
-    "utils.utils": "llmdd._compat.utils.utils",
-    "utils.log": "llmdd._compat.utils.log",
+    "status": "llmdd.status",
+    "configs": "llmdd.configs",
+    "data_type": "llmdd.data_type",
+    "v2": "llmdd.v2",
+    "v2.llm_types": "llmdd.v2.llm_types",
+    "v2.llm_datadist": "llmdd.v2.llm_datadist",
+    "v2.cache_manager": "llmdd.v2.cache_manager",
+    "v2.llm_utils": "llmdd.v2.llm_utils",
+    "v2.config": "llmdd.v2.config",
+    "utils": "llmdd.utils",
+    "utils.utils": "llmdd.utils.utils",
+    "utils.log": "llmdd.utils.log",
 }
 
 

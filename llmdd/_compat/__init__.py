@@ -1,8 +1,8 @@
-"""Upstream ``llm_datadist`` module paths, for drop-in use by unmodified client code.
+"""Former home of llmdd's mirrors of upstream's module paths.
 
-Clients import more than the package root: ``llm_datadist.v2.llm_types`` (omni-infer),
-``llm_datadist.v2.llm_datadist`` (``_shutdown_handler``), ``llm_datadist.status``,
-``llm_datadist.configs``, ``llm_datadist.data_type``, ``llm_datadist.utils.log``.
-This package mirrors those paths; :func:`llmdd.compat.install_alias` makes
-``import llm_datadist...`` resolve to ``llmdd`` and these modules.
+The mirrors are now public modules of llmdd under upstream's own paths (``llmdd.status``,
+``llmdd.configs``, ``llmdd.data_type``, ``llmdd.utils.*``, ``llmdd.v2.*``), so that
+``import llmdd as llm_datadist`` reaches them as attributes; :func:`llmdd.compat.install_alias`
+maps ``llm_datadist.*`` onto them.  The modules of this package re-export those for code that
+imported them here.
 """

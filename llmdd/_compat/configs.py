@@ -1,4 +1,4 @@
-"""``llm_datadist.configs``."""
+"""Re-export of :mod:`llmdd.configs` (``llm_datadist.configs``)."""
 
-from .._config import LLMClusterInfo, LlmConfig, LLMConfig  # noqa: F401
-from .._enums import LLMRole  # noqa: F401
+from ..configs import *  # noqa: F401,F403
+from ..configs import __all__  # noqa: F401

@@ -1,10 +1,9 @@
-"""``llm_datadist.data_type``."""
+"""Re-export of :mod:`llmdd.data_type` (``llm_datadist.data_type``); the numpy tables stay lazy."""
 
-from .. import _enums
-from .._enums import DataType, get_python_dtype_from_wrapper_dtype, python_dtype_2_dwrapper_dtype  # noqa: F401
+from .. import data_type as _target
+from ..data_type import *  # noqa: F401,F403
+from ..data_type import __all__  # noqa: F401
 
 
 def __getattr__(name: str):
-    if name in ("dtype_to_np_dtype", "np_dtype_to_dtype", "valid_np_dtypes"):
-        return getattr(_enums, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_target, name)

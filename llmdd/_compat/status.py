@@ -1,4 +1,4 @@
-"""``llm_datadist.status``."""
+"""Re-export of :mod:`llmdd.status` (``llm_datadist.status``)."""
 
-from .._status import (LLMException, LLMStatusCode, Status, code_2_status, handle_llm_status,  # noqa: F401
-                       raise_if_false, raise_if_true)
+from ..status import *  # noqa: F401,F403
+from ..status import __all__  # noqa: F401

@@ -382,10 +382,11 @@ def test_blocks_cache_key(args, kwargs, expected, text):
     ((), {}, LLMException, "Param prompt_cluster_id or cluster_id is required"),
     ((), {"model_id": 1}, LLMException, "Param prompt_cluster_id or cluster_id is required"),
     ((1,), {"foo": 1}, LLMException, "Unsupported param:foo"),
-    (("1",), {}, TypeError, "cluster_id only support"),
-    ((None,), {}, TypeError, "cluster_id only support"),
-    ((1, 1.0), {}, TypeError, "model_id only support"),
-    ((), {"prompt_cluster_id": 1.0}, TypeError, "cluster_id only support"),
+    # upstream's extra_fmt prefixes the message
+    (("1",), {}, TypeError, "The first param cluster_id only support ['int'], but got <class 'str'>."),
+    ((None,), {}, TypeError, "The first param cluster_id only support"),
+    ((1, 1.0), {}, TypeError, "The second param model_id only support ['int'], but got <class 'float'>."),
+    ((), {"prompt_cluster_id": 1.0}, TypeError, "The first param cluster_id only support"),
 ])
 def test_blocks_cache_key_bad(args, kwargs, exc, msg):
     err = _raises(exc, BlocksCacheKey, *args, **kwargs)

@@ -1,1 +1,1 @@
-"""``llm_datadist.utils``."""
+"""Re-export of :mod:`llmdd.utils` (``llm_datadist.utils``)."""

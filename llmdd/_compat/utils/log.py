@@ -1,5 +1,5 @@
-"""``llm_datadist.utils.log``: upstream's logger name, without upstream's handler (see docs/deviations.md)."""
+"""Re-export of :mod:`llmdd.utils.log` (``llm_datadist.utils.log``)."""
 
-import logging
-
-logger = logging.getLogger("LLM_DATADIST")
+from ...utils.log import *  # noqa: F401,F403
+from ...utils.log import __all__  # noqa: F401
+from ...utils.log import logger  # noqa: F401,E402

@@ -1,1 +1,1 @@
-"""``llm_datadist.v2``."""
+"""Re-export of :mod:`llmdd.v2` (``llm_datadist.v2``)."""

@@ -1,3 +1,4 @@
-"""``llm_datadist.v2.cache_manager``."""
+"""Re-export of :mod:`llmdd.v2.cache_manager` (``llm_datadist.v2.cache_manager``)."""
 
-from ..._cache_manager import CacheManager  # noqa: F401
+from ...v2.cache_manager import *  # noqa: F401,F403
+from ...v2.cache_manager import __all__  # noqa: F401

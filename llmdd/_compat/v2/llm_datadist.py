@@ -1,3 +1,5 @@
-"""``llm_datadist.v2.llm_datadist``."""
+"""Re-export of :mod:`llmdd.v2.llm_datadist` (``llm_datadist.v2.llm_datadist``)."""
 
-from ..._datadist import LLMDataDist, _shutdown_handler  # noqa: F401
+from ...v2.llm_datadist import *  # noqa: F401,F403
+from ...v2.llm_datadist import __all__  # noqa: F401
+from ...v2.llm_datadist import _shutdown_handler  # noqa: F401,E402
