@@ -1,0 +1,505 @@
+"""The Python half of libllm_datadist: the C++ API's semantics on the llmdd engine.
+
+The C++ library embeds this module (its text is compiled into the shared library) and calls
+one ``Bridge`` per ``LlmDataDist``.  Every method returns ``(status, message, value)``:
+``status`` is the uint32 code the C++ call returns (llmdd's ``LLMStatusCode`` values, an
+unnamed one as it is), ``message`` the reason of a failure ("" on success).  Nothing here
+prints or configures logging.
+
+C++ caches are registered in llmdd as blocks caches (``shape[0]`` = blocks = batch slots;
+one slot and one block have the same size, ``tensor_size / shape[0]``), each under the
+``BlocksCacheKey(cluster_id, model_id=cache_id)`` so that Python peers can pull its blocks
+by key.  Upstream's C++ caches are of a "mix" kind, usable by cache and by block transfers;
+this module keeps that by planning each transfer with the kind the C++ call asks for, over
+the geometry of the engine's own cache tables (the caller's ``Cache.tensor_addrs`` and
+``cache_desc`` are never trusted for bounds).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Optional
+
+import attrs
+
+import llmdd
+from llmdd import (BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMClusterInfo, LLMException,
+                   LLMRole, LLMStatusCode, Placement)
+from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
+from llmdd._planner import plan_blocks, plan_cache, tensor_range
+from llmdd._protocol import messages as _m
+
+S = LLMStatusCode
+OK = 0
+FAILED = 0xFFFFFFFF
+PARAM_INVALID = S.LLM_PARAM_INVALID.value
+NOT_INITIALIZED = "LlmDataDist is not initialized"
+
+# C++ option key -> Python engine key (the rest pass through unchanged)
+_KEY_MAP = {
+    "llm.ListenIpInfo": "llm.listenIpInfo",
+    "llm.DeviceId": "ge.exec.deviceId",
+}
+_BUF_POOL = "llm.BufPoolCfg"
+_ROLES = {1: LLMRole.PROMPT, 2: LLMRole.DECODER, 3: LLMRole.MIX}
+_DTYPES = {dt.value: dt for dt in DataType}
+
+
+class _Fail(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _code(exc: BaseException) -> int:
+    if isinstance(exc, _Fail):
+        return exc.status
+    if isinstance(exc, LLMException):
+        value = exc.status_code.value
+        return value & 0xFFFFFFFF  # LLM_UNKNOWN_ERROR (-1) reads as 0xFFFFFFFF
+    if isinstance(exc, (TypeError, ValueError, OverflowError)):
+        return PARAM_INVALID
+    return FAILED
+
+
+class _Partial:
+    """A failed call that still has a value for the caller (the per-cluster statuses of a link)."""
+
+    def __init__(self, status: int, message: str, value: Any) -> None:
+        self.status, self.message, self.value = status, message, value
+
+
+def _call(fn):
+    def wrapper(self, *args):
+        try:
+            out = fn(self, *args)
+            if isinstance(out, _Partial):
+                return out.status, out.message, out.value
+            return OK, "", out
+        except BaseException as exc:  # every failure becomes a status; nothing escapes into C++
+            return _code(exc), f"{type(exc).__name__}: {exc}", None
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def _invalid(message: str) -> _Fail:
+    return _Fail(PARAM_INVALID, message)
+
+
+def _pool_size(text: str) -> int:
+    """``buf_pool_size`` of an OPTION_BUF_POOL_CFG JSON; the whole text is checked."""
+    try:
+        cfg = json.loads(text)
+    except ValueError as exc:
+        raise _invalid(f"{_BUF_POOL} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise _invalid(f"{_BUF_POOL} must be a JSON object, got {text!r}")
+    unknown = set(cfg) - {"buf_cfg", "buf_pool_size"}
+    if unknown:
+        raise _invalid(f"{_BUF_POOL} has unknown keys {sorted(unknown)}")
+    buf_cfg = cfg.get("buf_cfg", [])
+    if not isinstance(buf_cfg, list):
+        raise _invalid(f"{_BUF_POOL} buf_cfg must be a list, got {buf_cfg!r}")
+    for i, entry in enumerate(buf_cfg):
+        if not isinstance(entry, dict) or set(entry) != {"total_size", "blk_size", "max_buf_size"}:
+            raise _invalid(f"{_BUF_POOL} buf_cfg[{i}] must hold exactly total_size, blk_size, max_buf_size")
+        for name, value in entry.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise _invalid(f"{_BUF_POOL} buf_cfg[{i}].{name} must be a positive integer, got {value!r}")
+        if entry["blk_size"] > entry["max_buf_size"] or entry["max_buf_size"] > entry["total_size"]:
+            raise _invalid(f"{_BUF_POOL} buf_cfg[{i}] needs blk_size <= max_buf_size <= total_size")
+    size = cfg.get("buf_pool_size")
+    if size is None:
+        return 0
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise _invalid(f"{_BUF_POOL} buf_pool_size must be a positive integer, got {size!r}")
+    return size
+
+
+def _layers(pair: tuple) -> Optional[range]:
+    first, last = pair
+    return None if first < 0 else range(first, last + 1)
+
+
+def _check_ext(src: tuple, dst: tuple, tnpl: int, same: bool) -> tuple:
+    """Upstream's KvCacheExtParam rules; returns the half-open ranges (None = every layer)."""
+    for name, (first, last) in (("src", src), ("dst", dst)):
+        if first < -1 or last < -1 or first > last:
+            raise _invalid(f"invalid {name}_layer_range [{first},{last}]: layers must be >= -1 and first <= last")
+    if tnpl <= 0:
+        raise _invalid(f"tensor_num_per_layer must be > 0, got {tnpl}")
+    if same and (src[1] - src[0]) != (dst[1] - dst[0]):
+        raise _invalid("src_layer_range must have the same size as dst_layer_range")
+    if src[0] < 0 or dst[0] < 0:
+        # as upstream: a range is used only when both sides name layers
+        if same and src[0] >= 0:
+            raise _invalid("dst_layer_range must name layers when src_layer_range does")
+        return None, None
+    return _layers(src), _layers(dst)
+
+
+def _check_blocks(name: str, blocks: list) -> list:
+    for b in blocks:
+        if b < 0 or b >= 2 ** 63:
+            raise _invalid(f"{name} holds an index out of range: {b}")
+    return blocks
+
+
+class Bridge:
+    """One C++ ``LlmDataDist``: its cluster id, role and (once initialized) llmdd engine."""
+
+    def __init__(self, cluster_id: int, role: int) -> None:
+        self.cluster_id = cluster_id
+        self.role = role
+        self.dd: Optional[llmdd.LLMDataDist] = None
+        self._caches: dict[int, Any] = {}  # cache id -> llmdd Cache (allocated ones)
+        self._flipped: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+        self._alloc_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _engine(self):
+        dd = self.dd
+        if dd is None or dd._core is None:
+            raise _Fail(FAILED, NOT_INITIALIZED)
+        return dd, dd._core
+
+    @_call
+    def initialize(self, options: dict) -> None:
+        with self._lock:
+            if self.dd is not None:
+                return  # already initialized: success, as upstream
+            role = _ROLES.get(self.role)
+            if role is None:
+                raise _invalid(f"invalid role {self.role}")
+            opts = self._engine_options(options)
+            dd = llmdd.LLMDataDist(role, self.cluster_id)
+            dd.init(opts)  # a failed init leaves no engine, pool, socket or thread behind
+            self.dd = dd
+
+    def _engine_options(self, options: dict) -> dict:
+        if "llm.DeviceId" not in options:
+            raise _invalid("option llm.DeviceId is required")
+        device = options["llm.DeviceId"].strip()
+        parts = device.split(";")
+        if not device or not all(p.strip().isdigit() for p in parts):
+            raise _invalid(f"option llm.DeviceId must be a device id, got {device!r}")
+        if len(parts) != 1:
+            raise _invalid("one device per process: llm.DeviceId must name exactly one device")
+        opts = {}
+        for key, value in options.items():
+            if key == _BUF_POOL:
+                continue
+            opts[_KEY_MAP.get(key, key)] = value
+        if _BUF_POOL in options:
+            size = _pool_size(options[_BUF_POOL])
+            if size:
+                # pools are created on first use: only the placement a cache asks for costs memory
+                pool = json.dumps({"memory_size": size})
+                opts["llm.MemPoolConfig"] = pool
+                opts["llm.HostMemPoolConfig"] = pool
+        opts["llm.EnableCacheManager"] = "1"
+        opts["llm.EnableRemoteCacheAccessible"] = "1"
+        return opts
+
+    @_call
+    def finalize(self) -> None:
+        with self._lock:
+            dd, self.dd = self.dd, None
+            self._caches.clear()
+            self._flipped.clear()
+            if dd is not None:
+                dd.finalize()
+
+    @_call
+    def set_role(self, role: int, options: dict) -> None:
+        dd, _ = self._engine()
+        target = _ROLES.get(role)
+        if target is None:
+            raise _invalid(f"invalid role {role}")
+        dd.switch_role(target, {_KEY_MAP.get(k, k): v for k, v in options.items()})
+        self.role = role
+
+    # ------------------------------------------------------------------ links
+    @staticmethod
+    def _cluster(info: tuple) -> LLMClusterInfo:
+        remote_id, local_ips, remote_ips = info
+        cluster = LLMClusterInfo()
+        cluster.remote_cluster_id = remote_id
+        for ip, port in local_ips:
+            if not ip:
+                raise _invalid("ip not set in local_ip_infos")
+            cluster.append_local_ip_info(ip, port)
+        for ip, port in remote_ips:
+            if not ip:
+                raise _invalid("ip not set in remote_ip_infos")
+            cluster.append_remote_ip_info(ip, port)
+        return cluster
+
+    @_call
+    def link(self, clusters: list, timeout_ms: int) -> list:
+        dd, _ = self._engine()
+        if timeout_ms <= 0:
+            raise _invalid(f"timeout ({timeout_ms}) must be > 0")
+        infos = [self._cluster(c) for c in clusters]
+        status, rets = dd.link_clusters(infos, timeout_ms)
+        rets = [r.value & 0xFFFFFFFF for r in rets]
+        code = status.value & 0xFFFFFFFF
+        if code != OK:
+            return _Partial(code, f"link_clusters failed, per cluster: {[hex(r) for r in rets]}", rets)
+        return rets
+
+    @_call
+    def unlink(self, clusters: list, timeout_ms: int, force: bool) -> list:
+        dd, _ = self._engine()
+        if timeout_ms <= 0:
+            raise _invalid(f"timeout ({timeout_ms}) must be > 0")
+        infos = [self._cluster(c) for c in clusters]
+        status, rets = dd.unlink_clusters(infos, timeout_ms, force)
+        rets = [r.value & 0xFFFFFFFF for r in rets]
+        code = status.value & 0xFFFFFFFF
+        if code != OK:
+            return _Partial(code, f"unlink_clusters failed, per cluster: {[hex(r) for r in rets]}", rets)
+        return rets
+
+    # ------------------------------------------------------------------ caches
+    @staticmethod
+    def _desc(desc: tuple) -> CacheDesc:
+        placement, num_tensors, data_type, shape = desc
+        if placement not in (0, 1):
+            raise _invalid(f"invalid placement {placement}")
+        dtype = _DTYPES.get(data_type)
+        if dtype is None:
+            raise _invalid(f"data_type {data_type} is not supported by llmdd")
+        if num_tensors <= 0:
+            raise _invalid("num_tensors should be bigger than zero")
+        if not shape or any(d <= 0 for d in shape):
+            raise _invalid(f"shape {list(shape)} must be non-empty with dims > 0")
+        return CacheDesc(num_tensors, list(shape), dtype, Placement(placement))
+
+    def _with_own_key(self, core, make, drop):
+        """A cache made under ``BlocksCacheKey(cluster_id, model_id=<its own id>)``, so that Python
+        peers pull its blocks by that key.  The id is the memory manager's next one: C++ calls make
+        caches one at a time (``_alloc_lock``); should anything else take that id first, the cache
+        is dropped and made again."""
+        with self._alloc_lock:
+            for _ in range(8):
+                cache_id = core.memory._next_id
+                cache = make(BlocksCacheKey(self.cluster_id, cache_id))
+                if cache.cache_id == cache_id:
+                    return cache
+                drop(cache)
+        raise _Fail(FAILED, "could not give a cache its own id as its key (concurrent allocations)")
+
+    @_call
+    def allocate(self, desc: tuple) -> tuple:
+        _, core = self._engine()
+        cd = self._desc(desc)
+        cm = core.cache_manager
+        cache = self._with_own_key(core, lambda key: cm.allocate_blocks_cache(cd, key), cm.deallocate_blocks_cache)
+        self._caches[cache.cache_id] = cache
+        return cache.cache_id, list(cache.tensor_addrs)
+
+    @_call
+    def deallocate(self, cache_id: int) -> None:
+        _, core = self._engine()
+        cache = self._caches.pop(cache_id, None)
+        if cache is None:
+            rec = core.memory.get(cache_id)
+            if rec is not None and rec.live and not rec.owned:
+                raise _invalid(f"cache {cache_id} is registered, not allocated: use UnregisterKvCache")
+            return  # unknown or already released: success
+        core.cache_manager.deallocate_blocks_cache(cache)
+
+    @_call
+    def register(self, desc: tuple, addrs: list) -> int:
+        _, core = self._engine()
+        if not addrs:
+            raise _invalid("addrs cannot be empty")
+        placement, num_tensors, _, _ = desc
+        if len(addrs) != num_tensors:
+            raise _invalid(f"addrs length:{len(addrs)} should be equal to num_tensors:{num_tensors}")
+        if any(a == 0 for a in addrs):
+            raise _invalid("addr cannot be nullptr")
+        cd = self._desc(desc)
+        cm = core.cache_manager
+        cache = self._with_own_key(core, lambda key: cm.register_blocks_cache(cd, list(addrs), key, True),
+                                   lambda c: cm.unregister_cache(c.cache_id))
+        return cache.cache_id
+
+    @_call
+    def unregister(self, cache_id: int) -> None:
+        _, core = self._engine()
+        rec = core.memory.get(cache_id)
+        if rec is not None and rec.live and rec.owned:
+            raise _invalid(f"cache {cache_id} is allocated, not registered: use DeallocateCache")
+        core.cache_manager.unregister_cache(cache_id)
+
+    # ------------------------------------------------------------------ transfers
+    def _as(self, layout, blocks: bool):
+        """``layout`` planned as a blocks (or non-blocks) cache: same geometry, other kind."""
+        if layout.is_blocks == blocks:
+            return layout
+        hit = self._flipped.get(id(layout))
+        if hit is not None and hit[0] is layout:
+            return hit[1]
+        other = attrs.evolve(layout, is_blocks=blocks)
+        if len(self._flipped) > 4096:
+            self._flipped.clear()
+        self._flipped[id(layout)] = (layout, other)
+        return other
+
+    def _move(self, core, *, write: bool, blocks: bool, local_id: int, remote_cluster: int, remote_id: int,
+              local_unit: int = 0, remote_unit: int = 0, size: int = -1, local_blocks=None, remote_blocks=None,
+              src_range=None, dst_range=None, tnpl: int = 2) -> None:
+        if remote_cluster == self.cluster_id:
+            raise _invalid(f"data can not be moved between cluster {remote_cluster} and itself")
+        te = core.transfers
+        kind = ("push_blocks" if write else "pull_blocks") if blocks else ("push_cache" if write else "pull_cache")
+        rec, local = te.local_layout(local_id)
+        link = te._link_for(remote_cluster)
+        remote = te.remote_layout(link, remote_id)
+        te._check_placements(link, remote_cache_id=remote_id, local_rec=rec, local_is="src" if write else "dst",
+                             kind=kind, remote_is_blocks=True if blocks else remote.is_blocks)
+        local, remote = self._as(local, blocks), self._as(remote, blocks)
+        src, dst = (local, remote) if write else (remote, local)
+        src_tensors = tensor_range(src_range, src.num_tensors, tnpl)
+        dst_tensors = tensor_range(dst_range, dst.num_tensors, tnpl)
+        side = "src" if write else "dst"
+        if blocks:
+            sb, db = (local_blocks, remote_blocks) if write else (remote_blocks, local_blocks)
+            ops = plan_blocks(src=src, dst=dst, src_blocks=sb, dst_blocks=db, src_tensors=src_tensors,
+                              dst_tensors=dst_tensors, local=side)
+        else:
+            su, du = (local_unit, remote_unit) if write else (remote_unit, local_unit)
+            ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors, src_unit=su,
+                             dst_unit=du, size=size, local=side)
+        te._acquire(link)
+        try:
+            te.run_ops(link, ops, write=write, kind=kind)
+        except LLMException:
+            if write:
+                te._push_notice(link, remote_id, remote_blocks, dst_tensors, failed=True)
+            raise
+        finally:
+            link.transfer_lock.release()
+        if write:
+            te._push_notice(link, remote_id, remote_blocks, dst_tensors, failed=False)
+        else:
+            from llmdd._transfer import _spans
+
+            spans = _spans(remote_blocks) if remote_blocks else ()
+            te._queue_read_done(link, _m.ReadDoneEntry(cache_id=remote_id, key=None, block_spans=spans))
+
+    @_call
+    def pull_cache(self, src: tuple, dst_id: int, batch_index: int, size: int, ext: tuple) -> None:
+        _, core = self._engine()
+        if size != -1 and size <= 0:
+            raise _invalid(f"invalid size ({size}), size must = -1 or > 0")
+        src_range, dst_range = _check_ext(ext[0], ext[1], ext[2], False)
+        cluster_id, cache_id, src_batch = src
+        self._move(core, write=False, blocks=False, local_id=dst_id, remote_cluster=cluster_id, remote_id=cache_id,
+                   local_unit=batch_index, remote_unit=src_batch, size=size, src_range=src_range,
+                   dst_range=dst_range, tnpl=ext[2])
+
+    @_call
+    def pull_blocks(self, src: tuple, dst_id: int, src_blocks: list, dst_blocks: list, ext: tuple) -> None:
+        _, core = self._engine()
+        cluster_id, cache_id, src_batch = src
+        if src_batch != 0:
+            raise _invalid(f"invalid src_cache_index.batch_index ({src_batch}), only 0 is supported in pull block")
+        src_range, dst_range = _check_ext(ext[0], ext[1], ext[2], False)
+        if not src_blocks:
+            raise _invalid("src_blocks is empty, pull from non-block cache is not supported yet")
+        if len(src_blocks) != len(dst_blocks):
+            raise _invalid(f"number of src_blocks ({len(src_blocks)}) mismatches that of dst_blocks "
+                           f"({len(dst_blocks)})")
+        self._move(core, write=False, blocks=True, local_id=dst_id, remote_cluster=cluster_id, remote_id=cache_id,
+                   local_blocks=_check_blocks("dst_blocks", dst_blocks),
+                   remote_blocks=_check_blocks("src_blocks", src_blocks),
+                   src_range=src_range, dst_range=dst_range, tnpl=ext[2])
+
+    @staticmethod
+    def _check_push_src(core, src_id: int, ext: tuple):
+        if core.memory.live(src_id).placement != Placement.DEVICE:
+            raise _invalid("only support push from a device cache")
+        return _check_ext(ext[0], ext[1], ext[2], True)
+
+    @_call
+    def push_cache(self, src_id: int, dst: tuple, src_batch: int, size: int, ext: tuple) -> None:
+        _, core = self._engine()
+        if size != -1:
+            raise _invalid(f"invalid size ({size}), size only support -1 currently")
+        src_range, dst_range = self._check_push_src(core, src_id, ext)
+        cluster_id, cache_id, dst_batch = dst
+        self._move(core, write=True, blocks=False, local_id=src_id, remote_cluster=cluster_id, remote_id=cache_id,
+                   local_unit=src_batch, remote_unit=dst_batch, size=-1, src_range=src_range, dst_range=dst_range,
+                   tnpl=ext[2])
+
+    @_call
+    def push_blocks(self, src_id: int, dst: tuple, src_blocks: list, dst_blocks: list, ext: tuple) -> None:
+        _, core = self._engine()
+        cluster_id, cache_id, dst_batch = dst
+        src_range, dst_range = self._check_push_src(core, src_id, ext)
+        if not src_blocks:
+            raise _invalid("src_blocks is empty, push from non-block cache is not supported yet")
+        if len(src_blocks) != len(dst_blocks):
+            raise _invalid(f"number of src_blocks ({len(src_blocks)}) mismatches that of dst_blocks "
+                           f"({len(dst_blocks)})")
+        if dst_batch != 0:
+            raise _invalid(f"invalid dst_cache_index.batch_index ({dst_batch}), only 0 is supported in push block")
+        self._move(core, write=True, blocks=True, local_id=src_id, remote_cluster=cluster_id, remote_id=cache_id,
+                   local_blocks=_check_blocks("src_blocks", src_blocks),
+                   remote_blocks=_check_blocks("dst_blocks", dst_blocks),
+                   src_range=src_range, dst_range=dst_range, tnpl=ext[2])
+
+    # ------------------------------------------------------------------ local copies
+    @_call
+    def copy_cache(self, src_id: int, dst_id: int, src_batch: int, dst_batch: int, offset: int, size: int) -> None:
+        _, core = self._engine()
+        if size != -1 and size <= 0:
+            raise _invalid(f"size ({size}) is invalid, should be = -1 or > 0")
+        s, d = core.memory.live(src_id), core.memory.live(dst_id)
+        if s.desc.num_tensors != d.desc.num_tensors:
+            raise _invalid(f"src num_tensors:{s.desc.num_tensors} and dst num_tensors:{d.desc.num_tensors} "
+                           f"must be equal")
+        if src_batch >= s.rows:
+            raise _invalid(f"src_batch_index:{src_batch} must be in [0, {s.rows})")
+        if dst_batch >= d.rows:
+            raise _invalid(f"dst_batch_index:{dst_batch} must be in [0, {d.rows})")
+        if offset >= s.stride:
+            raise _invalid(f"offset:{offset} must be less than the src batch stride {s.stride}")
+        length = s.stride - offset if size == -1 else size
+        if offset + length > s.stride or offset + length > d.stride:
+            raise _invalid(f"offset + size ({offset + length}) exceeds a batch stride (src {s.stride}, "
+                           f"dst {d.stride})")
+        ops = slot_copy_ops(s.addrs, d.addrs, src_batch * s.stride + offset, dst_batch * d.stride + offset, length)
+        execute(ops, src_bounds=s.bounds(), dst_bounds=d.bounds())
+
+    @_call
+    def copy_blocks(self, src_id: int, dst_id: int, src_blocks: list, dst_lists: list) -> None:
+        _, core = self._engine()
+        s, d = core.memory.live(src_id), core.memory.live(dst_id)
+        if s.desc.num_tensors != d.desc.num_tensors:
+            raise _invalid(f"src num_tensors:{s.desc.num_tensors} and dst num_tensors:{d.desc.num_tensors} "
+                           f"must be equal")
+        if s.stride != d.stride:
+            raise _invalid(f"block sizes differ: src {s.stride} bytes, dst {d.stride} bytes")
+        if not src_blocks:
+            raise _invalid("src_blocks can not be empty")
+        if not dst_lists:
+            raise _invalid("dst_blocks_list can not be empty")
+        src_idx = as_index_array(src_blocks, "src block", s.rows)
+        plans = []
+        for i, dst_blocks in enumerate(dst_lists):
+            if len(dst_blocks) != len(src_blocks):
+                raise _invalid(f"dst_blocks_list[{i}] has {len(dst_blocks)} blocks, src_blocks {len(src_blocks)}")
+            plans.append(block_copy_ops(s.addrs, d.addrs, s.stride, src_idx,
+                                        as_index_array(dst_blocks, f"dst_blocks_list[{i}] block", d.rows)))
+        for ops in plans:  # every list is checked before the first byte moves
+            execute(ops, src_bounds=s.bounds(), dst_bounds=d.bounds())
+
+
+def make(cluster_id: int, role: int) -> Bridge:
+    return Bridge(cluster_id, role)

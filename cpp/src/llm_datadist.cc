@@ -1,0 +1,656 @@
+// libllm_datadist: the C++ API of LLM-DataDist on the llmdd engine.
+//
+// The library embeds CPython and drives the llmdd package through a small bridge module
+// (cpp/python/llmdd_cpp_bridge.py, compiled into this library as text). Every call takes the
+// GIL with PyGILState_Ensure and gives it back before returning; between calls no thread of
+// the caller holds it. When the process already runs an interpreter (a C++ host embedding
+// Python, or a Python process loading this library) that interpreter is used; otherwise one is
+// started on the first Initialize, from the Python the library was configured with at CMake
+// time (LLMDD_CPP_PYTHON) or the one named by the LLMDD_PYTHON environment variable.
+// The library never prints; llm_datadist::llmdd::LastErrorMessage() gives the reason of a failure.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "llm_datadist/llm_datadist.h"
+#include "llm_datadist/llmdd_ext.h"
+#include "llmdd_bridge_source.h"  // generated: kBridgeSource
+
+#ifndef LLMDD_CPP_PYTHON
+#define LLMDD_CPP_PYTHON ""
+#endif
+#ifndef LLMDD_CPP_SITE_DIRS
+#define LLMDD_CPP_SITE_DIRS ""
+#endif
+
+namespace llm_datadist {
+namespace {
+
+thread_local std::string t_last_error;
+
+std::mutex g_start_mutex;                 // starting an interpreter (no GIL exists yet then)
+std::atomic<bool> g_exiting{false};       // set by the exit handler: Python is off limits
+bool g_owns_interpreter = false;          // this library started the interpreter
+PyObject *g_bridge = nullptr;             // the bridge module (under the GIL)
+
+Status Fail(Status code, std::string message) {
+  t_last_error = std::move(message);
+  return code;
+}
+
+// True when Python can be entered from this thread.
+bool PythonUsable() { return !g_exiting.load() && Py_IsInitialized() != 0; }
+
+class Gil {
+ public:
+  Gil() : state_(PyGILState_Ensure()) {}
+  ~Gil() { PyGILState_Release(state_); }
+  Gil(const Gil &) = delete;
+  Gil &operator=(const Gil &) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+// The pending Python exception as text (clears it). Under the GIL.
+std::string TakePythonError() {
+  PyObject *type = nullptr;
+  PyObject *value = nullptr;
+  PyObject *trace = nullptr;
+  PyErr_Fetch(&type, &value, &trace);
+  std::string text = "unknown Python error";
+  PyObject *shown = value != nullptr ? PyObject_Str(value) : (type != nullptr ? PyObject_Str(type) : nullptr);
+  if (shown != nullptr) {
+    const char *utf8 = PyUnicode_AsUTF8(shown);
+    if (utf8 != nullptr) {
+      text = utf8;
+    }
+    Py_DECREF(shown);
+  }
+  if (type != nullptr && PyType_Check(type)) {
+    text = std::string(reinterpret_cast<PyTypeObject *>(type)->tp_name) + ": " + text;
+  }
+  PyErr_Clear();
+  Py_XDECREF(type);
+  Py_XDECREF(value);
+  Py_XDECREF(trace);
+  return text;
+}
+
+// At exit (before the C++ statics of the libraries loaded with llmdd go): when this library
+// started the interpreter, finalize it. Python's exit handlers finalize the engines their owners
+// left and unlink their shared-memory segments; the transports' native state (UCX workers) is
+// released before its libraries' destructors run. llmdd's threads are daemon threads: they stop
+// when they next need the GIL, and so do C++ threads that are still inside a call.
+void ExitHandler() {
+  static std::atomic<bool> ran{false};
+  if (ran.exchange(true)) {
+    return;  // registered again after later loads; the first (= latest registered) call did it all
+  }
+  if (!g_owns_interpreter || Py_IsInitialized() == 0) {
+    g_exiting.store(true);
+    return;
+  }
+  (void)PyGILState_Ensure();
+  g_exiting.store(true);
+  // first the engines (as Finalize would), then the interpreter
+  PyObject *globals = PyDict_New();
+  if (globals != nullptr && PyDict_SetItemString(globals, "__builtins__", PyEval_GetBuiltins()) == 0) {
+    PyObject *r = PyRun_String("import gc, llmdd._datadist as _d\n_d._shutdown_handler()\ngc.collect()\n",
+                               Py_file_input, globals, globals);
+    Py_XDECREF(r);
+  }
+  Py_XDECREF(globals);
+  PyErr_Clear();
+  (void)Py_FinalizeEx();
+}
+
+// Exit handlers run in the reverse order of registration, and the native libraries llmdd's
+// transports load (NIXL, UCX) register their static destructors when they load. The handler is
+// registered again after every call that may load one (Initialize, LinkLlmClusters), so that it
+// runs before those destructors, while the engine can still close what they own.
+std::atomic<int> g_exit_registrations{0};
+void ArmExitHandler() {
+  if (g_owns_interpreter && g_exit_registrations.fetch_add(1) < 4096) {
+    (void)std::atexit(ExitHandler);
+  }
+}
+
+// Add the configured site directories (".pth" files included) that sys.path lacks. Under the GIL.
+bool AddSiteDirs(std::string &error) {
+  const char *override_python = std::getenv("LLMDD_PYTHON");
+  if (override_python != nullptr && override_python[0] != '\0') {
+    return true;  // the named interpreter's own site directories are in use
+  }
+  const std::string dirs = LLMDD_CPP_SITE_DIRS;
+  if (dirs.empty()) {
+    return true;
+  }
+  PyObject *site = PyImport_ImportModule("site");
+  PyObject *sys_path = PySys_GetObject("path");  // borrowed
+  if (site == nullptr || sys_path == nullptr) {
+    Py_XDECREF(site);
+    error = "cannot import site: " + TakePythonError();
+    return false;
+  }
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(';', start);
+    if (end == std::string::npos) {
+      end = dirs.size();
+    }
+    const std::string dir = dirs.substr(start, end - start);
+    if (!dir.empty()) {
+      PyObject *item = PyUnicode_FromString(dir.c_str());
+      const int present = item != nullptr ? PySequence_Contains(sys_path, item) : -1;
+      if (present == 0) {
+        PyObject *r = PyObject_CallMethod(site, "addsitedir", "O", item);
+        Py_XDECREF(r);
+      }
+      Py_XDECREF(item);
+      PyErr_Clear();
+    }
+    start = end + 1;
+  }
+  Py_DECREF(site);
+  return true;
+}
+
+// Import the bridge (and with it llmdd). Under the GIL.
+bool LoadBridge(std::string &error) {
+  if (g_bridge != nullptr) {
+    return true;
+  }
+  if (!AddSiteDirs(error)) {
+    return false;
+  }
+  PyObject *code = Py_CompileString(kBridgeSource, "<libllm_datadist>/llmdd_cpp_bridge.py", Py_file_input);
+  if (code == nullptr) {
+    error = "cannot compile the llmdd bridge: " + TakePythonError();
+    return false;
+  }
+  PyObject *module = PyImport_ExecCodeModuleEx("llmdd_cpp_bridge", code, "<libllm_datadist>/llmdd_cpp_bridge.py");
+  Py_DECREF(code);
+  if (module == nullptr) {
+    std::string python = std::getenv("LLMDD_PYTHON") != nullptr ? std::getenv("LLMDD_PYTHON") : LLMDD_CPP_PYTHON;
+    error = "cannot import llmdd (Python: " + python + "; set LLMDD_PYTHON to an interpreter whose "
+            "environment has llmdd installed): " + TakePythonError();
+    // a failed import leaves a half-made module in sys.modules: drop it so a retry starts clean
+    PyObject *modules = PyImport_GetModuleDict();
+    if (PyDict_GetItemString(modules, "llmdd_cpp_bridge") != nullptr) {
+      PyDict_DelItemString(modules, "llmdd_cpp_bridge");
+    }
+    PyErr_Clear();
+    return false;
+  }
+  if (g_bridge == nullptr) {
+    g_bridge = module;
+  } else {
+    Py_DECREF(module);
+  }
+  return true;
+}
+
+// Make sure an interpreter runs and the bridge is loaded. Returns false with a reason.
+bool EnsurePython(std::string &error) {
+  if (g_exiting.load()) {
+    error = "the process is exiting";
+    return false;
+  }
+  if (Py_IsInitialized() == 0) {
+    std::lock_guard<std::mutex> lk(g_start_mutex);
+    if (Py_IsInitialized() == 0) {
+      const char *override_python = std::getenv("LLMDD_PYTHON");
+      const std::string python =
+          (override_python != nullptr && override_python[0] != '\0') ? override_python : LLMDD_CPP_PYTHON;
+      PyConfig config;
+      PyConfig_InitPythonConfig(&config);
+      config.install_signal_handlers = 0;  // the host keeps its signal dispositions
+      config.parse_argv = 0;
+      PyStatus st = PyStatus_Ok();
+      if (!python.empty()) {
+        // program_name: the interpreter's location decides sys.prefix (a venv's pyvenv.cfg included)
+        st = PyConfig_SetBytesString(&config, &config.program_name, python.c_str());
+      }
+      if (!PyStatus_Exception(st)) {
+        st = Py_InitializeFromConfig(&config);
+      }
+      PyConfig_Clear(&config);
+      if (PyStatus_Exception(st)) {
+        error = std::string("cannot start Python (") + python + "): " +
+                (st.err_msg != nullptr ? st.err_msg : "unknown error");
+        return false;
+      }
+      g_owns_interpreter = true;
+      ArmExitHandler();
+      std::string load_error;
+      const bool loaded = LoadBridge(load_error);
+      (void)PyEval_SaveThread();  // the GIL is free between calls
+      if (!loaded) {
+        error = load_error;
+        return false;
+      }
+      return true;
+    }
+  }
+  Gil gil;
+  return LoadBridge(error);
+}
+
+// ---- argument conversions (under the GIL)
+PyObject *StrMap(const std::map<AscendString, AscendString> &options) {
+  PyObject *d = PyDict_New();
+  if (d == nullptr) {
+    return nullptr;
+  }
+  for (const auto &kv : options) {
+    PyObject *k = PyUnicode_FromStringAndSize(kv.first.GetString(), static_cast<Py_ssize_t>(kv.first.GetLength()));
+    PyObject *v =
+        PyUnicode_FromStringAndSize(kv.second.GetString(), static_cast<Py_ssize_t>(kv.second.GetLength()));
+    const int rc = (k != nullptr && v != nullptr) ? PyDict_SetItem(d, k, v) : -1;
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    if (rc != 0) {
+      Py_DECREF(d);
+      return nullptr;
+    }
+  }
+  return d;
+}
+
+template <typename T>
+PyObject *UintList(const std::vector<T> &values) {
+  PyObject *l = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (l == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject *item = PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(values[i]));
+    if (item == nullptr) {
+      Py_DECREF(l);
+      return nullptr;
+    }
+    PyList_SET_ITEM(l, static_cast<Py_ssize_t>(i), item);
+  }
+  return l;
+}
+
+PyObject *IntList(const std::vector<int64_t> &values) {
+  PyObject *l = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  if (l == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject *item = PyLong_FromLongLong(static_cast<long long>(values[i]));
+    if (item == nullptr) {
+      Py_DECREF(l);
+      return nullptr;
+    }
+    PyList_SET_ITEM(l, static_cast<Py_ssize_t>(i), item);
+  }
+  return l;
+}
+
+PyObject *Desc(const CacheDesc &d) {
+  PyObject *shape = IntList(d.shape);
+  if (shape == nullptr) {
+    return nullptr;
+  }
+  return Py_BuildValue("(IIiN)", static_cast<unsigned int>(d.placement), static_cast<unsigned int>(d.num_tensors),
+                       static_cast<int>(d.data_type), shape);
+}
+
+PyObject *Index(const CacheIndex &i) {
+  return Py_BuildValue("(KLI)", static_cast<unsigned long long>(i.cluster_id), static_cast<long long>(i.cache_id),
+                       static_cast<unsigned int>(i.batch_index));
+}
+
+PyObject *Ext(const KvCacheExtParam &e) {
+  return Py_BuildValue("((ii)(ii)I)", e.src_layer_range.first, e.src_layer_range.second, e.dst_layer_range.first,
+                       e.dst_layer_range.second, static_cast<unsigned int>(e.tensor_num_per_layer));
+}
+
+PyObject *IpList(const std::vector<IpInfo> &ips) {
+  PyObject *l = PyList_New(static_cast<Py_ssize_t>(ips.size()));
+  if (l == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < ips.size(); ++i) {
+    PyObject *item = Py_BuildValue("(s#H)", ips[i].ip.GetString(), static_cast<Py_ssize_t>(ips[i].ip.GetLength()),
+                                   static_cast<unsigned short>(ips[i].port));
+    if (item == nullptr) {
+      Py_DECREF(l);
+      return nullptr;
+    }
+    PyList_SET_ITEM(l, static_cast<Py_ssize_t>(i), item);
+  }
+  return l;
+}
+
+PyObject *Clusters(const std::vector<ClusterInfo> &clusters) {
+  PyObject *l = PyList_New(static_cast<Py_ssize_t>(clusters.size()));
+  if (l == nullptr) {
+    return nullptr;
+  }
+  for (size_t i = 0; i < clusters.size(); ++i) {
+    PyObject *local = IpList(clusters[i].local_ip_infos);
+    PyObject *remote = local != nullptr ? IpList(clusters[i].remote_ip_infos) : nullptr;
+    PyObject *item = remote != nullptr ? Py_BuildValue("(KNN)", static_cast<unsigned long long>(
+                                                                    clusters[i].remote_cluster_id), local, remote)
+                                       : nullptr;
+    if (item == nullptr) {
+      if (remote == nullptr) {
+        Py_XDECREF(local);
+      }
+      Py_DECREF(l);
+      return nullptr;
+    }
+    PyList_SET_ITEM(l, static_cast<Py_ssize_t>(i), item);
+  }
+  return l;
+}
+
+// The (status, message, value) answer of a bridge call; value is a new reference or null.
+struct Answer {
+  Status status = LLM_FAILED;
+  PyObject *value = nullptr;
+  ~Answer() { Py_XDECREF(value); }
+};
+
+// Call bridge.method(*args) (args: a new reference, consumed). Under the GIL.
+void Invoke(PyObject *bridge, const char *method, PyObject *args, Answer &out) {
+  if (args == nullptr) {
+    out.status = Fail(LLM_PARAM_INVALID, std::string(method) + ": bad argument: " + TakePythonError());
+    return;
+  }
+  PyObject *fn = PyObject_GetAttrString(bridge, method);
+  PyObject *result = fn != nullptr ? PyObject_CallObject(fn, args) : nullptr;
+  Py_XDECREF(fn);
+  Py_DECREF(args);
+  if (result == nullptr || !PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 3) {
+    const std::string why = result == nullptr ? TakePythonError() : "malformed bridge answer";
+    Py_XDECREF(result);
+    out.status = Fail(LLM_FAILED, std::string(method) + ": " + why);
+    return;
+  }
+  const unsigned long code = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(result, 0));
+  if (PyErr_Occurred() != nullptr) {
+    const std::string why = TakePythonError();
+    Py_DECREF(result);
+    out.status = Fail(LLM_FAILED, std::string(method) + ": bad status: " + why);
+    return;
+  }
+  out.status = static_cast<Status>(code);
+  if (out.status == LLM_SUCCESS) {
+    t_last_error.clear();
+  } else {
+    const char *msg = PyUnicode_AsUTF8(PyTuple_GET_ITEM(result, 1));
+    t_last_error = msg != nullptr ? msg : "";
+    PyErr_Clear();
+  }
+  out.value = PyTuple_GET_ITEM(result, 2);
+  Py_INCREF(out.value);
+  Py_DECREF(result);
+}
+
+bool StatusList(PyObject *value, std::vector<Status> &rets) {
+  rets.clear();
+  if (value == nullptr || !PyList_Check(value)) {
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) {
+    rets.push_back(static_cast<Status>(PyLong_AsUnsignedLong(PyList_GET_ITEM(value, i))));
+  }
+  PyErr_Clear();
+  return true;
+}
+}  // namespace
+
+namespace llmdd {
+const char *LastErrorMessage() { return t_last_error.c_str(); }
+}  // namespace llmdd
+
+class LlmDataDist::LlmDataDistImpl {
+ public:
+  LlmDataDistImpl(uint64_t cluster_id, LlmRole role) : cluster_id_(cluster_id), role_(role) {}
+
+  ~LlmDataDistImpl() {
+    if (bridge_ == nullptr || !PythonUsable()) {
+      return;  // at exit the exit handler already finalized the engine
+    }
+    Gil gil;
+    Answer a;
+    Invoke(bridge_, "finalize", PyTuple_New(0), a);
+    Py_CLEAR(bridge_);
+  }
+
+  Status Initialize(const std::map<AscendString, AscendString> &options) {
+    std::string error;
+    if (!EnsurePython(error)) {
+      return Fail(LLM_FAILED, error);
+    }
+    Gil gil;
+    if (bridge_ == nullptr) {
+      bridge_ = PyObject_CallMethod(g_bridge, "make", "Ki", static_cast<unsigned long long>(cluster_id_),
+                                    static_cast<int>(role_));
+      if (bridge_ == nullptr) {
+        return Fail(LLM_FAILED, "cannot create the engine bridge: " + TakePythonError());
+      }
+    }
+    Answer a;
+    Invoke(bridge_, "initialize", Py_BuildValue("(N)", StrMap(options)), a);
+    ArmExitHandler();
+    return a.status;
+  }
+
+  void Finalize() {
+    if (bridge_ == nullptr || !PythonUsable()) {
+      return;
+    }
+    Gil gil;
+    Answer a;
+    Invoke(bridge_, "finalize", PyTuple_New(0), a);
+  }
+
+  // Runs body(bridge) under the GIL once the engine exists; LLM_FAILED before Initialize.
+  template <typename Body>
+  Status Call(Body body) {
+    if (bridge_ == nullptr || !PythonUsable()) {
+      return Fail(LLM_FAILED, "LlmDataDist is not initialized");
+    }
+    Gil gil;
+    return body(bridge_);
+  }
+
+  uint64_t cluster_id_;
+  LlmRole role_;
+  PyObject *bridge_ = nullptr;
+};
+
+LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role) : impl_(new LlmDataDistImpl(cluster_id, role)) {}
+
+LlmDataDist::~LlmDataDist() = default;
+
+Status LlmDataDist::Initialize(const std::map<AscendString, AscendString> &options) {
+  return impl_->Initialize(options);
+}
+
+void LlmDataDist::Finalize() { impl_->Finalize(); }
+
+Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "set_role", Py_BuildValue("(iN)", static_cast<int>(role), StrMap(options)), a);
+    if (a.status == LLM_SUCCESS) {
+      impl_->role_ = role;
+    }
+    return a.status;
+  });
+}
+
+Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
+                                    int32_t timeout_in_millis) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "link", Py_BuildValue("(Ni)", Clusters(clusters), timeout_in_millis), a);
+    (void)StatusList(a.value, rets);
+    ArmExitHandler();
+    return a.status;
+  });
+}
+
+Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
+                                      int32_t timeout_in_millis, bool force_flag) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "unlink", Py_BuildValue("(NiO)", Clusters(clusters), timeout_in_millis, force_flag ? Py_True : Py_False),
+           a);
+    (void)StatusList(a.value, rets);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "allocate", Py_BuildValue("(N)", Desc(cache_desc)), a);
+    if (a.status != LLM_SUCCESS) {
+      return a.status;
+    }
+    long long cache_id = -1;
+    PyObject *addrs = nullptr;
+    if (!PyArg_ParseTuple(a.value, "LO!", &cache_id, &PyList_Type, &addrs)) {
+      return Fail(LLM_FAILED, "AllocateCache: malformed answer: " + TakePythonError());
+    }
+    cache.cache_id = cache_id;
+    cache.tensor_addrs.clear();
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(addrs); ++i) {
+      cache.tensor_addrs.push_back(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(PyList_GET_ITEM(addrs, i))));
+    }
+    cache.cache_desc = cache_desc;
+    return LLM_SUCCESS;
+  });
+}
+
+Status LlmDataDist::DeallocateCache(int64_t cache_id) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "deallocate", Py_BuildValue("(L)", static_cast<long long>(cache_id)), a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &dst_cache, uint32_t batch_index,
+                                int64_t size, const KvCacheExtParam &ext_param) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "pull_cache",
+           Py_BuildValue("(NLILN)", Index(src_cache_index), static_cast<long long>(dst_cache.cache_id),
+                         static_cast<unsigned int>(batch_index), static_cast<long long>(size), Ext(ext_param)),
+           a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
+                                 const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
+                                 const KvCacheExtParam &ext_param) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "pull_blocks",
+           Py_BuildValue("(NLNNN)", Index(src_cache_index), static_cast<long long>(dst_cache.cache_id),
+                         UintList(src_blocks), UintList(dst_blocks), Ext(ext_param)),
+           a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache, uint32_t src_batch_index,
+                                uint32_t dst_batch_index, uint64_t offset, int64_t size) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "copy_cache",
+           Py_BuildValue("(LLIIKL)", static_cast<long long>(src_cache.cache_id),
+                         static_cast<long long>(dst_cache.cache_id), static_cast<unsigned int>(src_batch_index),
+                         static_cast<unsigned int>(dst_batch_index), static_cast<unsigned long long>(offset),
+                         static_cast<long long>(size)),
+           a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
+                                 const std::vector<uint64_t> &src_blocks,
+                                 const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
+  return impl_->Call([&](PyObject *b) {
+    PyObject *lists = PyList_New(static_cast<Py_ssize_t>(dst_blocks_list.size()));
+    for (size_t i = 0; lists != nullptr && i < dst_blocks_list.size(); ++i) {
+      PyObject *one = UintList(dst_blocks_list[i]);
+      if (one == nullptr) {
+        Py_CLEAR(lists);
+        break;
+      }
+      PyList_SET_ITEM(lists, static_cast<Py_ssize_t>(i), one);
+    }
+    Answer a;
+    Invoke(b, "copy_blocks",
+           lists == nullptr ? nullptr
+                            : Py_BuildValue("(LLNN)", static_cast<long long>(src_cache.cache_id),
+                                            static_cast<long long>(dst_cache.cache_id), UintList(src_blocks), lists),
+           a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_cache_index, uint32_t src_batch_index,
+                                int64_t size, const KvCacheExtParam &ext_param) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "push_cache",
+           Py_BuildValue("(LNILN)", static_cast<long long>(src_cache.cache_id), Index(dst_cache_index),
+                         static_cast<unsigned int>(src_batch_index), static_cast<long long>(size), Ext(ext_param)),
+           a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
+                                 const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
+                                 const KvCacheExtParam &ext_param) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "push_blocks",
+           Py_BuildValue("(LNNNN)", static_cast<long long>(src_cache.cache_id), Index(dst_cache_index),
+                         UintList(src_blocks), UintList(dst_blocks), Ext(ext_param)),
+           a);
+    return a.status;
+  });
+}
+
+Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,
+                                    const RegisterCfg &cfg, int64_t &cache_id) {
+  (void)cfg;  // reserved bytes only
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "register", Py_BuildValue("(NN)", Desc(cache_desc), UintList(addrs)), a);
+    if (a.status == LLM_SUCCESS) {
+      cache_id = static_cast<int64_t>(PyLong_AsLongLong(a.value));
+      PyErr_Clear();
+    }
+    return a.status;
+  });
+}
+
+Status LlmDataDist::UnregisterKvCache(int64_t cache_id) {
+  return impl_->Call([&](PyObject *b) {
+    Answer a;
+    Invoke(b, "unregister", Py_BuildValue("(L)", static_cast<long long>(cache_id)), a);
+    return a.status;
+  });
+}
+}  // namespace llm_datadist
