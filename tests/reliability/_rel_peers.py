@@ -480,3 +480,108 @@ def link_race(state: dict, port: int, n: int, unlink_too: bool = False, rounds: 
     for t in threads:
         t.join(60)
     return out
+
+
+# ---------------------------------------------------------------------------- guarded memory, events, resources
+def register_guarded(state: dict, name: str, num_tensors: int, num_blocks: int, block_bytes: int, *,
+                     seed: int, guard_bytes: int = 4096, key: Optional[tuple] = None,
+                     remote_accessible: Optional[bool] = None) -> bytes:
+    """Register a blocks cache whose tensors are slices of ONE numpy buffer, each with
+    ``guard_bytes`` of *unregistered* canary memory right before and right after it::
+
+        [guard][tensor 0][guard][tensor 1] ... [tensor n-1][guard]
+
+    An over-read (or under-read) of a tensor's region by a peer would return canary bytes; an
+    over-write would change them.  The canary is seeded random (cluster id, seed + 1000), never a
+    constant fill; returns it (``guard_bytes`` long) so the caller can look for it in what it got.
+    """
+    nbytes = num_blocks * block_bytes
+    rng = np.random.default_rng([state["cluster_id"], seed + 1000])
+    canary = rng.integers(0, 256, size=guard_bytes, dtype=np.uint8)
+    buf = np.empty(guard_bytes + num_tensors * (nbytes + guard_bytes), dtype=np.uint8)
+    data = pattern(state["cluster_id"], seed, num_tensors, nbytes)
+    arrays = []
+    for i in range(num_tensors):
+        start = guard_bytes + i * (nbytes + guard_bytes)
+        buf[start - guard_bytes:start] = canary
+        buf[start:start + nbytes] = data[i]
+        arrays.append(buf[start:start + nbytes])
+    buf[len(buf) - guard_bytes:] = canary
+    desc = CacheDesc(num_tensors, [num_blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
+    bkey = None if key is None else BlocksCacheKey(*key)
+    cache = state["dd"].cache_manager.register_blocks_cache(desc, [a.ctypes.data for a in arrays], bkey,
+                                                           remote_accessible)
+    state["caches"][name] = cache
+    state["arrays"][name] = arrays
+    state.setdefault("guarded", {})[name] = (buf, canary, guard_bytes, nbytes)
+    return canary.tobytes()
+
+
+def guarded_digest(state: dict, name: str) -> dict:
+    """Whether every guard of cache ``name`` still holds its canary, and a digest of the tensors."""
+    buf, canary, guard, nbytes = state["guarded"][name]
+    n = len(state["arrays"][name])
+    guards_ok = all(np.array_equal(buf[i * (nbytes + guard):i * (nbytes + guard) + guard], canary)
+                    for i in range(n + 1))
+    return {"guards_intact": guards_ok, "tensors": digest(state, name)}
+
+
+class _CacheEvents:
+    """A subscriber of this engine's cache lifecycle: ``(cache id, trigger, source, dest)`` in order."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+        self._lock = threading.Lock()
+
+    @llmdd.plugin.hookimpl
+    def llmdd_cache_transition(self, event: Any) -> None:
+        with self._lock:
+            self.events.append((event.id, event.trigger, event.source.value, event.dest.value))
+
+
+def record_cache_events(state: dict) -> None:
+    """Subscribe to this engine's cache transitions (again after every :func:`setup`)."""
+    rec = _CacheEvents()
+    state["dd"].add_plugin(rec)
+    state["cache_events"] = rec
+
+
+def cache_events(state: dict, cache_id: Optional[int] = None) -> list:
+    """The recorded cache transitions (of ``cache_id`` only, when given), in order."""
+    rec = state["cache_events"]
+    with rec._lock:
+        return [e for e in rec.events if cache_id is None or e[0] == cache_id]
+
+
+def cache_id_of(state: dict, name: str) -> int:
+    return int(state["caches"][name].cache_id)
+
+
+def fault_fired_n(state: dict, op: str, action: str) -> int:
+    inj = state.get("inj")
+    return 0 if inj is None else inj.plan.fired_count(op, action)
+
+
+def wait_fault_fired(state: dict, op: str, action: str, n: int = 1, timeout: float = 5.0) -> int:
+    """Wait (deadline ``timeout``) until the faults plugin fired ``n`` faults ``action`` at ``op``.
+    The plugin records a fault when the batch is posted, before it acts: once this returns, that
+    batch is in flight (e.g. inside its injected delay).  Returns the count reached."""
+    t0 = time.monotonic()
+    while True:
+        got = fault_fired_n(state, op, action)
+        if got >= n or time.monotonic() - t0 >= timeout:
+            return got
+        time.sleep(0.005)
+
+
+def shm_accounting(state: dict) -> dict:
+    """This process's pid and the /dev/shm segments its pool accounting covers (created pools)."""
+    import os
+
+    segs = []
+    dd = state.get("dd")
+    if dd is not None:
+        for pool in dd.statistics()["memory"].get("pools", {}).values():
+            if pool.get("segment"):
+                segs.append(pool["segment"])
+    return {"pid": os.getpid(), "pool_segments": segs}

@@ -12,6 +12,7 @@ import struct
 
 import pytest
 
+from llmdd import LLMException, LLMStatusCode
 from llmdd.testing._harness import Cluster
 
 from conftest import ENV, NT, PROMPT, R
@@ -23,9 +24,14 @@ HELLO = struct.Struct("<4sHBx16s16s")
 REQ = struct.Struct("<4sBBHIQ")
 RSP = struct.Struct("<4sBBHI")
 OP = struct.Struct("<IQQ")
+#: the tcp data server's kinds and statuses (plugins/llmdd-transport-tcp, module docstring: the wire)
 READ, WRITE = 1, 2
-CANARY = b"\xde\xad\xbe\xef" * 8
+ST_OK, ST_REFUSED = 0, 1
 NB, BS = 4, 1024
+GUARD = 4096          # unregistered canary bytes right before and right after every registered tensor
+#: how long a raw client waits for bytes after the answer: nothing may follow a refusal (a
+#: measurement window, not synchronisation)
+AFTER_ANSWER_S = 0.3
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +52,12 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _raw_read(port: int, ops: list, kind: int = READ, total: int | None = None) -> tuple:
-    """One forged request on the tcp data endpoint; returns (status or None, message, extra bytes)."""
+def _raw(port: int, ops: list, kind: int = READ, total: int | None = None) -> dict:
+    """One forged request on the tcp data endpoint.  Returns ``{"closed": True, "extra": b""}`` when
+    the server closed the connection without a response header (a corrupt stream), else
+    ``{"closed": False, "status", "msg", "extra"}`` where ``extra`` is every byte that followed the
+    response within ``AFTER_ANSWER_S`` (the payload of an OK read).  A server that neither answers
+    nor closes within 3 s fails the caller with ``socket.timeout``."""
     with socket.create_connection(("127.0.0.1", port), timeout=3.0) as s:
         hello = _recv_exact(s, HELLO.size)
         assert hello[:4] == b"LDTH"
@@ -55,11 +65,13 @@ def _raw_read(port: int, ops: list, kind: int = READ, total: int | None = None) 
             total = sum(length for _, _, length in ops) % (1 << 64)
         s.sendall(REQ.pack(b"LDRQ", kind, 0, 0, len(ops), total) + b"".join(OP.pack(*op) for op in ops))
         hdr = _recv_exact(s, RSP.size)
-        if len(hdr) < RSP.size:
-            return None, b"", b""
-        _, status, _, _, mlen = RSP.unpack(hdr)
+        if not hdr:
+            return {"closed": True, "extra": b""}
+        assert len(hdr) == RSP.size, f"a partial response header: {hdr!r}"
+        magic, status, _, _, mlen = RSP.unpack(hdr)
+        assert magic == b"LDRS", hdr
         msg = _recv_exact(s, mlen) if mlen else b""
-        s.settimeout(0.3)
+        s.settimeout(AFTER_ANSWER_S)
         extra = b""
         try:
             while True:
@@ -67,20 +79,38 @@ def _raw_read(port: int, ops: list, kind: int = READ, total: int | None = None) 
                 if not chunk:
                     break
                 extra += chunk
-        except OSError:
+        except OSError:     # the window ended (socket.timeout): nothing more came
             pass
-        return status, msg, extra
+        return {"closed": False, "status": status, "msg": msg.decode("utf-8", "replace"), "extra": extra}
+
+
+def _assert_refused(res: dict, reason: str, what: object) -> None:
+    """The server answered ST_REFUSED with a message naming ``reason`` and sent no payload byte."""
+    assert not res["closed"], f"{what}: the server closed without answering (expected a refusal)"
+    assert res["status"] == ST_REFUSED, (what, res)
+    assert reason in res["msg"], (what, res["msg"])
+    assert res["extra"] == b"", (what, len(res["extra"]))
+
+
+def _assert_closed(res: dict, what: object) -> None:
+    """A corrupt stream: the server closed the connection with no response and no payload byte."""
+    assert res["closed"], (what, res)
+    assert res["extra"] == b"", what
 
 
 def _setup_owner(p, *, remote_accessible: bool = False) -> dict:
     port = p.call(R.setup, "PROMPT", PROMPT, listen=True, remote_accessible=remote_accessible)
-    p.call(R.register_blocks, "src", NT, NB, BS, seed=1, key=None if remote_accessible else (PROMPT, 0),
-           remote_accessible=True if remote_accessible else None)
-    p.call(R.register_blocks, "after", NT, NB, BS, seed=2)       # memory right after: canaries
-    for t in range(NT):
-        p.call(R.write_canary, "after", t, 0, CANARY)
+    canary = p.call(R.register_guarded, "src", NT, NB, BS, seed=1, guard_bytes=GUARD,
+                    key=None if remote_accessible else (PROMPT, 0),
+                    remote_accessible=True if remote_accessible else None)
     ep = p.call(R.tcp_data_endpoint)
-    return {"port": port, "data_port": ep["port"], "regions": ep["regions"], "src": p.call(R.region_of, "src")}
+    return {"port": port, "data_port": ep["port"], "regions": ep["regions"], "src": p.call(R.region_of, "src"),
+            "canary": canary}
+
+
+def _no_canary(extra: bytes, canary: bytes) -> bool:
+    """No 8-byte window of the canary (the guards before/after every tensor) is in ``extra``."""
+    return all(canary[i:i + 8] not in extra for i in range(0, len(canary) - 8, 8))
 
 
 def test_s5_forged_out_of_bounds_requests_are_refused_and_leak_no_canary(pd):
@@ -88,36 +118,48 @@ def test_s5_forged_out_of_bounds_requests_are_refused_and_leak_no_canary(pd):
     info = _setup_owner(p)
     rid = info["src"][0]
     size = NB * BS
+    want = R.pattern(PROMPT, 1, NT, size)
+    before = p.call(R.guarded_digest, "src")
+    assert before["guards_intact"]
+    oob, unknown = "out of bounds", "not registered"
     forged = [
-        [(rid, 0, size + 1)],                  # one byte past the region
-        [(rid, size, 1)],                      # starts at the end
-        [(rid, 2**64 - 1, 2)],                 # offset overflow
-        [(rid, 1, 2**64 - 1)],                 # length overflow
-        [(rid, 0, 16), (rid, size - 8, 64)],   # a valid op followed by an invalid one: all refused
-        [(rid + 1000, 0, 16)],                 # a guessed region id
-        [(2**32 - 1, 0, 16)],
+        ([(rid, 0, size + 1)], oob),                  # one byte past the region: the guard after it
+        ([(rid, size, 1)], oob),                      # starts at the end
+        ([(rid, size - 8, 16)], oob),                 # straddles the end
+        ([(rid, 2**64 - 1, 2)], oob),                 # offset overflow
+        ([(rid, 2**64 - 16, 32)], oob),               # wraps to 16 bytes before the region: the guard before it
+        ([(rid, 1, 2**64 - 1)], oob),                 # length overflow
+        ([(rid, 0, 16), (rid, size - 8, 64)], oob),   # a valid op followed by an invalid one: all refused
+        ([(rid + 1000, 0, 16)], unknown),             # a guessed region id
+        ([(2**32 - 1, 0, 16)], unknown),
     ]
-    for ops in forged:
-        status, msg, extra = _raw_read(info["data_port"], ops)
-        assert status != 0, (ops, status)
-        assert CANARY[:8] not in extra, ops
-    # a write outside the region is refused before a byte is read
-    status, _, _ = _raw_read(info["data_port"], [(rid, size - 4, 8)], kind=WRITE)
-    assert status != 0
-    # the announced total must match the ops (no over-read / over-write)
-    status, _, _ = _raw_read(info["data_port"], [(rid, 0, 16)], total=1 << 40)
-    assert status != 0
+    for ops, reason in forged:
+        res = _raw(info["data_port"], ops)
+        _assert_refused(res, reason, ops)
+    # a write outside the region is refused before a byte is read: region and guards unchanged
+    for ops in ([(rid, size - 4, 8)], [(rid, 2**64 - 8, 16)]):
+        _assert_refused(_raw(info["data_port"], ops, kind=WRITE), oob, ops)
+    # the announced total must match the ops (no over-read / over-write): a corrupt stream, closed
+    for kind in (READ, WRITE):
+        for total in (1 << 40, 8, 0):
+            _assert_closed(_raw(info["data_port"], [(rid, 0, 16)], kind=kind, total=total), (kind, total))
+    assert p.call(R.guarded_digest, "src") == before, "a refused request changed the owner's memory"
     # the owner is alive and a good client still links and pulls correct bytes
     d.call(R.setup, "DECODER", 2)
     d.call(R.register_blocks, "dst", NT, NB, BS)
     assert d.call(R.link, [(PROMPT, info["port"])])["status"] == "LLM_SUCCESS"
     assert d.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", [0, 3], [0, 3])[0] == "LLM_SUCCESS"
     got = d.call(R.snapshot, "dst").reshape(NT, NB, BS)
-    want = R.pattern(PROMPT, 1, NT, NB * BS).reshape(NT, NB, BS)
-    assert (got[:, [0, 3]] == want[:, [0, 3]]).all()
-    # an in-bounds raw read returns exactly the region's bytes, never the canary behind it
-    status, _, extra = _raw_read(info["data_port"], [(rid, size - 64, 64)])
-    assert status == 0 and CANARY[:8] not in extra
+    assert (got[:, [0, 3]] == want.reshape(NT, NB, BS)[:, [0, 3]]).all()
+    assert (got[:, [1, 2]] == R.POISON).all()
+    # in-bounds raw reads return exactly the region's bytes (both ends), never the guards around it
+    for ops in ([(rid, size - 64, 64)], [(rid, 0, 64)], [(rid, 0, size)], [(rid, 0, 16), (rid, size - 16, 16)]):
+        res = _raw(info["data_port"], ops)
+        assert not res["closed"] and res["status"] == ST_OK, (ops, res)
+        assert res["extra"] == b"".join(want[0, off:off + ln].tobytes() for _, off, ln in ops), ops
+        assert _no_canary(res["extra"], info["canary"]), ops
+    # control: the canary check would see an over-read (the guard really is right after the region)
+    assert not _no_canary(want[0, size - 64:].tobytes() + info["canary"][:64], info["canary"])
 
 
 def test_s6_non_remote_accessible_cache_is_never_served(pd):
@@ -135,23 +177,22 @@ def test_s6_non_remote_accessible_cache_is_never_served(pd):
         assert status == "LLM_KV_CACHE_NOT_EXIST", (cache_id, status)
     assert d.call(R.poison_kept, "dst")
     for rid in hidden_regions:
-        status, _, extra = _raw_read(info["data_port"], [(rid, 0, 16)])
-        assert status != 0 and not extra
+        _assert_refused(_raw(info["data_port"], [(rid, 0, 16)]), "not remote-accessible", rid)
 
 
 def test_s7_deregistered_region_ids_are_refused(pd):
     p, d = pd
     info = _setup_owner(p)
     rid = info["src"][0]
-    assert _raw_read(info["data_port"], [(rid, 0, 16)])[0] == 0
+    ok = _raw(info["data_port"], [(rid, 0, 16)])
+    assert not ok["closed"] and ok["status"] == ST_OK and ok["extra"] == R.pattern(PROMPT, 1, NT, NB * BS)[0, :16].tobytes()
     assert p.call(R.unregister, "src") == "LLM_SUCCESS"
-    status, _, extra = _raw_read(info["data_port"], [(rid, 0, 16)])
-    assert status != 0 and not extra
+    _assert_refused(_raw(info["data_port"], [(rid, 0, 16)]), "not registered", rid)
     # re-registering the same memory gives a new region id; the old one stays refused
     p.call(R.register_blocks, "src2", NT, NB, BS, seed=1)
     new = p.call(R.region_of, "src2")
     assert rid not in new
-    assert _raw_read(info["data_port"], [(rid, 0, 16)])[0] != 0
+    _assert_refused(_raw(info["data_port"], [(rid, 0, 16)]), "not registered", rid)
 
 
 NETWORK_CODE = [ROOT / "llmdd", *sorted((ROOT / "plugins").glob("*/src"))]
@@ -187,8 +228,11 @@ def test_s11_secret_never_in_logs_or_exception_messages(pd, d_secret):
     assert SECRET not in text
     if d_secret:
         assert d_secret not in text
-    # a bad secret type in options: the error message does not echo the value
-    try:
+    # options refused next to the secret: init fails with the contract's error, and neither the
+    # message nor the child's traceback echoes the secret
+    with pytest.raises(LLMException) as refused:
         d.call(R.setup, "DECODER", 2, extra={"llmdd.auth_secret": SECRET, "llmdd.handshake_timeout_ms": "-1"})
-    except Exception as exc:  # noqa: BLE001 - any refusal is fine, its text is what matters
-        assert SECRET not in str(exc) and SECRET not in getattr(exc, "remote_traceback", "")
+    assert refused.value.status_code == LLMStatusCode.LLM_PARAM_INVALID, refused.value
+    assert "llmdd.handshake_timeout_ms" in str(refused.value), str(refused.value)
+    assert SECRET not in str(refused.value)
+    assert SECRET not in getattr(refused.value, "remote_traceback", "") and SECRET not in repr(refused.value)
