@@ -54,6 +54,7 @@ __all__ = [
     "check_shm_leftovers",
     "check_cross_memory_attach",
     "check_peer",
+    "check_engine",
     "local_ipv4_addresses",
     "parse_size",
     "format_bytes",
@@ -972,6 +973,44 @@ def check_peer(peer: str, secret: Optional[str] = None, timeout: float = 5.0) ->
                  fix="run with -vv to see the engine's log", details=details)
 
 
+def check_engine(engine: Any = None) -> list[Check]:
+    """The listeners of the engine living in this process (``engine`` or the initialized one):
+    a listener that could not continue is a failed check saying why.  Nothing when no engine
+    lives here (``llmdd doctor`` in its own process reports the engines it links to with --peer)."""
+    if engine is None:
+        from ._datadist import LLMDataDist
+
+        engine = LLMDataDist.llm_engine_instance
+    core = getattr(engine, "_core", None)
+    lm = getattr(core, "link_manager", None)
+    if lm is None:
+        return []
+    try:
+        io = lm.io_statistics()
+    except Exception as exc:  # noqa: BLE001 - reported, never raised
+        return [Check(name="engine", status=FAIL, message=f"cannot read the engine's state: {exc!r}")]
+    checks = []
+    if io.get("io_error"):
+        checks.append(Check(name="engine", status=FAIL,
+                            message=f"the engine's I/O loop stopped: {io['io_error']}; its links failed",
+                            fix="finalize and init the engine again", details=io))
+    for lst in io.get("listeners", []):
+        if lst["state"] == "failed":
+            checks.append(Check(name="listener", status=FAIL,
+                                message=f"the {lst['kind']} listener on {lst['address']} cannot continue: "
+                                        f"{lst['error']}; no link can reach it",
+                                fix="check the process's descriptor and thread limits (ulimit -n, pids.max), "
+                                    "then switch_role or finalize and init again to listen anew",
+                                details=lst))
+        elif lst["state"] == "listening":
+            refused = lst["refused"] + lst["accept_errors"]
+            checks.append(Check(name="listener", status=WARN if lst["accept_errors"] else OK,
+                                message=f"the {lst['kind']} listener on {lst['address']} is listening "
+                                        f"({lst['accepted']} accepted, {refused} refused or failed)",
+                                details=lst))
+    return checks
+
+
 # --------------------------------------------------------------------------- doctor
 
 
@@ -1018,6 +1057,7 @@ def run_doctor(*, profile: str = "generic", seconds: float = 3.0, listen: Option
     pool_checks, pool_bytes = check_pools(mem_pool_cfg, host_mem_pool_cfg, register_bytes, profile)
     checks.extend(pool_checks)
     checks.append(check_dev_shm(pool_bytes))
+    checks.extend(check_engine())
     return DoctorReport(info=info, selftests=selftests, checks=checks)
 
 

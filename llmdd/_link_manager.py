@@ -6,16 +6,28 @@ data channel of the transport both sides agreed on.  The link's state lives in t
 link lifecycle (``_lifecycle/tables.py``); this module does the I/O and fires the
 outcome triggers.
 
-Threads: an acceptor (only while listening), one reader per link, one keepalive
-thread.  All are daemon threads: they never keep the interpreter alive, and the exit
-handler's ``finalize`` closes them.
+Threads: the engine's I/O loop (:mod:`llmdd._ioloop`) drives listeners, handshakes, every
+link's control connection, keepalives and deadlines from one thread; blocking work (transport
+plugins, hook subscribers, memory calls) runs on the loop's bounded pool, in order per link
+(a :class:`~llmdd._ioloop.Strand`), and endpoint registrations and table announcements on one
+registrar thread.  The thread count does not grow with links or connections.  All are daemon
+threads: they never keep the interpreter alive, and the exit handler's ``finalize`` closes them.
+
+Locks: ``LinkManager._lock`` guards the link, alias and pending tables only; nothing is called
+while it is held (no memory manager, region table, plugin, hook, listener or socket call).
+``ControlConnection._lock`` is a leaf held around non-blocking socket calls.  The order is
+written in docs/architecture.md ("Locks").
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import enum
+import errno
 import itertools
 import os
+import random
 import socket
 import ssl
 import threading
@@ -25,6 +37,7 @@ from typing import Any, Callable, Optional
 import attrs
 
 from ._abc import Channel, Endpoint, MemRegion, TransportError
+from ._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, Pool, PoolFull, Strand
 from ._lifecycle.machines import Tracked
 from ._lifecycle.tables import LinkState
 from ._log import get_logger
@@ -61,6 +74,9 @@ OPT_KEEPALIVE_MS = "llmdd.keepalive_interval_ms"
 OPT_PEER_TIMEOUT_MS = "llmdd.peer_timeout_ms"
 OPT_DATA_HOST = "llmdd.data_host"
 OPT_HANDSHAKE_MS = "llmdd.handshake_timeout_ms"
+OPT_MAX_PENDING = "llmdd.max_pending_connections"
+OPT_MAX_PENDING_PER_ADDRESS = "llmdd.max_pending_per_address"
+OPT_IO_WORKERS = "llmdd.io_workers"
 
 MAX_CLUSTERS_PER_CALL = 16
 
@@ -79,6 +95,20 @@ def _ms_option(options, key: str, default: int) -> int:
     return value
 
 
+def _count_option(options, key: str, default: int) -> int:
+    text = options.get(key)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise LLMException(f"option {key} must be an integer, got {text!r}",
+                           status_code=S.LLM_PARAM_INVALID) from None
+    if not 1 <= value <= 1 << 20:
+        raise LLMException(f"option {key} must be in [1, {1 << 20}], got {value}", status_code=S.LLM_PARAM_INVALID)
+    return value
+
+
 @attrs.frozen(kw_only=True)
 class LinkSettings:
     secret: Optional[bytes]
@@ -91,6 +121,9 @@ class LinkSettings:
     client_tls: Optional[ssl.SSLContext]
     data_host: Optional[str]
     handshake_s: float
+    max_pending: int = 64
+    max_pending_per_address: int = 8
+    io_workers: int = 8
 
     @classmethod
     def from_options(cls, options) -> "LinkSettings":
@@ -116,6 +149,9 @@ class LinkSettings:
             client_tls=client_tls,
             data_host=raw.get(OPT_DATA_HOST) or None,
             handshake_s=_ms_option(raw, OPT_HANDSHAKE_MS, 10000) / 1000.0,
+            max_pending=_count_option(raw, OPT_MAX_PENDING, 64),
+            max_pending_per_address=_count_option(raw, OPT_MAX_PENDING_PER_ADDRESS, 8),
+            io_workers=_count_option(raw, OPT_IO_WORKERS, 8),
         )
 
 
@@ -143,40 +179,51 @@ def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str]):
 # --------------------------------------------------------------------------- control connection
 
 
-class ControlConnection:
-    """A socket carrying protocol frames: blocking sends under a lock, one reader thread.
+class _TlsFailed(ProtocolError):
+    """The TLS handshake of an accepted connection failed."""
 
-    Once the reader runs, the socket's timeout is fixed (:attr:`IO_TIMEOUT`) and never changed
-    again: changing it while another thread is blocked reading breaks TLS sockets.  The reader
-    treats a timeout as "nothing yet" and reads on; a send that cannot progress for that long
-    fails the link.
+
+class ControlConnection:
+    """A socket carrying protocol frames, driven by the engine's I/O loop.
+
+    Before :meth:`attach` (the client side of a handshake, in the caller's thread) the socket is
+    blocking and :meth:`recv_message` reads synchronously.  From :meth:`attach` on the socket is
+    non-blocking and owned by the loop: the loop reads whatever arrives, feeds the sans-io codec
+    and hands each message to ``on_message`` (on the loop thread); ``send`` from any thread
+    writes what the socket takes at once and leaves the rest to the loop.  No thread waits on an
+    idle connection.
+
+    ``_lock`` is a leaf lock: it guards the outbound buffer and the codec's encoder and is held
+    only around non-blocking socket calls (for TLS also around reads: one SSL object must not be
+    driven by two threads at once).
     """
 
-    IO_TIMEOUT = 5.0
+    MAX_OUTBOUND = 64 * 1024 * 1024   # a peer that reads nothing while this much waits is dropped
+    RECV_SIZE = 256 * 1024
 
-    def __init__(self, sock: socket.socket, *, name: str) -> None:
+    def __init__(self, loop: IoLoop, sock: socket.socket, *, name: str, tls_handshake: bool = False) -> None:
+        self.loop = loop
         self.sock = sock
         self.codec = Connection()
         self.name = name
-        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._out = bytearray()
         self._closed = False
-        self._reading = False
-        self._reader: Optional[threading.Thread] = None
+        self._attached = False
+        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._tls_handshake = tls_handshake
+        self._events = 0
+        self._on_message: Optional[Callable[[Any], None]] = None
+        self._on_closed: Optional[Callable[[BaseException | None], None]] = None
+        self.stalled_since: Optional[float] = None   # when the outbound buffer last became non-empty
 
-    def send(self, msg: Any, *, timeout: float = 5.0) -> None:
-        data = self.codec.send(msg)
-        with self._send_lock:
-            if self._closed:
-                raise ProtocolError("control connection is closed")
-            try:
-                if not self._reading:
-                    self.sock.settimeout(timeout)
-                self.sock.sendall(data)
-            except (OSError, ValueError) as exc:
-                raise ProtocolError(f"control send failed: {exc}") from None
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
+    # ------------------------------------------------------------------ blocking phase (client handshake)
     def recv_message(self, deadline: float) -> Any:
-        """Block until one message (handshake phase, before the reader starts)."""
+        """Block until one message (client handshake, before :meth:`attach`)."""
         while True:
             msg = self.codec.next_message()
             if msg is not NEED_DATA:
@@ -193,52 +240,209 @@ class ControlConnection:
                 raise ProtocolError(f"control receive failed: {exc}") from None
             self.codec.receive_data(data)
 
-    def start_reader(self, on_message: Callable[[Any], None], on_closed: Callable[[BaseException | None], None]):
-        def run() -> None:
-            error: BaseException | None = None
-            try:
-                while True:
-                    msg = self.codec.next_message()
-                    if msg is NEED_DATA:
-                        try:
-                            data = self.sock.recv(1 << 20)
-                        except socket.timeout:
-                            if self._closed:
-                                break
-                            continue  # idle: liveness is the keepalive's business
-                        self.codec.receive_data(data)
-                        continue
-                    if msg is PEER_CLOSED:
-                        break
-                    on_message(msg)
-            except (OSError, ProtocolError, ValueError) as exc:
-                error = exc
-            except BaseException as exc:  # a handler bug must not kill the link silently
-                _log.error("llmdd.link.reader_failed", conn=self.name, error=repr(exc))
-                error = exc
-            if not self._closed:
-                on_closed(error)
+    # ------------------------------------------------------------------ sending (any thread)
+    def send(self, msg: Any, *, timeout: float = 5.0) -> None:
+        with self._lock:
+            if self._closed:
+                raise ProtocolError("control connection is closed")
+            data = self.codec.send(msg)
+            if not self._attached:
+                try:
+                    self.sock.settimeout(timeout)
+                    self.sock.sendall(data)
+                except (OSError, ValueError) as exc:
+                    raise ProtocolError(f"control send failed: {exc}") from None
+                return
+            if self._out or self._tls_handshake:
+                self._out += data
+                over = len(self._out) > self.MAX_OUTBOUND
+            else:
+                try:
+                    n = self.sock.send(data)
+                except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                    n = 0
+                except (OSError, ValueError) as exc:
+                    raise ProtocolError(f"control send failed: {exc}") from None
+                if n >= len(data):
+                    return
+                self._out += memoryview(data)[n:]
+                self.stalled_since = time.monotonic()
+                over = False
+        if over:
+            self.close()
+            raise ProtocolError(f"the peer reads nothing: over {self.MAX_OUTBOUND} bytes wait to be sent")
+        self.loop.call_soon(self._update_events)
 
-        with self._send_lock:
-            self.sock.settimeout(self.IO_TIMEOUT)
-            self._reading = True
-        reader = threading.Thread(target=run, name=f"llmdd-ctl-{self.name}", daemon=True)
-        reader.start()
-        self._reader = reader   # only once started: a concurrent close() may join it from then on
+    # ------------------------------------------------------------------ loop side
+    def attach(self, on_message: Optional[Callable[[Any], None]],
+               on_closed: Callable[[BaseException | None], None]) -> None:
+        """Hand the connection to the loop (from any thread); ``on_message=None`` buffers without
+        dispatching until :meth:`resume`."""
+        with self._lock:
+            self._on_message = on_message
+            self._on_closed = on_closed
+            if not self._attached:
+                self.sock.setblocking(False)
+                self._attached = True
+        self.loop.call_soon(self._start)
+
+    def pause(self) -> None:
+        """Stop dispatching (bytes keep being read into the codec); only from the loop thread."""
+        self._on_message = None
+
+    def resume(self, on_message: Callable[[Any], None]) -> None:
+        self._on_message = on_message
+        self.loop.call_soon(self._start)
+
+    def _start(self) -> None:
+        if self._closed:
+            return
+        self._update_events()
+        self._process()
+        if self._tls and not self._tls_handshake and self.sock.pending():
+            self._on_ready(EVENT_READ)
+
+    def _update_events(self) -> None:
+        if self._closed:
+            return
+        events = EVENT_READ | (EVENT_WRITE if self._out else 0)
+        if events != self._events:
+            self._events = events
+            self.loop.set_events(self.sock, events, self._on_ready)
+
+    def _on_ready(self, mask: int) -> None:
+        if self._closed:
+            return
+        if self._tls_handshake:
+            self._drive_tls()
+            return
+        if mask & EVENT_WRITE:
+            self._flush()
+        if mask & EVENT_READ:
+            self._read()
+
+    def _drive_tls(self) -> None:
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._set(EVENT_READ)
+            return
+        except ssl.SSLWantWriteError:
+            self._set(EVENT_WRITE)
+            return
+        except (OSError, ValueError) as exc:
+            self._lost(_TlsFailed(f"TLS handshake failed: {exc}"))
+            return
+        self._tls_handshake = False
+        self._events = 0
+        self._update_events()
+        if self._out:
+            self._flush()
+        self._read()
+
+    def _set(self, events: int) -> None:
+        self._events = events
+        self.loop.set_events(self.sock, events, self._on_ready)
+
+    def _flush(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                while self._out:
+                    n = self.sock.send(self._out[:1 << 20])
+                    if n <= 0:
+                        break
+                    del self._out[:n]
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                pass
+            except (OSError, ValueError) as exc:
+                err: Optional[BaseException] = ProtocolError(f"control send failed: {exc}")
+            else:
+                err = None
+            if not self._out:
+                self.stalled_since = None
+        if err is not None:
+            self._lost(err)
+            return
+        self._update_events()
+
+    def _read(self) -> None:
+        for _ in range(16):   # bounded work per wake-up: other connections get their turn
+            try:
+                if self._tls:
+                    with self._lock:
+                        data = self.sock.recv(self.RECV_SIZE)
+                else:
+                    data = self.sock.recv(self.RECV_SIZE)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            except (OSError, ValueError) as exc:
+                self._lost(ProtocolError(f"control receive failed: {exc}"))
+                return
+            try:
+                self.codec.receive_data(data)
+            except ProtocolError as exc:
+                self._lost(exc)
+                return
+            if not data:
+                break
+            if len(data) < self.RECV_SIZE and not (self._tls and self.sock.pending()):
+                break
+        self._process()
+
+    def _process(self) -> None:
+        while not self._closed:
+            handler = self._on_message
+            if handler is None:
+                return
+            try:
+                msg = self.codec.next_message()
+            except ProtocolError as exc:
+                self._lost(exc)
+                return
+            if msg is NEED_DATA:
+                return
+            if msg is PEER_CLOSED:
+                self._lost(None)
+                return
+            try:
+                handler(msg)
+            except (OSError, ProtocolError, ValueError) as exc:
+                self._lost(exc)
+                return
+            except Exception as exc:  # a handler bug must not kill the link silently
+                _log.error("llmdd.link.reader_failed", conn=self.name, error=repr(exc))
+                self._lost(exc)
+                return
+
+    def _lost(self, error: BaseException | None) -> None:
+        if self._closed:
+            return
+        callback = self._on_closed
+        self.close()
+        if callback is not None:
+            callback(error)
 
     def close(self) -> None:
-        with self._send_lock:
+        """Close now (any thread): the peer sees the shutdown at once; the loop forgets the socket."""
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._out = bytearray()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, ValueError):
+            pass
+        self.loop.call_soon(self._release)
+
+    def _release(self) -> None:
+        self.loop.forget(self.sock)
+        try:
+            self.sock.close()
         except OSError:
             pass
-        self.sock.close()
-        reader = self._reader
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(timeout=2.0)
 
 
 # --------------------------------------------------------------------------- link
@@ -282,6 +486,9 @@ class Link:
     last_error: Optional[str] = None
     rtt_s: Optional[float] = None
     failure_status: Optional[LLMStatusCode] = None
+    strand: Any = None                        # the link's tasks, in order, on the engine's pool
+    session: Any = None                       # server side: the accepting _ServerSession until LINKED
+    setup_descriptor: Optional[dict] = None   # server side: the peer's data descriptor, until LINKED
 
     @property
     def state(self) -> LinkState:
@@ -290,6 +497,193 @@ class Link:
     @property
     def linked(self) -> bool:
         return self.fsm.state is LinkState.LINKED
+
+
+# --------------------------------------------------------------------------- listeners
+
+
+#: accept() errors that refuse one connection (or pause the listener a moment) but never end it
+_ACCEPT_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                               errno.EPROTO, errno.EPERM, errno.EINTR, errno.ETIMEDOUT, errno.EAGAIN,
+                               errno.ENETDOWN, errno.ENOPROTOOPT, errno.EHOSTDOWN, errno.ENONET,
+                               errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH, errno.ECONNRESET})
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_PAUSE_S = 0.1   # out of descriptors or memory: accept nothing for this long, then go on
+
+
+class _Refused(Exception):
+    """A connection over a cap: closed at once, without work."""
+
+
+def _close_quietly(sock: socket.socket) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+class ListenerState(str, enum.Enum):
+    LISTENING = "listening"
+    FAILED = "failed"      # cannot continue: logged once, an engine event, links to it fail
+    CLOSED = "closed"
+
+
+class _Listener:
+    """A listening socket on the loop: accepts what is ready, admits it or refuses it at once."""
+
+    def __init__(self, lm: "LinkManager", sock: socket.socket, *, comm_id: Optional[int], kind: str) -> None:
+        self.lm = lm
+        self.sock = sock
+        self.comm_id = comm_id
+        self.kind = kind
+        self.address = sock.getsockname()[:2]
+        self.state = ListenerState.LISTENING
+        self.error: Optional[str] = None
+        self.accepted = 0
+        self.refused = 0
+        self.accept_errors = 0
+        self._last_warning = 0.0
+        sock.setblocking(False)
+        lm.loop.set_events(sock, EVENT_READ, self._on_ready)
+
+    def _on_ready(self, _mask: int) -> None:
+        for _ in range(64):
+            if self.state is not ListenerState.LISTENING:
+                return
+            try:
+                conn, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _ACCEPT_TRANSIENT:
+                    self._transient(exc)
+                    return
+                self.lm._listener_failed(self, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - anything else refuses this attempt, not the listener
+                self._transient(exc)
+                return
+            self.accepted += 1
+            self.lm._admit(self, conn, addr)
+
+    def _transient(self, exc: BaseException) -> None:
+        self.accept_errors += 1
+        now = time.monotonic()
+        if now - self._last_warning > 5.0:   # at most one line per 5 s however hard the host is pressed
+            self._last_warning = now
+            _log.warning("llmdd.link.accept_failed", listener=self.kind, address=f"{self.address[0]}:{self.address[1]}",
+                         error=repr(exc), errors=self.accept_errors)
+        # a full descriptor table leaves the connection in the backlog: pause instead of spinning
+        self.lm.loop.set_events(self.sock, 0, self._on_ready)
+        self.lm.loop.call_later(ACCEPT_PAUSE_S, self._resume)
+
+    def _resume(self) -> None:
+        if self.state is ListenerState.LISTENING:
+            self.lm.loop.set_events(self.sock, EVENT_READ, self._on_ready)
+
+    def close(self) -> None:
+        if self.state is ListenerState.LISTENING:
+            self.state = ListenerState.CLOSED
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, ValueError):
+            pass
+        sock = self.sock
+
+        def release() -> None:
+            self.lm.loop.forget(sock)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+        self.lm.loop.call_soon(release)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "address": f"{self.address[0]}:{self.address[1]}", "state": self.state.value,
+                "error": self.error, "accepted": self.accepted, "refused": self.refused,
+                "accept_errors": self.accept_errors, "comm_id": self.comm_id}
+
+
+class _ServerSession:
+    """One accepted control connection until its link is LINKED (or it is dropped).
+
+    Pre-authentication it counts against the pending caps; the handshake deadline runs from
+    accept to LINKED whatever happens in between.
+    """
+
+    __slots__ = ("lm", "conn", "addr", "ip", "listener", "hs", "timer", "pending", "link", "accepted_at", "done")
+
+    def __init__(self, lm: "LinkManager", conn: ControlConnection, addr, listener: _Listener) -> None:
+        self.lm = lm
+        self.conn = conn
+        self.addr = addr
+        self.ip = addr[0]
+        self.listener = listener
+        self.hs = ServerHandshake(lm._handshake_config(lm._core.role, offers=()))
+        self.timer = lm.loop.call_later(lm.settings.handshake_s, self.expire)
+        self.pending = True
+        self.link: Optional[Link] = None
+        self.accepted_at = time.monotonic()
+        self.done = False
+
+    def on_message(self, msg: Any) -> None:
+        for out in self.hs.receive(msg):
+            self.conn.send(out)
+        if self.hs.state is HandshakeState.REFUSED:
+            _log.warning("llmdd.link.refused", peer=str(self.addr),
+                         reason=self.hs.refusal.reason if self.hs.refusal else "")
+            self.drop()
+        elif self.hs.state is HandshakeState.AUTHENTICATED:
+            self.lm._unpend(self)
+            self.conn.pause()
+            try:
+                self.lm.loop.pool.submit(self.lm._server_accept, self)
+            except PoolFull as exc:
+                self.listener.refused += 1
+                _log.warning("llmdd.link.accept_refused", peer=str(self.addr), error=str(exc))
+                try:
+                    self.conn.send(self.hs.refuse(S.LLM_LINK_FAILED.value, "the server is overloaded; retry"))
+                except ProtocolError:
+                    pass
+                self.drop()
+
+    def on_closed(self, error: BaseException | None) -> None:
+        self.lm._unpend(self)
+        self.timer.cancel()
+        if self.link is None:
+            self.done = True
+            if isinstance(error, _TlsFailed):
+                _log.warning("llmdd.link.tls_refused", peer=str(self.addr), error=str(error))
+            elif error is not None:
+                _log.info("llmdd.link.handshake_failed", peer=str(self.addr), error=str(error))
+
+    def expire(self) -> None:
+        """The handshake deadline (loop thread): whatever is not LINKED by now is dropped."""
+        if self.done:
+            return
+        self.done = True
+        self.lm._unpend(self)
+        link = self.link
+        if link is None:
+            if not self.conn.closed:
+                _log.info("llmdd.link.handshake_deadline", peer=str(self.addr), seconds=self.lm.settings.handshake_s)
+            self.conn.close()
+            return
+        if link.state is LinkState.LINKING:
+            err = TimeoutError(f"link setup did not finish within {self.lm.settings.handshake_s} s")
+            self.lm._submit(link, self.lm._abort_setup, link, err)
+
+    def drop(self, *, busy: bool = False) -> None:
+        self.done = True
+        self.timer.cancel()
+        self.lm._unpend(self)
+        if busy and not self.conn._tls and not self.conn.closed:
+            try:   # evicted to make room: a legitimate client retries on this answer
+                self.conn.send(self.hs.refuse(S.LLM_LINK_BUSY.value, "evicted to make room; retry"))
+            except (ProtocolError, InvalidStateError):
+                pass
+        self.conn.close()
 
 
 # --------------------------------------------------------------------------- manager
@@ -313,18 +707,22 @@ class LinkManager:
         self._linking: set[int] = set()             # remote_cluster_ids with a link_clusters in progress
         self._request_ids = itertools.count(1)
         self._closed = False
-        self._listener: Optional[socket.socket] = None
+        self._listener: Optional[_Listener] = None
         self._listen_addr: Optional[tuple[str, int]] = None
-        self._acceptor: Optional[threading.Thread] = None
-        self._group_listeners: dict[socket.socket, threading.Thread] = {}
+        self._group_listeners: dict[socket.socket, _Listener] = {}
+        self._failed_listeners: list[_Listener] = []
+        self._pending: dict[_ServerSession, None] = {}            # pre-authentication sessions (loop thread)
+        self._pending_by_ip: collections.Counter = collections.Counter()
+        self._counters = collections.Counter()
+        self._io_error: Optional[str] = None
         self._client_host: Optional[str] = None
         self._registry = self._hooks.register_transports()
         self._endpoints: dict[str, Endpoint] = {}
-        self._endpoint_lock = threading.Lock()
-        self._region_descs: dict[int, dict] = {}     # local region id -> {transport: desc}
-        self._stop = threading.Event()
-        self._keepalive = threading.Thread(target=self._keepalive_loop, name="llmdd-keepalive", daemon=True)
-        self._keepalive.start()
+        self._region_descs: dict[int, dict] = {}     # local region id -> {transport: desc} (registrar only)
+        # endpoint registrations and table announcements, one at a time, in order, with no lock held
+        self._registrar = Strand(Pool(1, f"registrar-{self.cluster_id & 0xffff:x}"))
+        self._registrar_pool = self._registrar._pool
+        self._on_registrar_thread = threading.local()
         self._message_handlers: dict[type, Callable[[Link, Any], None]] = {
             m.RegionsUpdate: self._on_tables,
             m.CacheTableUpdate: self._on_tables,
@@ -337,12 +735,21 @@ class LinkManager:
             m.ReadDone: self._on_read_done,
             m.KeyConsumed: self._on_key_consumed,
             m.Error: self._on_error,
+            m.Refuse: self._on_refuse,
         }
         self.request_handlers: dict[str, Callable[[Link, dict], tuple[int, dict]]] = {}
+        self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
+        self.loop.on_dead(self._on_loop_dead)
+        self._keepalive_seq = itertools.count(1)
+        self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
         core.memory.regions.add_listener(self._on_regions_changed)
         core.memory.add_change_listener(self.announce_all)
         if core.options.listen is not None:
-            self.listen(*core.options.listen)
+            try:
+                self.listen(*core.options.listen)
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ transports and endpoints
     @property
@@ -358,18 +765,56 @@ class LinkManager:
             return self._listen_addr[0]
         return self._client_host or "127.0.0.1"
 
+    def _registrar_call(self, fn: Callable, *args: Any) -> Any:
+        """Run ``fn`` on the registrar (inline when already there) and return its result.
+
+        Endpoint registrations and table announcements are serialised there instead of under a
+        lock, so no lock is held while plugins, the memory manager or sockets are called."""
+        if getattr(self._on_registrar_thread, "active", False):
+            return fn(*args)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            self._on_registrar_thread.active = True
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+            finally:
+                self._on_registrar_thread.active = False
+
+        try:
+            self._registrar.submit(run)
+        except PoolFull:
+            run()  # closed (finalize) or no thread to be had: run here, still outside any lock
+        return fut.result()
+
     def endpoint(self, name: str) -> Endpoint:
-        with self._endpoint_lock:
-            ep = self._endpoints.get(name)
-            if ep is not None:
-                return ep
-            cls = self._registry.get(name)
-            transport = cls(self._options.raw)
-            ep = transport.open_endpoint(host=self._data_host(), secret=self.settings.secret)
+        ep = self._endpoints.get(name)
+        if ep is not None:
+            return ep
+        return self._registrar_call(self._open_endpoint, name)
+
+    def _open_endpoint(self, name: str) -> Endpoint:
+        ep = self._endpoints.get(name)
+        if ep is not None:
+            return ep
+        if self._closed:
+            raise TransportError(f"the engine is finalizing; no {name} endpoint")
+        cls = self._registry.get(name)
+        transport = cls(self._options.raw)
+        ep = transport.open_endpoint(host=self._data_host(), secret=self.settings.secret)
+        try:
             for region in self._core.memory.regions.regions():
                 self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self._mem_region(region))
-            self._endpoints[name] = ep
-            return ep
+        except BaseException:
+            try:
+                ep.close()
+            except TransportError:
+                pass
+            raise
+        self._endpoints[name] = ep
+        return ep
 
     def offers(self) -> tuple[m.TransportOffer, ...]:
         """The transports this engine offers in a handshake (only the forced one when forced, so a
@@ -402,18 +847,24 @@ class LinkManager:
             transports=dict(self._region_descs.get(region.region_id, {})))
 
     def _on_regions_changed(self, kind: str, regions: tuple, version: int) -> None:
-        with self._endpoint_lock:
-            for region in regions:
-                if kind == "remove":
-                    for ep in self._endpoints.values():
+        # synchronous: a removed region is deregistered from every endpoint before this returns
+        self._registrar_call(self._apply_region_change, kind, regions)
+
+    def _apply_region_change(self, kind: str, regions: tuple) -> None:
+        endpoints = list(self._endpoints.items())
+        for region in regions:
+            if kind in ("remove", "remap"):
+                descs = self._region_descs.get(region.region_id, {})
+                for name, ep in endpoints:
+                    if name in descs or kind == "remove":
                         ep.deregister(region.region_id)
+                if kind == "remove":
                     self._region_descs.pop(region.region_id, None)
                     continue
-                if kind == "remap":
-                    for ep in self._endpoints.values():
-                        ep.deregister(region.region_id)
-                descs = self._region_descs.setdefault(region.region_id, {})
-                for name, ep in self._endpoints.items():
+                descs.clear()
+            descs = self._region_descs.setdefault(region.region_id, {})
+            for name, ep in endpoints:
+                if name not in descs:
                     descs[name] = ep.register(self._mem_region(region))
         # announcements follow the memory manager's change notice, once caches and keys are consistent
 
@@ -469,125 +920,201 @@ class LinkManager:
 
     def announce_all(self) -> None:
         """Send every linked peer what changed in this engine's regions, caches and keys."""
+        self._registrar_call(self._announce_all)
+
+    def _announce_all(self) -> None:
         with self._lock:
             links = [lk for lk in self._links.values() if lk.tables_ready.is_set() or lk.linked]
-            if not links:
-                return
-            regions, caches, keys = self._local_tables()
-            for link in links:
-                if link.announcer.announced.regions_version == 0:
-                    continue  # initial full tables not sent yet: they will carry this change
-                try:
-                    self._announce(link, regions, caches, keys)
-                except (ProtocolError, LLMException) as exc:
-                    _log.warning("llmdd.link.announce_failed", peer=link.peer_cluster_id, error=str(exc))
+        if not links:
+            return
+        regions, caches, keys = self._local_tables()
+        for link in links:
+            if link.announcer.announced.regions_version == 0:
+                continue  # initial full tables not sent yet: they will carry this change
+            try:
+                self._announce(link, regions, caches, keys)
+            except (ProtocolError, LLMException) as exc:
+                _log.warning("llmdd.link.announce_failed", peer=link.peer_cluster_id, error=str(exc))
 
     def _send_initial_tables(self, link: Link) -> None:
-        with self._lock:
+        def send() -> None:
             regions, caches, keys = self._local_tables()
             self._announce(link, regions, caches, keys, full=True)
+
+        self._registrar_call(send)
 
     # ------------------------------------------------------------------ server side
     def listen(self, host: str, port: int) -> tuple[str, int]:
         if self._listener is not None:
             self.stop_listening()
-        try:
-            sock = socket.create_server((host, port), backlog=128, reuse_port=False)
-        except OSError as exc:
-            raise LLMException(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                               status_code=S.LLM_PARAM_INVALID) from None
-        self._listener = sock
-        self._listen_addr = sock.getsockname()[:2]
-        self._acceptor = threading.Thread(target=self._accept_loop, args=(sock,), name="llmdd-listener",
-                                          daemon=True)
-        self._acceptor.start()
+        sock = self._bind(host, port, backlog=128, status=S.LLM_PARAM_INVALID)
+        self._listener = _Listener(self, sock, comm_id=None, kind="control")
+        self._listen_addr = self._listener.address
         _log.info("llmdd.link.listening", host=self._listen_addr[0], port=self._listen_addr[1])
         return self._listen_addr
+
+    @staticmethod
+    def _bind(host: str, port: int, *, backlog: int, status: LLMStatusCode) -> socket.socket:
+        try:
+            return socket.create_server((host, port), backlog=backlog, reuse_port=False)
+        except OSError as exc:
+            raise LLMException(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                               status_code=status) from None
 
     @property
     def listen_address(self) -> Optional[tuple[str, int]]:
         return self._listen_addr
 
     def stop_listening(self) -> None:
-        sock, self._listener = self._listener, None
+        listener, self._listener = self._listener, None
         self._listen_addr = None
-        if sock is None:
-            return
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
-        if self._acceptor is not None:
-            self._acceptor.join(timeout=2.0)
-            self._acceptor = None
+        if listener is not None:
+            listener.close()
 
-    def _accept_loop(self, sock: socket.socket, comm_id: Optional[int] = None) -> None:
-        while True:
-            try:
-                conn, addr = sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve_handshake, args=(conn, addr, comm_id), name="llmdd-accept",
-                             daemon=True).start()
+    def _admit(self, listener: _Listener, sock: socket.socket, addr) -> None:
+        """A connection was accepted (loop thread): refuse it at once over a cap, else start its handshake."""
+        ip = addr[0] if isinstance(addr, tuple) else str(addr)
+        try:
+            if self._closed or self._io_error is not None:
+                raise _Refused("the engine is closing")
+            if self._pending_by_ip[ip] >= self.settings.max_pending_per_address:
+                self._counters["refused_per_address"] += 1
+                raise _Refused(f"{ip} already has {self._pending_by_ip[ip]} connections in their handshake")
+            if len(self._pending) >= self.settings.max_pending:
+                victim = self._eviction_victim(ip)
+                if victim is None:
+                    self._counters["refused_pending"] += 1
+                    raise _Refused(f"{len(self._pending)} connections are in their handshake")
+                self._counters["evicted"] += 1
+                victim.drop(busy=True)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = self.settings.server_tls
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn = ControlConnection(self.loop, sock, name=f"{ip}:{addr[1]}", tls_handshake=tls is not None)
+            conn.codec.max_frame_size = PRE_AUTH_MAX_FRAME_SIZE
+            sess = _ServerSession(self, conn, addr, listener)
+        except _Refused as exc:
+            listener.refused += 1
+            _log.debug("llmdd.link.connection_refused", peer=ip, reason=str(exc))
+            _refuse_busy(sock, self.settings.server_tls is not None)
+            return
+        except Exception as exc:  # noqa: BLE001 - no memory, no TLS, a bad socket: refuse this one and go on
+            listener.refused += 1
+            self._counters["admit_failures"] += 1
+            _log.warning("llmdd.link.connection_refused", peer=ip, error=repr(exc))
+            _close_quietly(sock)
+            return
+        self._pending[sess] = None
+        self._pending_by_ip[ip] += 1
+        sess.conn.attach(sess.on_message, sess.on_closed)
+
+    def _eviction_victim(self, ip: str) -> Optional[_ServerSession]:
+        """With every pending slot taken, the oldest connection of the address holding the most
+        slots makes room, unless the newcomer's address already holds as many (a flood from some
+        addresses never locks out another address)."""
+        busiest, count = None, self._pending_by_ip[ip]
+        for addr, n in self._pending_by_ip.items():
+            if n > count:
+                busiest, count = addr, n
+        if busiest is None:
+            return None
+        oldest = None
+        for sess in self._pending:
+            if sess.ip == busiest and (oldest is None or sess.accepted_at < oldest.accepted_at):
+                oldest = sess
+        return oldest
+
+    def _unpend(self, sess: _ServerSession) -> None:
+        if not sess.pending:
+            return
+        sess.pending = False
+        if self._pending.pop(sess, 0) is None:
+            self._pending_by_ip[sess.ip] -= 1
+            if self._pending_by_ip[sess.ip] <= 0:
+                del self._pending_by_ip[sess.ip]
+
+    def _listener_failed(self, listener: _Listener, exc: BaseException) -> None:
+        """A listener cannot continue (loop thread): logged once, recorded, its socket closed."""
+        if listener.state is not ListenerState.LISTENING:
+            return
+        listener.state = ListenerState.FAILED
+        listener.error = f"{type(exc).__name__}: {exc}"
+        self._failed_listeners.append(listener)
+        _log.error("llmdd.link.listener_failed", listener=listener.kind,
+                   address=f"{listener.address[0]}:{listener.address[1]}", error=listener.error)
+        listener.close()
+        try:
+            self.loop.pool.submit(self._record_listener_failure, listener)
+        except PoolFull:
+            self._record_listener_failure(listener)
+
+    def _engine_fsm(self) -> Optional[Tracked]:
+        from ._datadist import LLMDataDist   # one engine per process: the owner of this core
+
+        owner = LLMDataDist.llm_engine_instance
+        if owner is not None and owner._core is self._core:
+            return owner._engine_fsm
+        return None
+
+    def _record_listener_failure(self, listener: _Listener) -> None:
+        fsm = self._engine_fsm()
+        if fsm is not None and fsm.can("listener_failed"):
+            fsm.fire("listener_failed", error=RuntimeError(listener.error), listener=listener.kind,
+                     address=f"{listener.address[0]}:{listener.address[1]}", reason=listener.error)
+
+    def _on_loop_dead(self, exc: BaseException) -> None:
+        """The I/O loop cannot continue (on its dying thread): every listener and link fails."""
+        self._io_error = f"{type(exc).__name__}: {exc}"
+        for listener in [self._listener, *self._group_listeners.values()]:
+            if listener is not None and listener.state is ListenerState.LISTENING:
+                self._listener_failed(listener, exc)
+        for link in self.links():
+            err = LLMException(f"the engine's I/O loop stopped: {self._io_error}", status_code=S.LLM_LINK_FAILED)
+            self._fail(link, err, trigger="peer_lost")
+            link.control.close()
+
+    def listener_status(self) -> list[dict]:
+        """Every listener of the engine, live or failed (``llmdd doctor`` and statistics report it)."""
+        out = [lst.describe() for lst in [self._listener, *self._group_listeners.values()] if lst is not None]
+        out += [lst.describe() for lst in self._failed_listeners if lst.describe() not in out]
+        return out
 
     def open_group_listener(self, host: str, port: int, *, comm_id: int) -> socket.socket:
         """A listener for the members of one comm group (links accepted there carry ``comm_id``)."""
-        try:
-            sock = socket.create_server((host, port), backlog=16)
-        except OSError as exc:
-            raise LLMException(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                               status_code=S.LLM_LINK_FAILED) from None
-        thread = threading.Thread(target=self._accept_loop, args=(sock, comm_id), name=f"llmdd-comm-{comm_id}-listener",
-                                  daemon=True)
-        thread.start()
-        self._group_listeners[sock] = thread
+        sock = self._bind(host, port, backlog=16, status=S.LLM_LINK_FAILED)
+        self._group_listeners[sock] = _Listener(self, sock, comm_id=comm_id, kind=f"comm-{comm_id}")
         return sock
 
     def close_group_listener(self, sock: socket.socket) -> None:
-        thread = self._group_listeners.pop(sock, None)
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
-        if thread is not None:
-            thread.join(timeout=2.0)
+        listener = self._group_listeners.pop(sock, None)
+        if listener is not None:
+            listener.close()
+        else:
+            _close_quietly(sock)
 
-    def _handshake_config(self, role) -> HandshakeConfig:
-        return HandshakeConfig(cluster_id=self.cluster_id, role=role, incarnation=self.incarnation,
-                               host=self.host, transports=self.offers(), secret=self.settings.secret)
+    def _handshake_config(self, role, *, offers: Optional[tuple] = None) -> HandshakeConfig:
+        return HandshakeConfig(cluster_id=self.cluster_id, role=role, incarnation=self.incarnation, host=self.host,
+                               transports=self.offers() if offers is None else offers, secret=self.settings.secret)
 
-    def _serve_handshake(self, sock: socket.socket, addr, comm_id: Optional[int] = None) -> None:
-        """Server side of one link: authenticate, choose the transport, exchange tables."""
-        deadline = time.monotonic() + self.settings.handshake_s
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.settings.server_tls is not None:
-                sock.settimeout(5.0)
-                sock = self.settings.server_tls.wrap_socket(sock, server_side=True)
-        except (OSError, ssl.SSLError) as exc:
-            _log.warning("llmdd.link.tls_refused", peer=str(addr), error=str(exc))
-            sock.close()
-            return
-        conn = ControlConnection(sock, name=f"{addr[0]}:{addr[1]}")
-        conn.codec.max_frame_size = PRE_AUTH_MAX_FRAME_SIZE
-        hs = ServerHandshake(self._handshake_config(self._core.role))
+    def _server_accept(self, sess: _ServerSession) -> None:
+        """Server side, once the peer authenticated (on the pool): choose the transport, adopt the link.
+
+        The rest of the setup runs when the peer's tables arrive (:meth:`_server_finish`, on the
+        link's strand); the session's deadline bounds all of it."""
+        hs, conn, addr = sess.hs, sess.conn, sess.addr
         link: Optional[Link] = None
         try:
-            while hs.state not in (HandshakeState.AUTHENTICATED, HandshakeState.REFUSED,
-                                   HandshakeState.ESTABLISHED):
-                for out in hs.receive(conn.recv_message(deadline)):
-                    conn.send(out)
-            if hs.state is HandshakeState.REFUSED:
-                _log.warning("llmdd.link.refused", peer=str(addr), reason=hs.refusal.reason if hs.refusal else "")
-                conn.close()
+            if sess.done or conn.closed:
                 return
             hello = hs.hello
-            if self._link_limit_reached() and hello.cluster_id not in self._links:
+            with self._lock:
+                over = self._link_limit_reached() and hello.cluster_id not in self._links
+            if over:
                 conn.send(hs.refuse(S.LLM_CLUSTER_NUM_EXCEED_LIMIT.value,
                                     f"this engine has reached its link limit ({self._core.profile.max_links})"))
-                conn.close()
+                sess.drop()
                 return
             offered = {o.name: o for o in hello.transports}
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=hello.cluster_id,
@@ -599,45 +1126,87 @@ class LinkManager:
                 conn.send(hs.refuse(S.LLM_LINK_FAILED.value,
                                     f"no common transport (offered {sorted(offered)}, here "
                                     f"{[c.name for c in candidates]}, forced {info.forced})"))
-                conn.close()
+                sess.drop()
                 return
-            conn.send(hs.accept(m.TransportOffer(name=name, descriptor=self.endpoint(name).describe())))
+            welcome = hs.accept(m.TransportOffer(name=name, descriptor=self.endpoint(name).describe()))
+            link = self._adopt(hs.result(), conn, is_client=False, transport=name, reason=_reason(info, name),
+                               start=False)
+            link.comm_id = sess.listener.comm_id
+            link.session = sess
+            link.setup_descriptor = offered[name].descriptor
+            sess.link = link
             conn.codec.max_frame_size = 16 * 1024 * 1024
-            link = self._adopt(hs.result(), conn, is_client=False, transport=name,
-                               reason=_reason(info, name))
-            link.comm_id = comm_id
-            link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
-            if not link.tables_ready.is_set():
-                raise TimeoutError("peer did not send its tables")
-            if link.state is not LinkState.LINKING:
-                raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
-            self._connect_channel(link, offered[name].descriptor, deadline)
-            self._send_initial_tables(link)
-            link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
-            link.fsm.fire("handshake_succeeded", transport=name, reason=link.transport_reason)
+            conn.send(welcome)
+            conn.resume(lambda msg: self._dispatch(link, msg))
+            if sess.done:   # the deadline passed meanwhile
+                raise TimeoutError(f"link setup did not finish within {self.settings.handshake_s} s")
         except (TimeoutError, ProtocolError, HandshakeRefused, TransportError, LLMException, OSError) as exc:
             _log.warning("llmdd.link.accept_failed", peer=str(addr), error=str(exc))
             if link is not None:
-                # a link that never came up leaves nothing behind on the server side
-                self._fail(link, exc, trigger="handshake_failed")
-                self._close_link(link, trigger="force_unlink", reason=f"link setup failed: {exc}")
+                self._submit(link, self._abort_setup, link, exc)
             else:
-                conn.close()
+                sess.drop()
 
-    def _adopt(self, peer, conn: ControlConnection, *, is_client: bool, transport: str, reason: str) -> Link:
-        """Create the link object for an authenticated peer, replacing a stale one."""
+    def _server_finish(self, link: Link) -> None:
+        """Server side, on the link's strand once the peer's tables are in: data channel, our tables, LINKED."""
+        sess = link.session
+        try:
+            if link.state is not LinkState.LINKING or sess is None or sess.done:
+                raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
+            deadline = sess.accepted_at + self.settings.handshake_s
+            self._connect_channel(link, link.setup_descriptor or {}, deadline)
+            self._send_initial_tables(link)
+            link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
+            link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
+            sess.done = True
+            sess.timer.cancel()
+            link.session = None
+            link.setup_descriptor = None
+        except (TimeoutError, ProtocolError, TransportError, LLMException, OSError, InvalidStateError) as exc:
+            self._abort_setup(link, exc)
+
+    def _abort_setup(self, link: Link, exc: BaseException) -> None:
+        """A server-side link whose setup failed leaves nothing behind."""
+        if link.state is not LinkState.LINKING:
+            return
+        _log.warning("llmdd.link.accept_failed", peer=link.peer_cluster_id, error=str(exc))
+        sess = link.session
+        if sess is not None:
+            sess.done = True
+            sess.timer.cancel()
+        self._fail(link, exc, trigger="handshake_failed")
+        self._close_link(link, trigger="force_unlink", reason=f"link setup failed: {exc}")
+
+    def _submit(self, link: Link, fn: Callable, *args: Any) -> None:
+        """Run ``fn`` on the link's strand (in order with its other tasks)."""
+        try:
+            link.strand.submit(fn, *args)
+        except PoolFull as exc:
+            # no worker can be had: do it here rather than lose a link's state change
+            _log.warning("llmdd.link.pool_unavailable", peer=link.peer_cluster_id, error=str(exc))
+            fn(*args)
+
+    def _adopt(self, peer, conn: ControlConnection, *, is_client: bool, transport: str, reason: str,
+               start: bool = True) -> Link:
+        """Create the link object for an authenticated peer, replacing a stale one.
+
+        ``start=False`` (server side): the connection stays paused until the caller sends the
+        Welcome and resumes it."""
+        fsm = self._lc.create(peer.cluster_id, peer=peer.cluster_id)
+        link = Link(peer_cluster_id=peer.cluster_id, fsm=fsm, control=conn, peer=peer, is_client=is_client,
+                    transport=transport, transport_reason=reason, strand=Strand(self.loop.pool))
         with self._lock:
             old = self._links.get(peer.cluster_id)
-            if old is not None:
-                # the peer relinks: it has no entity any more (restart = new incarnation, or a force unlink)
-                self._close_link(old, trigger="force_unlink",
-                                 reason="replaced by a new link from the same cluster")
-            fsm = self._lc.create(peer.cluster_id, peer=peer.cluster_id)
-            fsm.fire("link" if is_client else "accept", transport=transport)
-            link = Link(peer_cluster_id=peer.cluster_id, fsm=fsm, control=conn, peer=peer, is_client=is_client,
-                        transport=transport, transport_reason=reason)
             self._links[peer.cluster_id] = link
-        conn.start_reader(lambda msg: self._dispatch(link, msg), lambda err: self._on_closed(link, err))
+        if old is not None:
+            # the peer relinks: it has no entity any more (restart = new incarnation, or a force unlink)
+            self._close_link(old, trigger="force_unlink", reason="replaced by a new link from the same cluster")
+        fsm.fire("link" if is_client else "accept", transport=transport)
+        on_closed = lambda err: self._submit(link, self._on_closed, link, err)  # noqa: E731
+        if start:
+            conn.attach(lambda msg: self._dispatch(link, msg), on_closed)
+        else:
+            conn.attach(None, on_closed)
         return link
 
     def _connect_channel(self, link: Link, peer_desc: dict, deadline: float) -> None:
@@ -698,6 +1267,10 @@ class LinkManager:
 
     def _link_one(self, cluster, deadline: float) -> LLMStatusCode:
         remote_id = cluster.remote_cluster_id
+        if self._io_error is not None:
+            raise LLMException(f"the engine's I/O loop stopped ({self._io_error}); finalize and init again",
+                               status_code=S.LLM_LINK_FAILED)
+        stale = None
         with self._lock:
             if self._link_limit_reached():
                 return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
@@ -707,13 +1280,14 @@ class LinkManager:
                     return S.LLM_ALREADY_LINK
                 if existing.state in (LinkState.LINKING, LinkState.UNLINKING, LinkState.UNLINKED):
                     return S.LLM_PROCESSING_LINK
-                # FAILED: the caller relinks without unlinking first; replace it
-                self._close_link(existing, trigger="force_unlink", reason="relink after failure")
+                stale = existing  # FAILED: the caller relinks without unlinking first; replace it
             if remote_id in self._linking:
                 # another call is linking this cluster: its handshake would be replaced by ours
                 return S.LLM_PROCESSING_LINK
             self._linking.add(remote_id)
         try:
+            if stale is not None:
+                self._close_link(stale, trigger="force_unlink", reason="relink after failure")
             return self._link_one_unreserved(cluster, remote_id, deadline)
         finally:
             with self._lock:
@@ -735,42 +1309,16 @@ class LinkManager:
         return S.LLM_SUCCESS
 
     def connect_peer(self, host: str, port: int, deadline: float, *, comm_id: Optional[int] = None) -> Link:
-        """Client side of one link: connect (retrying), handshake, tables, data channel."""
+        """Client side of one link: connect and handshake (retrying), tables, data channel.
+
+        Runs in the caller's thread; the connection moves to the I/O loop once authenticated."""
+        if self._io_error is not None:
+            raise LLMException(f"the engine's I/O loop stopped ({self._io_error})", status_code=S.LLM_LINK_FAILED)
         if self.settings.total_time_s is not None and comm_id is not None:
             deadline = min(deadline, time.monotonic() + self.settings.total_time_s)
-        attempts = max(1, self.settings.retry_count)
-        last: BaseException | None = None
-        sock = None
-        for attempt in range(attempts):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                sock = socket.create_connection((host, port), timeout=left)
-                break
-            except OSError as exc:
-                last = exc
-                if attempt + 1 < attempts:
-                    time.sleep(min(0.05 * (attempt + 1), max(0.0, deadline - time.monotonic())))
-        if sock is None:
-            raise LLMException(f"cannot connect to {host}:{port}: {last}", status_code=S.LLM_LINK_FAILED)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.settings.client_tls is not None:
-                sock.settimeout(max(0.1, deadline - time.monotonic()))
-                sock = self.settings.client_tls.wrap_socket(sock)
-        except (OSError, ssl.SSLError) as exc:
-            sock.close()
-            raise LLMException(f"TLS with {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
-        conn = ControlConnection(sock, name=f"{host}:{port}")
+        conn, peer = self._client_handshake(host, port, deadline)
         link: Optional[Link] = None
         try:
-            hs = ClientHandshake(self._handshake_config(self._core.role))
-            conn.send(hs.start())
-            while hs.state not in (HandshakeState.ESTABLISHED, HandshakeState.REFUSED):
-                for out in hs.receive(conn.recv_message(deadline)):
-                    conn.send(out)
-            peer = hs.result()  # raises HandshakeRefused
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=peer.cluster_id,
                             same_host=self.host.same_ipc_domain(peer.host), forced=self.settings.forced_transport,
                             peer_transports=tuple(o.name for o in peer.offered))
@@ -781,13 +1329,12 @@ class LinkManager:
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
             if not link.tables_ready.is_set():
                 raise TimeoutError("the peer did not send its tables in time")
+            if link.state is not LinkState.LINKING:
+                raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             self._connect_channel(link, peer.transport.descriptor, deadline)
             link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
             return link
-        except HandshakeRefused as exc:
-            conn.close()
-            raise LLMException(f"link to {host}:{port} refused: {exc}", status_code=S.LLM_LINK_FAILED) from None
         except (TimeoutError, ProtocolError, TransportError, OSError, InvalidStateError) as exc:
             if link is not None:
                 self._fail(link, exc, trigger="handshake_failed")
@@ -795,6 +1342,76 @@ class LinkManager:
             else:
                 conn.close()
             raise LLMException(f"link to {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
+
+    def _client_handshake(self, host: str, port: int, deadline: float) -> tuple[ControlConnection, Any]:
+        """Connect and authenticate; returns the (blocking, not yet attached) connection and the peer.
+
+        A server over its pending-connection caps closes a new connection at once, before any
+        answer: that attempt is retried, with a growing jittered pause, while the deadline
+        allows.  Connection failures are retried ``link_retry_count`` times (the contract's option)."""
+        attempts = max(1, self.settings.retry_count)
+        failures = 0
+        busy = 0
+        last: BaseException | None = None
+        offers = self.offers()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if last is None:
+                    last = TimeoutError("no time left")
+                break
+            try:
+                sock = socket.create_connection((host, port), timeout=left)
+            except OSError as exc:
+                last = exc
+                failures += 1
+                if failures >= attempts:
+                    raise LLMException(f"cannot connect to {host}:{port}: {exc}",
+                                       status_code=S.LLM_LINK_FAILED) from None
+                time.sleep(min(0.05 * failures, max(0.0, deadline - time.monotonic())))
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.settings.client_tls is not None:
+                    sock.settimeout(max(0.1, deadline - time.monotonic()))
+                    sock = self.settings.client_tls.wrap_socket(sock)
+            except (OSError, ssl.SSLError) as exc:
+                sock.close()
+                if _closed_at_once(exc):
+                    last = exc
+                    busy += 1
+                    self._busy_pause(busy, deadline)
+                    continue
+                raise LLMException(f"TLS with {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
+            conn = ControlConnection(self.loop, sock, name=f"{host}:{port}")
+            try:
+                hs = ClientHandshake(self._handshake_config(self._core.role, offers=offers))
+                conn.send(hs.start())
+                while hs.state not in (HandshakeState.ESTABLISHED, HandshakeState.REFUSED):
+                    msg = conn.recv_message(deadline)
+                    if msg is PEER_CLOSED:
+                        raise ProtocolError("the server closed the connection before answering")
+                    for out in hs.receive(msg):
+                        conn.send(out)
+                return conn, hs.result()   # raises HandshakeRefused
+            except HandshakeRefused as exc:
+                conn.close()
+                if not (exc.by_peer and exc.refusal.status_code == S.LLM_LINK_BUSY.value):
+                    raise LLMException(f"link to {host}:{port} refused: {exc}",
+                                       status_code=S.LLM_LINK_FAILED) from None
+                last = exc   # over the server's pending-connection caps: retry while time allows
+                busy += 1
+                self._busy_pause(busy, deadline)
+            except (ProtocolError, OSError, TimeoutError) as exc:
+                conn.close()
+                raise LLMException(f"link to {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
+        raise LLMException(f"link to {host}:{port} failed: the server kept refusing new connections ({last})",
+                           status_code=S.LLM_LINK_FAILED)
+
+    @staticmethod
+    def _busy_pause(attempt: int, deadline: float) -> None:
+        pause = min(0.5, 0.01 * (2 ** min(attempt, 6))) * (0.5 + random.random())
+        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
 
     # ------------------------------------------------------------------ lookups for the data plane
     def get(self, cluster_id: int) -> Optional[Link]:
@@ -844,6 +1461,9 @@ class LinkManager:
                                    status_code=S.LLM_LINK_FAILED)
             return reply.status_code, dict(reply.result)
         except ProtocolError as exc:
+            # the connection is gone: the link is FAILED by the time the caller hears it
+            self._fail(link, LLMException(f"control connection lost: {exc}", status_code=S.LLM_LINK_FAILED),
+                       trigger="peer_lost")
             raise LLMException(f"link to {link.peer_cluster_id} failed: {exc}",
                                status_code=S.LLM_LINK_FAILED) from None
         finally:
@@ -857,18 +1477,43 @@ class LinkManager:
             _log.debug("llmdd.link.notify_failed", peer=link.peer_cluster_id, error=str(exc))
 
     # ------------------------------------------------------------------ message dispatch
+    #: cheap messages handled on the loop thread when the link's strand has nothing queued (in order)
+    _INLINE = frozenset({m.Keepalive, m.KeepaliveAck, m.TransferReply, m.UnlinkAck})
+
     def _dispatch(self, link: Link, msg: Any) -> None:
+        """A message arrived (loop thread): cheap ones now, the rest on the link's strand, in order."""
         link.last_rx = time.monotonic()
+        if type(msg) in self._INLINE and link.strand.idle():
+            self._handle(link, msg)
+        else:
+            self._submit(link, self._handle_on_strand, link, msg)
+
+    def _handle(self, link: Link, msg: Any) -> None:
         handler = self._message_handlers.get(type(msg))
         if handler is None:
             _log.warning("llmdd.link.unexpected_message", peer=link.peer_cluster_id, type=type(msg).__name__)
             return
         handler(link, msg)
 
+    def _handle_on_strand(self, link: Link, msg: Any) -> None:
+        try:
+            self._handle(link, msg)
+        except (OSError, ProtocolError, ValueError) as exc:   # e.g. a table update that does not apply
+            self._on_closed(link, exc)   # fails the link and tells the peer (a fatal Error) first
+            link.control.close()
+        except Exception as exc:  # a handler bug must not kill the link silently
+            _log.error("llmdd.link.handler_failed", peer=link.peer_cluster_id, error=repr(exc))
+            self._on_closed(link, exc)
+            link.control.close()
+
     def _on_tables(self, link: Link, msg: Any) -> None:
-        link.tables.apply(msg)  # raises TableUpdateError (a ProtocolError): the reader fails the link
+        link.tables.apply(msg)  # raises TableUpdateError (a ProtocolError): the link fails
         if isinstance(msg, m.CacheTableUpdate) and link.tables.regions_version > 0:
+            first = not link.tables_ready.is_set()
             link.tables_ready.set()
+            if first and link.session is not None:
+                self._server_finish(link)   # server side: the peer's tables were the last thing missing
+                return
         if link.channel is not None and isinstance(msg, m.RegionsUpdate):
             self._sync_remote_regions(link)
         if link.linked and isinstance(msg, m.RegionsUpdate):
@@ -915,6 +1560,15 @@ class LinkManager:
         if handler is not None:
             handler(link, {"msg": msg})
 
+    def _on_refuse(self, link: Link, msg: m.Refuse) -> None:
+        """The client refused our Welcome (e.g. it requires a secret this side does not use)."""
+        _log.warning("llmdd.link.refused_by_peer", peer=link.peer_cluster_id, reason=msg.reason)
+        if link.state is LinkState.LINKING:
+            if link.session is not None:
+                self._abort_setup(link, ProtocolError(f"the peer refused the link: {msg.reason}"))
+            else:
+                self._fail(link, ProtocolError(f"the peer refused the link: {msg.reason}"), trigger="handshake_failed")
+
     def _on_error(self, link: Link, msg: m.Error) -> None:
         _log.warning("llmdd.link.peer_error", peer=link.peer_cluster_id, code=msg.status_code, message=msg.message)
         if msg.fatal:
@@ -924,6 +1578,10 @@ class LinkManager:
         if link.fsm.is_final:
             return
         reason = f"control connection lost: {error}" if error else "peer closed the control connection"
+        if link.session is not None and link.state is LinkState.LINKING:
+            # a server-side link still in its setup leaves nothing behind
+            self._abort_setup(link, ProtocolError(f"the peer went away during the link setup ({reason})"))
+            return
         self._fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
         if isinstance(error, ProtocolError):
             # the peer sent something this side refuses (a bad frame, an invalid table update): tell it
@@ -934,13 +1592,15 @@ class LinkManager:
     # ------------------------------------------------------------------ failure and teardown
     def _fail(self, link: Link, error: BaseException, *, trigger: str,
               status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
-        """Move a link to FAILED (if legal), release waiters, cancel its transfers."""
-        with self._lock:
-            if not link.fsm.can(trigger):
-                return
-            link.last_error = str(error)
-            link.failure_status = status
+        """Move a link to FAILED (if legal), release waiters, cancel its transfers (no lock held)."""
+        if not link.fsm.can(trigger):
+            return
+        link.last_error = str(error)
+        link.failure_status = status
+        try:
             link.fsm.fire(trigger, error=error, reason=str(error))
+        except InvalidStateError:
+            return  # another thread moved it first
         for pending in list(link.pending.values()):
             pending.event.set()
         link.tables_ready.set()
@@ -954,10 +1614,17 @@ class LinkManager:
 
     def _close_link(self, link: Link, *, trigger: str, reason: str) -> None:
         with self._lock:
-            if link.fsm.can(trigger):
-                link.fsm.fire(trigger, reason=reason)
             if self._links.get(link.peer_cluster_id) is link:
                 del self._links[link.peer_cluster_id]
+        if link.fsm.can(trigger):
+            try:
+                link.fsm.fire(trigger, reason=reason)
+            except InvalidStateError:
+                pass
+        sess = link.session
+        if sess is not None:
+            sess.done = True
+            sess.timer.cancel()
         for pending in list(link.pending.values()):
             pending.event.set()
         link.tables_ready.set()
@@ -1023,45 +1690,59 @@ class LinkManager:
         return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
 
     # ------------------------------------------------------------------ liveness
-    def _keepalive_loop(self) -> None:
-        seq = itertools.count(1)
-        while not self._stop.wait(self.settings.keepalive_s):
-            now = time.monotonic()
-            for link in self.links():
-                if link.state not in (LinkState.LINKED, LinkState.UNLINKING):
-                    continue
-                if now - link.last_rx > self.settings.peer_timeout_s:
-                    self._fail(link, LLMException(
-                        f"no message from peer {link.peer_cluster_id} for {now - link.last_rx:.1f} s",
-                        status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
-                    continue
-                self.notify(link, m.Keepalive(seq=next(seq), sent_at_ns=time.monotonic_ns()))
+    def _keepalive_tick(self) -> None:
+        """Every ``keepalive_s`` on the loop thread: silent peers fail, live ones get a keepalive."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        limit = self.settings.peer_timeout_s
+        for link in self.links():
+            if link.state not in (LinkState.LINKED, LinkState.UNLINKING):
+                continue
+            stalled = link.control.stalled_since
+            if now - link.last_rx > limit or (stalled is not None and now - stalled > limit):
+                self._submit(link, self._check_liveness, link)
+                continue
+            self.notify(link, m.Keepalive(seq=next(self._keepalive_seq), sent_at_ns=time.monotonic_ns()))
+        self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
+
+    def _check_liveness(self, link: Link) -> None:
+        now = time.monotonic()
+        limit = self.settings.peer_timeout_s
+        if now - link.last_rx > limit:
+            reason = f"no message from peer {link.peer_cluster_id} for {now - link.last_rx:.1f} s"
+        elif link.control.stalled_since is not None and now - link.control.stalled_since > limit:
+            reason = f"peer {link.peer_cluster_id} has read nothing for {now - link.control.stalled_since:.1f} s"
+        else:
+            return
+        self._fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Finalize: stop listening, tear every link down silently, close endpoints."""
+        """Finalize: stop listening, tear every link down silently, close endpoints and the loop."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
         self.stop_listening()
         for sock in list(self._group_listeners):
             self.close_group_listener(sock)
         for link in self.links():
             self._close_link(link, trigger="finalize", reason="finalize")
+        for sess in list(self._pending):
+            sess.drop()
         try:
             self._core.memory.regions.remove_listener(self._on_regions_changed)
         except (KeyError, ValueError):
             pass
         self._core.memory.remove_change_listener(self.announce_all)
-        with self._endpoint_lock:
-            endpoints, self._endpoints = self._endpoints, {}
+        self._registrar_pool.close()
+        endpoints, self._endpoints = self._endpoints, {}
         for ep in endpoints.values():
             try:
                 ep.close()
             except TransportError:
                 pass
-        self._keepalive.join(timeout=2.0)
+        self.loop.close()
 
     def statistics(self) -> dict:
         out = {}
@@ -1073,6 +1754,45 @@ class LinkManager:
                 "rtt_s": link.rtt_s, "comm_id": link.comm_id,
             }
         return out
+
+    def io_statistics(self) -> dict:
+        """The loop's view: listeners, pending handshakes, refusals, threads (``llmdd doctor``, tests)."""
+        return {"listeners": self.listener_status(), "pending": len(self._pending),
+                "pending_addresses": len(self._pending_by_ip), "io_error": self._io_error,
+                "threads": self.loop.threads() + self._registrar_pool.threads(),
+                "watched": self.loop.watched(), **dict(self._counters)}
+
+def _closed_at_once(exc: BaseException) -> bool:
+    """A TLS server closed a new connection before its TLS handshake (over a cap)."""
+    if isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLEOFError)):
+        return True
+    return isinstance(exc, ssl.SSLError) and "EOF" in str(exc)
+
+
+_BUSY_FRAME: Optional[bytes] = None
+
+
+def _busy_frame() -> bytes:
+    """The one frame a plain-TCP connection over a cap gets before it is closed (encoded once)."""
+    global _BUSY_FRAME
+    if _BUSY_FRAME is None:
+        _BUSY_FRAME = Connection().send(m.Refuse(
+            status_code=S.LLM_LINK_BUSY.value,
+            reason="too many connections are in their handshake here; retry"))
+    return _BUSY_FRAME
+
+
+def _refuse_busy(sock: socket.socket, tls: bool) -> None:
+    """Close a connection over a cap at once; a plain one first gets the constant busy frame so a
+    legitimate client knows to retry (one non-blocking send, nothing read)."""
+    if not tls:
+        try:
+            sock.setblocking(False)
+            sock.send(_busy_frame())
+            sock.recv(65536)   # what the client already sent: closing over unread bytes would reset
+        except (OSError, ValueError):
+            pass
+    _close_quietly(sock)
 
 
 def _reason(info: LinkInfo, name: str) -> str:

@@ -94,6 +94,8 @@ ENGINE_TRANSITIONS = [
     _t("init", [E.CREATED, E.FINALIZED], E.INITIALIZED),
     _t("switch_role", E.INITIALIZED, E.INITIALIZED),
     _t("finalize", E.INITIALIZED, E.FINALIZED),
+    # a listener of the engine cannot continue (logged once; the event says which and why)
+    _t("listener_failed", E.INITIALIZED, E.INITIALIZED),
 ]
 
 _LIVE_LINK = [L.UNLINKED, L.LINKING, L.LINKED, L.UNLINKING, L.FAILED]

@@ -28,11 +28,22 @@ window in flight. Large batches are coalesced and split over two streams.
 Cancellation and deadlines: streams are blocking sockets armed with ``SO_RCVTIMEO`` /
 ``SO_SNDTIMEO`` set to the time left; cancel, deadline, close and deregistration shut the
 sockets down and join the worker threads before the completion reports its error.
+
+Serving: one I/O loop per endpoint (:class:`llmdd._ioloop.IoLoop`) accepts, runs the HELLO/AUTH
+exchange without blocking and watches idle streams; a stream with a request waiting is served
+by one of a bounded pool of workers (``llmdd.tcp.server_workers``), which keeps it while requests
+follow each other closely (``llmdd.tcp.linger_ms``) and then hands it back to the loop.  No thread
+waits on an idle stream.  A stream that has not proven it belongs to a link (authenticated with
+the shared secret, or without one its first well-formed request) within
+``llmdd.tcp.pending_timeout_ms`` (10 s) is closed; at most ``llmdd.max_pending_connections`` (64)
+such streams per endpoint and ``llmdd.max_pending_per_address`` (8) per source address are held,
+the next one is closed at once.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import hmac
 import os
@@ -46,6 +57,7 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 import pluggy
 
+from llmdd._ioloop import EVENT_READ, IoLoop, PoolFull
 from llmdd._log import get_logger
 from llmdd._status import LLMStatusCode, TransportError
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
@@ -83,7 +95,6 @@ WIRE_OP = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])  #
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
 _WINDOW = 1024                             # memoryviews per sendmsg / recvmsg_into call (Linux IOV_MAX)
-_HANDSHAKE_TIMEOUT = 10.0
 
 # options (engine options pass through; unknown keys such as "llm.RdmaTrafficClass" are ignored)
 OPT_STREAMS = "llmdd.tcp.streams"
@@ -91,8 +102,15 @@ OPT_INLINE = "llmdd.tcp.inline_max_bytes"
 OPT_SPLIT = "llmdd.tcp.split_min_bytes"
 OPT_SEGMENT = "llmdd.tcp.segment_bytes"
 OPT_SERVER_SEND_TIMEOUT = "llmdd.tcp.server_send_timeout"
+OPT_PENDING_TIMEOUT = "llmdd.tcp.pending_timeout_ms"
+OPT_SERVER_WORKERS = "llmdd.tcp.server_workers"
+OPT_LINGER = "llmdd.tcp.linger_ms"
+OPT_MAX_PENDING = "llmdd.max_pending_connections"            # the engine's keys: one policy for every port
+OPT_MAX_PENDING_PER_ADDRESS = "llmdd.max_pending_per_address"
 _DEFAULTS = {OPT_STREAMS: 2, OPT_INLINE: 256 * 1024, OPT_SPLIT: 4 * 1024 * 1024,
-             OPT_SEGMENT: 64 * 1024 * 1024, OPT_SERVER_SEND_TIMEOUT: 60.0}
+             OPT_SEGMENT: 64 * 1024 * 1024, OPT_SERVER_SEND_TIMEOUT: 60.0, OPT_PENDING_TIMEOUT: 10000,
+             OPT_SERVER_WORKERS: 8, OPT_LINGER: 50, OPT_MAX_PENDING: 64, OPT_MAX_PENDING_PER_ADDRESS: 8}
+_ACCEPT_PAUSE_S = 0.1
 
 
 # --------------------------------------------------------------------------- low-level I/O
@@ -120,7 +138,12 @@ def _arm(sock: socket.socket, deadline: Union[float, None]) -> None:
     _set_timeouts(sock, left)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None) -> bytearray:
+class _StaleStream(PeerGone):
+    """A reused idle stream turned out closed before any byte of the answer came back."""
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None, *,
+                stale_ok: bool = False) -> bytearray:
     buf = bytearray(n)
     mv = memoryview(buf)
     got = 0
@@ -128,6 +151,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None
         _arm(sock, deadline)
         r = sock.recv_into(mv[got:], n - got, socket.MSG_WAITALL)
         if r == 0:
+            if stale_ok and got == 0:
+                raise _StaleStream("peer closed the stream before answering")
             raise PeerGone("peer closed the stream")
         got += r
     return buf
@@ -196,7 +221,11 @@ def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
 
 
 def _recv_rsp(sock: socket.socket, deadline: float) -> tuple[int, str]:
-    magic, status, _, _, n = _RSP.unpack(_recv_exact(sock, _RSP.size, deadline))
+    return _parse_rsp(sock, _recv_exact(sock, _RSP.size, deadline), deadline)
+
+
+def _parse_rsp(sock: socket.socket, head: bytearray, deadline: float) -> tuple[int, str]:
+    magic, status, _, _, n = _RSP.unpack(head)
     if magic != _M_RSP or n > MAX_MESSAGE:
         raise Corrupt("bad response header from peer")
     msg = bytes(_recv_exact(sock, n, deadline)).decode(errors="replace") if n else ""
@@ -320,20 +349,26 @@ class TcpEndpoint(Endpoint):
         self._local_table = RegionTable()
         self._served_table = RegionTable()
         self._closed = False
-        self._server_conns: dict[socket.socket, threading.Thread] = {}
+        self._server_conns: dict[socket.socket, _ServerConn] = {}
+        self._pending: dict[_ServerConn, None] = {}
+        self._pending_by_ip: dict[str, int] = {}
         self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
         self._batches: set[_Batch] = set()
         self._channels: set[TcpChannel] = set()
         self._stats = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
-                       "connections": 0, "auth_failures": 0, "last_error": None}
+                       "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
+                       "pending_expired": 0, "accept_errors": 0, "listener_failed": None}
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.bind((host, 0))
-        self._lsock.listen(64)
+        self._lsock.listen(128)
+        self._lsock.setblocking(False)
         self._port = self._lsock.getsockname()[1]
         self._log = _log.bind(endpoint=self._id.hex()[:8], port=self._port)
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"llmdd-tcp-accept-{self._port}",
-                                          daemon=True)
-        self._acceptor.start()
+        self._linger = max(0.0, float(self._cfg[OPT_LINGER]) / 1000.0)
+        self._pending_s = max(1, int(self._cfg[OPT_PENDING_TIMEOUT])) / 1000.0
+        self._last_accept_warning = 0.0
+        self._io = IoLoop(f"tcp-{self._port}", workers=max(1, int(self._cfg[OPT_SERVER_WORKERS])))
+        self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
 
     # ------------------------------------------------------------------ public API
 
@@ -398,24 +433,20 @@ class TcpEndpoint(Endpoint):
             channels = list(self._channels)
             conns = list(self._server_conns.items())
         _shutdown(self._lsock)
-        try:
-            self._lsock.close()
-        except OSError:
-            pass
+        lsock = self._lsock
+        self._io.call_soon(lambda: (self._io.forget(lsock), _close(lsock)))
         for ch in channels:
             ch.close()
-        for sock, _ in conns:
+        for sock, conn in conns:
             _shutdown(sock)
-        me = threading.current_thread()
-        for _, t in conns:
-            if t is not me:
-                t.join(5.0)
-        if self._acceptor is not me:
-            self._acceptor.join(5.0)
+            self._io.call_soon(conn.release)
+        self._io.close()   # joins the loop and the workers (each ends its stream: shut down above)
 
     def statistics(self) -> dict:
         with self._lock:
-            return dict(self._stats, regions=len(self._regs), port=self._port, closed=self._closed)
+            return dict(self._stats, regions=len(self._regs), port=self._port, closed=self._closed,
+                        open_connections=len(self._server_conns), pending_connections=len(self._pending),
+                        threads=self._io.threads())
 
     # ------------------------------------------------------------------ shared with channels
 
@@ -456,52 +487,102 @@ class TcpEndpoint(Endpoint):
 
     # ------------------------------------------------------------------ server side
 
-    def _accept_loop(self) -> None:
-        while True:
+    def _on_accept(self, _mask: int) -> None:
+        """The listening socket is readable (loop thread): admit what is ready, refuse over the caps."""
+        for _ in range(64):
             try:
-                sock, _ = self._lsock.accept()
-            except OSError:
+                sock, addr = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
                 return
-            with self._lock:
+            except OSError as exc:
                 if self._closed:
-                    _close(sock)
                     return
-                t = threading.Thread(target=self._serve_conn, args=(sock,),
-                                     name=f"llmdd-tcp-serve-{self._port}", daemon=True)
-                self._server_conns[sock] = t
-                self._stats["connections"] += 1
-            t.start()
-
-    def _server_handshake(self, sock: socket.socket) -> bool:
-        sock.settimeout(_HANDSHAKE_TIMEOUT)
-        nonce_s = os.urandom(16)
-        sock.sendall(_HELLO.pack(_M_HELLO, VERSION, int(self._secret is not None), self._id, nonce_s))
-        if self._secret is not None:
-            nonce_c, mac_c = _AUTH.unpack(_recv_exact(sock, _AUTH.size))
-            if not hmac.compare_digest(mac_c, _mac(self._secret, b"c", self._id, nonce_s, nonce_c)):
-                with self._lock:
-                    self._stats["auth_failures"] += 1
-                    self._stats["refused"] += 1
-                    self._stats["last_error"] = "authentication failed"
-                self._log.warning("llmdd.transport.tcp.auth_failed", peer=str(sock.getpeername()))
-                sock.sendall(_AUTH_RSP.pack(1, bytes(32)))
-                return False
-            sock.sendall(_AUTH_RSP.pack(0, _mac(self._secret, b"s", self._id, nonce_c, nonce_s)))
-        sock.settimeout(None)  # blocking: an idle stream waits for its next request
-        _tune(sock)
-        send_to = float(self._cfg[OPT_SERVER_SEND_TIMEOUT])
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                        struct.pack("ll", int(send_to), int((send_to % 1.0) * 1e6)))
-        return True
-
-    def _serve_conn(self, sock: socket.socket) -> None:
-        try:
-            if not self._server_handshake(sock):
+                if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                    # the listening socket itself is gone: logged once, counted, never silent
+                    with self._lock:
+                        self._stats["listener_failed"] = str(exc)
+                    self._log.error("llmdd.transport.tcp.listener_failed", error=str(exc))
+                    self._io.forget(self._lsock)
+                    return
+                self._accept_trouble(exc)
                 return
+            except Exception as exc:  # noqa: BLE001 - refuse this attempt, keep the listener
+                self._accept_trouble(exc)
+                return
+            self._admit(sock, addr)
+
+    def _accept_trouble(self, exc: BaseException) -> None:
+        with self._lock:
+            self._stats["accept_errors"] += 1
+            self._stats["last_error"] = f"accept: {exc}"
+        now = time.monotonic()
+        if now - self._last_accept_warning > 5.0:
+            self._last_accept_warning = now
+            self._log.warning("llmdd.transport.tcp.accept_failed", error=repr(exc))
+        # out of descriptors: the connection stays in the backlog; pause instead of spinning
+        self._io.set_events(self._lsock, 0, self._on_accept)
+        self._io.call_later(_ACCEPT_PAUSE_S, self._resume_accept)
+
+    def _resume_accept(self) -> None:
+        if not self._closed:
+            self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        ip = addr[0]
+        try:
+            if self._closed:
+                raise Refused("endpoint is closed")
+            if self._pending_by_ip.get(ip, 0) >= int(self._cfg[OPT_MAX_PENDING_PER_ADDRESS]):
+                raise Refused(f"{ip} has too many connections that did not prove themselves yet")
+            if len(self._pending) >= int(self._cfg[OPT_MAX_PENDING]):
+                raise Refused("too many connections that did not prove themselves yet")
+            sock.setblocking(False)
+            _tune(sock)
+            conn = _ServerConn(self, sock, ip)
+        except Exception as exc:  # noqa: BLE001 - over a cap, or no memory: this one is closed at once
+            with self._lock:
+                self._stats["refused_connections"] += 1
+            self._log.debug("llmdd.transport.tcp.connection_refused", peer=ip, reason=str(exc))
+            _close(sock)
+            return
+        with self._lock:
+            self._server_conns[sock] = conn
+            self._stats["connections"] += 1
+        self._pending[conn] = None
+        self._pending_by_ip[ip] = self._pending_by_ip.get(ip, 0) + 1
+        conn.start()
+
+    def _proven(self, conn: "_ServerConn") -> None:
+        """``conn`` authenticated (or served its first request): it no longer counts as pending."""
+        if self._pending.pop(conn, 0) is None:
+            n = self._pending_by_ip.get(conn.ip, 1) - 1
+            if n > 0:
+                self._pending_by_ip[conn.ip] = n
+            else:
+                self._pending_by_ip.pop(conn.ip, None)
+        conn.timer.cancel()
+
+    def _auth_ok(self, nonce_s: bytes, nonce_c: bytes, mac_c: bytes) -> bool:
+        return hmac.compare_digest(mac_c, _mac(self._secret, b"c", self._id, nonce_s, nonce_c))
+
+    def _auth_failed(self, conn: "_ServerConn") -> None:
+        with self._lock:
+            self._stats["auth_failures"] += 1
+            self._stats["refused"] += 1
+            self._stats["last_error"] = "authentication failed"
+        self._log.warning("llmdd.transport.tcp.auth_failed", peer=conn.ip)
+
+    def _serve_ready(self, conn: "_ServerConn") -> None:
+        """A worker serves ``conn`` while requests keep coming, then hands it back to the loop."""
+        sock = conn.sock
+        try:
+            sock.setblocking(True)
+            _set_timeouts(sock, float(self._cfg[OPT_SERVER_SEND_TIMEOUT]))
             while True:
                 try:
                     hdr = _recv_exact(sock, _REQ.size)
                 except PeerGone:
+                    conn.finish(None)
                     return
                 magic, kind, _, _, count, total = _REQ.unpack(hdr)
                 if magic != _M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
@@ -514,17 +595,28 @@ class TcpEndpoint(Endpoint):
                         if r == 0:
                             raise PeerGone("peer closed the stream mid-request")
                         got += r
+                if not conn.proven:
+                    conn.proven = True
+                    self._io.call_soon(self._proven, conn)
                 self._serve_request(sock, kind, wire, total)
+                if self._closed:
+                    raise Cancelled("endpoint is closed")
+                if not _wait_readable(sock, self._linger):
+                    break
         except Exception as exc:  # noqa: BLE001 - a broken client must never break the endpoint
             err = _map_exc(exc)
             if not self._closed:
                 with self._lock:
                     self._stats["last_error"] = str(err)
                 self._log.info("llmdd.transport.tcp.conn_closed", error=str(err))
-        finally:
-            with self._lock:
-                self._server_conns.pop(sock, None)
-            _close(sock)
+            conn.finish(err)
+            return
+        try:
+            sock.setblocking(False)
+        except OSError as exc:
+            conn.finish(_map_exc(exc))
+            return
+        self._io.call_soon(conn.watch)
 
     def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int) -> None:
         token = id(wire)
@@ -587,6 +679,116 @@ class TcpEndpoint(Endpoint):
             if reg is not None and not reg.region.remote_accessible:
                 return f"region {r} is not remote-accessible"
         return str(exc)
+
+
+class _ServerConn:
+    """One accepted data stream: HELLO/AUTH on the loop, then idle on the loop or served by a worker."""
+
+    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed")
+
+    def __init__(self, ep: TcpEndpoint, sock: socket.socket, ip: str) -> None:
+        self.ep = ep
+        self.sock = sock
+        self.ip = ip
+        self.nonce_s = os.urandom(16)
+        self.buf = bytearray()
+        self.proven = False
+        self.closed = False
+        self.timer = ep._io.call_later(ep._pending_s, self.expire)
+
+    def start(self) -> None:
+        hello = _HELLO.pack(_M_HELLO, VERSION, int(self.ep._secret is not None), self.ep._id, self.nonce_s)
+        try:
+            if self.sock.send(hello) != len(hello):   # 40 bytes into a fresh socket: all or broken
+                raise PeerGone("short HELLO")
+        except OSError as exc:
+            self.finish(_map_exc(exc))
+            return
+        self.watch()
+
+    def watch(self) -> None:
+        """Idle: the loop waits for the next bytes (no thread)."""
+        if self.closed:
+            self.release()
+            return
+        handler = self.on_auth if (self.ep._secret is not None and not self.proven) else self.on_request
+        self.ep._io.set_events(self.sock, EVENT_READ, handler)
+
+    def on_auth(self, _mask: int) -> None:
+        try:
+            data = self.sock.recv(_AUTH.size - len(self.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.finish(_map_exc(exc))
+            return
+        if not data:
+            self.finish(None)
+            return
+        self.buf += data
+        if len(self.buf) < _AUTH.size:
+            return
+        nonce_c, mac_c = _AUTH.unpack(bytes(self.buf))
+        self.buf = bytearray()
+        ep = self.ep
+        try:
+            if not ep._auth_ok(self.nonce_s, nonce_c, mac_c):
+                ep._auth_failed(self)
+                self.sock.send(_AUTH_RSP.pack(1, bytes(32)))
+                self.finish(None)
+                return
+            rsp = _AUTH_RSP.pack(0, _mac(ep._secret, b"s", ep._id, nonce_c, self.nonce_s))
+            if self.sock.send(rsp) != len(rsp):
+                raise PeerGone("short AUTH response")
+        except OSError as exc:
+            self.finish(_map_exc(exc))
+            return
+        self.proven = True
+        ep._proven(self)
+        self.watch()
+
+    def on_request(self, _mask: int) -> None:
+        """Bytes (or EOF) wait on an idle stream: a worker takes it over."""
+        self.ep._io.forget(self.sock)
+        try:
+            self.ep._io.pool.submit(self.ep._serve_ready, self)
+        except PoolFull as exc:
+            self.finish(PeerGone(f"no worker to serve the stream: {exc}"))
+
+    def expire(self) -> None:
+        if self.proven or self.closed:
+            return
+        with self.ep._lock:
+            self.ep._stats["pending_expired"] += 1
+        self.ep._log.debug("llmdd.transport.tcp.pending_expired", peer=self.ip, seconds=self.ep._pending_s)
+        _shutdown(self.sock)
+        self.finish(None)
+
+    def finish(self, err: Union[TransportError, None]) -> None:
+        """Close the stream (any thread); the loop forgets and closes the descriptor."""
+        if self.closed:
+            return
+        self.closed = True
+        _shutdown(self.sock)
+        self.ep._io.call_soon(self.release)
+
+    def release(self) -> None:
+        ep = self.ep
+        ep._proven(self) if self in ep._pending else self.timer.cancel()
+        ep._io.forget(self.sock)
+        with ep._lock:
+            ep._server_conns.pop(self.sock, None)
+        _close(self.sock)
+
+
+def _wait_readable(sock: socket.socket, seconds: float) -> bool:
+    if seconds <= 0:
+        return False
+    try:
+        ready, _, _ = select.select([sock], [], [], seconds)
+    except (OSError, ValueError):
+        return True   # let the read report it
+    return bool(ready)
 
 
 class TcpChannel(Channel):
@@ -686,8 +888,10 @@ class TcpChannel(Channel):
             self._stats["streams_opened"] += 1
         return sock
 
-    def _acquire(self, batch: _Batch, deadline: float) -> socket.socket:
-        while True:
+    def _acquire(self, batch: _Batch, deadline: float, *, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A stream for ``batch`` and whether it was reused from the idle pool."""
+        sock = None
+        while not fresh:
             with self._lock:
                 if self._closed:
                     raise Cancelled("channel closed")
@@ -697,10 +901,11 @@ class TcpChannel(Channel):
             # an idle stream has nothing to read: readable means the owner closed it (it fails the
             # streams of batches that touched a region it deregistered); never reuse it
             _close(sock)
+        reused = sock is not None
         if sock is None:
             sock = self._open_stream(deadline)
         batch.adopt(sock)
-        return sock
+        return sock, reused
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
@@ -737,7 +942,7 @@ class TcpChannel(Channel):
             return DoneCompletion(err)
         streams = int(self._cfg[OPT_STREAMS]) if total >= int(self._cfg[OPT_SPLIT]) else 1
         parts = split_ops(ops, max(1, streams))
-        workers = [(lambda p=p: self._run_stream(batch, kind, p, mvs, deadline)) for p in parts]
+        workers = [(lambda p=p: self._run_stream_mapped(batch, kind, p, mvs, deadline)) for p in parts]
         batch.completion = ThreadCompletion(
             workers, deadline=deadline, abort=batch.abort,
             on_done=lambda c: self._finish(batch, c._error, kind, ops, total),
@@ -764,8 +969,16 @@ class TcpChannel(Channel):
                 self._stats["failed"] += 1
                 self._stats["last_error"] = str(err)
 
+    def _run_stream_mapped(self, batch: _Batch, kind: int, ops: np.ndarray, mvs: dict, deadline: float) -> None:
+        try:
+            self._run_stream(batch, kind, ops, mvs, deadline)
+        except TransportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a socket timeout (EAGAIN under SO_RCVTIMEO) is a timeout
+            raise _map_exc(exc) from None
+
     def _run_stream(self, batch: _Batch, kind: int, ops: np.ndarray, mvs: dict, deadline: float) -> None:
-        sock = self._acquire(batch, deadline)
+        sock, reused = self._acquire(batch, deadline)
         seg_max = int(self._cfg[OPT_SEGMENT])
         ends = np.cumsum(ops["length"], dtype=np.uint64)
         start = 0
@@ -775,7 +988,19 @@ class TcpChannel(Channel):
                 base = int(ends[start - 1]) if start else 0
                 stop = int(np.searchsorted(ends, base + seg_max, side="right"))
                 stop = min(max(stop, start + 1), n, start + MAX_OPS_PER_REQUEST)
-                self._segment(sock, kind, ops[start:stop], mvs, deadline, batch)
+                try:
+                    self._segment(sock, kind, ops[start:stop], mvs, deadline, batch)
+                except _StaleStream as exc:
+                    if not (reused and start == 0) or batch.aborted:
+                        raise PeerGone(str(exc)) from None
+                    # the owner closed this idle stream just as it was reused (nothing was moved): once
+                    # more on a fresh one
+                    with batch.lock:
+                        if sock in batch.socks:
+                            batch.socks.remove(sock)
+                    _close(sock)
+                    sock, reused = self._acquire(batch, deadline, fresh=True)
+                    continue
                 start = stop
         except Refused:
             # refusals come before any payload: the stream is still in step
@@ -798,8 +1023,12 @@ class TcpChannel(Channel):
         wire["length"] = ops["length"]
         total = int(ops["length"].sum(dtype=np.uint64))
         _arm(sock, deadline)
-        _sendmsg_all(sock, [_REQ.pack(_M_REQ, kind, 0, 0, len(ops), total), memoryview(wire.view(np.uint8))])
-        status, msg = _recv_rsp(sock, deadline)
+        try:
+            _sendmsg_all(sock, [_REQ.pack(_M_REQ, kind, 0, 0, len(ops), total), memoryview(wire.view(np.uint8))])
+            head = _recv_exact(sock, _RSP.size, deadline, stale_ok=True)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise _StaleStream(f"stream closed by the owner: {exc}") from None
+        status, msg = _parse_rsp(sock, head, deadline)
         if status == ST_REFUSED:
             raise Refused(f"peer refused the batch: {msg}")
         if status != ST_OK:
