@@ -250,6 +250,23 @@ def block_array(blocks: BlockList, name: str, limit: Union[int, None] = None) ->
 # --------------------------------------------------------------------------- op building
 
 
+def last_pair_wins(src_idx: np.ndarray, dst_idx: np.ndarray) -> tuple:
+    """The (src, dst) pairs without a repeated destination: where a destination block is listed more
+    than once, only its last pair is kept (in the callers' order).
+
+    Upstream (hicann/hixl) accepts repeated destination blocks in pull/push of blocks and copies the
+    runs in list order, so the last listed source is what the block holds.  llmdd keeps that
+    outcome but makes it certain: its ops run on several streams at once, so two writes of one block
+    could otherwise race; dropping the earlier pairs before planning leaves one writer per block."""
+    if len(dst_idx) < 2:
+        return src_idx, dst_idx
+    _, first_in_reversed = np.unique(dst_idx[::-1], return_index=True)
+    if len(first_in_reversed) == len(dst_idx):
+        return src_idx, dst_idx
+    keep = np.sort(len(dst_idx) - 1 - first_in_reversed)
+    return src_idx[keep], dst_idx[keep]
+
+
 def _runs(src_idx: np.ndarray, dst_idx: np.ndarray) -> tuple:
     """Maximal runs in which both index arrays advance by exactly one: (src starts, dst starts, counts)."""
     n = len(src_idx)
@@ -347,6 +364,7 @@ def plan_blocks(*, src: CacheLayout, dst: CacheLayout, src_blocks: BlockList, ds
     d = block_array(dst_blocks, "dst_blocks", dst.units)
     if len(s) != len(d):
         raise _invalid(f"src_blocks and dst_blocks differ in length: {len(s)} vs {len(d)}")
+    s, d = last_pair_wins(s, d)
     bs = src.unit_size
     s0, d0, counts = _runs(s, d)
     return _emit(src.regions(st), dst.regions(dt), s0 * bs, d0 * bs, counts * bs, local)
@@ -375,9 +393,13 @@ def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: Any, dst_bl
     for b in dst_blocks:
         if type(b) is not int or not 0 <= b < du:
             return None
+    if len(set(dst_blocks)) != n:   # a destination block listed twice: the last pair wins
+        pairs = [(a, b) for i, (a, b) in enumerate(zip(src_blocks, dst_blocks)) if b not in dst_blocks[i + 1:]]
+    else:
+        pairs = list(zip(src_blocks, dst_blocks))
     runs = []
     ps = pd = -2
-    for a, b in zip(src_blocks, dst_blocks):
+    for a, b in pairs:
         if a == ps + 1 and b == pd + 1:
             runs[-1][2] += 1
         else:
@@ -415,7 +437,7 @@ def plan_contiguous_to_blocks(*, src: CacheLayout, dst: CacheLayout, src_unit: i
     if len(d) * bs > src.unit_size:
         raise _invalid(f"{len(d)} blocks of {bs} bytes ({len(d) * bs} bytes) do not fit in a src batch "
                        f"slot of {src.unit_size} bytes (cache {src.cache_id})")
-    chunks = np.arange(len(d), dtype=np.int64)
+    chunks, d = last_pair_wins(np.arange(len(d), dtype=np.int64), d)
     c0, d0, counts = _runs(chunks, d)
     return _emit(src.regions(st), dst.regions(dt), su * src.unit_size + c0 * bs, d0 * bs, counts * bs, local)
 
@@ -496,6 +518,7 @@ def plan_to_addresses(*, src: CacheLayout, src_tensors: range, dst: Any, src_uni
         d = block_array(dst_blocks, "dst_block_indices")
         if len(s) != len(d):
             raise _invalid(f"src and dst block indices differ in length: {len(s)} vs {len(d)}")
+        s, d = last_pair_wins(s, d)
         s0, d0, counts = _runs(s, d)
         rel_src, rel_dst, lengths = s0 * bs, d0 * bs, counts * bs
         extent = (int(d.max()) + 1) * bs
@@ -509,7 +532,7 @@ def plan_to_addresses(*, src: CacheLayout, src_tensors: range, dst: Any, src_uni
         if len(d) * bs > src.unit_size:
             raise _invalid(f"{len(d)} blocks of {bs} bytes ({len(d) * bs} bytes) do not fit in a src "
                            f"batch slot of {src.unit_size} bytes (cache {src.cache_id})")
-        c0, d0, counts = _runs(np.arange(len(d), dtype=np.int64), d)
+        c0, d0, counts = _runs(*last_pair_wins(np.arange(len(d), dtype=np.int64), d))
         rel_src, rel_dst, lengths = su * src.unit_size + c0 * bs, d0 * bs, counts * bs
         extent = (int(d.max()) + 1) * bs
     room = limit - base

@@ -308,8 +308,12 @@ class TransferEngine:
             self._acquire(link)
             try:
                 self.run_ops(link, ops, write=False, kind=kind)
+            except LLMException as exc:
+                raise self._local_outcome(rec, exc, kind) from None
             finally:
                 link.transfer_lock.release()
+            if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
+                raise self._local_outcome(rec, None, kind)
             pulled = True
         finally:
             if reserved is not None:
@@ -354,12 +358,26 @@ class TransferEngine:
         self._acquire(link)
         try:
             self.run_ops(link, ops, write=True, kind=kind)
-        except LLMException:
+        except LLMException as exc:
             self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=True)
-            raise
+            raise self._local_outcome(rec, exc, kind) from None
         finally:
             link.transfer_lock.release()
         self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=False)
+
+    @staticmethod
+    def _local_outcome(rec: Any, exc: Optional[LLMException], kind: str) -> LLMException:
+        """The error of a transfer whose ops failed (``exc``) or that ran while its local cache went.
+
+        A local cache unregistered (or deallocated) while the transfer ran ends it with
+        ``LLM_KV_CACHE_NOT_EXIST``, the status of any call naming a cache that does not exist: the
+        caller may register again and retry (the link is fine).  Registration removal drains the
+        transports' ops on that memory first, so no byte lands once the call has returned."""
+        if rec.live:
+            assert exc is not None
+            return exc
+        return _err(f"{kind}: local cache {rec.cache_id} was unregistered while the transfer ran",
+                    S.LLM_KV_CACHE_NOT_EXIST)
 
     def _push_notice(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
         spans = [[s.start, s.stop] for s in _spans(dst_blocks)] if dst_blocks else []

@@ -208,3 +208,22 @@ def link_and_pull_once(state: dict, remote: int, port: int) -> str:
     if res["status"] != "LLM_SUCCESS":
         return res["status"]
     return R.transfer(state, "pull_blocks", ("blocks", remote, 0), "dst", [0, 1], [0, 1])[0]
+
+
+# ---------------------------------------------------------------------------- typed outcomes
+def wait_fault_fired(state: dict, count: int, timeout: float) -> int:
+    """Wait (deadline ``timeout``) until the faults plugin has fired ``count`` faults."""
+    end = time.monotonic() + timeout
+    while True:
+        n = len(state["inj"].fired)
+        if n >= count or time.monotonic() >= end:
+            return n
+        time.sleep(0.005)
+
+
+def watch_poison(state: dict, name: str, seconds: float) -> bool:
+    """Refill ``name`` with POISON, then report whether it stayed so for ``seconds`` (a measurement
+    window: nothing may write into memory after the call that used it returned)."""
+    R.fill(state, name, R.POISON)
+    time.sleep(seconds)
+    return R.poison_kept(state, name)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -373,3 +374,68 @@ def test_doctor_cli_reports_leftovers_before_any_engine_reclaims_them():
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+# ---------------------------------------------------------------------------- typed outcomes
+#: after an error, how long the caller's memory is watched for late bytes (a measurement window)
+LATE_BYTES_WINDOW_S = 0.3
+
+
+#: the pull is held this long by a faults-plugin delay before its ops are posted: the window in which the
+#: test unregisters the destination (one call to a child: milliseconds; generous for a loaded machine)
+HOLD_S = 1.5
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_regression_pull_into_a_cache_unregistered_mid_flight_ends_kv_cache_not_exist(transport):
+    """The local destination of a pull is unregistered while the pull is held in flight (a faults-plugin
+    delay before its ops are posted): the pull ends LLM_KV_CACHE_NOT_EXIST (was LLM_FAILED, "not
+    recoverable"), no byte lands in that memory after the call returned, the link stays usable."""
+    delay = json.dumps({"faults": [{"op": "read", "action": "delay", "delay": HOLD_S, "peer": PROMPT}]})
+    with Cluster(env=ENV) as cluster:
+        owner, puller = cluster.spawn("unreg_owner", "unreg_puller")
+        port = owner.call(R.setup, "PROMPT", PROMPT, listen=True, transport=transport)
+        owner.call(R.register_blocks, "src", NT, NB, BS, seed=8, key=(PROMPT, 0))
+        puller.call(R.setup, "DECODER", DECODER, transport=transport, faults=delay, sync_ms=int(2 * HOLD_S * 1000))
+        puller.call(R.register_blocks, "dst", NT, NB, BS)
+        assert puller.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
+        puller.call(R.start_background, "pull", "pull_blocks", ("blocks", PROMPT, 0), "dst",
+                    list(range(NB)), list(range(NB)))
+        assert puller.call(H.wait_fault_fired, 1, 5.0) == 1          # the pull is held in flight
+        unregister_started = puller.call(R.now)
+        assert puller.call(R.unregister, "dst") == "LLM_SUCCESS"     # (waits for in-flight ops to drain)
+        status, took, ended_at = puller.call(R.join_background, "pull", 10.0)
+        assert ended_at > unregister_started, "the hold window was missed: the pull ended before the unregistration"
+        assert status == "LLM_KV_CACHE_NOT_EXIST", status
+        assert puller.call(H.watch_poison, "dst", LATE_BYTES_WINDOW_S), "bytes landed after the pull returned"
+        # the link is fine: register again and pull the right bytes
+        assert puller.call(R.link_states)[PROMPT] == "linked", puller.call(R.stats)["links"]
+        puller.call(R.register_blocks, "dst", NT, NB, BS)
+        assert puller.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", [2, 5], [0, 1])[0] \
+            == "LLM_SUCCESS"
+        got = puller.call(R.snapshot, "dst").reshape(NT, NB, BS)
+        want = R.pattern(PROMPT, 8, NT, NB * BS).reshape(NT, NB, BS)
+        np.testing.assert_array_equal(got[:, [0, 1]], want[:, [2, 5]])
+
+
+@pytest.mark.timeout(60)
+def test_regression_repeated_destination_blocks_hold_the_last_listed_source_across_processes():
+    """A pull naming one destination block twice was accepted with an unspecified (racy) result.
+    Upstream accepts it and copies in list order; llmdd keeps exactly the last listed source."""
+    with Cluster(env=ENV) as cluster:
+        owner, puller = cluster.spawn("dup_owner", "dup_puller")
+        port = owner.call(R.setup, "PROMPT", PROMPT, listen=True)
+        owner.call(R.register_blocks, "src", NT, NB, BS, seed=4, key=(PROMPT, 0))
+        puller.call(R.setup, "DECODER", DECODER)
+        puller.call(R.register_blocks, "dst", NT, NB, BS)
+        assert puller.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
+        src_blocks, dst_blocks = [1, 6, 2, 3], [4, 4, 0, 4]
+        assert puller.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", src_blocks, dst_blocks)[0] \
+            == "LLM_SUCCESS"
+        got = puller.call(R.snapshot, "dst").reshape(NT, NB, BS)
+        want = R.pattern(PROMPT, 4, NT, NB * BS).reshape(NT, NB, BS)
+        np.testing.assert_array_equal(got[:, 4], want[:, 3])      # the last pair for block 4
+        np.testing.assert_array_equal(got[:, 0], want[:, 2])
+        assert (got[:, [1, 2, 3, 5, 6, 7]] == R.POISON).all()
+        assert not np.array_equal(got[:, 4], want[:, 1]) and not np.array_equal(got[:, 4], want[:, 6])
