@@ -159,8 +159,6 @@ class KvCacheManager:
         keys = list(cache_keys or ())
         if self._role != LLMRole.PROMPT:
             raise_if_false(len(keys) == 0, "cache_keys is not supported by {0}", self._role.name)
-        for key in keys:
-            check_cache_key(key)
         self._check_pool()
         rec = self._memory.allocate_cache(cache_desc, keys=self._last_wins(keys), is_blocks=False)
         _log.debug("llmdd.v1.allocated", cache_id=rec.cache_id, keys=len(keys))

@@ -277,9 +277,6 @@ def test_cache_ids_start_at_one_and_addresses_are_per_device():
     (lambda km: km.allocate_cache(CacheDesc(1, [2, 4], DataType.DT_UINT8), [CacheKey(1, 1)] * 0 +
                                   [CacheKey(1, 1), CacheKey(1, 2), CacheKey(1, 3)]), LLMException, PARAM,
      "bigger than batch size"),
-    (lambda km: km.allocate_cache(CacheDesc(1, [1, 4], DataType.DT_UINT8),
-                                  [CacheKey(1, req_id=2**64 - 1, prefix_id=2**64 - 1)]), LLMException, PARAM,
-     "one of req id and prefix id"),
     (lambda km: km.allocate_blocks_cache(CacheDesc(1, [2, 4], DataType.DT_UINT8), CacheKey(1, 1)), TypeError, None,
      "blocks_cache_key"),
     (lambda km: km.deallocate_cache(None), TypeError, None, "cache"),
@@ -307,6 +304,19 @@ def test_duplicate_key_in_one_call_last_wins_and_bound_key_is_refused():
     with pytest.raises(LLMException) as info:
         km.allocate_cache(CacheDesc(1, [1, 4], DataType.DT_UINT8), [key])
     assert info.value.status_code is PARAM and "already exists" in str(info.value)
+
+
+def test_padding_keys_hold_their_slots():
+    dd = v1_engine()
+    km = dd.kv_cache_manager
+    padding = CacheKey(prompt_cluster_id=0, req_id=2**64 - 1, model_id=0)
+    key = CacheKey(prompt_cluster_id=0, req_id=3, model_id=0)
+    km.allocate_cache(CacheDesc(1, [4, 16], DataType.DT_UINT8), [padding, padding, padding, key])
+    assert memory(dd)["cache_keys"] == 1
+    assert dd._core.memory.resolve_key(key)[1] == 3  # upstream's example: only the last slot is valid
+    prefix = CacheKey(0, 2**64 - 1, 0, 7)  # a prefix key (req_id invalid, prefix_id valid)
+    km.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_UINT8), [prefix])
+    assert memory(dd)["cache_keys"] == 2
 
 
 def test_decoder_role_rules_for_keys():
