@@ -140,6 +140,23 @@ def exit_promptly(client: Proc) -> None:
     print(f"exited {took * 1000:.0f} ms after main returned, no segment left", flush=True)
 
 
+def bench_row(build: str) -> None:
+    """``llmdd bench``'s C++ row: skipped with its reason without a build, measured and verified with one."""
+    sys.path.insert(0, os.path.join(HERE, "..", ".."))
+    from llmdd._bench import cpp
+
+    os.environ["LLMDD_CPP_BUILD"] = os.path.join(build, "no-such-build")
+    row = cpp.run_cpp(quick=True, rounds=1)
+    assert set(row) == {"skipped"} and "not built" in row["skipped"], row
+    os.environ["LLMDD_CPP_BUILD"] = build
+    row = cpp.run_cpp(quick=True, progress=print, rounds=1)
+    assert row["verified"] is True, row
+    for side in ("cpp", "python"):
+        assert row[side]["p50_us"] > 0 and row[side]["gbps"] > 0, row
+    assert row["latency_ratio"] == row["cpp"]["p50_us"] / row["python"]["p50_us"]
+    assert "PullKvBlocks" in row["line"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -168,6 +185,8 @@ def main() -> int:
         p = Proc("api_local", [os.path.join(b, "api_local"), "bad_python"], env=env)
         p.wait_for("DONE")
         assert p.finish() == 0
+    elif args.case == "bench_row":
+        bench_row(os.path.dirname(os.path.abspath(b)))
     else:
         raise SystemExit(f"unknown case {args.case}")
     print(f"case {args.case}: passed", flush=True)

@@ -493,6 +493,15 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except BenchError as exc:
             run.results["errors"].append({"step": t, "error": str(exc)})
             progress.note(f"{t} FAILED: {str(exc).splitlines()[0]}")
+    if "cpp" not in opts.skip:  # libllm_datadist's PullKvBlocks vs the Python call (skipped if not built)
+        from .cpp import run_cpp
+
+        try:
+            quick = opts.sizes == Sizes.quick()
+            run.results["cpp"] = run_cpp(quick=quick, progress=progress.note, rounds=1 if quick else 3)
+        except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
+            run.results["errors"].append({"step": "cpp", "error": repr(exc)})
+            progress.note(f"cpp FAILED: {exc!r}")
     meta["load_after"] = load_average()
     meta["elapsed_s"] = time.monotonic() - began
     return run.results
