@@ -6,9 +6,11 @@ Upstream's semantics (``hicann/ge`` ffdcbc9f7496, ``dflow/udf/built_in/llm_commo
 at ``[dst_cache_offset, +length)`` of destination slot ``batch_index``, for every tensor pulled;
 ``dst_cache_offset + length`` beyond the destination slot is ``LLM_PARAM_INVALID``.
 
-The data plane pulls whole slot prefixes, so llmdd pulls ``[0, src_cache_offset + length)`` of the
-source slot into a staging cache from the engine's pool (``LLM_OUT_OF_MEMORY`` when the pool cannot
-hold it), then copies the requested range locally, bounds-checked, and frees the staging cache.
+The data plane pulls slot prefixes (``[0, size)`` of a slot into ``[0, size)`` of a slot).  With both
+offsets 0 that is the request itself.  Otherwise llmdd pulls ``[0, src_cache_offset + length)`` of
+the source slot into a staging cache from the engine's pool (``LLM_OUT_OF_MEMORY`` when the pool
+cannot hold it), then copies the requested range locally, bounds-checked, and frees the staging
+cache: a slower path (a cache allocation announced to linked peers, and an extra local copy).
 The key protocol is the engine's: a pull by ``CacheKey`` consumes the key once the bytes are here.
 """
 
@@ -36,6 +38,11 @@ def pull_with_offsets(memory: Any, transfers: Any, key: Any, rec: Any, *, batch_
     raise_if_false(dst_offset + length <= stride,
                    "[pull_cache] dst_cache_offset ({0}) or size ({1}) is invalid, cache batch stride ({2})",
                    dst_offset, length, stride)
+    if src_offset == 0 and dst_offset == 0:  # both slot starts: the engine's pull of ``length`` bytes is exact
+        view = Cache(rec.cache_id, rec.desc, list(rec.addrs), None, False, False)
+        transfers.pull(key, view, kind="pull_cache", batch_index=batch_index, size=length,
+                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+        return
     dst_tensors = tensor_range(dst_layer_range, len(rec.addrs), tnpl)
     staged = src_offset + length
     desc = CacheDesc(len(rec.addrs), [1, staged], DataType.DT_UINT8, Placement.DEVICE)

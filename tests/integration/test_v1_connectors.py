@@ -330,9 +330,16 @@ def test_pull_cache_with_offsets_moves_exactly_the_named_byte_range(pair):
     assert out == ("ok", None)
     want[:, 1, 8:16] = src[:, 0, 0:8]
     assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
+    # both offsets 0 (the pull itself, no staging): the first 50 bytes of slot 0 into slot 1
+    out = d.call(V.km_call, "pull_cache", CacheKeyByIdAndIndex(PROMPT, 1, 0), ("buf", "dst"), 1, 50,
+                 src_cache_offset=0, dst_cache_offset=0)
+    assert out == ("ok", None)
+    want[:, 1, 0:50] = src[:, 0, 0:50]
+    assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
     # out of a slot on either side: refused, nothing moved, the staging memory given back
     for kwargs, size in [({"src_cache_offset": 200}, -1), ({"dst_cache_offset": 250}, 10),
-                         ({"dst_cache_offset": 256}, -1), ({"src_cache_offset": 250}, 10)]:
+                         ({"dst_cache_offset": 256}, -1), ({"src_cache_offset": 250}, 10),
+                         ({"src_cache_offset": 0, "dst_cache_offset": 0}, 257)]:
         out = d.call(V.km_call, "pull_cache", CacheKeyByIdAndIndex(PROMPT, 1, 0), ("buf", "dst"), 0, size, **kwargs)
         assert out[:3] == ("error", "LLMException", "LLM_PARAM_INVALID"), (kwargs, out)
     assert np.array_equal(d.call(V.snapshot, "dst").reshape(4, 2, 256), want)
