@@ -318,3 +318,13 @@ def gated_status(state: dict, timeout_ms: Optional[int]) -> dict:
 
 def open_gate(state: dict) -> None:
     state["gated"][1].set()
+
+
+def wait_link_count(state: dict, wanted: int, timeout: float = 5.0) -> int:
+    """Poll the number of linked peers until it is ``wanted`` (bounded); returns the last count."""
+    deadline = time.monotonic() + timeout
+    count = link_count(state)
+    while count != wanted and time.monotonic() < deadline:
+        time.sleep(0.005)
+        count = link_count(state)
+    return count
