@@ -328,3 +328,28 @@ def wait_link_count(state: dict, wanted: int, timeout: float = 5.0) -> int:
         time.sleep(0.005)
         count = link_count(state)
     return count
+
+
+def threaded_pipe_recv(state: dict, prompt_cluster_id: int, reqs: list, shape: list, workers: int = 4) -> dict:
+    """``pipe_recv_tensor``'s pull for every ``(req, model_id)`` from ``workers`` threads at once;
+    returns ``[(f"{req}/{model_id}", digest or status name), ...]`` in the order of ``reqs``."""
+    import concurrent.futures
+
+    ld = _ld()
+    kv = state["kv"]
+    desc = ld.CacheDesc(1, shape, ld.DataType.DT_FLOAT16, seq_len_dim_index=1)
+
+    def one(item):
+        req, model_id = item
+        tmp = kv.allocate_cache(desc)
+        try:
+            kv.pull_cache(ld.CacheKey(prompt_cluster_id, _int32_hash(req), model_id), tmp, 0)
+            return f"{req}/{model_id}", _digest(_view(tmp.per_device_tensor_addrs[0][0], desc.size))
+        except ld.LLMException as exc:
+            return f"{req}/{model_id}", exc.status_code.name
+        finally:
+            kv.deallocate_cache(tmp)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, item) for item in reqs]
+        return [f.result(timeout=30) for f in futures]

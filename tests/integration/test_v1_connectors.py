@@ -102,6 +102,28 @@ def test_simple_pipe_flow_defers_free_until_the_decoder_pulled(pair):
     assert d.call(V.v0_close) == ["LLM_SUCCESS", "LLM_SUCCESS"]
 
 
+def test_concurrent_pulls_by_key_from_threads_each_get_their_bytes_once(pair):
+    p, d, port = pair
+    _linked(d, port)
+    shape = [1, 6, 4, 32]
+    items = [(f"req-{i}", m) for i in range(4) for m in (1, 2, 3)]
+    sent = {f"{r}/{m}": p.call(V.pipe_send_tensor, PROMPT, r, m, shape, 1000 + 10 * i + m)["digest"]
+            for i, (r, m) in enumerate(items)}
+    assert len(set(sent.values())) == len(items)
+    assert p.call(V.memory_stats)["caches"] == {"release_pending": len(items)}
+    # every key twice, interleaved, from 4 threads: each key's bytes arrive exactly once (the owner
+    # reserves a key for one puller), the other pull of it finds no key
+    got = d.call(V.threaded_pipe_recv, PROMPT, items + items, shape)
+    by_key: dict = {}
+    for name, result in got:
+        by_key.setdefault(name, []).append(result)
+    assert set(by_key) == set(sent)
+    for name, results in by_key.items():
+        assert sorted(results) == sorted([sent[name], "LLM_KV_CACHE_NOT_EXIST"]), (name, results)
+    assert p.call(V.memory_stats)["caches"] == {}
+    assert d.call(V.memory_stats)["caches"] == {}
+
+
 def test_remove_cache_key_frees_a_deferred_cache_and_the_decoder_cannot_pull_it(pair):
     p, d, port = pair
     _linked(d, port)

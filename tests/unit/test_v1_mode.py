@@ -694,3 +694,23 @@ def test_every_v1_compat_row_names_tests_that_exist():
         assert named, row
         missing = [n for n in named if n not in defined]
         assert not missing, (row, missing)
+
+
+def test_mix_role_allocates_but_neither_keys_nor_pulls_nor_links():
+    dd = v1_engine(LLMRole.MIX)
+    km = dd.kv_cache_manager
+    cache = km.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_UINT8))
+    assert dd.statistics()["listen"] is None  # only a PROMPT listens
+    with pytest.raises(LLMException) as info:
+        km.allocate_cache(CacheDesc(1, [1, 16], DataType.DT_UINT8), [CacheKey(1, 1)])
+    assert str(info.value) == "cache_keys is not supported by MIX"
+    with pytest.raises(LLMException) as info:
+        km.pull_cache(CacheKeyByIdAndIndex(2, 1), cache)
+    assert info.value.status_code is PARAM and "[pull_cache] is not supported by LLMRole.MIX" == str(info.value)
+    with pytest.raises(LLMException) as info:
+        km.remove_cache_key(CacheKey(1, 1))
+    assert info.value.status_code is PARAM
+    peer = LLMClusterInfo()
+    peer.remote_cluster_id = 2
+    peer.append_remote_ip_info("127.0.0.1", 1)
+    assert dd.link_clusters([peer], 500) == (PARAM, [])
