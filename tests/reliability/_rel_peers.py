@@ -337,7 +337,12 @@ def transfer(state: dict, method: str, key: tuple, dst: str, *args: Any, **kwarg
     return "LLM_SUCCESS", time.monotonic() - t0, time.monotonic()
 
 
-def transfer_watch(state: dict, method: str, key: tuple, dst: str, *args: Any, watch_s: float = 0.5,
+#: how long :func:`transfer_watch` watches the destination after an error for late bytes: a
+#: measurement window (nothing may happen in it), not synchronisation
+WATCH_S = 0.5
+
+
+def transfer_watch(state: dict, method: str, key: tuple, dst: str, *args: Any, watch_s: float = WATCH_S,
                    **kwargs: Any) -> dict:
     """A transfer; if it fails, refill ``dst`` with POISON at once and report whether any byte of it
     changed within ``watch_s`` (the "no write after the error" invariant)."""
@@ -585,3 +590,4 @@ def shm_accounting(state: dict) -> dict:
             if pool.get("segment"):
                 segs.append(pool["segment"])
     return {"pid": os.getpid(), "pool_segments": segs}
+
