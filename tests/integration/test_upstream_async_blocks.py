@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import _dataplane_peers as P  # noqa: E402
+import _upstream_peers as U  # noqa: E402
 
 ENV = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
 PROMPT, DECODER = 1, 2
@@ -37,8 +38,14 @@ def peer_pool():
     pool.close()
 
 
-def _run(p, d, port, configs, layers, **blocks):
-    assert d.call(P.link, PROMPT, port) == ["LLM_SUCCESS", "LLM_SUCCESS"]
+def _pair(peer_pool, transport):
+    """Both listen, as in the official sample; the prompt (the sender) links to the decoder."""
+    p, d, _ = peer_pool.pair(transport, prompt_kw=RA, decoder_kw={**RA, "listen": True})
+    return p, d, d.call(U.statistics_listen)[1]
+
+
+def _run(p, d, decoder_port, configs, layers, **blocks):
+    assert p.call(P.link, DECODER, decoder_port) == ["LLM_SUCCESS", "LLM_SUCCESS"]
     p.call(P.start_async, "t", "src", configs, **blocks)
     for layer in layers:
         p.call(P.release_layer, "t", layer)
@@ -49,7 +56,7 @@ def _run(p, d, port, configs, layers, **blocks):
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_official_sample_blocks_key_no_indices(peer_pool, transport):
     # the sample: 2 tensors of [3 blocks, 10 floats], BlocksCacheKey(decoder, 0), layers (0, 1) -> (0, 1)
-    p, d, port = peer_pool.pair(transport, prompt_kw=RA, decoder_kw=RA)
+    p, d, port = _pair(peer_pool, transport)
     nb, bs = 3, 40
     p.call(P.register, "src", 2, [nb, 10], blocks=True, seed=11, key=BlocksCacheKey(PROMPT, 0), dtype="DT_FLOAT")
     d.call(P.register, "dst", 2, [nb, 10], blocks=True, key=BlocksCacheKey(DECODER, 0), dtype="DT_FLOAT")
@@ -68,7 +75,7 @@ def test_official_sample_blocks_key_no_indices(peer_pool, transport):
 def test_blocks_source_by_id_and_layer_offset(peer_pool, transport):
     # upstream's by-id test: a blocks source, CacheKeyByIdAndIndex of a blocks destination, no indices;
     # here with 2 layers and src layer 1 -> dst layer 0
-    p, d, port = peer_pool.pair(transport, prompt_kw=RA, decoder_kw=RA)
+    p, d, port = _pair(peer_pool, transport)
     nb, bs = 4, 64
     p.call(P.register, "src", 4, [nb, bs], blocks=True, seed=12)
     dst_id = d.call(P.register, "dst", 4, [nb, bs], blocks=True)
@@ -83,7 +90,7 @@ def test_blocks_source_by_id_and_layer_offset(peer_pool, transport):
 
 @pytest.mark.parametrize("transport", ["tcp"])
 def test_blocks_source_empty_index_lists_count_as_none(peer_pool, transport):
-    p, d, port = peer_pool.pair(transport, prompt_kw=RA, decoder_kw=RA)
+    p, d, port = _pair(peer_pool, transport)
     nb, bs = 2, 32
     p.call(P.register, "src", 2, [nb, bs], blocks=True, seed=13, key=BlocksCacheKey(PROMPT, 0))
     d.call(P.register, "dst", 2, [nb, bs], blocks=True, key=BlocksCacheKey(DECODER, 0))
@@ -98,7 +105,7 @@ def test_blocks_source_empty_index_lists_count_as_none(peer_pool, transport):
 @pytest.mark.parametrize("transport", ["tcp"])
 def test_contiguous_source_into_blocks_destination_without_indices(peer_pool, transport):
     # the path does not depend on the destination kind either: a batch slot lands at the tensor start
-    p, d, port = peer_pool.pair(transport, prompt_kw=RA, decoder_kw=RA)
+    p, d, port = _pair(peer_pool, transport)
     p.call(P.register, "src", 2, [2, 96], blocks=False, seed=14)
     d.call(P.register, "dst", 2, [4, 48], blocks=True, key=BlocksCacheKey(DECODER, 0))
     cfg = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0), range(0, 1), range(0, 1))
@@ -112,7 +119,7 @@ def test_contiguous_source_into_blocks_destination_without_indices(peer_pool, tr
 @pytest.mark.parametrize("transport", ["tcp"])
 def test_batch_index_beyond_a_blocks_destination_fails_the_config(peer_pool, transport):
     # a blocks cache has one batch slot: batch_index 1 is out of range there (upstream: LLM_PARAM_INVALID)
-    p, d, port = peer_pool.pair(transport, prompt_kw=RA, decoder_kw=RA)
+    p, d, port = _pair(peer_pool, transport)
     p.call(P.register, "src", 2, [2, 32], blocks=True, seed=15)
     dst_id = d.call(P.register, "dst", 2, [2, 32], blocks=True)
     cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(DECODER, dst_id, 1), range(0, 1), range(0, 1))
@@ -124,7 +131,7 @@ def test_batch_index_beyond_a_blocks_destination_fails_the_config(peer_pool, tra
 @pytest.mark.parametrize("transport", ["tcp"])
 def test_slot_larger_than_destination_tensor_is_refused(peer_pool, transport):
     # llmdd bounds the copy by the destination tensor (docs/deviations.md): nothing is written
-    p, d, port = peer_pool.pair(transport, prompt_kw=RA, decoder_kw=RA)
+    p, d, port = _pair(peer_pool, transport)
     p.call(P.register, "src", 2, [1, 256], blocks=False, seed=16)
     d.call(P.register, "dst", 2, [2, 64], blocks=True, key=BlocksCacheKey(DECODER, 0))
     cfg = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0), range(0, 1), range(0, 1))
