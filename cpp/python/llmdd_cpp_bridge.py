@@ -43,6 +43,9 @@ _KEY_MAP = {
 }
 _BUF_POOL = "llm.BufPoolCfg"
 _ROLES = {1: LLMRole.PROMPT, 2: LLMRole.DECODER, 3: LLMRole.MIX}
+_ROLE_NAMES = {1: "prompt", 2: "decoder", 3: "mix"}
+_PULLERS = (2, 3)  # the guide: pulls on a decoder (a mix engine is both)
+_PUSHERS = (1, 3)  # pushes on a prompt
 _DTYPES = {dt.value: dt for dt in DataType}
 
 
@@ -87,6 +90,22 @@ def _invalid(message: str) -> _Fail:
     return _Fail(PARAM_INVALID, message)
 
 
+def _ipv4(text: str, what: str) -> str:
+    """A dotted-quad IPv4 address, as upstream's IpToInt reads it (no host names)."""
+    parts = text.split(".")
+    if len(parts) != 4 or not all(p.isdigit() and len(p) <= 3 and int(p) <= 255 for p in parts):
+        raise _invalid(f"{what} must be an IPv4 address, got {text!r}")
+    return text
+
+
+def _listen(text: str) -> str:
+    ip, sep, port = text.partition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise _invalid(f"llm.ListenIpInfo must be ip:port, got {text!r}")
+    _ipv4(ip, "llm.ListenIpInfo")
+    return text
+
+
 def _pool_size(text: str) -> int:
     """``buf_pool_size`` of an OPTION_BUF_POOL_CFG JSON; the whole text is checked."""
     try:
@@ -95,6 +114,8 @@ def _pool_size(text: str) -> int:
         raise _invalid(f"{_BUF_POOL} is not valid JSON: {exc}") from None
     if not isinstance(cfg, dict):
         raise _invalid(f"{_BUF_POOL} must be a JSON object, got {text!r}")
+    if not cfg:
+        raise _invalid(f"{_BUF_POOL} names neither buf_cfg nor buf_pool_size")
     unknown = set(cfg) - {"buf_cfg", "buf_pool_size"}
     if unknown:
         raise _invalid(f"{_BUF_POOL} has unknown keys {sorted(unknown)}")
@@ -112,8 +133,8 @@ def _pool_size(text: str) -> int:
     size = cfg.get("buf_pool_size")
     if size is None:
         return 0
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-        raise _invalid(f"{_BUF_POOL} buf_pool_size must be a positive integer, got {size!r}")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size < 2 ** 63:
+        raise _invalid(f"{_BUF_POOL} buf_pool_size must be a positive 64-bit integer, got {size!r}")
     return size
 
 
@@ -156,6 +177,8 @@ class Bridge:
         self._caches: dict[int, Any] = {}  # cache id -> llmdd Cache (allocated ones)
         self._flipped: dict[int, tuple] = {}
         self._lock = threading.Lock()
+        self._starting = False
+        self._switch_role = False
         self._alloc_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -167,26 +190,39 @@ class Bridge:
 
     @_call
     def initialize(self, options: dict) -> None:
-        with self._lock:
+        with self._lock:  # state only: the engine is started and stopped outside the lock
             if self.dd is not None:
                 return  # already initialized: success, as upstream
+            if self._starting:
+                raise _Fail(FAILED, "Initialize is already running on another thread")
+            self._starting = True
+        try:
             role = _ROLES.get(self.role)
             if role is None:
                 raise _invalid(f"invalid role {self.role}")
+            if self.role == 1 and "llm.ListenIpInfo" not in options:
+                raise _invalid("a prompt listens: option llm.ListenIpInfo is required")
             opts = self._engine_options(options)
             dd = llmdd.LLMDataDist(role, self.cluster_id)
             dd.init(opts)  # a failed init leaves no engine, pool, socket or thread behind
+        finally:
+            with self._lock:
+                self._starting = False
+        with self._lock:
             self.dd = dd
+            self._switch_role = options.get("llm.EnableSwitchRole") == "1"
 
     def _engine_options(self, options: dict) -> dict:
         if "llm.DeviceId" not in options:
             raise _invalid("option llm.DeviceId is required")
         device = options["llm.DeviceId"].strip()
         parts = device.split(";")
-        if not device or not all(p.strip().isdigit() for p in parts):
-            raise _invalid(f"option llm.DeviceId must be a device id, got {device!r}")
+        if not device or not all(p.strip().isdigit() and int(p) <= 2 ** 31 - 1 for p in parts):
+            raise _invalid(f"option llm.DeviceId must be a device id in [0, 2**31), got {device!r}")
         if len(parts) != 1:
             raise _invalid("one device per process: llm.DeviceId must name exactly one device")
+        if "llm.ListenIpInfo" in options:
+            _listen(options["llm.ListenIpInfo"])
         opts = {}
         for key, value in options.items():
             if key == _BUF_POOL:
@@ -209,8 +245,8 @@ class Bridge:
             dd, self.dd = self.dd, None
             self._caches.clear()
             self._flipped.clear()
-            if dd is not None:
-                dd.finalize()
+        if dd is not None:
+            dd.finalize()
 
     @_call
     def set_role(self, role: int, options: dict) -> None:
@@ -218,6 +254,12 @@ class Bridge:
         target = _ROLES.get(role)
         if target is None:
             raise _invalid(f"invalid role {role}")
+        if not self._switch_role:
+            raise _Fail(S.LLM_FEATURE_NOT_ENABLED.value, "SetRole needs option llm.EnableSwitchRole=1 at Initialize")
+        if role == 1 and "llm.ListenIpInfo" not in options:
+            raise _invalid("switching to prompt needs option llm.ListenIpInfo")
+        if "llm.ListenIpInfo" in options:
+            _listen(options["llm.ListenIpInfo"])
         dd.switch_role(target, {_KEY_MAP.get(k, k): v for k, v in options.items()})
         self.role = role
 
@@ -228,13 +270,9 @@ class Bridge:
         cluster = LLMClusterInfo()
         cluster.remote_cluster_id = remote_id
         for ip, port in local_ips:
-            if not ip:
-                raise _invalid("ip not set in local_ip_infos")
-            cluster.append_local_ip_info(ip, port)
+            cluster.append_local_ip_info(_ipv4(ip, "local_ip_infos ip"), port)
         for ip, port in remote_ips:
-            if not ip:
-                raise _invalid("ip not set in remote_ip_infos")
-            cluster.append_remote_ip_info(ip, port)
+            cluster.append_remote_ip_info(_ipv4(ip, "remote_ip_infos ip"), port)
         return cluster
 
     @_call
@@ -337,6 +375,11 @@ class Bridge:
         core.cache_manager.unregister_cache(cache_id)
 
     # ------------------------------------------------------------------ transfers
+    def _check_role(self, allowed: tuple, call: str) -> None:
+        if self.role not in allowed:
+            who = " or ".join(_ROLE_NAMES[r] for r in allowed)
+            raise _invalid(f"{call} is only supported by a {who}; this LlmDataDist is a {_ROLE_NAMES[self.role]}")
+
     def _as(self, layout, blocks: bool):
         """``layout`` planned as a blocks (or non-blocks) cache: same geometry, other kind."""
         if layout.is_blocks == blocks:
@@ -395,6 +438,7 @@ class Bridge:
     @_call
     def pull_cache(self, src: tuple, dst_id: int, batch_index: int, size: int, ext: tuple) -> None:
         _, core = self._engine()
+        self._check_role(_PULLERS, "PullKvCache")
         if size != -1 and size <= 0:
             raise _invalid(f"invalid size ({size}), size must = -1 or > 0")
         src_range, dst_range = _check_ext(ext[0], ext[1], ext[2], False)
@@ -406,6 +450,7 @@ class Bridge:
     @_call
     def pull_blocks(self, src: tuple, dst_id: int, src_blocks: list, dst_blocks: list, ext: tuple) -> None:
         _, core = self._engine()
+        self._check_role(_PULLERS, "PullKvBlocks")
         cluster_id, cache_id, src_batch = src
         if src_batch != 0:
             raise _invalid(f"invalid src_cache_index.batch_index ({src_batch}), only 0 is supported in pull block")
@@ -429,6 +474,7 @@ class Bridge:
     @_call
     def push_cache(self, src_id: int, dst: tuple, src_batch: int, size: int, ext: tuple) -> None:
         _, core = self._engine()
+        self._check_role(_PUSHERS, "PushKvCache")
         if size != -1:
             raise _invalid(f"invalid size ({size}), size only support -1 currently")
         src_range, dst_range = self._check_push_src(core, src_id, ext)
@@ -440,6 +486,7 @@ class Bridge:
     @_call
     def push_blocks(self, src_id: int, dst: tuple, src_blocks: list, dst_blocks: list, ext: tuple) -> None:
         _, core = self._engine()
+        self._check_role(_PUSHERS, "PushKvBlocks")
         cluster_id, cache_id, dst_batch = dst
         src_range, dst_range = self._check_push_src(core, src_id, ext)
         if not src_blocks:

@@ -91,6 +91,7 @@ std::map<AscendString, AscendString> Options(uint16_t port, const char *pool) {
   options[OPTION_DEVICE_ID] = "0";
   options[OPTION_LISTEN_IP_INFO] = ("127.0.0.1:" + std::to_string(port)).c_str();
   options[OPTION_BUF_POOL_CFG] = pool;
+  options[OPTION_ENABLE_SET_ROLE] = "1";
   return options;
 }
 
@@ -129,7 +130,7 @@ int main(int argc, char **argv) {
   const uint16_t port = FreePort();
   const char *pool = R"({"buf_cfg":[{"total_size":2097152,"blk_size":256,"max_buf_size":8192}],
                          "buf_pool_size": 16777216})";
-  LlmDataDist dd(PROMPT_CLUSTER_ID, LlmRole::kPrompt);
+  LlmDataDist dd(PROMPT_CLUSTER_ID, LlmRole::kMix);  // a mix engine may pull and push
 
   // ---- before Initialize
   Cache early;
@@ -145,7 +146,22 @@ int main(int argc, char **argv) {
     options.erase(OPTION_DEVICE_ID);
     CHECK_EQ(dd.Initialize(options), LLM_PARAM_INVALID);
   }
+  for (const char *bad_device : {"", "a", "-1", "4294967295", "0;1"}) {
+    auto options = Options(port, pool);
+    options[OPTION_DEVICE_ID] = bad_device;
+    CHECK_EQ(dd.Initialize(options), LLM_PARAM_INVALID);
+  }
+  for (const char *bad_listen : {"", "127.0.0.1", "127.0.1:26000", "256.0.0.1:26000", "a.a.a.a:26000",
+                                 "127.0.0.1:-1", "127.0.0.1:", "127.0.0.1:a", "127.0.0.1:65536"}) {
+    auto options = Options(port, pool);
+    options[OPTION_LISTEN_IP_INFO] = bad_listen;
+    CHECK_EQ(dd.Initialize(options), LLM_PARAM_INVALID);
+  }
+  CHECK(PortFree(port));
   const char *bad_pools[] = {
+      "",                                                    // empty
+      "{}",                                                  // names nothing
+      R"({"buf_pool_size": 111111111111111111111111111111111111})",  // not 64-bit
       "{",                                                   // not JSON
       "[1, 2]",                                              // not an object
       R"({"buf_pool_size": -1})",                            // not positive
@@ -324,6 +340,7 @@ int main(int argc, char **argv) {
   // ---- links: bad arguments, nobody listening
   CHECK_EQ(dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.0.1", port)}, rets, 0), LLM_PARAM_INVALID);
   CHECK_EQ(dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "", port)}, rets), LLM_PARAM_INVALID);
+  CHECK_EQ(dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.1", port)}, rets), LLM_PARAM_INVALID);
   {
     const Status s = dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.0.1", FreePort())}, rets, 500);
     CHECK(s != LLM_SUCCESS);
@@ -374,6 +391,43 @@ int main(int argc, char **argv) {
   CHECK_EQ(dd.AllocateCache(Desc(), again), LLM_SUCCESS);
   CHECK(again.cache_id > 0);
   dd.Finalize();
+  CHECK_EQ(SegmentsOfThisProcess(), 0);
+
+  // ---- role rules: a prompt listens and pushes, a decoder pulls, SetRole needs EnableSwitchRole
+  {
+    LlmDataDist prompt(PROMPT_CLUSTER_ID, LlmRole::kPrompt);
+    auto options = Options(port, pool);
+    options.erase(OPTION_LISTEN_IP_INFO);
+    CHECK_EQ(prompt.Initialize(options), LLM_PARAM_INVALID);
+    CHECK(std::string(llmdd::LastErrorMessage()).find("llm.ListenIpInfo") != std::string::npos);
+    CHECK_EQ(prompt.Initialize(Options(port, pool)), LLM_SUCCESS);
+    Cache c;
+    CHECK_EQ(prompt.AllocateCache(Desc(), c), LLM_SUCCESS);
+    CHECK_EQ(prompt.PullKvCache(remote, c), LLM_PARAM_INVALID);
+    CHECK(std::string(llmdd::LastErrorMessage()).find("decoder") != std::string::npos);
+    CHECK_EQ(prompt.PullKvBlocks(remote, c, {0}, {0}), LLM_PARAM_INVALID);
+    CHECK_EQ(prompt.PushKvBlocks(c, remote, {0}, {0}), LLM_NOT_YET_LINK);  // allowed: no link yet
+    CHECK_EQ(prompt.PushKvCache(c, remote), LLM_NOT_YET_LINK);
+    CHECK_EQ(prompt.SetRole(LlmRole::kPrompt, {}), LLM_PARAM_INVALID);  // a prompt listens
+    prompt.Finalize();
+  }
+  {
+    LlmDataDist decoder(DECODER_CLUSTER_ID, LlmRole::kDecoder);
+    std::map<AscendString, AscendString> options;
+    options[OPTION_DEVICE_ID] = "0";
+    options[OPTION_BUF_POOL_CFG] = pool;
+    CHECK_EQ(decoder.Initialize(options), LLM_SUCCESS);
+    Cache c;
+    CHECK_EQ(decoder.AllocateCache(Desc(), c), LLM_SUCCESS);
+    const CacheIndex prompt_index{PROMPT_CLUSTER_ID, 1, 0};
+    CHECK_EQ(decoder.PushKvCache(c, prompt_index), LLM_PARAM_INVALID);
+    CHECK(std::string(llmdd::LastErrorMessage()).find("prompt") != std::string::npos);
+    CHECK_EQ(decoder.PushKvBlocks(c, prompt_index, {0}, {0}), LLM_PARAM_INVALID);
+    CHECK_EQ(decoder.PullKvBlocks(prompt_index, c, {0}, {0}), LLM_NOT_YET_LINK);
+    CHECK_EQ(decoder.PullKvCache(prompt_index, c), LLM_NOT_YET_LINK);
+    CHECK_EQ(decoder.SetRole(LlmRole::kMix), LLM_FEATURE_NOT_ENABLED);  // not enabled at Initialize
+    decoder.Finalize();
+  }
   CHECK_EQ(SegmentsOfThisProcess(), 0);
 
   std::printf("%d failure(s)\n", g_failures);

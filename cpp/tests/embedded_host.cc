@@ -22,7 +22,7 @@ int main() {
     return 1;
   }
   int failures = 0;
-  LlmDataDist dd(PROMPT_CLUSTER_ID, LlmRole::kPrompt);
+  LlmDataDist dd(PROMPT_CLUSTER_ID, LlmRole::kMix);
   std::map<AscendString, AscendString> options;
   options[OPTION_DEVICE_ID] = "0";
   options[OPTION_BUF_POOL_CFG] = R"({"buf_pool_size": 16777216})";

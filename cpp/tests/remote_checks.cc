@@ -56,6 +56,7 @@ int main(int argc, char **argv) {
   options[OPTION_DEVICE_ID] = "0";
   options[OPTION_BUF_POOL_CFG] = R"({"buf_pool_size": 16777216})";
   options[OPTION_SYNC_CACHE_WAIT_TIME] = "5000";
+  options[OPTION_ENABLE_SET_ROLE] = "1";
   CHECK_EQ(dd.Initialize(options), LLM_SUCCESS);
   std::vector<ClusterInfo> clusters{Cluster(PROMPT_CLUSTER_ID, "127.0.0.1", port)};
   std::vector<Status> rets;
@@ -110,11 +111,18 @@ int main(int argc, char **argv) {
   ext.src_layer_range = {2, 2};
   ext.dst_layer_range = {0, 0};
   CHECK_EQ(dd.PullKvBlocks(CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, d1, {0}, {0}, ext), LLM_PARAM_INVALID);
-  CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 77, 0}, {0}, {0}), LLM_KV_CACHE_NOT_EXIST);
-  CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, {0}, {9}), LLM_PARAM_INVALID);
   for (uint32_t t = 0; t < NUM_TENSORS; ++t) {
     CHECK(Same(d1, t, 0, 90, 0, kTensorBytes));
   }
+
+  // a decoder does not push; as a mix engine (SetRole needs no link) it does
+  CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, {1, 2}, {5, 6}), LLM_PARAM_INVALID);
+  CHECK_EQ(dd.SetRole(LlmRole::kMix), LLM_EXIST_LINK);
+  CHECK_EQ(dd.UnlinkLlmClusters(clusters, rets), LLM_SUCCESS);
+  CHECK_EQ(dd.SetRole(LlmRole::kMix), LLM_SUCCESS);
+  CHECK_EQ(dd.LinkLlmClusters(clusters, rets, 3000), LLM_SUCCESS);
+  CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 77, 0}, {0}, {0}), LLM_KV_CACHE_NOT_EXIST);
+  CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, {0}, {9}), LLM_PARAM_INVALID);
 
   // push, then read back what landed on the prompt
   CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, {1, 2}, {5, 6}), LLM_SUCCESS);
