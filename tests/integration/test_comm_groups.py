@@ -22,6 +22,13 @@ import _peers as P  # noqa: E402  (children load it from its file: see the harne
 
 pytestmark = pytest.mark.timeout(60)
 
+#: link_total_time of the missing-member case (seconds)
+LINK_TOTAL_S = 2
+#: how late after link_total_time a comm group that cannot come up may read FAILED: the group's
+#: deadline check plus the 20 ms poll of ``group_wait`` and the harness round trips, on a loaded
+#: 2-core box.  A documented constant, not an environment knob; raising it hides a slow failure path
+FAILED_SLACK_S = 1.5
+
 
 def rank_table_v10(n: int) -> str:
     devices = [{"device_id": str(i), "device_ip": "127.0.0.1", "rank_id": str(i)} for i in range(n)]
@@ -99,14 +106,14 @@ def test_group_with_a_missing_member_fails_after_link_total_time(tmp_path):
     with Cluster(env=_env(tmp_path)) as c:
         present = c.spawn("m701", "m702")
         for h, cid in zip(present, ids):
-            h.call(P.start, "DECODER", cid, seed=cid, local_comm_res=False, link_total_time=2)
+            h.call(P.start, "DECODER", cid, seed=cid, local_comm_res=False, link_total_time=LINK_TOTAL_S)
         futures = [h.call_async(P.group_link, "lonely", rank_info, table) for h in present]
         comm_ids = [f.result(10.0) for f in futures]
         waits = [h.call_async(P.group_wait, cid, 8.0) for h, cid in zip(present, comm_ids)]
         for fut in waits:
             status, took = fut.result(12.0)
             assert status == "FAILED"
-            assert 1.5 <= took <= 5.0, took  # link_total_time 2 s + margin for a loaded machine
+            assert LINK_TOTAL_S - 0.5 <= took <= LINK_TOTAL_S + FAILED_SLACK_S, took
         events = present[0].call(P.events, "comm_group")
         assert events and events[-1]["dest"] == "failed" and events[-1]["error"], events
         # it stays FAILED, and unlink cleans it up on both present members
