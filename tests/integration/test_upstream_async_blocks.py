@@ -138,3 +138,23 @@ def test_slot_larger_than_destination_tensor_is_refused(peer_pool, transport):
     code, results = _run(p, d, port, [cfg], [0])
     assert (code, results) == ("LLM_PARAM_INVALID", ["LLM_PARAM_INVALID"])
     assert not d.call(P.snapshot, "dst").any()
+
+
+@pytest.mark.parametrize("key_kind", ["blocks_key", "by_id"])
+def test_upstream_remote_cache_tests_with_allocated_blocks_caches(peer_pool, key_kind):
+    # upstream's test_transfer_cache_with_cache_key / _with_cache_id: CacheDesc(2, [2, 8], DT_INT8),
+    # both caches from allocate_blocks_cache, layers (0, 1) -> (0, 1), no block indices
+    pools = {**RA, "mem_pool": 1 << 20}
+    p, d, _ = peer_pool.pair("tcp", prompt_kw=pools, decoder_kw={**pools, "listen": True})
+    dport = d.call(U.statistics_listen)[1]
+    p.call(P.allocate, "src", 2, [2, 8], blocks=True, seed=17)
+    dst_id = d.call(P.allocate, "dst", 2, [2, 8], blocks=True, key=BlocksCacheKey(DECODER, 0))
+    d.call(P.fill, "dst", 0)
+    key = BlocksCacheKey(cluster_id=DECODER, model_id=0) if key_kind == "blocks_key" else \
+        CacheKeyByIdAndIndex(cluster_id=DECODER, cache_id=dst_id)
+    code, results = _run(p, d, dport, [TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1))], [0])
+    assert (code, results) == ("LLM_SUCCESS", ["LLM_SUCCESS"])
+    src = p.call(P.snapshot, "src").reshape(2, 2, 8)
+    dst = d.call(P.snapshot, "dst").reshape(2, 2, 8)
+    assert src[:, 1].any(), "control: the block that must not travel holds data"
+    assert np.array_equal(dst[:, 0], src[:, 0]) and not dst[:, 1].any()
