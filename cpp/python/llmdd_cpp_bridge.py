@@ -24,7 +24,7 @@ from typing import Any, Optional
 import attrs
 
 import llmdd
-from llmdd import (BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMClusterInfo, LLMException,
+from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMException,
                    LLMRole, LLMStatusCode, Placement)
 from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
 from llmdd._planner import plan_blocks, plan_cache, tensor_range

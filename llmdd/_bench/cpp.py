@@ -148,8 +148,8 @@ def pydecoder(port: int, lat_n: int, lat_warmup: int, tensors: int, blocks: int,
     dd.unlink_clusters([info], 1000)
     dd.finalize()
     print(json.dumps({"p50_us": us[len(us) // 2], "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))], "n": len(us),
-                      "call_p50_us": call_us[len(call_us) // 2], "gbps": rates[len(rates) // 2], "gbps_all": rates, "bytes": nbytes, "verified": verified,
-                      "rss_bytes": rss}), flush=True)
+                      "call_p50_us": call_us[len(call_us) // 2], "gbps": rates[len(rates) // 2],
+                      "gbps_all": rates, "bytes": nbytes, "verified": verified, "rss_bytes": rss}), flush=True)
 
 
 def _free_port() -> int:
@@ -207,8 +207,8 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.kill()
-    med = {side: {k: statistics.median(x[k] for x in runs[side]) for k in ("p50_us", "p99_us", "call_p50_us", "gbps", "rss_bytes")}
-           for side in runs}
+    keys = ("p50_us", "p99_us", "call_p50_us", "gbps", "rss_bytes")
+    med = {side: {k: statistics.median(x[k] for x in runs[side]) for k in keys} for side in runs}
     lat_ratio = med["cpp"]["p50_us"] / med["python"]["p50_us"]
     bw_ratio = med["cpp"]["gbps"] / med["python"]["gbps"]
     rss_delta = med["cpp"]["rss_bytes"] - med["python"]["rss_bytes"]
