@@ -111,7 +111,8 @@ class EngineConfig:
         device_num = len(engine_options["ge.exec.deviceId"].split(";"))
         info: dict = {"cluster_id": cluster_id, "logic_device_id": [f"0:0:{i}:0" for i in range(device_num)]}
         if role == LLMRole.PROMPT:
-            raise_if_false("llm.listenIpInfo" in engine_options, "neither llm.ClusterInfo nor llm.listenIp was specified")
+            raise_if_false("llm.listenIpInfo" in engine_options,
+                           "neither llm.ClusterInfo nor llm.listenIp was specified")
             listen = engine_options["llm.listenIpInfo"]
             check_isinstance("listen_ip_info", listen, [str])
             parts = listen.split(";")

@@ -201,7 +201,8 @@ def test_log_helpers_use_the_llm_datadist_logger(caplog):
         log.info("i %d", 1)
         log.warn("w %s", "x")
         log.error("e")
-    got = [(r.levelno, r.getMessage(), os.path.basename(r.pathname)) for r in caplog.records if r.name == "LLM_DATADIST"]
+    got = [(r.levelno, r.getMessage(), os.path.basename(r.pathname))
+           for r in caplog.records if r.name == "LLM_DATADIST"]
     here = os.path.basename(__file__)
     assert got == [(logging.INFO, "i 1", here), (logging.WARNING, "w x", here), (logging.ERROR, "e", here)]
     assert logger.handlers == handlers_before  # llmdd attaches no handler (docs/deviations.md)

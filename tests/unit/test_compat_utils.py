@@ -29,7 +29,8 @@ def test_check_isinstance_messages():
     assert str(info.value) == "v only support ['int', 'str'], but got <class 'float'>."
     with pytest.raises(TypeError) as info:
         check_isinstance("v", "x", int, extra_fmt="While enable_remote_cache_accessible is True, ")
-    assert str(info.value) == "While enable_remote_cache_accessible is True, v only support ['int'], but got <class 'str'>."
+    assert str(info.value) == ("While enable_remote_cache_accessible is True, "
+                               "v only support ['int'], but got <class 'str'>.")
     with pytest.raises(TypeError) as info:
         check_isinstance("v", None, int, allow_none=False)
     assert str(info.value) == "v only support ['int'], but got <class 'NoneType'>."
