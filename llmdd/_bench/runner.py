@@ -48,12 +48,13 @@ class Sizes:
     links: tuple = (1, 2, 4, 8, 16, 32, 64)
     stream_bytes: int = GiB
     concurrent_links: bool = False  # link the clients between two measuring points at once (--quick)
+    scaling_links: tuple = (1, 64, 1000)  # synthetic-client link scaling of one server (.scaling); () skips
 
     @classmethod
     def quick(cls) -> "Sizes":
         return cls(kv_bytes=128 * MiB, contiguous_bytes=128 * MiB, runs=3, warmup=1, latency_n=200,
                    latency_warmup=20, decoders=(1, 2), decoder_blocks=16, decoder_reps=2, links=(1, 2, 4, 8),
-                   stream_bytes=128 * MiB, concurrent_links=True)
+                   stream_bytes=128 * MiB, concurrent_links=True, scaling_links=())
 
 
 @dataclass
@@ -493,6 +494,14 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except BenchError as exc:
             run.results["errors"].append({"step": t, "error": str(exc)})
             progress.note(f"{t} FAILED: {str(exc).splitlines()[0]}")
+    if opts.sizes.scaling_links and "scaling" not in opts.skip:
+        from .scaling import run_scaling
+
+        try:
+            run.results["scaling"] = run_scaling(opts.sizes.scaling_links, progress=progress.note)
+        except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
+            run.results["errors"].append({"step": "scaling", "error": repr(exc)})
+            progress.note(f"scaling FAILED: {exc!r}")
     if "cpp" not in opts.skip:  # libllm_datadist's PullKvBlocks vs the Python call (skipped if not built)
         from .cpp import run_cpp
 
