@@ -400,11 +400,11 @@ def test_f19_force_unlink_with_pulls_in_flight_fails_them_promptly(rig):
     assert d.call(R.fault_fired) == [("read", "partition")], "a second batch was posted"
     assert PROMPT not in d.call(R.link_states)
     d.call(R.fill, "dst", R.POISON)
+    d.call(R.fault_heal)     # ends the partition: a batch the unlink had not drained would go on now
     time.sleep(WATCH_S)
-    assert d.call(R.poison_kept, "dst")
+    assert d.call(R.poison_kept, "dst"), "a pull's bytes landed after the force unlink failed it"
     state, waited = rig.p.call(R.wait_link_state, DECODER_ID, ("failed",), LIVENESS_S + 2.0, timeout=15)
     assert state == "failed", (state, waited)
-    d.call(R.fault_heal)
     rig.invariants()
 
 
@@ -490,10 +490,10 @@ def test_f25_unregister_local_cache_under_an_inflight_pull(rig):
     assert status == UNREGISTERED_MID_PULL, (status, took)
     assert end - unregistered <= EPS, (end - unregistered, took)   # drained by the unregister
     d.call(R.fill, "dst", R.POISON)
+    d.call(R.fault_heal)     # ends the partition: a batch the unregister had not drained would go on now
     time.sleep(WATCH_S)
     assert d.call(R.poison_kept, "dst"), "a pull wrote into memory after it was unregistered"
     assert d.call(R.link_states)[PROMPT] == "linked"
-    d.call(R.fault_heal)                       # end the channel's partition
     d.call(R.register_blocks, "dst", NT, NB, BS)
     rig.check_p_data()                         # the same link moves correct bytes again
     rig.invariants()
