@@ -185,6 +185,10 @@ class Rig:
         h = getattr(self, attr)
         snap = self.baseline if attr == "d" else h.call(R.resource_snapshot)
         segs = {n for n, pid in _llmdd_segments().items() if pid == h.pid}
+        # right after its (re-)init every segment of the process belongs to its current pools: the
+        # previous engine of that process took its own segments with it at finalize
+        stray = sorted(segs - set(h.call(R.shm_accounting)["pool_segments"]))
+        assert not stray, f"{attr} (pid {h.pid}) holds segments no pool of its engine accounts for: {stray}"
         self.baselines[attr] = (h.pid, snap, segs, warm)
 
     def _ignore(self, pid: int) -> tuple:
