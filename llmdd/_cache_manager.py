@@ -13,7 +13,7 @@ Remote operations (pull/push/transfer) delegate to the data plane (``_transfer.p
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ._enums import Memtype, Placement
 from ._cache_manager_remote import RemoteOperations
@@ -32,6 +32,35 @@ _log = get_logger("llmdd.cache_manager")
 _NUM_TENSORS_PER_LAYER = 2
 
 
+def _tensor_addrs(addrs: Any, cache_desc: CacheDesc) -> tuple:
+    """``addrs`` with CPU torch tensors (duck-typed: ``data_ptr``, ``device``) replaced by their
+    addresses, and the tensors to keep alive while registered.  Other elements pass unchanged (the
+    contract's checks judge them).  torch is never imported here."""
+    if not isinstance(addrs, list) or not any(hasattr(a, "data_ptr") and hasattr(a, "device") for a in addrs):
+        return addrs, ()
+    out: list = []
+    held: list = []
+    for i, a in enumerate(addrs):
+        if not (hasattr(a, "data_ptr") and hasattr(a, "device")):
+            out.append(a)
+            continue
+        device = getattr(a.device, "type", str(a.device))
+        if device != "cpu":
+            raise LLMException(f"addrs[{i}] is a tensor on {a.device}: llmdd has no device-memory path yet "
+                               f"(register host memory: a CPU tensor or an address)",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        if not a.is_contiguous():
+            raise LLMException(f"addrs[{i}] is a non-contiguous tensor: a cache tensor must be one contiguous range",
+                               status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        nbytes = int(a.numel()) * int(a.element_size())
+        if nbytes < cache_desc.size:
+            raise LLMException(f"addrs[{i}] is a tensor of {nbytes} bytes; each tensor of this cache needs "
+                               f"{cache_desc.size} bytes", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+        out.append(int(a.data_ptr()))
+        held.append(a)
+    return out, tuple(held)
+
+
 class CacheManager(RemoteOperations):
     """Obtained through ``LLMDataDist.cache_manager``; not built by users."""
 
@@ -44,6 +73,7 @@ class CacheManager(RemoteOperations):
         self._enable_remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self._enable_local_comm_res = "llm.LocalCommRes" in options
         self._profile = PROFILES["generic"]  # the engine sets the selected chip-family profile
+        self._held_tensors: dict = {}  # cache id -> the torch tensors registered in place (kept alive)
 
     # ------------------------------------------------------------------ helpers
     def _check_is_inited(self) -> None:
@@ -89,9 +119,14 @@ class CacheManager(RemoteOperations):
     def register_cache(self, cache_desc: CacheDesc, addrs: List[int],
                        cache_keys: Union[Tuple[CacheKey, ...], List[CacheKey]] = (),
                        remote_accessible: Optional[bool] = None) -> Cache:
-        """Register caller memory: one address per tensor, ``cache_desc.size`` bytes each."""
+        """Register caller memory: one address per tensor, ``cache_desc.size`` bytes each.
+
+        llmdd extension: an element of ``addrs`` may be a CPU ``torch.Tensor`` (contiguous, at least
+        ``cache_desc.size`` bytes), registered in place through ``data_ptr()`` and kept alive while
+        registered; a CUDA tensor is refused (no device-memory path yet)."""
         self._check_is_inited()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        addrs, held = _tensor_addrs(addrs, cache_desc)
         check_isinstance("addrs", addrs, list, int, allow_none=False)
         check_isinstance("cache_keys", cache_keys, [tuple, list], CacheKey)
         check_isinstance("remote_accessible", remote_accessible, bool)
@@ -104,15 +139,22 @@ class CacheManager(RemoteOperations):
         check_registration(self._profile, self._memory.records(), cache_desc, addrs, remote_accessible=granted)
         rec = self._memory.register_cache(cache_desc, list(addrs), keys=tuple(cache_keys or ()),
                                           remote_accessible=granted, is_blocks=False)
+        if held:
+            self._held_tensors[rec.cache_id] = held
         _log.debug("llmdd.cache.registered", cache_id=rec.cache_id, tensors=len(addrs))
         return Cache(rec.cache_id, cache_desc, list(addrs), self, True, False)
 
     def register_blocks_cache(self, cache_desc: CacheDesc, addrs: List[int],
                               blocks_cache_key: Optional[BlocksCacheKey] = None,
                               remote_accessible: Optional[bool] = None) -> Cache:
-        """Register caller memory as a blocks cache (``shape[0]`` = number of blocks)."""
+        """Register caller memory as a blocks cache (``shape[0]`` = number of blocks).
+
+        llmdd extension: ``addrs`` may hold CPU ``torch.Tensor`` objects, as for :meth:`register_cache`
+        (e.g. one tensor per layer, every layer a view of one shared buffer: each view is one tensor
+        of the blocks cache)."""
         self._check_is_inited()
         check_isinstance("cache_desc", cache_desc, CacheDesc, allow_none=False)
+        addrs, held = _tensor_addrs(addrs, cache_desc)
         check_isinstance("addrs", addrs, list, int, allow_none=False)
         check_isinstance("blocks_cache_key", blocks_cache_key, BlocksCacheKey)
         check_isinstance("remote_accessible", remote_accessible, bool)
@@ -127,6 +169,8 @@ class CacheManager(RemoteOperations):
         check_registration(self._profile, self._memory.records(), cache_desc, addrs, remote_accessible=granted)
         rec = self._memory.register_cache(cache_desc, list(addrs), blocks_key=blocks_cache_key,
                                           remote_accessible=granted, is_blocks=True)
+        if held:
+            self._held_tensors[rec.cache_id] = held
         _log.debug("llmdd.cache.registered", cache_id=rec.cache_id, tensors=len(addrs), blocks=True)
         return Cache(rec.cache_id, cache_desc, list(addrs), self, True, True)
 
@@ -136,6 +180,7 @@ class CacheManager(RemoteOperations):
         check_isinstance("cache_id", cache_id, int, allow_none=False)
         check_int64("cache_id", cache_id)
         self._memory.unregister_cache(cache_id)
+        self._held_tensors.pop(cache_id, None)
 
     # ------------------------------------------------------------------ allocate
     def allocate_cache(self, cache_desc: CacheDesc,

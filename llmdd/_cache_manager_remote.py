@@ -6,7 +6,7 @@ They need the data plane (``_transfer.TransferEngine``), which the engine attach
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 from ._enums import Placement
 from ._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
@@ -42,6 +42,27 @@ def _check_blocks(name: str, blocks) -> list:
     return [int(b) for b in blocks]  # a bool passes as upstream and travels as the int it stands for
 
 
+def _check_tag(tag) -> Optional[tuple]:
+    """An llmdd extension: the opaque tag of a transfer (bytes or str, at most 256 bytes in UTF-8),
+    delivered to the owner with that transfer's "peer finished reading/writing" event."""
+    from ._transfer import MAX_TAG_BYTES
+
+    if tag is None:
+        return None
+    if isinstance(tag, str):
+        data, is_str = tag.encode("utf-8"), True
+    elif isinstance(tag, (bytes, bytearray, memoryview)):
+        data, is_str = bytes(tag), False
+    else:
+        raise TypeError(f"tag only support ['bytes', 'str'], but got {type(tag)}")
+    raise_if_false(len(data) <= MAX_TAG_BYTES, "tag must be at most {} bytes, but got {}.", MAX_TAG_BYTES, len(data))
+    return data, is_str
+
+
+def _check_callback(callback) -> None:
+    raise_if_false(callback is None or callable(callback), "callback must be callable or None.")
+
+
 def _check_size(size) -> None:
     check_int64("size", size)
     raise_if_false(size == -1 or size > 0, "size must be -1 or > 0, but got {}.", size)
@@ -75,8 +96,25 @@ class RemoteOperations:
     """Mixin of ``CacheManager``: pulls, pushes and the layer-wise async transfer."""
 
     def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache,
-                   batch_index: int = 0, size: int = -1, **kwargs) -> None:
-        """Pull a remote cache (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into a local non-blocks cache."""
+                   batch_index: int = 0, size: int = -1, *, tag: Optional[Union[bytes, str]] = None,
+                   **kwargs) -> None:
+        """Pull a remote cache (by ``CacheKey`` or ``CacheKeyByIdAndIndex``) into a local non-blocks cache.
+
+        ``tag`` (llmdd extension, keyword only): delivered to the owner with this pull's "peer
+        finished reading" event (acknowledged before the call returns)."""
+        self._prepare_pull_cache(cache_key, cache, batch_index, size, tag, kwargs)[1]()
+
+    def pull_cache_async(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache,
+                         batch_index: int = 0, size: int = -1, *, tag: Optional[Union[bytes, str]] = None,
+                         callback: Optional[Callable[[LLMStatusCode], None]] = None, **kwargs) -> CacheTask:
+        """llmdd extension: :meth:`pull_cache` without blocking the caller; returns a ``CacheTask``
+        (``synchronize`` / ``get_results``; one result) and calls ``callback(status)`` once when done.
+        Arguments are checked at once (a bad one raises here, as for the blocking call)."""
+        _check_callback(callback)
+        engine, run = self._prepare_pull_cache(cache_key, cache, batch_index, size, tag, kwargs)
+        return CacheTask(engine.submit_pull(cache_key.cluster_id, run, callback))
+
+    def _prepare_pull_cache(self, cache_key, cache, batch_index, size, tag, kwargs) -> tuple:
         engine = _transfers(self)
         if self._enable_remote_cache_accessible:
             check_isinstance("cache_key", cache_key, CacheKeyByIdAndIndex, allow_none=False)
@@ -87,15 +125,37 @@ class RemoteOperations:
         check_uint32("batch_index", batch_index)
         _check_size(size)
         src_range, dst_range, tnpl = _check_pull_kwargs(kwargs)
+        wire_tag = _check_tag(tag)
         if isinstance(cache_key, CacheKey):
             check_cache_key(cache_key)
-        engine.pull(cache_key, cache, kind="pull_cache", batch_index=int(batch_index), size=int(size),
-                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
+
+        def run() -> None:
+            engine.pull(cache_key, cache, kind="pull_cache", batch_index=int(batch_index), size=int(size),
+                        src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl, tag=wire_tag)
+        return engine, run
 
     def pull_blocks(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                     dst_cache: Cache, src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
-                    dst_blocks: Union[Tuple[int], List[int]] = (), **kwargs) -> None:
-        """Pull remote blocks (or a contiguous remote batch slot) into blocks of a local blocks cache."""
+                    dst_blocks: Union[Tuple[int], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
+                    **kwargs) -> None:
+        """Pull remote blocks (or a contiguous remote batch slot) into blocks of a local blocks cache.
+
+        ``tag`` (llmdd extension, keyword only): delivered to the owner with this pull's "peer
+        finished reading" event (acknowledged before the call returns)."""
+        self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)[1]()
+
+    def pull_blocks_async(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
+                          dst_cache: Cache, src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
+                          dst_blocks: Union[Tuple[int], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
+                          callback: Optional[Callable[[LLMStatusCode], None]] = None, **kwargs) -> CacheTask:
+        """llmdd extension: :meth:`pull_blocks` without blocking the caller; returns a ``CacheTask``
+        (``synchronize`` / ``get_results``; one result) and calls ``callback(status)`` once when done.
+        Many may be in flight per link; arguments are checked at once (a bad one raises here)."""
+        _check_callback(callback)
+        engine, run = self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)
+        return CacheTask(engine.submit_pull(src_cache_key.cluster_id, run, callback))
+
+    def _prepare_pull_blocks(self, src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs) -> tuple:
         engine = _transfers(self)
         check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey),
                          allow_none=False)
@@ -112,15 +172,24 @@ class RemoteOperations:
         else:
             raise_if_false(len(src_list) == 0, "src_blocks must be empty when pulling from a non-blocks cache key.")
         src_range, dst_range, tnpl = _check_pull_kwargs(kwargs)
+        wire_tag = _check_tag(tag)
         if isinstance(src_cache_key, CacheKey):
             check_cache_key(src_cache_key)
-        engine.pull(src_cache_key, dst_cache, kind="pull_blocks", src_blocks=src_list or None, dst_blocks=dst_list,
-                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
+
+        def run() -> None:
+            engine.pull(src_cache_key, dst_cache, kind="pull_blocks", src_blocks=src_list or None,
+                        dst_blocks=dst_list, src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl,
+                        tag=wire_tag)
+        return engine, run
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
                    src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
-                   size: int = -1, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER) -> None:
-        """Push a local non-blocks cache into a remote cache addressed by id and batch index."""
+                   size: int = -1, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER, *,
+                   tag: Optional[Union[bytes, str]] = None) -> None:
+        """Push a local non-blocks cache into a remote cache addressed by id and batch index.
+
+        ``tag`` (llmdd extension, keyword only): delivered to the owner with this push's "peer
+        finished writing" event (acknowledged before the call returns)."""
         engine = _transfers(self)
         raise_if_false(self._enable_remote_cache_accessible,
                        "push_cache requires enable_remote_cache_accessible to be True.")
@@ -135,14 +204,20 @@ class RemoteOperations:
         src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
         if not src_range:
             return
+        wire_tag = _check_tag(tag)
         engine.push(dst_cache_key, src_cache, kind="push_cache", src_batch_index=int(src_batch_index),
-                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=int(tensor_num_per_layer))
+                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=int(tensor_num_per_layer),
+                    tag=wire_tag)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
                     src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
                     dst_blocks: Union[Tuple[int], List[int]] = (), src_layer_range: range = None,
-                    dst_layer_range: range = None, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER) -> None:
-        """Push blocks of a local blocks cache into blocks of a remote blocks cache."""
+                    dst_layer_range: range = None, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER, *,
+                    tag: Optional[Union[bytes, str]] = None) -> None:
+        """Push blocks of a local blocks cache into blocks of a remote blocks cache.
+
+        ``tag`` (llmdd extension, keyword only): delivered to the owner with this push's "peer
+        finished writing" event (acknowledged before the call returns)."""
         engine = _transfers(self)
         raise_if_false(self._enable_remote_cache_accessible,
                        "push_blocks requires enable_remote_cache_accessible to be True.")
@@ -160,8 +235,10 @@ class RemoteOperations:
         src_range, dst_range = _default_layers(src_cache, tensor_num_per_layer, src_layer_range, dst_layer_range)
         if not src_range:
             return
+        wire_tag = _check_tag(tag)
         engine.push(dst_cache_key, src_cache, kind="push_blocks", src_blocks=src_list, dst_blocks=dst_list,
-                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=int(tensor_num_per_layer))
+                    src_layer_range=src_range, dst_layer_range=dst_range, tnpl=int(tensor_num_per_layer),
+                    tag=wire_tag)
 
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Union[List[Union[TransferConfig, TransferWithCacheKeyConfig]],

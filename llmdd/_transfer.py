@@ -38,6 +38,14 @@ S = LLMStatusCode
 
 _READ_DONE_FLUSH_S = 0.002
 
+#: the longest transfer tag (bytes, or str in UTF-8) an engine sends or accepts
+MAX_TAG_BYTES = 256
+#: a tag as it travels: its bytes, and whether it was given as str
+Tag = tuple
+#: workers running non-blocking pulls (per engine), and how many may be waiting or running at once
+ASYNC_PULL_WORKERS = 4
+MAX_ASYNC_PULLS = 4096
+
 
 def _err(msg: str, code: LLMStatusCode) -> LLMException:
     return LLMException(msg, status_code=code)
@@ -98,9 +106,11 @@ class TransferEngine:
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
         self._async: set = set()
+        self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
         handlers = self._lm.request_handlers
         for op, handler in (("reserve_key", self._serve_reserve_key), ("release_key", self._serve_release_key),
-                            ("push_done", self._serve_push_done), ("consume_key", self._serve_consume_key)):
+                            ("push_done", self._serve_push_done), ("consume_key", self._serve_consume_key),
+                            ("read_done", self._serve_tagged_read_done)):
             handlers[op] = functools.partial(self._guard, what=op, handler=handler)
         handlers["engine_info"] = self._serve_engine_info
         handlers["__read_done__"] = lambda link, args: self._guard(
@@ -260,7 +270,7 @@ class TransferEngine:
     def pull(self, key: Any, cache: Any, *, kind: str, batch_index: int = 0, size: int = -1,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
-             tnpl: int = 2) -> None:
+             tnpl: int = 2, tag: Optional[Tag] = None) -> None:
         rec, dst = self.local_layout(cache.cache_id)
         link = self._link_for(key.cluster_id)
         reserved = None
@@ -305,15 +315,27 @@ class TransferEngine:
             else:
                 ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
                                                 src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
+            spans = _spans(src_blocks) if src_blocks else ()
             self._acquire(link)
             try:
-                self.run_ops(link, ops, write=False, kind=kind)
-            except LLMException as exc:
-                raise self._local_outcome(rec, exc, kind) from None
+                try:
+                    self.run_ops(link, ops, write=False, kind=kind)
+                except LLMException as exc:
+                    err = self._local_outcome(rec, exc, kind)
+                    if tag is not None:
+                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
+                    raise err from None
+                if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
+                    err = self._local_outcome(rec, None, kind)
+                    if tag is not None:
+                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
+                    raise err
+                if tag is not None:
+                    # sent while this link's transfers are serialised, so tags reach the owner in the
+                    # order their transfers completed; acknowledged before the call returns
+                    self._tag_notice(link, "read_done", cache_id, spans, tag, None)
             finally:
                 link.transfer_lock.release()
-            if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
-                raise self._local_outcome(rec, None, kind)
             pulled = True
         finally:
             if reserved is not None:
@@ -332,7 +354,7 @@ class TransferEngine:
                     self._lm.notify(link, m.TransferRequest(request_id=0, op="release_key",
                                                             args={"id": int(reserved[0]),
                                                                   "model_id": int(reserved[1])}))
-        if pulled:
+        if pulled and tag is None:   # a tagged pull's notice was delivered (acknowledged) above
             spans = _spans(src_blocks) if src_blocks else ()
             self._queue_read_done(link, m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=spans))
 
@@ -340,7 +362,7 @@ class TransferEngine:
     def push(self, key: Any, cache: Any, *, kind: str, src_batch_index: int = 0,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
-             tnpl: int = 2) -> None:
+             tnpl: int = 2, tag: Optional[Tag] = None) -> None:
         rec, src = self.local_layout(cache.cache_id)
         link = self._link_for(key.cluster_id)
         cache_id, dst_unit = self._resolve_remote(link, key)
@@ -357,13 +379,23 @@ class TransferEngine:
                               src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
         self._acquire(link)
         try:
-            self.run_ops(link, ops, write=True, kind=kind)
-        except LLMException as exc:
-            self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=True)
-            raise self._local_outcome(rec, exc, kind) from None
+            try:
+                self.run_ops(link, ops, write=True, kind=kind)
+            except LLMException as exc:
+                err = self._local_outcome(rec, exc, kind)
+                if tag is not None:
+                    self._tag_notice(link, "push_done", cache_id, _spans(dst_blocks) if dst_blocks else (), tag, err,
+                                     tensors=dst_tensors)
+                else:
+                    self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=True)
+                raise err from None
+            if tag is not None:
+                self._tag_notice(link, "push_done", cache_id, _spans(dst_blocks) if dst_blocks else (), tag, None,
+                                 tensors=dst_tensors)
         finally:
             link.transfer_lock.release()
-        self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=False)
+        if tag is None:
+            self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=False)
 
     @staticmethod
     def _local_outcome(rec: Any, exc: Optional[LLMException], kind: str) -> LLMException:
@@ -378,6 +410,34 @@ class TransferEngine:
             return exc
         return _err(f"{kind}: local cache {rec.cache_id} was unregistered while the transfer ran",
                     S.LLM_KV_CACHE_NOT_EXIST)
+
+    def _tag_notice(self, link: Any, op: str, cache_id: int, spans: tuple, tag: Tag, error: Optional[LLMException],
+                    *, tensors: Optional[range] = None) -> None:
+        """Tell the owner that a tagged transfer ended, and wait for its acknowledgement.
+
+        The owner fires its "peer finished reading" (``read_done``) or "peer finished writing"
+        (``push_done``) cache event with the tag once per transfer: on success with the spans, on
+        failure with the error.  No acknowledgement within sync_kv_timeout: the link is unusable
+        (as any timed-out step) and a successful transfer reports ``LLM_TIMEOUT``, since the owner
+        may not have learnt it; a failure's notice is best effort (the link may be what failed)."""
+        args: dict = {"cache_id": int(cache_id), "blocks": [[sp.start, sp.stop] for sp in spans],
+                      "tag": tag[0], "tag_str": tag[1], "failed": error is not None,
+                      "status": int(error.status_code.value) if error is not None else 0}
+        if tensors is not None:
+            args["tensors"] = [tensors.start, tensors.stop]
+        try:
+            status, result = self._lm.request(link, op, args, deadline=time.monotonic() + self.timeout_s)
+        except LLMException as exc:
+            if error is not None:
+                return
+            if exc.status_code is S.LLM_TIMEOUT:
+                link.failures += 1
+                self._lm.transfer_timed_out(link, exc)
+            raise _err(f"the transfer completed but cluster {link.peer_cluster_id} did not acknowledge its tag: "
+                       f"{exc}", exc.status_code) from None
+        if status != 0 and error is None:
+            raise _err(f"cluster {link.peer_cluster_id} refused the tag of the transfer: "
+                       f"{result.get('error', status)}", S.LLM_PARAM_INVALID)
 
     def _push_notice(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
         spans = [[s.start, s.stop] for s in _spans(dst_blocks)] if dst_blocks else []
@@ -608,23 +668,52 @@ class TransferEngine:
         return 0, {}
 
     def _serve_push_done(self, link: Any, args: Any) -> tuple[int, dict]:
+        return self._serve_transfer_done(link, args, "push_done")
+
+    def _serve_tagged_read_done(self, link: Any, args: Any) -> tuple[int, dict]:
+        return self._serve_transfer_done(link, args, "read_done")
+
+    def _serve_transfer_done(self, link: Any, args: Any, what: str) -> tuple[int, dict]:
+        """A peer's transfer on one of this engine's caches ended (``read_done``: it read, ``push_done``:
+        it wrote): one "peer finished reading/writing" event, with the transfer's tag when it has one."""
         if not isinstance(args, dict):
-            raise PeerInputError("push_done arguments must be a map")
-        failed = peer_bool(args.get("failed", False), "push_done failed")
-        rec = self._served_record(link, args.get("cache_id"), "push_done")
+            raise PeerInputError(f"{what} arguments must be a map")
+        failed = peer_bool(args.get("failed", False), f"{what} failed")
+        tag = args.get("tag")
+        if tag is not None:
+            if not isinstance(tag, bytes) or len(tag) > MAX_TAG_BYTES:
+                raise PeerInputError(f"{what} tag must be at most {MAX_TAG_BYTES} bytes")
+            if peer_bool(args.get("tag_str", False), f"{what} tag_str"):
+                try:
+                    tag = tag.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise PeerInputError(f"{what} tag is not UTF-8 text") from None
+        status = peer_int(args.get("status", 0), f"{what} status", 0, 2**32 - 1)
+        rec = self._served_record(link, args.get("cache_id"), what)
         if rec is None:
             return 0, {}
-        blocks = self._block_spans(rec, args.get("blocks", []), "push_done blocks")
+        blocks = self._block_spans(rec, args.get("blocks", []), f"{what} blocks")
+        info: dict = {"peer": link.peer_cluster_id, "blocks": blocks}
         tensors = args.get("tensors")
         if tensors is not None:
-            r = peer_range(tensors, "push_done tensors", len(rec.addrs))
-            tensors = [r.start, r.stop]
+            r = peer_range(tensors, f"{what} tensors", len(rec.addrs))
+            info["tensors"] = [r.start, r.stop]
+        elif what == "push_done":
+            info["tensors"] = None
+        if tag is not None:
+            info["tag"] = tag
         error = None
         if failed:
-            error = LLMException(f"a push from cluster {link.peer_cluster_id} failed; these blocks may be "
-                                 f"partially written", status_code=S.LLM_FAILED)
-        self._cache_event(rec, "peer_written", peer=link.peer_cluster_id, blocks=blocks, tensors=tensors,
-                          error=error)
+            code = S.LLM_FAILED
+            try:
+                code = S(status) if status else S.LLM_FAILED
+            except ValueError:
+                pass
+            verb = "push to" if what == "push_done" else "pull from"
+            error = LLMException(f"a {verb} this cache by cluster {link.peer_cluster_id} failed"
+                                 + ("; these blocks may be partially written" if what == "push_done" else ""),
+                                 status_code=code)
+        self._cache_event(rec, "peer_written" if what == "push_done" else "peer_read", error=error, **info)
         return 0, {}
 
     def _on_link_down(self, link: Any, args: dict) -> tuple[int, dict]:
@@ -660,13 +749,111 @@ class TransferEngine:
                 for i in range(0, len(entries), 1024):
                     self._lm.notify(link, m.ReadDone(entries=tuple(entries[i:i + 1024])))
 
+    # ------------------------------------------------------------------ non-blocking pulls
+    def submit_pull(self, cluster_id: int, run: Any, callback: Any) -> "AsyncPull":
+        """Queue ``run`` (a blocking pull) on the engine's pull workers; raises at once when the
+        cluster is not linked or too many pulls are waiting."""
+        link = self._link_for(cluster_id)
+        with self._read_done_lock:
+            if self._closed:
+                raise _err("the engine is finalized", S.LLM_ENGINE_FINALIZED)
+            pending = sum(1 for t in self._async if isinstance(t, AsyncPull))
+            if pending >= MAX_ASYNC_PULLS:
+                raise _err(f"{pending} non-blocking pulls are in flight (at most {MAX_ASYNC_PULLS})", S.LLM_LINK_BUSY)
+            if self._pull_pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pull_pool = ThreadPoolExecutor(max_workers=ASYNC_PULL_WORKERS, thread_name_prefix="llmdd-pull")
+            task = AsyncPull(self, link, run, callback)
+            self._async.add(task)
+            pool = self._pull_pool
+        pool.submit(task)
+        return task
+
     def close(self) -> None:
         for task in list(self._async):
             task.cancel()
+        pool, self._pull_pool = self._pull_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=False)
         with self._read_done_lock:
             self._closed = True
             self._read_done_lock.notify_all()
         self._flusher.join(timeout=2.0)
+
+
+class AsyncPull:
+    """One non-blocking pull (``pull_blocks_async`` / ``pull_cache_async``): the blocking pull run by
+    one of the engine's pull workers; ``CacheTask``'s interface (``wait`` / ``results``) and an
+    optional ``callback(status)`` called once, in the worker, when it ends.
+
+    Cancelled before it starts by an unlink or failure of its link (``LLM_LINK_FAILED``) or by
+    finalize (``LLM_ENGINE_FINALIZED``); once started, it ends as the blocking call would (its steps
+    have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
+    that link's status)."""
+
+    def __init__(self, engine: "TransferEngine", link: Any, run: Any, callback: Any) -> None:
+        self._engine = engine
+        self._link = link
+        self._run = run
+        self._callback = callback
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._started = False
+        self._status: Optional[LLMStatusCode] = None
+
+    def wait(self, timeout_s: Optional[float]) -> bool:
+        return self._done.wait(timeout_s)
+
+    def results(self) -> list:
+        return [self._status]
+
+    @property
+    def status(self) -> Optional[LLMStatusCode]:
+        return self._status
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return          # cancelled while queued
+            self._started = True
+        try:
+            self._run()
+            status = S.LLM_SUCCESS
+        except LLMException as exc:
+            status = exc.status_code
+        except Exception as exc:  # noqa: BLE001 - a bug must end the task, not the worker
+            _log.error("llmdd.transfer.async_pull_failed", error=repr(exc))
+            status = S.LLM_FAILED
+        self._finish(status)
+
+    def _finish(self, status: LLMStatusCode) -> None:
+        self._status = status
+        self._done.set()
+        self._engine._async.discard(self)
+        callback = self._callback
+        if callback is not None:
+            try:
+                callback(status)
+            except Exception as exc:  # noqa: BLE001 - a caller's callback cannot break the engine
+                _log.warning("llmdd.transfer.async_pull_callback_failed", error=repr(exc))
+
+    def _cancel_queued(self, status: LLMStatusCode) -> None:
+        with self._lock:
+            if self._started or self._done.is_set():
+                return
+            self._done.set()  # the worker that picks it up later does nothing
+        self._finish(status)
+
+    def link_down(self, link: Any) -> None:
+        if link is self._link:
+            self._cancel_queued(S.LLM_LINK_FAILED)
+
+    def cancel(self) -> None:
+        self._cancel_queued(S.LLM_ENGINE_FINALIZED)
+
+    def __repr__(self) -> str:
+        return f"<AsyncPull peer={getattr(self._link, 'peer_cluster_id', None)} status={self._status}>"
 
 
 class AsyncTransfer:

@@ -11,4 +11,8 @@ for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
 .venv/bin/python -m pip install -q -e '.[test]' "${plugins[@]}"
 # the ucx plugin's engine: NIXL's CPU-capable wheel without its (unneeded) torch/CUDA requirements
 .venv/bin/python -m pip install -q --no-deps 'nixl-cu12==1.5.1'
+# torch CPU for the torch-registration test (optional for llmdd itself); the CPU build, where the
+# package index serves it, so that no CUDA libraries come along; elsewhere that one test skips and says so
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0+cpu' \
+    || echo "test.sh: torch==2.13.0+cpu is not available from this package index; the torch test will skip"
 .venv/bin/python -m pytest -q -m "not slow" "$@"
