@@ -232,6 +232,15 @@ def _plugin_manager():
     return pm, Hooks(pm).register_transports()
 
 
+def _data_path(details: Mapping[str, Any]) -> Optional[str]:
+    """The data path a transport reports as active (``details["data_path"]``: the shm plugin's
+    C hot path or its pure-Python fallback, with the reason), or None when it reports none."""
+    dp = details.get("data_path") if isinstance(details, Mapping) else None
+    if not isinstance(dp, Mapping) or not dp.get("path"):
+        return None
+    return str(dp["path"]) + (f" ({dp['reason']})" if dp.get("reason") else "")
+
+
 def collect_info(profile: str = "generic") -> dict:
     """Versions, plugins, transports (probed), the chip-family profile and the memory backends.
 
@@ -275,6 +284,7 @@ def collect_info(profile: str = "generic") -> dict:
             transports.append({"name": name, "available": bool(probed.available), "reason": probed.reason,
                                "priority": int(cls.priority), "same_host_only": bool(cls.same_host_only),
                                "class": f"{cls.__module__}.{cls.__qualname__}",
+                               "data_path": _data_path(probed.details),
                                "details": _jsonable(dict(probed.details))})
     info["plugins"] = {"loaded": loaded, "entry_points": entry_points, "error": plugins_error,
                        "autoload_disabled": os.environ.get(ENV_DISABLE_AUTOLOAD, "") or None,

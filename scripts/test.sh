@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# the shm plugin's C hot path (llmdd_shm._shmfast) needs a C compiler and Python.h; install them
+# when missing (Debian/Ubuntu images: gcc + python3-dev), else the plugin builds without it and
+# tests/test_native.py fails the run (LLMDD_REQUIRE_NATIVE=1 below)
+inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+if { ! command -v gcc >/dev/null || [ ! -f "$inc/Python.h" ]; } && command -v apt-get >/dev/null \
+    && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc python3-dev >/dev/null
+fi
+export LLMDD_REQUIRE_NATIVE=1
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 plugins=()

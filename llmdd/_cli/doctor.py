@@ -127,6 +127,8 @@ def _print_info(info: dict, out: TextIO) -> None:
         line = f"  {t['name']:<8} {state:<12} priority {t['priority']}, {scope}"
         if t["reason"]:
             line += f"; {t['reason']}"
+        if t.get("data_path"):
+            line += f"; data path: {t['data_path']}"
         w(line + "\n")
 
     profile = info["profile"]

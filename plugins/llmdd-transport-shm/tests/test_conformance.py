@@ -3,6 +3,10 @@
 Two memory styles: *user* regions (plain numpy arrays: cross-memory attach) and *pool*
 regions (the suite's buffers allocated inside POSIX shared-memory segments and registered with
 ``shm_name`` / ``shm_offset``, as the engine's pools are: mapped by the peer).
+
+Two data paths: the pure-Python one (``llmdd.shm.native=off``) and the C hot path
+(``llmdd.shm.native=on``; skipped with its reason when the extension is not built, which
+``test_native.py::test_native_extension_is_built_when_expected`` turns into a failure in CI).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import pytest
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
-from llmdd_shm import MAX_SLOTS, ShmTransport, _seg
+import llmdd_shm
+from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
 
 
 class _PoolNumpy(types.ModuleType):
@@ -65,18 +70,33 @@ class _PoolEndpoint:
         return getattr(self._ep, name)
 
 
-def make_pair():
-    t = ShmTransport({"llm.RdmaTrafficClass": "132"})
+def make_pair(native: str = "auto"):
+    t = ShmTransport({"llm.RdmaTrafficClass": "132", OPT_NATIVE: native})
     return t.open_endpoint(), t.open_endpoint()
 
 
+@pytest.fixture(params=["python", "native"])
+def user_pair(request):
+    """``make_pair`` on one data path; every endpoint it makes is checked to be on that path."""
+    if request.param == "native" and llmdd_shm._native is None:
+        pytest.skip(f"C hot path not built: {llmdd_shm.NATIVE_REASON}")
+    mode = "on" if request.param == "native" else "off"
+
+    def make():
+        a, b = make_pair(mode)
+        assert (a._native is not None) is (mode == "on") and (b._native is not None) is (mode == "on")
+        return a, b
+
+    return make
+
+
 @pytest.fixture
-def pool_pair(monkeypatch):
+def pool_pair(monkeypatch, user_pair):
     pool = _PoolNumpy()
     monkeypatch.setattr(_conformance, "np", pool)
 
     def make():
-        a, b = make_pair()
+        a, b = user_pair()
         return _PoolEndpoint(a, pool), _PoolEndpoint(b, pool)
 
     yield make
@@ -107,8 +127,8 @@ def _run_check(check, make):
 
 
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
-def test_conformance_user_memory(check):
-    _run_check(check, make_pair)
+def test_conformance_user_memory(check, user_pair):
+    _run_check(check, user_pair)
 
 
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
@@ -116,13 +136,13 @@ def test_conformance_pool_memory(check, pool_pair):
     _run_check(check, pool_pair)
 
 
-def test_pool_regions_take_the_mapped_path(pool_pair):
+def test_pool_regions_take_the_mapped_path(pool_pair, user_pair):
     """The pool variant really maps segments (no CMA call), the user variant really uses CMA."""
     import time
 
     from llmdd.lowlevel import MemRegion, make_ops
 
-    for make, mapped in ((pool_pair, True), (make_pair, False)):
+    for make, mapped in ((pool_pair, True), (user_pair, False)):
         a, b = make()
         try:
             np_mod = _conformance.np if mapped else np

@@ -74,14 +74,49 @@ from llmdd.lowlevel import (
     Refused,
     ThreadCompletion,
     TransportTimeout,
+    as_ops,
     check_ops,
 )
+
+_DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
 
 from . import _seg
 from ._cma import FEW, IOV_MAX, Cma, CmaError, iovecs, probe_cma
 
+#: the ``ABI`` constant this Python code expects of the C extension ``llmdd_shm._shmfast``
+NATIVE_ABI = 2
+#: ``LLMDD_SHM_NATIVE=0`` forces the pure-Python path in this process (to run the suite on it)
+ENV_NATIVE = "LLMDD_SHM_NATIVE"
+
+
+def _load_native() -> tuple[Any, str]:
+    """The C hot path, or ``(None, why not)``; never raises."""
+    if os.environ.get(ENV_NATIVE, "").strip().lower() in ("0", "off", "no", "false"):
+        return None, f"disabled by {ENV_NATIVE}=0"
+    try:
+        from . import _shmfast  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"C extension llmdd_shm._shmfast not built ({exc}); reinstall the plugin with gcc and Python.h"
+    if getattr(_shmfast, "ABI", None) != NATIVE_ABI:
+        return None, (f"C extension llmdd_shm._shmfast has ABI {getattr(_shmfast, 'ABI', None)}, this code needs "
+                      f"{NATIVE_ABI} (stale build: reinstall the plugin)")
+    return _shmfast, ""
+
+
+_native, NATIVE_REASON = _load_native()
+
+# statuses of _shmfast.batch / copy (see _shmfast.c)
+_ST_OK, _ST_FALLBACK, _ST_BUSY, _ST_CLOSED, _ST_STALE, _ST_CMA, _ST_NOPROGRESS, _ST_DEAD, _ST_LOCKERR = range(9)
+
+
+def data_path() -> dict:
+    """Which data path this process's shm batches take: ``{"native": bool, "path": str, "reason": str}``."""
+    if _native is not None:
+        return {"native": True, "path": f"C extension (llmdd_shm._shmfast, ABI {NATIVE_ABI})", "reason": ""}
+    return {"native": False, "path": "pure Python", "reason": NATIVE_REASON}
+
 __all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
-           "host_identity"]
+           "host_identity", "data_path"]
 
 hookimpl = pluggy.HookimplMarker("llmdd")
 
@@ -101,7 +136,14 @@ KIND_SHM, KIND_CMA = 0, 1
 OPT_THREADS = "llmdd.shm.threads"
 OPT_SPLIT = "llmdd.shm.split_min_bytes"
 OPT_CHUNK = "llmdd.shm.chunk_bytes"
-_DEFAULTS = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024}
+#: "auto" (the C hot path when it is built), "off" (pure Python), "on" (refuse to open without it)
+OPT_NATIVE = "llmdd.shm.native"
+#: native batches of at most this many bytes keep the GIL for the copy (no thread hand-off after it)
+OPT_GIL = "llmdd.shm.native_gil_bytes"
+_DEFAULTS = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024, OPT_NATIVE: "auto",
+             OPT_GIL: 256 * 1024}
+#: batches with more ops than this skip the native single-call path (the numpy plan coalesces them)
+_NATIVE_MAX_OPS = 4096
 
 
 _owned_lock = threading.Lock()
@@ -219,7 +261,8 @@ class ShmTransport(Transport):
             ok, why = _dev_shm_usable()
             cma = probe_cma()
             details = dict(cma, pidfd=hasattr(os, "pidfd_open"), dev_shm=ok, version=VERSION,
-                           user_memory="process_vm_readv" if cma["cma"] else "not served (pool memory only)")
+                           user_memory="process_vm_readv" if cma["cma"] else "not served (pool memory only)",
+                           data_path=data_path())
             if not ok:
                 return TransportInfo(name=cls.name, available=False, reason=why, details=details)
             reason = "" if cma["cma"] else f"cross-memory attach unavailable: {cma['cma_reason']}"
@@ -230,6 +273,12 @@ class ShmTransport(Transport):
     def __init__(self, options: TMapping[str, str]) -> None:
         super().__init__(options)
         self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+        mode = str(self._cfg[OPT_NATIVE]).strip().lower()
+        if mode not in ("auto", "on", "off"):
+            raise Refused(f"{OPT_NATIVE} must be auto, on or off, got {self._cfg[OPT_NATIVE]!r}")
+        if mode == "on" and _native is None:
+            raise Refused(f"{OPT_NATIVE}=on but the C hot path is unavailable: {NATIVE_REASON}")
+        self._cfg[OPT_NATIVE] = mode
 
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> "ShmEndpoint":
         _allow_same_user_tracers()
@@ -331,6 +380,11 @@ class ShmEndpoint(Endpoint):
         self._closed = False
         self._cma = Cma()
         self._cma_info = probe_cma()
+        self._native = None if self._cfg.get(OPT_NATIVE) == "off" else _native
+        self._nb_epoch = 0                 # bumped by every _rebuild: native batches use one snapshot
+        self._nb_count: dict[int, int] = {}  # epoch -> native batches running on that snapshot
+        self._ntab: tuple = (np.zeros((0, 3), np.uint64), 0, 0)
+        self._nb_waiters = 0  # deregister / close calls waiting for native batches
         self._stats = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
         self._ctl_name = segment_name("shmctl", self._id.hex()[:12])
         self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
@@ -396,14 +450,20 @@ class ShmEndpoint(Endpoint):
             self._rebuild()
             self._stats["regions"] = len(self._regs)
             batches = [b for b in self._batches if region_id in b.local_ids]
+            epoch = self._nb_epoch
         why = Cancelled(f"local region {region_id} was deregistered")
         for b in batches:
             b.abort(why)
             if b.completion is not None:
                 b.completion.fail(why)
         with self._cond:
-            while reg.busy:
-                self._cond.wait()
+            # native batches are short and uninterruptible: wait for those that may use the region
+            self._nb_waiters += 1
+            try:
+                while reg.busy or any(e < epoch for e in self._nb_count):
+                    self._cond.wait()
+            finally:
+                self._nb_waiters -= 1
         if reg.slot >= 0:
             self._drain_slots(reg.slot, 1)
             with self._lock:
@@ -443,8 +503,12 @@ class ShmEndpoint(Endpoint):
             if b.completion is not None:
                 b.completion.fail(why)
         with self._cond:
-            while any(r.busy for r in self._regs.values()):
-                self._cond.wait()
+            self._nb_waiters += 1
+            try:
+                while any(r.busy for r in self._regs.values()) or self._nb_count:
+                    self._cond.wait()
+            finally:
+                self._nb_waiters -= 1
         self._drain_slots(0, MAX_SLOTS)  # every remote reader has left its batch
         with _owned_lock:
             _owned_ctl.discard(self._ctl_name)
@@ -467,6 +531,34 @@ class ShmEndpoint(Endpoint):
         self._ids = np.fromiter((k for k, _ in items), np.int64, len(items))
         self._addrs = np.fromiter((r.region.addr for _, r in items), np.uint64, len(items))
         self._addr_of = {k: int(r.region.addr) for k, r in items}
+        # the native path's snapshot: rows (id, addr, size) sorted by id, kept alive by the tuple
+        tab = np.zeros((len(items), 3), np.uint64)
+        for i, (k, r) in enumerate(items):
+            tab[i] = (k, r.region.addr, r.region.size)
+        self._ntab = (tab, tab.ctypes.data, len(items))
+        self._nb_epoch += 1
+
+    def _nbegin(self) -> tuple[tuple, int]:
+        """A native batch starts: the local snapshot it uses, and its epoch (see :meth:`deregister`)."""
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            e = self._nb_epoch
+            c = self._nb_count
+            c[e] = c.get(e, 0) + 1
+            self._stats["batches"] += 1
+            return self._ntab, e
+
+    def _nend(self, epoch: int) -> None:
+        with self._cond:
+            c = self._nb_count
+            left = c[epoch] - 1
+            if left:
+                c[epoch] = left
+            else:
+                del c[epoch]
+                if self._nb_waiters:
+                    self._cond.notify_all()
 
     def _drain_slots(self, start: int, count: int) -> None:
         """Wait until no reader (any process) holds a shared lock on these slots."""
@@ -563,8 +655,13 @@ class ShmChannel(Channel):
         self._fds: list[int] = []
         self._active: set[_Batch] = set()
         self._busy = 0
+        self._nbusy = 0                      # native batches running (they use table snapshots)
+        self._deferred: list = []            # mappings released while a native batch ran
+        self._native = endpoint._native
+        self._nrtab: tuple = (np.zeros((0, 6), np.uint64), 0, 0)
         self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0, "batches": 0,
-                       "failed": 0, "cma_calls": 0, "segments_mapped": 0, "last_error": None}
+                       "failed": 0, "cma_calls": 0, "segments_mapped": 0, "last_error": None,
+                       "native_batches": 0, "native_fallbacks": 0}
         self._ctl_name = str(peer["ctl"])
         try:
             ctl_map = _seg.attach(self._ctl_name)
@@ -588,7 +685,16 @@ class ShmChannel(Channel):
         except BaseException:
             ctl_map.close()
             raise
+        self._pidfd = self._live._fd if self._live._fd is not None else -1
+        self._ctl_addr = ctl_map.addr
+        # the native single call covers one chunk of an unsplit batch (the Python path does the rest)
+        limit = int(self._cfg[OPT_CHUNK])
+        if int(self._cfg[OPT_THREADS]) > 1:
+            limit = min(limit, int(self._cfg[OPT_SPLIT]) - 1)
+        self._nlimit = max(0, limit)
+        self._ngil = int(self._cfg[OPT_GIL])
         self._cma = Cma()
+        self._iov_max = self._cma.iov_max
         self._cma_ok, self._cma_reason = self._check_cma(peer)
         if not self._cma_ok and int(peer.get("user_regions", 0)) > 0:
             self._teardown()
@@ -707,8 +813,9 @@ class ShmChannel(Channel):
 
     def _teardown(self) -> None:
         with self._lock:
-            maps = list(self._maps.values())
+            maps = list(self._maps.values()) + self._deferred
             self._maps.clear()
+            self._deferred = []
             self._remote.clear()
             fds, self._fds = self._fds, []
         for m in maps:
@@ -723,6 +830,9 @@ class ShmChannel(Channel):
             if m.refs or m.pins or self._maps.get(m.name) is not m:
                 return
             del self._maps[m.name]
+            if self._nbusy:
+                self._deferred.append(m)  # a native batch may hold an older table snapshot
+                return
         m.close()
 
     def _release_map(self, m: _seg.Mapping, *, ref: bool = False, pin: bool = False) -> None:
@@ -733,6 +843,9 @@ class ShmChannel(Channel):
                 return
             if self._maps.get(m.name) is m:
                 del self._maps[m.name]
+            if self._nbusy:
+                self._deferred.append(m)  # a native batch may hold an older table snapshot
+                return
         m.close()
 
     def _rebuild(self) -> None:
@@ -746,10 +859,120 @@ class ShmChannel(Channel):
         self._rgen = np.fromiter((r.gen for _, r in items), np.uint32, n)
         self._rmaps = [r.mapping for _, r in items]
         self._rinfo = {k: (r.base, r.kind, r.slot, r.gen, r.mapping) for k, r in items}
+        # the native path's snapshot: rows (id, base, kind, slot, gen, size) sorted by id
+        tab = np.zeros((n, 6), np.uint64)
+        for i, (k, r) in enumerate(items):
+            tab[i] = (k, r.base, r.kind, r.slot, r.gen, r.size)
+        self._nrtab = (tab, tab.ctypes.data, n)
 
     # ------------------------------------------------------------------ batches
 
     def _submit(self, write: bool, ops: np.ndarray, deadline: float) -> Completion:
+        nat = self._native
+        if nat is not None:
+            ops = as_ops(ops)
+            if 0 < len(ops) <= _NATIVE_MAX_OPS:
+                done = self._submit_native(nat, write, ops, deadline)
+                if done is not None:
+                    return done
+        return self._submit_py(write, ops, deadline)
+
+    def _submit_native(self, nat: Any, write: bool, ops: np.ndarray, deadline: float) -> Optional[Completion]:
+        """One C call: lookup, bounds, pidfd, lock, slot checks, copy, unlock.  ``None`` when the
+        batch needs the Python path (nothing was done): more than one chunk, a region or bound the C
+        side is not sure of (the Python path produces the refusal), or the owner holding its lock."""
+        ep = self._ep
+        with self._lock:
+            if self._closed:
+                raise Cancelled("channel closed")
+            rtab = self._nrtab
+            fd = self._fds.pop() if self._fds else -1
+            self._busy += 1
+            self._nbusy += 1
+        epoch = -1
+        res: tuple = (_ST_FALLBACK, 0, 0)
+        err: Optional[TransportError] = None
+        try:
+            ltab, epoch = ep._nbegin()  # Cancelled when the endpoint is closed, as the Python path
+            if fd < 0:
+                try:
+                    fd = self._take_fd()
+                except TransportError as exc:
+                    err = exc
+            if err is not None:
+                pass
+            elif time.monotonic() >= deadline:
+                err = TransportTimeout("deadline passed before the batch started")
+            elif self._pidfd < 0 and not self._live.alive():
+                err = PeerGone(f"peer process {self._pid} is gone")
+            else:
+                res = nat.batch(write, self._pid, self._pidfd, fd, self._ctl_addr, ops, ltab[1], ltab[2], rtab[1],
+                                rtab[2], self._iov_max, self._nlimit, self._ngil)
+        finally:
+            if epoch >= 0:
+                ep._nend(epoch)
+            deferred = None
+            with self._lock:
+                if fd >= 0 and not self._closed and len(self._fds) < 8:
+                    self._fds.append(fd)
+                    fd = -1
+                self._busy -= 1
+                self._nbusy -= 1
+                if not self._nbusy and self._deferred:
+                    deferred, self._deferred = self._deferred, []
+                if res[0] == _ST_FALLBACK or res[0] == _ST_BUSY:
+                    self._stats["native_fallbacks"] += 1
+                elif res[0] == _ST_OK and err is None:
+                    st = self._stats
+                    st["batches"] += 1
+                    st["native_batches"] += 1
+                    if write:
+                        st["bytes_written"] += res[1]
+                        st["ops_written"] += len(ops)
+                    else:
+                        st["bytes_read"] += res[1]
+                        st["ops_read"] += len(ops)
+                    if res[2]:
+                        self._cma.calls += res[2]
+                        st["cma_calls"] = self._cma.calls
+                if self._closed:
+                    self._cond.notify_all()  # close() waits for _busy to drain
+            if fd >= 0:
+                os.close(fd)
+            for m in deferred or ():
+                m.close()
+        st = res[0]
+        if err is None:
+            if st == _ST_OK:
+                return _DONE_OK
+            if st == _ST_FALLBACK or st == _ST_BUSY:
+                return None
+            err = self._native_error(write, res)
+        with self._lock:
+            self._stats["batches"] += 1
+            self._stats["native_batches"] += 1
+            self._stats["failed"] += 1
+            self._stats["last_error"] = str(err)
+        return DoneCompletion(err)
+
+    def _native_error(self, write: bool, res: tuple) -> TransportError:
+        st, a, b = res
+        call = f"process_vm_{'writev' if write else 'readv'}(pid={self._pid})"
+        if st == _ST_DEAD:
+            return PeerGone(f"peer process {self._pid} is gone")
+        if st == _ST_CLOSED:
+            return PeerGone("peer endpoint closed")
+        if st == _ST_STALE:
+            return Refused(f"remote region {a} is not registered by its owner any more")
+        if st == _ST_CMA:
+            return self._map_exc(CmaError(a, f"{call}: {os.strerror(a)} ({b} bytes moved before)"))
+        if st == _ST_NOPROGRESS:
+            return self._map_exc(CmaError(errno.EFAULT, f"{call} made no progress ({a} bytes left)"))
+        if st == _ST_LOCKERR:
+            return self._map_exc(OSError(a, f"locking the peer's slots: {os.strerror(a)}"))
+        return Corrupt(f"native shm path returned status {st}")
+
+    def _submit_py(self, write: bool, ops: np.ndarray, deadline: float) -> Completion:
         with self._lock:
             if self._closed:
                 raise Cancelled("channel closed")
@@ -985,6 +1208,14 @@ class _Plan:
         la, ra, ln = _cap(self.mlocal, self.mremote, self.mlen, chunk)
         dst, src = (ra, la) if write else (la, ra)
         bounds = _chunks(ln, chunk, IOV_MAX)
+        nat = ch._native
+        if nat is not None:  # one C call per chunk, no Python object per op
+            liov, riov = iovecs(la, ln), iovecs(ra, ln)
+            for k, (s, e) in enumerate(bounds):
+                if k:
+                    ch._check_peer(self, batch, deadline, first=False)
+                nat.copy(int(write), 0, KIND_SHM, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
+            return
         dl, sl, nl = dst.tolist(), src.tolist(), ln.tolist()
         mm = ctypes.memmove
         for k, (s, e) in enumerate(bounds):
@@ -998,10 +1229,23 @@ class _Plan:
         liov = iovecs(la, ln)
         riov = iovecs(ra, ln)
         check = lambda: ch._check_peer(self, batch, deadline, first=False)  # noqa: E731
+        nat = ch._native
         for k, (s, e) in enumerate(_chunks(ln, chunk, ch._cma.iov_max)):
             if k:
                 check()
-            ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write, between=check)
+            if nat is None:
+                ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write, between=check)
+                continue
+            # one C call per chunk (short transfers resumed inside it)
+            st, a, b = nat.copy(int(write), ch._pid, KIND_CMA, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
+            call = f"process_vm_{'writev' if write else 'readv'}(pid={ch._pid})"
+            if st == _ST_CMA:
+                ch._cma.calls += 1
+                raise CmaError(a, f"{call}: {os.strerror(a)}")
+            if st == _ST_NOPROGRESS:
+                ch._cma.calls += 1
+                raise CmaError(errno.EFAULT, f"{call} made no progress ({a} bytes left)")
+            ch._cma.calls += b
 
 
 class _FewPlan:

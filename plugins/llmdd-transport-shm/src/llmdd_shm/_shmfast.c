@@ -1,0 +1,391 @@
+/* llmdd_shm._shmfast: the shm transport's per-batch hot path in one C call.
+ *
+ * batch() does, for a batch that fits one chunk, what the Python path does with a few hundred
+ * interpreter steps: look every op's regions up in the (immutable, sorted) region snapshots,
+ * bounds-check both sides, build the iovec arrays (coalescing ops that continue each other), check
+ * the peer's pidfd, take the shared OFD lock on the peer's slot range without waiting, check the
+ * peer endpoint is open and every slot is LIVE with the descriptor's generation, memcpy the mapped
+ * ops, process_vm_readv / process_vm_writev the user-memory ops (short transfers resumed at the
+ * exact byte), and release the lock.  Anything it is not sure about (unknown region, out of
+ * bounds, more than one chunk, lock held by the owner) returns ST_FALLBACK / ST_BUSY before a
+ * byte moves, and the caller takes the Python path, which produces the contract's error or waits.
+ *
+ * copy() moves one chunk of a larger batch (memcpy over an iovec pair array, or CMA with resume)
+ * with the GIL released; the caller holds the lock and does the checks between chunks.
+ *
+ * Addresses come from the Python side, which owns the mappings and pins them for the call, the
+ * same trust as ctypes.memmove: this module adds speed, not a new way to reach memory.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef F_OFD_SETLK
+#define F_OFD_SETLK 37
+#endif
+
+#define SHMFAST_ABI 2
+
+enum {
+    ST_OK = 0,          /* every byte moved: (0, bytes, syscalls) */
+    ST_FALLBACK = 1,    /* not handled here, nothing done: (1, reason, 0) */
+    ST_BUSY = 2,        /* the owner holds a conflicting lock, nothing done */
+    ST_CLOSED = 3,      /* the peer endpoint's header is not OPEN, nothing moved */
+    ST_STALE = 4,       /* a slot is not LIVE with its generation: (4, region id, 0), nothing moved */
+    ST_CMA = 5,         /* process_vm_* failed: (5, errno, bytes moved before) */
+    ST_NOPROGRESS = 6,  /* process_vm_* returned 0: (6, bytes left, bytes moved before) */
+    ST_DEAD = 7,        /* the peer's pidfd is readable (process exited), nothing done */
+    ST_LOCKERR = 8,     /* fcntl failed otherwise: (8, errno, 0) */
+};
+
+/* fallback reasons (for tests and statistics) */
+enum { FB_REGION = 1, FB_BOUNDS = 2, FB_SIZE = 3, FB_NOMEM = 4 };
+
+#define HDR_STATE 2
+#define CTL_OPEN 1
+#define SLOTS_OFF 4096
+#define SLOT_LIVE 1
+#define KIND_SHM 0
+
+#pragma pack(push, 1)
+typedef struct {
+    uint32_t local_region;
+    uint64_t local_offset;
+    uint32_t remote_region;
+    uint64_t remote_offset;
+    uint64_t length;
+} op_t;
+#pragma pack(pop)
+
+_Static_assert(sizeof(op_t) == 32, "OP_DTYPE is 32 packed bytes");
+_Static_assert(sizeof(struct iovec) == 16, "struct iovec is two 64-bit words");
+
+/* binary search of a sorted table of rows of `stride` uint64 words keyed by word 0 */
+static const uint64_t *find_row(const uint64_t *tab, Py_ssize_t rows, int stride, uint64_t id) {
+    Py_ssize_t lo = 0, hi = rows;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        uint64_t k = tab[mid * stride];
+        if (k == id)
+            return tab + mid * stride;
+        if (k < id)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+static int in_bounds(uint64_t off, uint64_t len, uint64_t size) {
+    return off <= size && len <= size - off;
+}
+
+static void memcpy_iov(const struct iovec *dst, const struct iovec *src, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        memcpy(dst[i].iov_base, src[i].iov_base, src[i].iov_len);
+}
+
+/* Move every byte of the paired arrays (element i of both has the same length); the arrays are
+ * modified on a short transfer.  Returns 0, or ST_CMA / ST_NOPROGRESS with *err set. */
+static int cma_all(int write, pid_t pid, struct iovec *l, struct iovec *r, Py_ssize_t n, uint64_t *moved,
+                   uint64_t *calls, int64_t *err) {
+    Py_ssize_t k = 0;
+    while (k < n) {
+        uint64_t want = 0;
+        for (Py_ssize_t i = k; i < n; i++)
+            want += l[i].iov_len;
+        if (want == 0)
+            return 0;
+        ssize_t got = write ? process_vm_writev(pid, l + k, (unsigned long)(n - k), r + k, (unsigned long)(n - k), 0)
+                            : process_vm_readv(pid, l + k, (unsigned long)(n - k), r + k, (unsigned long)(n - k), 0);
+        (*calls)++;
+        if (got < 0) {
+            *err = errno;
+            return ST_CMA;
+        }
+        if (got == 0) {
+            *err = (int64_t)want;
+            return ST_NOPROGRESS;
+        }
+        *moved += (uint64_t)got;
+        if ((uint64_t)got >= want)
+            return 0;
+        /* short transfer: continue inside the element the kernel stopped in */
+        uint64_t left = (uint64_t)got;
+        while (k < n && left >= l[k].iov_len) {
+            left -= l[k].iov_len;
+            k++;
+        }
+        if (k < n && left) {
+            l[k].iov_base = (char *)l[k].iov_base + left;
+            l[k].iov_len -= left;
+            r[k].iov_base = (char *)r[k].iov_base + left;
+            r[k].iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+static int set_lock(int fd, short type, uint64_t start, uint64_t len) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)start;
+    fl.l_len = (off_t)len;
+    return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+#define SMALL 32
+
+/* batch(write, pid, pidfd, lock_fd, ctl_addr, ops, ltab_addr, lrows, rtab_addr, rrows,
+ *       iov_max, chunk_bytes, gil_bytes) -> (status, a, b)
+ * ops: a C-contiguous buffer of OP_DTYPE records (a numpy array); its length must be a multiple of 32.
+ * ltab rows: (id, addr, size); rtab rows: (id, base, kind, slot, gen, size); both sorted by id. */
+static PyObject *shmfast_batch(PyObject *self, PyObject *args) {
+    int write, pid, pidfd, lock_fd;
+    unsigned long long ctl_addr, ltab_addr, rtab_addr, chunk_bytes, gil_bytes;
+    Py_ssize_t lrows, rrows, iov_max;
+    PyObject *ops_obj;
+    if (!PyArg_ParseTuple(args, "iiiiKOKnKnnKK", &write, &pid, &pidfd, &lock_fd, &ctl_addr, &ops_obj,
+                          &ltab_addr, &lrows, &rtab_addr, &rrows, &iov_max, &chunk_bytes, &gil_bytes))
+        return NULL;
+    if (lrows < 0 || rrows < 0 || iov_max <= 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(ops_obj, &view, PyBUF_C_CONTIGUOUS) != 0)
+        return NULL;
+    if (view.len % (Py_ssize_t)sizeof(op_t) != 0) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "ops buffer is not a whole number of 32-byte OP_DTYPE records");
+        return NULL;
+    }
+    const Py_ssize_t nops = view.len / (Py_ssize_t)sizeof(op_t);
+    const op_t *ops = (const op_t *)view.buf;
+    const uint64_t *ltab = (const uint64_t *)(uintptr_t)ltab_addr;
+    const uint64_t *rtab = (const uint64_t *)(uintptr_t)rtab_addr;
+
+    struct iovec s_ml[SMALL], s_mr[SMALL], s_cl[SMALL], s_cr[SMALL];
+    uint64_t s_slot[SMALL * 3];
+    struct iovec *ml = s_ml, *mr = s_mr, *cl = s_cl, *cr = s_cr;
+    uint64_t *slots = s_slot; /* (slot, gen, rid) triples */
+    void *heap = NULL;
+    if (nops > SMALL) {
+        heap = PyMem_Malloc((size_t)nops * (4 * sizeof(struct iovec) + 3 * sizeof(uint64_t)));
+        if (heap == NULL) {
+            PyBuffer_Release(&view);
+            return Py_BuildValue("(iii)", ST_FALLBACK, FB_NOMEM, 0);
+        }
+        ml = (struct iovec *)heap;
+        mr = ml + nops;
+        cl = mr + nops;
+        cr = cl + nops;
+        slots = (uint64_t *)(cr + nops);
+    }
+    Py_ssize_t nm = 0, nc = 0, ns = 0;
+    uint64_t total = 0, slot_lo = UINT64_MAX, slot_hi = 0;
+    int status = ST_OK;
+    int64_t a = 0, b = 0;
+
+    for (Py_ssize_t i = 0; i < nops; i++) {
+        op_t op;
+        memcpy(&op, ops + i, sizeof op);
+        const uint64_t *lrow = find_row(ltab, lrows, 3, op.local_region);
+        const uint64_t *rrow = find_row(rtab, rrows, 6, op.remote_region);
+        if (lrow == NULL || rrow == NULL) {
+            status = ST_FALLBACK;
+            a = FB_REGION;
+            goto out;
+        }
+        if (!in_bounds(op.local_offset, op.length, lrow[2]) || !in_bounds(op.remote_offset, op.length, rrow[5])) {
+            status = ST_FALLBACK;
+            a = FB_BOUNDS;
+            goto out;
+        }
+        /* the remote region's slot: every region the batch names is checked, as the Python path */
+        uint64_t slot = rrow[3];
+        Py_ssize_t j;
+        for (j = 0; j < ns; j++)
+            if (slots[3 * j] == slot)
+                break;
+        if (j == ns) {
+            slots[3 * ns] = slot;
+            slots[3 * ns + 1] = rrow[4];
+            slots[3 * ns + 2] = rrow[0];
+            ns++;
+            if (slot < slot_lo)
+                slot_lo = slot;
+            if (slot + 1 > slot_hi)
+                slot_hi = slot + 1;
+        }
+        if (op.length == 0)
+            continue;
+        char *la = (char *)(uintptr_t)(lrow[1] + op.local_offset);
+        char *ra = (char *)(uintptr_t)(rrow[1] + op.remote_offset);
+        struct iovec *L, *R;
+        Py_ssize_t *cnt;
+        if (rrow[2] == KIND_SHM) {
+            L = ml; R = mr; cnt = &nm;
+        } else {
+            L = cl; R = cr; cnt = &nc;
+        }
+        Py_ssize_t c = *cnt;
+        if (c && (char *)L[c - 1].iov_base + L[c - 1].iov_len == la && (char *)R[c - 1].iov_base + R[c - 1].iov_len == ra) {
+            L[c - 1].iov_len += op.length;   /* continues the previous op on both sides */
+            R[c - 1].iov_len += op.length;
+        } else {
+            L[c].iov_base = la; L[c].iov_len = op.length;
+            R[c].iov_base = ra; R[c].iov_len = op.length;
+            (*cnt)++;
+        }
+        total += op.length;
+    }
+    if (nm > iov_max || nc > iov_max || total > chunk_bytes) {
+        status = ST_FALLBACK;  /* more than one chunk: the Python path checks between chunks */
+        a = FB_SIZE;
+        goto out;
+    }
+    if (ns == 0) {  /* no op at all */
+        a = 0;
+        goto out;
+    }
+    if (pidfd >= 0) {
+        struct pollfd p = {.fd = pidfd, .events = POLLIN, .revents = 0};
+        if (poll(&p, 1, 0) > 0) {
+            status = ST_DEAD;
+            goto out;
+        }
+    }
+    if (set_lock(lock_fd, F_RDLCK, slot_lo, slot_hi - slot_lo) != 0) {
+        if (errno == EAGAIN || errno == EACCES) {
+            status = ST_BUSY;
+        } else {
+            status = ST_LOCKERR;
+            a = errno;
+        }
+        goto out;
+    }
+    {
+        const volatile uint64_t *hdr = (const volatile uint64_t *)(uintptr_t)ctl_addr;
+        const volatile uint32_t *st = (const volatile uint32_t *)(uintptr_t)(ctl_addr + SLOTS_OFF);
+        if (__atomic_load_n(&hdr[HDR_STATE], __ATOMIC_ACQUIRE) != CTL_OPEN) {
+            status = ST_CLOSED;
+        } else {
+            for (Py_ssize_t j = 0; j < ns; j++) {
+                uint64_t s = slots[3 * j];
+                uint32_t state = __atomic_load_n(&st[4 * s], __ATOMIC_ACQUIRE);
+                uint32_t gen = __atomic_load_n(&st[4 * s + 1], __ATOMIC_ACQUIRE);
+                if (state != SLOT_LIVE || (uint64_t)gen != slots[3 * j + 1]) {
+                    status = ST_STALE;
+                    a = (int64_t)slots[3 * j + 2];
+                    break;
+                }
+            }
+        }
+        if (status == ST_OK) {
+            uint64_t moved = 0, calls = 0;
+            int64_t err = 0;
+            int rc = 0;
+            PyThreadState *ts = NULL;
+            if (total > gil_bytes)
+                ts = PyEval_SaveThread();
+            if (nm) {
+                moved = 0;
+                for (Py_ssize_t j = 0; j < nm; j++)
+                    moved += ml[j].iov_len;
+                if (write)
+                    memcpy_iov(mr, ml, nm);
+                else
+                    memcpy_iov(ml, mr, nm);
+            }
+            if (nc)
+                rc = cma_all(write, (pid_t)pid, cl, cr, nc, &moved, &calls, &err);
+            if (ts != NULL)
+                PyEval_RestoreThread(ts);
+            if (rc) {
+                status = rc;
+                a = err;
+                b = (int64_t)moved;
+            } else {
+                a = (int64_t)moved;
+                b = (int64_t)calls;
+            }
+        }
+        set_lock(lock_fd, F_UNLCK, slot_lo, slot_hi - slot_lo);
+    }
+out:
+    PyBuffer_Release(&view);
+    if (heap != NULL)
+        PyMem_Free(heap);
+    return Py_BuildValue("(iLL)", status, (long long)a, (long long)b);
+}
+
+/* copy(write, pid, kind, liov_addr, riov_addr, n) -> (status, a, b): one chunk of a larger batch,
+ * GIL released. kind 0: memcpy (read: remote -> local); kind 1: CMA with resume.  The iovec arrays
+ * are not modified (CMA works on a private copy). */
+static PyObject *shmfast_copy(PyObject *self, PyObject *args) {
+    int write, pid, kind;
+    unsigned long long laddr, raddr;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "iiiKKn", &write, &pid, &kind, &laddr, &raddr, &n))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative count");
+        return NULL;
+    }
+    struct iovec *l = (struct iovec *)(uintptr_t)laddr, *r = (struct iovec *)(uintptr_t)raddr;
+    uint64_t moved = 0, calls = 0;
+    int64_t err = 0;
+    int rc = 0;
+    if (kind == KIND_SHM) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            moved += l[i].iov_len;
+        if (write)
+            memcpy_iov(r, l, n);
+        else
+            memcpy_iov(l, r, n);
+        Py_END_ALLOW_THREADS
+    } else {
+        struct iovec *buf = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(struct iovec));
+        if (buf == NULL)
+            return PyErr_NoMemory();
+        memcpy(buf, l, (size_t)n * sizeof(struct iovec));
+        memcpy(buf + n, r, (size_t)n * sizeof(struct iovec));
+        Py_BEGIN_ALLOW_THREADS
+        rc = cma_all(write, (pid_t)pid, buf, buf + n, n, &moved, &calls, &err);
+        Py_END_ALLOW_THREADS
+        PyMem_Free(buf);
+    }
+    if (rc)
+        return Py_BuildValue("(iLL)", rc, (long long)err, (long long)moved);
+    return Py_BuildValue("(iLL)", ST_OK, (long long)moved, (long long)calls);
+}
+
+static PyMethodDef methods[] = {
+    {"batch", shmfast_batch, METH_VARARGS, "lock, check, copy and unlock one small shm batch"},
+    {"copy", shmfast_copy, METH_VARARGS, "copy one chunk of iovec pairs (memcpy or CMA), GIL released"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_shmfast", "llmdd shm transport hot path", -1, methods};
+
+PyMODINIT_FUNC PyInit__shmfast(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "ABI", SHMFAST_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
