@@ -19,6 +19,7 @@ import numpy as np
 
 from .common import GiB, KiB, MiB, Progress, load_average, rss_bytes
 from .worker import worker_main
+from .small import rows as small_rows
 
 PROMPT = 1
 DECODER = 2
@@ -357,6 +358,9 @@ class Run:
                                n=s.latency_n, warmup=s.latency_warmup, profile=True)
                 res["profile_latency_64k"] = prof["profile"]
                 self.p.step(f"{t}: cProfile of the one-block pull")
+            if t == "shm":  # issue 21: push of one block, 8 blocks x 2 tensors, against bare process_vm_*v
+                res["small"] = small_rows(prompt, d1, layouts, s.latency_n, s.latency_warmup, salt_prompt=SALT_PROMPT,
+                                          salt_decoder=SALT_DECODER, prompt_id=PROMPT, step=self.p.step)
 
             # N decoders pulling from one prompt
             res["decoders"] = self._decoders(t, pinfo["port"], d1, layouts[bb], extra)

@@ -604,6 +604,11 @@ class Worker:
             conn.send(reply)
 
 
+from . import small as _small  # noqa: E402 - the small-transfer rows (issue 21) as Worker commands
+
+_small.install(Worker)
+
+
 def worker_main(conn) -> None:
     Worker().serve(conn)
 

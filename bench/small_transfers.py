@@ -1,0 +1,121 @@
+"""Issue 21's small-transfer targets over shm, both data paths, interleaved runs, one JSON.
+
+Each run starts a fresh prompt and decoder (spawned, one engine each, shm transport), registers a
+64 KiB layout and a 16 KiB layout of 64 tensors on both sides, links, and measures in the decoder,
+interleaved with their bare-syscall anchors (``llmdd._bench.small.rows``):
+
+* ``pull_1x64k``: ``pull_blocks`` of one 64 KiB block of one tensor vs one ``process_vm_readv``;
+* ``push_1x64k``: ``push_blocks`` of one 64 KiB block vs one ``process_vm_writev``;
+* ``pull_8x2x16k``: ``pull_blocks`` of 8 blocks of 16 KiB from 2 tensors (16 iovecs, 256 KiB) vs one
+  ``process_vm_readv`` of the same 16 iovecs.
+
+Runs alternate between the pure-Python path (``LLMDD_SHM_NATIVE=0`` in the workers' environment)
+and the C hot path; the summary is the median over the runs of each path of the per-run ratios.
+
+    .venv/bin/python bench/small_transfers.py --runs 3 --out bench/results-committed/issue21/<name>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+from llmdd._bench.common import KiB, MiB, load_average
+from llmdd._bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_DECODER, SALT_PROMPT, close_all, start_peers
+from llmdd._bench.small import TARGETS, rows
+
+
+def one_run(path: str, kv: int, n: int, warmup: int) -> dict:
+    spawn = mp.get_context("spawn")
+    old = os.environ.get("LLMDD_SHM_NATIVE")
+    os.environ["LLMDD_SHM_NATIVE"] = "0" if path == "python" else "1"
+    try:
+        prompt, dec = start_peers(spawn, [f"{path}-prompt", f"{path}-decoder"], 300)
+    finally:
+        if old is None:
+            os.environ.pop("LLMDD_SHM_NATIVE", None)
+        else:
+            os.environ["LLMDD_SHM_NATIVE"] = old
+    out: dict = {"path": path, "load_before": load_average(), "started": time.strftime("%H:%M:%S", time.gmtime())}
+    try:
+        pinfo = prompt.call("init", role="PROMPT", cluster_id=PROMPT, transport="shm", listen=True)
+        dec.call("init", role="DECODER", cluster_id=DECODER, transport="shm")
+        layouts = {}
+        for mid, bb in ((10, 64 * KiB), (11, 16 * KiB)):
+            nb = kv // NUM_TENSORS // bb
+            name = f"b{bb // KiB}k"
+            layouts[bb] = (mid, nb, name)
+            for p in (prompt, dec):
+                p.call("alloc", nbytes=kv, name=name)
+                p.call("register_blocks", model_id=mid, num_tensors=NUM_TENSORS, num_blocks=nb, block_bytes=bb,
+                       name=name)
+            prompt.call("fill", salt=SALT_PROMPT, name=name)
+        out["data_path"] = dec.call("shm_data_path")
+        want_native = path == "native"
+        if bool(out["data_path"]["native"]) is not want_native:
+            raise RuntimeError(f"{path} run: the decoder's shm data path is {out['data_path']}")
+        link = dec.call("link", remote=PROMPT, port=pinfo["port"])
+        if link["status"] != "LLM_SUCCESS" or link.get("transport") not in (None, "shm"):
+            raise RuntimeError(f"link failed or not shm: {link}")
+        out["rows"] = rows(prompt, dec, layouts, n, warmup, salt_prompt=SALT_PROMPT, salt_decoder=SALT_DECODER,
+                           prompt_id=PROMPT, step=lambda m: print(f"  [{path}] {m}", flush=True))
+    finally:
+        close_all([dec, prompt])
+    out["load_after"] = load_average()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3, help="runs per path (interleaved python, native, ...)")
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--kv-mib", type=int, default=64, help="bytes per layout and side (MiB)")
+    ap.add_argument("--paths", default="python,native")
+    ap.add_argument("--out", required=True, help="directory for results.json")
+    a = ap.parse_args()
+    paths = [p for p in a.paths.split(",") if p]
+    res: dict = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "nproc": os.cpu_count(),
+                 "load_before": load_average(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "n": a.n, "warmup": a.warmup, "kv_mib": a.kv_mib, "runs": [], "targets": TARGETS}
+    for i in range(a.runs):
+        for path in paths:
+            print(f"run {i + 1}/{a.runs}, {path} path", flush=True)
+            res["runs"].append(one_run(path, a.kv_mib * MiB, a.n, a.warmup))
+    summary: dict = {}
+    for path in paths:
+        runs = [r for r in res["runs"] if r["path"] == path]
+        summary[path] = {}
+        for row in TARGETS:
+            ratios = [r["rows"][row]["ratio_p50"] for r in runs]
+            summary[path][row] = {
+                "ratio_p50_median": statistics.median(ratios), "ratios": ratios,
+                "llmdd_p50_us": [r["rows"][row]["llmdd"]["p50"] for r in runs],
+                "anchor_p50_us": [r["rows"][row]["anchor"]["p50"] for r in runs],
+                "verified": all(r["rows"][row]["llmdd"]["verified"] for r in runs),
+                "target": TARGETS[row], "met": statistics.median(ratios) <= TARGETS[row]}
+    res["summary"] = summary
+    res["load_after"] = load_average()
+    res["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    for path in paths:
+        for row, v in summary[path].items():
+            print(f"{path:>6} {row:<13} median ratio {v['ratio_p50_median']:.2f}x (runs "
+                  f"{', '.join(f'{x:.2f}' for x in v['ratios'])}; llmdd p50 "
+                  f"{', '.join(f'{x:.1f}' for x in v['llmdd_p50_us'])} us; bare "
+                  f"{', '.join(f'{x:.1f}' for x in v['anchor_p50_us'])} us) target <= {v['target']}x "
+                  f"{'met' if v['met'] else 'NOT met'}; verified={v['verified']}")
+    print(f"load {res['load_before']} -> {res['load_after']}")
+    ok = all(v["verified"] for p in summary.values() for v in p.values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Small-transfer rows (issue 21): ``pull_blocks`` / ``push_blocks`` of a few blocks, end to end,
+and their bare-syscall anchors over the same iovecs, measured in the worker that owns the memory.
+
+* ``small_latency``: p50 / p99 of ``n`` calls of ``pull_blocks`` or ``push_blocks`` of ``blocks``
+  random block ids (distinct destinations) of the first ``tensors`` tensors (one layer of
+  ``tensors`` tensors), after ``warmup`` calls; the block ids of every call are drawn up front.
+* ``cma_small_latency``: p50 / p99 of one bare ``process_vm_readv`` (``write=False``) or
+  ``process_vm_writev`` of the same shape: ``blocks * tensors`` iovecs of ``block_bytes``, random
+  blocks of tensors ``tensor_bytes`` apart, the same block draws as ``small_latency``; the iovec
+  arrays are built before timing, so only the system call is timed (a strict anchor).
+
+:func:`install` adds them to the bench :class:`~llmdd._bench.worker.Worker` as ``cmd_*`` methods.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from .common import lat_summary
+
+
+def _libc(name: str):
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, name)
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+def _draws(num_blocks: int, blocks: int, count: int, seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [rng.permutation(num_blocks)[:blocks].tolist() for _ in range(count)]
+
+
+def cmd_small_latency(self, op: str, remote: int, model_id: int, remote_model_id: int, num_blocks: int,
+                      blocks: int, tensors: int, n: int, warmup: int) -> dict:
+    import llmdd
+
+    from .worker import _until_known
+
+    cm = self.dd.cache_manager
+    cache = self.caches[model_id]
+    key = llmdd.BlocksCacheKey(remote, remote_model_id)
+    one = range(0, 1)
+    srcs = _draws(num_blocks, blocks, n + warmup, 11)
+    dsts = _draws(num_blocks, blocks, n + warmup, 12)
+    if op == "pull":
+        def call(s, d):
+            cm.pull_blocks(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=tensors)
+    elif op == "push":
+        def call(s, d):
+            cm.push_blocks(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=tensors)
+    else:
+        raise ValueError(f"op must be pull or push, got {op!r}")
+    waited = _until_known(lambda: call(list(range(blocks)), list(range(blocks))))
+    us = []
+    pc = time.perf_counter
+    for i in range(n + warmup):
+        s, d = srcs[i], dsts[i]
+        t0 = pc()
+        call(s, d)
+        dt = pc() - t0
+        if i >= warmup:
+            us.append(dt * 1e6)
+    out = lat_summary(us)
+    out["first_call_s"] = waited
+    out["last"] = {"src": srcs[-1], "dst": dsts[-1]}
+    return out
+
+
+def cmd_cma_small_latency(self, pid: int, raddr: int, num_blocks: int, block_bytes: int, blocks: int, tensors: int,
+                          tensor_bytes: int, n: int, warmup: int, write: bool = False, name: str = "main") -> dict:
+    fn = _libc("process_vm_writev" if write else "process_vm_readv")
+    laddr = int(self.bufs[name].ctypes.data)
+    k = blocks * tensors
+    srcs = _draws(num_blocks, blocks, n + warmup, 11)
+    dsts = _draws(num_blocks, blocks, n + warmup, 12)
+    tl = (np.arange(tensors, dtype=np.uint64) * np.uint64(tensor_bytes))[:, None]
+    bb = np.uint64(block_bytes)
+    iovs = []
+    for i in range(n + warmup):  # built before timing: only the system call is timed
+        s = np.asarray(srcs[i], np.uint64)
+        d = np.asarray(dsts[i], np.uint64)
+        liov = np.empty((k, 2), dtype=np.uint64)
+        riov = np.empty((k, 2), dtype=np.uint64)
+        liov[:, 0] = (np.uint64(laddr) + tl + d[None, :] * bb).reshape(-1)
+        liov[:, 1] = bb
+        riov[:, 0] = (np.uint64(raddr) + tl + s[None, :] * bb).reshape(-1)
+        riov[:, 1] = bb
+        iovs.append((liov, riov, liov.ctypes.data, riov.ctypes.data))
+    want = k * block_bytes
+    us = []
+    pc = time.perf_counter
+    for i in range(n + warmup):
+        lp, rp = iovs[i][2], iovs[i][3]
+        t0 = pc()
+        got = fn(pid, lp, k, rp, k, 0)
+        dt = pc() - t0
+        if got != want:
+            raise RuntimeError(f"process_vm_{'writev' if write else 'readv'} returned {got}, wanted {want}")
+        if i >= warmup:
+            us.append(dt * 1e6)
+    return lat_summary(us)
+
+
+def cmd_buf_info(self, name: str = "main") -> dict:
+    import os
+
+    return {"pid": os.getpid(), "addr": int(self.bufs[name].ctypes.data), "nbytes": int(self.bufs[name].nbytes)}
+
+
+#: issue 21's targets: llmdd p50 / bare system call p50 of the same iovecs
+TARGETS = {"pull_1x64k": 2.5, "push_1x64k": 2.5, "pull_8x2x16k": 3.0}
+
+
+def rows(prompt, decoder, layouts: dict, n: int, warmup: int, *, salt_prompt: int, salt_decoder: int,
+         prompt_id: int, step=None) -> dict:
+    """The small-transfer rows and their anchors between a linked prompt and decoder whose 64 KiB
+    and 16 KiB layouts (``layouts[block_bytes] = (model_id, num_blocks, buffer name)``) are registered.
+
+    Anchors and llmdd rows are interleaved in one run (anchor, llmdd, anchor, llmdd, ...) so that
+    their ratios see the same load. Leaves the prompt's buffers filled with ``salt_prompt`` again."""
+    from .common import KiB
+
+    out: dict = {}
+    shapes = {"pull_1x64k": (64 * KiB, 1, 1, False), "push_1x64k": (64 * KiB, 1, 1, True),
+              "pull_8x2x16k": (16 * KiB, 8, 2, False)}
+    for row, (bb, blocks, tensors, write) in shapes.items():
+        if bb not in layouts:
+            out[row] = {"skipped": f"no {bb // KiB} KiB layout in this run"}
+            continue
+        mid, nb, name = layouts[bb]
+        pinfo = prompt.call("buf_info", name=name)
+        dinfo = decoder.call("buf_info", name=name)
+        if write:
+            decoder.call("fill", salt=salt_decoder, name=name)
+        # a push anchor writes from the decoder into the prompt: process_vm_writev from the decoder
+        anchor = decoder.call("cma_small_latency", pid=pinfo["pid"], raddr=pinfo["addr"], num_blocks=nb,
+                              block_bytes=bb, blocks=blocks, tensors=tensors, tensor_bytes=nb * bb, n=n,
+                              warmup=warmup, write=write, name=name)
+        r = decoder.call("small_latency", op="push" if write else "pull", remote=prompt_id, model_id=mid,
+                         remote_model_id=mid, num_blocks=nb, blocks=blocks, tensors=tensors, n=n, warmup=warmup)
+        last = r.pop("last")
+        checker, salt = (prompt, salt_decoder) if write else (decoder, salt_prompt)
+        r.update(checker.call("check_blocks", num_tensors=tensors, tensor_bytes=nb * bb, block_bytes=bb,
+                              dst_blocks=last["dst"], src_blocks=last["src"], salt=salt, name=name))
+        if write:
+            prompt.call("fill", salt=salt_prompt, name=name)
+        ratio = r["p50"] / anchor["p50"] if anchor["p50"] else None
+        out[row] = {"llmdd": r, "anchor": anchor, "ratio_p50": ratio, "target": TARGETS[row],
+                    "met": ratio is not None and ratio <= TARGETS[row], "iovecs": blocks * tensors,
+                    "bytes": blocks * tensors * bb, "anchor_call": "process_vm_writev" if write else "process_vm_readv",
+                    "pid_check": dinfo["pid"] != pinfo["pid"]}
+        if step is not None:
+            step(f"small {row}: p50 {r['p50']:.1f} us vs bare {out[row]['anchor_call']} {anchor['p50']:.1f} us "
+                 f"= {ratio:.2f}x (target <= {TARGETS[row]}x), verified={r['verified']}")
+    return out
+
+
+def cmd_shm_data_path(self) -> dict:
+    """The shm plugin's active data path in this worker (``llmdd_shm.data_path()``), or why none."""
+    try:
+        import llmdd_shm
+    except ImportError as exc:
+        return {"native": False, "path": None, "reason": f"llmdd_shm not importable: {exc}"}
+    return llmdd_shm.data_path()
+
+
+def install(worker_cls: type) -> None:
+    worker_cls.cmd_shm_data_path = cmd_shm_data_path
+    worker_cls.cmd_small_latency = cmd_small_latency
+    worker_cls.cmd_cma_small_latency = cmd_cma_small_latency
+    worker_cls.cmd_buf_info = cmd_buf_info
+
+
+__all__ = ["install", "rows", "TARGETS", "cmd_small_latency", "cmd_cma_small_latency"]
