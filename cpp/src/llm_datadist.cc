@@ -101,8 +101,18 @@ void ExitHandler() {
   // first the engines (as Finalize would), then the interpreter
   PyObject *globals = PyDict_New();
   if (globals != nullptr && PyDict_SetItemString(globals, "__builtins__", PyEval_GetBuiltins()) == 0) {
-    PyObject *r = PyRun_String("import gc, llmdd._datadist as _d\n_d._shutdown_handler()\ngc.collect()\n",
-                               Py_file_input, globals, globals);
+    // When the thread that started the interpreter (Python's "main thread") is gone or is not the
+    // one exiting, Py_FinalizeEx would wait for it forever: its thread-state lock is released here.
+    static const char kAtExit[] =
+        "import gc, threading as _t, llmdd._datadist as _d\n"
+        "_d._shutdown_handler()\n"
+        "gc.collect()\n"
+        "_m = _t.main_thread()\n"
+        "if _m.ident != _t.get_ident():\n"
+        "    _l = getattr(_m, '_tstate_lock', None)\n"
+        "    if _l is not None and _l.locked():\n"
+        "        _l.release()\n";
+    PyObject *r = PyRun_String(kAtExit, Py_file_input, globals, globals);
     Py_XDECREF(r);
   }
   Py_XDECREF(globals);

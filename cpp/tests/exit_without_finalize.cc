@@ -30,7 +30,14 @@ int main(int argc, char **argv) {
   desc.num_tensors = NUM_TENSORS;
   desc.data_type = DT_INT32;
   desc.shape = {8, 16};
-  if (dd->Initialize(options) != LLM_SUCCESS ||
+  // "thread": Initialize (which starts the interpreter) on a thread that ends before main returns
+  Status init = LLM_FAILED;
+  if (argc > 2 && std::string(argv[2]) == "thread") {
+    std::thread([&]() { init = dd->Initialize(options); }).join();
+  } else {
+    init = dd->Initialize(options);
+  }
+  if (init != LLM_SUCCESS ||
       dd->LinkLlmClusters({Cluster(PROMPT_CLUSTER_ID, "127.0.0.1", static_cast<uint16_t>(std::atoi(argv[1])))},
                           rets, 3000) != LLM_SUCCESS ||
       dd->AllocateCache(desc, cache) != LLM_SUCCESS ||

@@ -176,6 +176,8 @@ def main() -> int:
         with_server(lambda p: [os.path.join(b, "remote_checks"), str(p)])
     elif args.case == "exit_without_finalize":
         with_server(lambda p: [os.path.join(b, "exit_without_finalize"), str(p)], after=exit_promptly)
+    elif args.case == "exit_after_thread_init":  # the interpreter started on a thread that is gone
+        with_server(lambda p: [os.path.join(b, "exit_without_finalize"), str(p), "thread"], after=exit_promptly)
     elif args.case == "embedded_host":
         p = Proc("embedded_host", [os.path.join(b, "embedded_host")])
         p.wait_for("DONE")
