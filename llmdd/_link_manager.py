@@ -489,6 +489,8 @@ class Link:
     strand: Any = None                        # the link's tasks, in order, on the engine's pool
     session: Any = None                       # server side: the accepting _ServerSession until LINKED
     setup_descriptor: Optional[dict] = None   # server side: the peer's data descriptor, until LINKED
+    settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
+    claimed: bool = False                     # server side: a local link_clusters to the peer returned it
 
     @property
     def state(self) -> LinkState:
@@ -513,6 +515,13 @@ ACCEPT_PAUSE_S = 0.1   # out of descriptors or memory: accept nothing for this l
 
 class _Refused(Exception):
     """A connection over a cap: closed at once, without work."""
+
+
+class _CrossLink(Exception):
+    """The peer refused our link because its own link to us, started at the same moment, is kept."""
+
+
+_CROSS_LINK_REASON = "cross link: both clusters link to each other; the link the lower cluster id starts is kept"
 
 
 def _close_quietly(sock: socket.socket) -> None:
@@ -705,6 +714,7 @@ class LinkManager:
         self._links: dict[int, Link] = {}           # peer cluster id -> live link
         self._aliases: dict[int, int] = {}          # remote_cluster_id given by the user -> peer id
         self._linking: set[int] = set()             # remote_cluster_ids with a link_clusters in progress
+        self._accepting: dict[int, threading.Event] = {}   # peers whose incoming link is being accepted
         self._request_ids = itertools.count(1)
         self._closed = False
         self._listener: Optional[_Listener] = None
@@ -1105,12 +1115,22 @@ class LinkManager:
         link's strand); the session's deadline bounds all of it."""
         hs, conn, addr = sess.hs, sess.conn, sess.addr
         link: Optional[Link] = None
+        accepting: Optional[threading.Event] = None
         try:
             if sess.done or conn.closed:
                 return
             hello = hs.hello
             with self._lock:
                 over = self._link_limit_reached() and hello.cluster_id not in self._links
+                cross = self._is_cross_link(hello)
+                if not over and not cross and hello.cluster_id not in self._accepting:
+                    accepting = self._accepting[hello.cluster_id] = threading.Event()
+            if cross:
+                # both engines link to each other at once: the link the lower cluster id starts is the one
+                # kept; the peer's own link_clusters returns that link once it is up
+                conn.send(hs.refuse(S.LLM_ALREADY_LINK.value, _CROSS_LINK_REASON))
+                sess.drop()
+                return
             if over:
                 conn.send(hs.refuse(S.LLM_CLUSTER_NUM_EXCEED_LIMIT.value,
                                     f"this engine has reached its link limit ({self._core.profile.max_links})"))
@@ -1146,6 +1166,26 @@ class LinkManager:
                 self._submit(link, self._abort_setup, link, exc)
             else:
                 sess.drop()
+        finally:
+            if accepting is not None:
+                with self._lock:
+                    if self._accepting.get(hs.hello.cluster_id) is accepting:
+                        del self._accepting[hs.hello.cluster_id]
+                accepting.set()
+
+    def _is_cross_link(self, hello) -> bool:
+        """Under ``_lock``: is ``hello`` the peer's half of a simultaneous mutual link that this side,
+        the lower cluster id, keeps its own half of?  (A peer with a new incarnation is a restart, not
+        a cross link: its link replaces the old one.)"""
+        peer_id = hello.cluster_id
+        if self.cluster_id >= peer_id:
+            return False
+        if peer_id in self._linking:
+            return True
+        existing = self._links.get(peer_id)
+        return (existing is not None and existing.is_client and not existing.fsm.is_final
+                and existing.state is not LinkState.FAILED and existing.peer is not None
+                and existing.peer.incarnation == hello.incarnation)
 
     def _server_finish(self, link: Link) -> None:
         """Server side, on the link's strand once the peer's tables are in: data channel, our tables, LINKED."""
@@ -1155,9 +1195,12 @@ class LinkManager:
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             deadline = sess.accepted_at + self.settings.handshake_s
             self._connect_channel(link, link.setup_descriptor or {}, deadline)
-            self._send_initial_tables(link)
             link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
+            # LINKED before our tables leave: the peer is LINKED only once they arrive, so by the time its
+            # link_clusters returns this side already is
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
+            link.settled.set()
+            self._send_initial_tables(link)
             sess.done = True
             sess.timer.cancel()
             link.session = None
@@ -1272,6 +1315,14 @@ class LinkManager:
                                status_code=S.LLM_LINK_FAILED)
         stale = None
         with self._lock:
+            existing = self._links.get(self._aliases.get(remote_id, remote_id))
+            peer_started = (existing is not None and not existing.is_client and not existing.claimed
+                            and existing.state in (LinkState.LINKING, LinkState.LINKED)) \
+                or (existing is None and remote_id in self._accepting)
+        if peer_started:
+            # the peer linked to this engine first (or is doing so now): that link serves both directions
+            return self._claim_peer_link(remote_id, deadline)
+        with self._lock:
             if self._link_limit_reached():
                 return S.LLM_CLUSTER_NUM_EXCEED_LIMIT
             existing = self._links.get(self._aliases.get(remote_id, remote_id))
@@ -1303,10 +1354,45 @@ class LinkManager:
             local = socket.inet_ntoa(int(cluster.local_ip_info_list[0][0]).to_bytes(4, "little"))
             if local not in ("0.0.0.0",) and is_local_address(local):
                 self._client_host = local
-        link = self.connect_peer(host, port, deadline)
+        try:
+            link = self.connect_peer(host, port, deadline)
+        except _CrossLink:
+            # the peer links to this engine at the same moment and keeps its own link: use that one
+            return self._claim_peer_link(remote_id, deadline)
         with self._lock:
             self._aliases[remote_id] = link.peer_cluster_id
         return S.LLM_SUCCESS
+
+    def _claim_peer_link(self, remote_id: int, deadline: float) -> LLMStatusCode:
+        """Wait (until ``deadline``) for the link the peer ``remote_id`` started to this engine, and
+        return it from this side's ``link_clusters`` (one link per pair, transfers both ways)."""
+        while True:
+            with self._lock:
+                link = self._links.get(remote_id)
+                accepting = self._accepting.get(remote_id)
+            left = deadline - time.monotonic()
+            if link is not None and not link.is_client:
+                if link.state is LinkState.LINKING and left > 0:
+                    link.settled.wait(left)
+                    continue
+                if not link.linked:
+                    raise LLMException(f"the link cluster {remote_id} started to this engine did not come up "
+                                       f"({link.last_error or link.state.value})", status_code=S.LLM_LINK_FAILED)
+                with self._lock:
+                    if link.claimed:
+                        return S.LLM_ALREADY_LINK
+                    link.claimed = True
+                    self._aliases[remote_id] = link.peer_cluster_id
+                return S.LLM_SUCCESS
+            if link is not None and link.linked:
+                return S.LLM_ALREADY_LINK
+            if left <= 0:
+                raise LLMException(f"cluster {remote_id} links to this engine at the same moment; its link did not "
+                                   f"come up in time", status_code=S.LLM_LINK_FAILED)
+            if accepting is not None:
+                accepting.wait(min(left, 0.5))
+            else:
+                time.sleep(min(left, 0.01))   # the peer's connection has not arrived yet
 
     def connect_peer(self, host: str, port: int, deadline: float, *, comm_id: Optional[int] = None) -> Link:
         """Client side of one link: connect and handshake (retrying), tables, data channel.
@@ -1334,6 +1420,7 @@ class LinkManager:
             self._connect_channel(link, peer.transport.descriptor, deadline)
             link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
+            link.settled.set()
             return link
         except (TimeoutError, ProtocolError, TransportError, OSError, InvalidStateError) as exc:
             if link is not None:
@@ -1396,6 +1483,9 @@ class LinkManager:
                 return conn, hs.result()   # raises HandshakeRefused
             except HandshakeRefused as exc:
                 conn.close()
+                if exc.by_peer and exc.refusal.status_code == S.LLM_ALREADY_LINK.value \
+                        and exc.refusal.reason == _CROSS_LINK_REASON:
+                    raise _CrossLink(str(exc)) from None
                 if not (exc.by_peer and exc.refusal.status_code == S.LLM_LINK_BUSY.value):
                     raise LLMException(f"link to {host}:{port} refused: {exc}",
                                        status_code=S.LLM_LINK_FAILED) from None
@@ -1482,6 +1572,8 @@ class LinkManager:
 
     def _dispatch(self, link: Link, msg: Any) -> None:
         """A message arrived (loop thread): cheap ones now, the rest on the link's strand, in order."""
+        if self._hooks.drops_control_message(link.peer_cluster_id, msg):
+            return  # a plugin (fault injection) dropped it: as if the network lost it
         link.last_rx = time.monotonic()
         if type(msg) in self._INLINE and link.strand.idle():
             self._handle(link, msg)
@@ -1582,6 +1674,11 @@ class LinkManager:
             # a server-side link still in its setup leaves nothing behind
             self._abort_setup(link, ProtocolError(f"the peer went away during the link setup ({reason})"))
             return
+        if link.state is LinkState.UNLINKING:
+            # the peer acknowledged our unlink and closed: the unlink in progress ends the link
+            for pending in list(link.pending.values()):
+                pending.event.set()
+            return
         self._fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
         if isinstance(error, ProtocolError):
             # the peer sent something this side refuses (a bad frame, an invalid table update): tell it
@@ -1604,6 +1701,7 @@ class LinkManager:
         for pending in list(link.pending.values()):
             pending.event.set()
         link.tables_ready.set()
+        link.settled.set()
         hook = self.request_handlers.get("__link_failed__")
         if hook is not None:
             hook(link, {"error": error})
@@ -1616,11 +1714,15 @@ class LinkManager:
         with self._lock:
             if self._links.get(link.peer_cluster_id) is link:
                 del self._links[link.peer_cluster_id]
-        if link.fsm.can(trigger):
-            try:
-                link.fsm.fire(trigger, reason=reason)
-            except InvalidStateError:
-                pass
+        # a link always ends CLOSED: when the wanted trigger no longer applies (the state moved
+        # meanwhile, e.g. FAILED), the teardown is a force unlink
+        for name in (trigger, "force_unlink"):
+            if link.fsm.can(name):
+                try:
+                    link.fsm.fire(name, reason=reason)
+                    break
+                except InvalidStateError:
+                    continue
         sess = link.session
         if sess is not None:
             sess.done = True
@@ -1628,6 +1730,7 @@ class LinkManager:
         for pending in list(link.pending.values()):
             pending.event.set()
         link.tables_ready.set()
+        link.settled.set()
         hook = self.request_handlers.get("__link_closed__")
         if hook is not None:
             hook(link, {})

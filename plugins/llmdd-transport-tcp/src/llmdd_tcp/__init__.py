@@ -748,7 +748,17 @@ class _ServerConn:
         self.watch()
 
     def on_request(self, _mask: int) -> None:
-        """Bytes (or EOF) wait on an idle stream: a worker takes it over."""
+        """Bytes wait on an idle stream: a worker takes it over (an end of stream is handled here)."""
+        try:
+            peek = self.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.finish(_map_exc(exc))
+            return
+        if not peek:
+            self.finish(None)
+            return
         self.ep._io.forget(self.sock)
         try:
             self.ep._io.pool.submit(self.ep._serve_ready, self)
