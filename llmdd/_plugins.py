@@ -484,6 +484,22 @@ class Hooks:
             return once()
         return result
 
+    def drops_control_message(self, peer_cluster_id: int, msg: Any) -> bool:
+        """``llmdd_control_message`` for a received message: True when a plugin drops it.  Costs one
+        attribute lookup while no plugin implements the hook."""
+        hook = self._pm.hook.llmdd_control_message
+        if not hook.get_hookimpls():
+            return False
+        name = type(msg).__name__
+        op = getattr(msg, "op", None)
+        if isinstance(op, str):
+            name = f"{name}:{op}"
+        try:
+            return hook(peer_cluster_id=peer_cluster_id, message=name, direction="received") is True
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the link
+            self._record_failure("llmdd_control_message", "?", exc)
+            return False
+
     # -- observability ---------------------------------------------------------------
 
     def statistics(self) -> HookStatistics:

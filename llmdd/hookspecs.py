@@ -36,6 +36,7 @@ __all__ = [
     "llmdd_register_transports",
     "llmdd_select_transport",
     "llmdd_run_transfer",
+    "llmdd_control_message",
     "llmdd_engine_transition",
     "llmdd_link_transition",
     "llmdd_comm_group_transition",
@@ -141,6 +142,24 @@ def llmdd_run_transfer(task: Any, run: Callable[[], Any]) -> Any:
     Exceptions propagate: they are the task's outcome.
 
     .. versionadded:: 0.1
+    """
+
+
+@_spec(firstresult=True)
+def llmdd_control_message(peer_cluster_id: int, message: str, direction: str) -> bool | None:
+    """A control message of an established link arrived (fault injection, tracing).
+
+    :param peer_cluster_id: the link's peer.
+    :param message: the message's type name, with the request's operation for a
+        ``TransferRequest`` (``"TransferRequest:read_done"``, ``"TransferReply"``, ``"Keepalive"``...).
+    :param direction: ``"received"``.
+    :return: ``True`` to drop the message (it is never handled, as if the network lost it);
+        ``None`` to let it through.
+
+    Called on the link's I/O loop thread for every received control message, only while at least
+    one plugin implements it (the faults plugin's ``control`` op does): keep it fast and never block.
+
+    .. versionadded:: 0.2
     """
 
 

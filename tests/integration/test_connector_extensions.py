@@ -227,3 +227,48 @@ def test_non_blocking_pulls_cut_by_finalize_end_with_a_typed_status():
         # the owner holds a success tag only of pulls that returned success (acknowledged before)
         tags = {e[0] for e in owner.call(C.peer_events) if e[2] is None}
         assert tags == {f"f{i}" for i, st in enumerate(statuses) if st == "LLM_SUCCESS"}, (tags, statuses)
+
+
+# --------------------------------------------------------------------------- lost control messages
+def _tagged(puller, src, dst, tag):
+    return puller.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", [src], [dst], tag=tag)[0]
+
+
+def test_a_dropped_tag_notice_fails_the_pull_typed_and_the_owner_never_sees_that_tag():
+    """The faults plugin on the owner drops the 3rd tagged "finished reading" notice as if the network
+    lost it: that pull ends LLM_TIMEOUT by its deadline (the owner never acknowledged), the link fails,
+    the owner has no event for that tag; after a relink every tag arrives once, in order."""
+    drop = json.dumps({"faults": [{"op": "control", "action": "drop", "message": "TransferRequest:read_done",
+                                   "nth": 3, "peer": DECODER}]})
+    with Cluster(env=ENV) as cluster:
+        owner, puller, port = _pair(cluster, p_kw={"faults": drop}, d_kw={"sync_ms": 800})
+        assert [_tagged(puller, i, i, f"d{i}") for i in range(2)] == ["LLM_SUCCESS"] * 2
+        status, took, _ = puller.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", [2], [2], tag="d2")
+        assert status == "LLM_TIMEOUT" and took <= 0.8 + 0.5, (status, took)
+        assert puller.call(R.link_states)[PROMPT] == "failed"
+        assert owner.call(R.fault_fired) == [("control", "drop")]
+        assert puller.call(R.unlink, [(PROMPT, port)], True)["status"] == "LLM_SUCCESS"
+        assert puller.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
+        assert [_tagged(puller, i, i, f"d{i}") for i in range(3, 6)] == ["LLM_SUCCESS"] * 3
+        tags = [e[0] for e in owner.call(C.peer_events)]
+        assert tags == ["d0", "d1", "d3", "d4", "d5"], tags
+        got = puller.call(R.snapshot, "dst").reshape(NT, NB, BS)
+        want = R.pattern(PROMPT, SEED, NT, NB * BS).reshape(NT, NB, BS)
+        np.testing.assert_array_equal(got[:, :6], want[:, :6])       # d2's bytes were read before the loss
+
+
+def test_a_dropped_acknowledgement_reports_timeout_but_the_owner_saw_the_tag_once():
+    """The faults plugin on the puller drops the owner's acknowledgement of one tag: the owner fired
+    its event (the bytes were read), exactly once; the puller reports LLM_TIMEOUT and its link fails."""
+    drop = json.dumps({"faults": [{"op": "control", "action": "drop", "message": "TransferReply", "nth": 2,
+                                   "peer": PROMPT}]})
+    with Cluster(env=ENV) as cluster:
+        owner, puller, port = _pair(cluster, d_kw={"faults": drop, "sync_ms": 800})
+        assert _tagged(puller, 0, 0, "k0") == "LLM_SUCCESS"
+        assert _tagged(puller, 1, 1, "k1") == "LLM_TIMEOUT"
+        assert puller.call(R.fault_fired) == [("control", "drop")]
+        assert puller.call(R.link_states)[PROMPT] == "failed"
+        assert [e[0] for e in owner.call(C.peer_events)] == ["k0", "k1"]
+        got = puller.call(R.snapshot, "dst").reshape(NT, NB, BS)
+        want = R.pattern(PROMPT, SEED, NT, NB * BS).reshape(NT, NB, BS)
+        np.testing.assert_array_equal(got[:, :2], want[:, :2])

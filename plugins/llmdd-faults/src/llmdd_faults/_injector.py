@@ -47,8 +47,8 @@ class FaultInjector:
         return self.plan.fired
 
     def targets(self, peer: Optional[int]) -> bool:
-        """True when some fault of the plan may act on links with ``peer``."""
-        return any(f.op != "task" and (f.peer is None or f.peer == peer) for f in self.plan.faults)
+        """True when some fault of the plan may act on the transports of links with ``peer``."""
+        return any(f.op not in ("task", "control") and (f.peer is None or f.peer == peer) for f in self.plan.faults)
 
     # ------------------------------------------------------------------ hooks
     @hookimpl(trylast=True)
@@ -87,6 +87,16 @@ class FaultInjector:
         peer = event.info.get("peer", event.id)
         if isinstance(peer, int):
             _set_current_peer(peer)
+
+    @hookimpl
+    def llmdd_control_message(self, peer_cluster_id: int, message: str, direction: str) -> Optional[bool]:
+        if direction != "received" or not self._has_control:
+            return None
+        return True if self.plan.match("control", peer_cluster_id, message) else None
+
+    @property
+    def _has_control(self) -> bool:
+        return any(f.op == "control" for f in self.plan.faults)
 
     @hookimpl(wrapper=True)
     def llmdd_run_transfer(self, task: Any, run: Callable[[], Any]) -> Any:

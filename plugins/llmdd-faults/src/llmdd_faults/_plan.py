@@ -44,7 +44,7 @@ _log = get_logger("llmdd.faults")
 
 #: Injection points: ``connect`` (Endpoint.connect), ``read`` / ``write`` (posting a batch),
 #: ``complete`` (a batch's completion, read or write) and ``task`` (a whole engine task).
-OPS = ("connect", "read", "write", "complete", "task")
+OPS = ("connect", "read", "write", "complete", "task", "control")
 ACTIONS = ("drop", "delay", "truncate", "corrupt", "fail", "kill_peer", "stall_peer", "partition")
 POINTS = ("before_post", "mid_transfer", "before_completion")
 
@@ -59,6 +59,7 @@ _ALLOWED: Mapping[str, frozenset] = {
     "write": frozenset(ACTIONS),
     "complete": frozenset({"drop", "delay", "fail", "corrupt", "kill_peer", "stall_peer", "partition"}),
     "task": frozenset({"delay", "fail", "kill_peer", "stall_peer"}),
+    "control": frozenset({"drop"}),
 }
 
 
@@ -83,7 +84,9 @@ def _optional_int(value: Any) -> Optional[int]:
 class Fault:
     """One fault: *what* happens (``action``) at *which* injection point (``op``), on *which* call.
 
-    :ivar op: ``"connect"``, ``"read"``, ``"write"``, ``"complete"`` or ``"task"``.
+    :ivar op: ``"connect"``, ``"read"``, ``"write"``, ``"complete"``, ``"task"`` or ``"control"`` (a
+        received control message of an established link; action ``"drop"`` only: the message is
+        never handled, as if the network lost it).
     :ivar action: ``"drop"`` (never completes: only the deadline or a cancel ends it),
         ``"delay"`` (``delay`` seconds), ``"truncate"`` (move the first ``nbytes`` bytes, then
         fail with ``error``, default :class:`Corrupt`), ``"corrupt"`` (flip ``nbytes`` bytes,
@@ -102,6 +105,8 @@ class Fault:
         (after the first half of the bytes moved) or ``"before_completion"``.
     :ivar pid: the process to signal; ``None``: the ``pid`` the peer endpoint's ``describe()`` gives.
     :ivar name: a label for ``fired`` records and logs.
+    :ivar message: for ``"control"``: which messages it matches: a type name (``"TransferReply"``)
+        or ``type:op`` (``"TransferRequest:read_done"``); empty: every message.
     """
 
     op: str = attrs.field(validator=attrs.validators.in_(OPS))
@@ -119,6 +124,7 @@ class Fault:
     point: str = attrs.field(default="before_post", kw_only=True, validator=attrs.validators.in_(POINTS))
     pid: Optional[int] = attrs.field(default=None, kw_only=True, converter=_optional_int)
     name: str = attrs.field(default="", kw_only=True, converter=str)
+    message: str = attrs.field(default="", kw_only=True, converter=str)
 
     def __attrs_post_init__(self) -> None:
         if self.action not in _ALLOWED[self.op]:
@@ -247,13 +253,16 @@ class FaultPlan:
         return json.dumps({"seed": self.seed, "faults": [f.to_dict() for f in self.faults]})
 
     # ------------------------------------------------------------------ matching
-    def match(self, op: str, peer: Optional[int] = None) -> list[Fault]:
-        """Count one call of ``op`` for ``peer``; return the faults that fire on it (plan order)."""
+    def match(self, op: str, peer: Optional[int] = None, message: str = "") -> list[Fault]:
+        """Count one call of ``op`` for ``peer`` (and, for ``control``, ``message``); return the
+        faults that fire on it (plan order)."""
         out: list[Fault] = []
         records: list[Fired] = []
         with self._cond:
             for i, f in enumerate(self.faults):
                 if f.op != op or (f.peer is not None and f.peer != peer):
+                    continue
+                if f.message and not (message == f.message or message.startswith(f.message + ":")):
                     continue
                 self._calls[i] += 1
                 if self._calls[i] < f.nth or (f.count is not None and self._fires[i] >= f.count):
