@@ -79,7 +79,7 @@ def make_pair(native: str = "auto"):
 def user_pair(request):
     """``make_pair`` on one data path; every endpoint it makes is checked to be on that path."""
     if request.param == "native" and llmdd_shm._native is None:
-        pytest.skip(f"C hot path not built: {llmdd_shm.NATIVE_REASON}")
+        pytest.skip(f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
     mode = "on" if request.param == "native" else "off"
 
     def make():

@@ -31,7 +31,7 @@ from llmdd_shm import OPT_GIL, OPT_NATIVE, ShmTransport, data_path
 
 pytestmark = pytest.mark.timeout(120)
 
-needs_native = pytest.mark.skipif(llmdd_shm._native is None, reason=f"C hot path not built: {llmdd_shm.NATIVE_REASON}")
+needs_native = pytest.mark.skipif(llmdd_shm._native is None, reason=f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
 
 MiB = 1 << 20
 
@@ -58,6 +58,19 @@ def test_native_extension_is_built_when_expected():
         assert ep._native is llmdd_shm._native  # "auto" picks it
     finally:
         ep.close()
+
+
+@needs_native
+def test_native_layout_constants_match_the_python_side():
+    """The C side hard-codes the control segment's layout and OP_DTYPE: they must agree."""
+    from llmdd.lowlevel import OP_DTYPE
+
+    nat = llmdd_shm._native
+    assert nat.MAX_SLOTS == llmdd_shm.MAX_SLOTS and nat.SLOTS_OFF == llmdd_shm._SLOTS_OFF
+    assert nat.CTL_OPEN == llmdd_shm._OPEN and nat.SLOT_LIVE == llmdd_shm._LIVE
+    assert nat.OP_SIZE == OP_DTYPE.itemsize == 32
+    assert [OP_DTYPE.fields[n][1] for n in OP_DTYPE.names] == [0, 4, 12, 16, 24]  # packed, as op_t in _shmfast.c
+    assert llmdd_shm._HDR_WORDS > 2  # the C side reads header word 2 (state)
 
 
 def test_env_switch_forces_the_python_path():

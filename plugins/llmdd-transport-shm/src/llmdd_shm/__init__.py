@@ -84,7 +84,7 @@ from . import _seg
 from ._cma import FEW, IOV_MAX, Cma, CmaError, iovecs, probe_cma
 
 #: the ``ABI`` constant this Python code expects of the C extension ``llmdd_shm._shmfast``
-NATIVE_ABI = 2
+NATIVE_ABI = 3
 #: ``LLMDD_SHM_NATIVE=0`` forces the pure-Python path in this process (to run the suite on it)
 ENV_NATIVE = "LLMDD_SHM_NATIVE"
 
@@ -546,11 +546,13 @@ class ShmEndpoint(Endpoint):
             e = self._nb_epoch
             c = self._nb_count
             c[e] = c.get(e, 0) + 1
-            self._stats["batches"] += 1
             return self._ntab, e
 
-    def _nend(self, epoch: int) -> None:
+    def _nend(self, epoch: int, counted: bool) -> None:
+        """A native batch ended (``counted``: it was not handed to the Python path, which counts it)."""
         with self._cond:
+            if counted:
+                self._stats["batches"] += 1
             c = self._nb_count
             left = c[epoch] - 1
             if left:
@@ -890,7 +892,7 @@ class ShmChannel(Channel):
             self._busy += 1
             self._nbusy += 1
         epoch = -1
-        res: tuple = (_ST_FALLBACK, 0, 0)
+        res: tuple = (-1, 0, 0)  # -1: the C side was not called
         err: Optional[TransportError] = None
         try:
             ltab, epoch = ep._nbegin()  # Cancelled when the endpoint is closed, as the Python path
@@ -910,7 +912,7 @@ class ShmChannel(Channel):
                                 rtab[2], self._iov_max, self._nlimit, self._ngil)
         finally:
             if epoch >= 0:
-                ep._nend(epoch)
+                ep._nend(epoch, res[0] != _ST_FALLBACK and res[0] != _ST_BUSY)
             deferred = None
             with self._lock:
                 if fd >= 0 and not self._closed and len(self._fds) < 8:

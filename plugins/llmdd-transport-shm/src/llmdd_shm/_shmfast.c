@@ -31,7 +31,7 @@
 #define F_OFD_SETLK 37
 #endif
 
-#define SHMFAST_ABI 2
+#define SHMFAST_ABI 3
 
 enum {
     ST_OK = 0,          /* every byte moved: (0, bytes, syscalls) */
@@ -52,6 +52,7 @@ enum { FB_REGION = 1, FB_BOUNDS = 2, FB_SIZE = 3, FB_NOMEM = 4 };
 #define CTL_OPEN 1
 #define SLOTS_OFF 4096
 #define SLOT_LIVE 1
+#define MAX_SLOTS 16384 /* llmdd_shm.MAX_SLOTS: the control segment holds this many 16-byte slots */
 #define KIND_SHM 0
 
 #pragma pack(push, 1)
@@ -87,9 +88,10 @@ static int in_bounds(uint64_t off, uint64_t len, uint64_t size) {
     return off <= size && len <= size - off;
 }
 
+/* memmove, as ctypes.memmove on the Python path: a same-process test pair may map one segment twice */
 static void memcpy_iov(const struct iovec *dst, const struct iovec *src, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++)
-        memcpy(dst[i].iov_base, src[i].iov_base, src[i].iov_len);
+        memmove(dst[i].iov_base, src[i].iov_base, src[i].iov_len);
 }
 
 /* Move every byte of the paired arrays (element i of both has the same length); the arrays are
@@ -213,6 +215,11 @@ static PyObject *shmfast_batch(PyObject *self, PyObject *args) {
         }
         /* the remote region's slot: every region the batch names is checked, as the Python path */
         uint64_t slot = rrow[3];
+        if (slot >= MAX_SLOTS) {
+            status = ST_FALLBACK;
+            a = FB_REGION;
+            goto out;
+        }
         Py_ssize_t j;
         for (j = 0; j < ns; j++)
             if (slots[3 * j] == slot)
@@ -383,7 +390,9 @@ PyMODINIT_FUNC PyInit__shmfast(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "ABI", SHMFAST_ABI) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI", SHMFAST_ABI) < 0 || PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0
+        || PyModule_AddIntConstant(m, "SLOTS_OFF", SLOTS_OFF) < 0 || PyModule_AddIntConstant(m, "CTL_OPEN", CTL_OPEN) < 0
+        || PyModule_AddIntConstant(m, "SLOT_LIVE", SLOT_LIVE) < 0 || PyModule_AddIntConstant(m, "OP_SIZE", sizeof(op_t)) < 0) {
         Py_DECREF(m);
         return NULL;
     }
