@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any, Optional
 
 import attrs
@@ -393,6 +394,19 @@ class Bridge:
         self._flipped[id(layout)] = (layout, other)
         return other
 
+    @staticmethod
+    def _remote_layout(core, te, link, cache_id: int):
+        """The peer's cache ``cache_id`` from its announced tables. A cache the peer made after the
+        link reaches this side in an update that may still be on its way: on a miss, one round trip
+        with the peer (its answer follows every update it sent before) and a second look."""
+        try:
+            return te.remote_layout(link, cache_id)
+        except LLMException as exc:
+            if exc.status_code is not S.LLM_KV_CACHE_NOT_EXIST:
+                raise
+        core.link_manager.request(link, "engine_info", {}, deadline=time.monotonic() + te.timeout_s)
+        return te.remote_layout(link, cache_id)
+
     def _move(self, core, *, write: bool, blocks: bool, local_id: int, remote_cluster: int, remote_id: int,
               local_unit: int = 0, remote_unit: int = 0, size: int = -1, local_blocks=None, remote_blocks=None,
               src_range=None, dst_range=None, tnpl: int = 2) -> None:
@@ -402,7 +416,7 @@ class Bridge:
         kind = ("push_blocks" if write else "pull_blocks") if blocks else ("push_cache" if write else "pull_cache")
         rec, local = te.local_layout(local_id)
         link = te._link_for(remote_cluster)
-        remote = te.remote_layout(link, remote_id)
+        remote = self._remote_layout(core, te, link, remote_id)
         te._check_placements(link, remote_cache_id=remote_id, local_rec=rec, local_is="src" if write else "dst",
                              kind=kind, remote_is_blocks=True if blocks else remote.is_blocks)
         local, remote = self._as(local, blocks), self._as(remote, blocks)

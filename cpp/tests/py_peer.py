@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import sys
+import time
 
 import llmdd
 from llmdd import (BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMClusterInfo, LLMConfig, LLMRole,
@@ -81,6 +82,15 @@ def cluster(remote: int, port: int | None = None) -> LLMClusterInfo:
     return info
 
 
+def see_peer_tables(dd, peer: int) -> None:
+    """The decoder made its caches after the link: their announcement may still be on its way.
+    One request round trip with the peer (its answer follows every update it sent before) makes
+    them visible here. (Internal API: llmdd's public API has no such barrier.)"""
+    core = dd._core
+    link = core.link_manager.require(peer)
+    core.link_manager.request(link, "engine_info", {}, deadline=time.monotonic() + 5.0)
+
+
 def check(ok: bool, what: str) -> None:
     if not ok:
         raise SystemExit(f"[ERROR] {what}: bytes differ")
@@ -99,6 +109,7 @@ def prompt(port: int) -> None:
         fill(c, 10 + i)
     say("READY")
     expect("PUSH")
+    see_peer_tables(dd, DECODER)
     # the decoder's caches are C++ caches (blocks caches here): slot 0 is block 0
     cm.push_blocks(CacheKeyByIdAndIndex(DECODER, 3, 0), caches[2], [0], [0], src_layer_range=range(0, 1),
                    dst_layer_range=range(0, 1))

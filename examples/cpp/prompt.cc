@@ -59,8 +59,9 @@ int main(int argc, char **argv) {
     kv_cache_desc.shape = {8, 16};
     ret = llm_data_dist.AllocateCache(kv_cache_desc, caches[i]);
     if (ret != LLM_SUCCESS) {
+      Failed("AllocateCache", ret);
       OnError(llm_data_dist, caches);
-      return Failed("AllocateCache", ret);
+      return -1;
     }
     Fill(caches[i], 10U + i);  // "full inference" writes the caches
   }
@@ -78,8 +79,9 @@ int main(int argc, char **argv) {
   ext_param.tensor_num_per_layer = 2;
   ret = llm_data_dist.PushKvCache(caches[2], dst_cache_index, 0, -1, ext_param);
   if (ret != LLM_SUCCESS) {
+    Failed("PushKvCache", ret);
     OnError(llm_data_dist, caches);
-    return Failed("PushKvCache", ret);
+    return -1;
   }
   // push layer 0 of blocks {0,1,2,3} of cache 4 into blocks {3,2,1,0} of the decoder's cache 4
   CacheIndex dst_blocks_index{DECODER_CLUSTER_ID, 4};
@@ -87,8 +89,9 @@ int main(int argc, char **argv) {
   std::vector<uint64_t> decoder_blocks = {3, 2, 1, 0};
   ret = llm_data_dist.PushKvBlocks(caches[3], dst_blocks_index, prompt_blocks, decoder_blocks, ext_param);
   if (ret != LLM_SUCCESS) {
+    Failed("PushKvBlocks", ret);
     OnError(llm_data_dist, caches);
-    return Failed("PushKvBlocks", ret);
+    return -1;
   }
   Say("PUSHED");
 
@@ -104,13 +107,15 @@ int main(int argc, char **argv) {
   clusters.emplace_back(std::move(cluster_info));
   ret = llm_data_dist.UnlinkLlmClusters(clusters, rets, 1000, true);
   if (ret != LLM_SUCCESS) {
+    Failed("UnlinkLlmClusters(force)", ret);
     OnError(llm_data_dist, caches);
-    return Failed("UnlinkLlmClusters(force)", ret);
+    return -1;
   }
   for (const auto &inner_ret : rets) {
     if (inner_ret != LLM_SUCCESS) {
+      Failed("UnlinkLlmClusters(force) of a cluster", inner_ret);
       OnError(llm_data_dist, caches);
-      return Failed("UnlinkLlmClusters(force) of a cluster", inner_ret);
+      return -1;
     }
   }
   Say("UNLINKED");
