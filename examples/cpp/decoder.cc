@@ -28,7 +28,9 @@ int Mismatch(const char *what) {
 
 Status Link(LlmDataDist &llm_data_dist, const std::vector<ClusterInfo> &clusters) {
   std::vector<Status> rets;
-  auto ret = llm_data_dist.LinkLlmClusters(clusters, rets);
+  // 3 s instead of the 1 s default: the first link also sets up the transports, which takes
+  // longer than a second on a loaded 2-core CI machine (seen: LLM_LINK_FAILED at 1 s)
+  auto ret = llm_data_dist.LinkLlmClusters(clusters, rets, 3000);
   if (ret != LLM_SUCCESS) {
     return ret;
   }
