@@ -591,3 +591,18 @@ def shm_accounting(state: dict) -> dict:
                 segs.append(pool["segment"])
     return {"pid": os.getpid(), "pool_segments": segs}
 
+
+
+def tcp_data_grant(state: dict, cluster: int) -> Optional[dict]:
+    """What this engine's tcp channel to ``cluster`` presents when it opens a data stream: the grant
+    handle and MAC key its link received from the owner (llmdd-tcp v2; the owner serves linked
+    peers only).  None when the channel needs no grant (llmdd-tcp v1).  A hostile *linked* peer
+    holds exactly this, which is what the forged-request tests play."""
+    core = state["dd"]._core
+    link = next((lk for lk in core.link_manager.links() if lk.peer_cluster_id == cluster), None)
+    channel = None if link is None else link.channel
+    channel = getattr(channel, "inner", channel)   # under the faults plugin
+    handle, key = getattr(channel, "_handle", None), getattr(channel, "_key", None)
+    if handle is None or key is None:
+        return None
+    return {"handle": bytes(handle), "key": bytes(key)}

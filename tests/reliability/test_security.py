@@ -5,6 +5,10 @@ network code), S11 (the shared secret never appears in logs or exception message
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import hmac
+import os
 import pathlib
 import re
 import socket
@@ -24,6 +28,8 @@ HELLO = struct.Struct("<4sHBx16s16s")
 REQ = struct.Struct("<4sBBHIQ")
 RSP = struct.Struct("<4sBBHI")
 OP = struct.Struct("<IQQ")
+OPEN = struct.Struct("<16s16s32s")         # v2: client nonce, grant handle, client mac
+OPEN_RSP = struct.Struct("<B32s")          # v2: status, server mac
 #: the tcp data server's kinds and statuses (plugins/llmdd-transport-tcp, module docstring: the wire)
 READ, WRITE = 1, 2
 ST_OK, ST_REFUSED = 0, 1
@@ -52,15 +58,22 @@ def _recv_exact(s: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _raw(port: int, ops: list, kind: int = READ, total: int | None = None) -> dict:
+def _raw(port: int, ops: list, kind: int = READ, total: int | None = None, grant: dict | None = None) -> dict:
     """One forged request on the tcp data endpoint.  Returns ``{"closed": True, "extra": b""}`` when
     the server closed the connection without a response header (a corrupt stream), else
     ``{"closed": False, "status", "msg", "extra"}`` where ``extra`` is every byte that followed the
     response within ``AFTER_ANSWER_S`` (the payload of an OK read).  A server that neither answers
-    nor closes within 3 s fails the caller with ``socket.timeout``."""
+    nor closes within 3 s fails the caller with ``socket.timeout``.  ``grant``: the handle and key
+    of a linked peer's data grant (``R.tcp_data_grant``), presented when the server speaks v2."""
     with socket.create_connection(("127.0.0.1", port), timeout=3.0) as s:
-        hello = _recv_exact(s, HELLO.size)
-        assert hello[:4] == b"LDTH"
+        magic, version, _auth, endpoint_id, nonce_s = HELLO.unpack(_recv_exact(s, HELLO.size))
+        assert magic == b"LDTH"
+        if version >= 2:      # the owner serves linked peers only: open the stream with the link's grant
+            assert grant is not None, "llmdd-tcp v2 serves linked peers only: pass the client's grant"
+            nonce_c = os.urandom(16)
+            s.sendall(OPEN.pack(nonce_c, grant["handle"], _mac(grant["key"], b"c", endpoint_id, nonce_s, nonce_c)))
+            st, mac_s = OPEN_RSP.unpack(_recv_exact(s, OPEN_RSP.size))
+            assert st == 0 and mac_s == _mac(grant["key"], b"s", endpoint_id, nonce_c, nonce_s), "grant refused"
         if total is None:
             total = sum(length for _, _, length in ops) % (1 << 64)
         s.sendall(REQ.pack(b"LDRQ", kind, 0, 0, len(ops), total) + b"".join(OP.pack(*op) for op in ops))
@@ -82,6 +95,10 @@ def _raw(port: int, ops: list, kind: int = READ, total: int | None = None) -> di
         except OSError:     # the window ended (socket.timeout): nothing more came
             pass
         return {"closed": False, "status": status, "msg": msg.decode("utf-8", "replace"), "extra": extra}
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 
 
 def _assert_refused(res: dict, reason: str, what: object) -> None:
@@ -108,6 +125,15 @@ def _setup_owner(p, *, remote_accessible: bool = False) -> dict:
             "canary": canary}
 
 
+def _linked_raw(d, info: dict, **setup_kw):
+    """Set up and link the decoder ``d`` to the owner; a raw request function that presents d's
+    data grant (what a hostile linked peer holds)."""
+    d.call(R.setup, "DECODER", 2, **setup_kw)
+    d.call(R.register_blocks, "dst", NT, NB, BS)
+    assert d.call(R.link, [(PROMPT, info["port"])])["status"] == "LLM_SUCCESS"
+    return functools.partial(_raw, info["data_port"], grant=d.call(R.tcp_data_grant, PROMPT))
+
+
 def _no_canary(extra: bytes, canary: bytes) -> bool:
     """No 8-byte window of the canary (the guards before/after every tensor) is in ``extra``."""
     return all(canary[i:i + 8] not in extra for i in range(0, len(canary) - 8, 8))
@@ -116,6 +142,7 @@ def _no_canary(extra: bytes, canary: bytes) -> bool:
 def test_s5_forged_out_of_bounds_requests_are_refused_and_leak_no_canary(pd):
     p, d = pd
     info = _setup_owner(p)
+    raw = _linked_raw(d, info)      # the forger is a linked peer: it holds its link's data grant
     rid = info["src"][0]
     size = NB * BS
     want = R.pattern(PROMPT, 1, NT, size)
@@ -134,27 +161,24 @@ def test_s5_forged_out_of_bounds_requests_are_refused_and_leak_no_canary(pd):
         ([(2**32 - 1, 0, 16)], unknown),
     ]
     for ops, reason in forged:
-        res = _raw(info["data_port"], ops)
+        res = raw(ops)
         _assert_refused(res, reason, ops)
     # a write outside the region is refused before a byte is read: region and guards unchanged
     for ops in ([(rid, size - 4, 8)], [(rid, 2**64 - 8, 16)]):
-        _assert_refused(_raw(info["data_port"], ops, kind=WRITE), oob, ops)
+        _assert_refused(raw(ops, kind=WRITE), oob, ops)
     # the announced total must match the ops (no over-read / over-write): a corrupt stream, closed
     for kind in (READ, WRITE):
         for total in (1 << 40, 8, 0):
-            _assert_closed(_raw(info["data_port"], [(rid, 0, 16)], kind=kind, total=total), (kind, total))
+            _assert_closed(raw([(rid, 0, 16)], kind=kind, total=total), (kind, total))
     assert p.call(R.guarded_digest, "src") == before, "a refused request changed the owner's memory"
-    # the owner is alive and a good client still links and pulls correct bytes
-    d.call(R.setup, "DECODER", 2)
-    d.call(R.register_blocks, "dst", NT, NB, BS)
-    assert d.call(R.link, [(PROMPT, info["port"])])["status"] == "LLM_SUCCESS"
+    # the owner is alive and the linked client still pulls correct bytes
     assert d.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", [0, 3], [0, 3])[0] == "LLM_SUCCESS"
     got = d.call(R.snapshot, "dst").reshape(NT, NB, BS)
     assert (got[:, [0, 3]] == want.reshape(NT, NB, BS)[:, [0, 3]]).all()
     assert (got[:, [1, 2]] == R.POISON).all()
     # in-bounds raw reads return exactly the region's bytes (both ends), never the guards around it
     for ops in ([(rid, size - 64, 64)], [(rid, 0, 64)], [(rid, 0, size)], [(rid, 0, 16), (rid, size - 16, 16)]):
-        res = _raw(info["data_port"], ops)
+        res = raw(ops)
         assert not res["closed"] and res["status"] == ST_OK, (ops, res)
         assert res["extra"] == b"".join(want[0, off:off + ln].tobytes() for _, off, ln in ops), ops
         assert _no_canary(res["extra"], info["canary"]), ops
@@ -167,9 +191,7 @@ def test_s6_non_remote_accessible_cache_is_never_served(pd):
     info = _setup_owner(p, remote_accessible=True)
     hidden_id = p.call(R.register_blocks, "hidden", NT, NB, BS, seed=9, remote_accessible=False)
     hidden_regions = p.call(R.region_of, "hidden")
-    d.call(R.setup, "DECODER", 2, remote_accessible=True)
-    d.call(R.register_blocks, "dst", NT, NB, BS)
-    assert d.call(R.link, [(PROMPT, info["port"])])["status"] == "LLM_SUCCESS"
+    raw = _linked_raw(d, info, remote_accessible=True)
     # an id key addresses a cache as a whole (src_blocks empty, contract); the hidden cache answers
     # exactly like an id that was never registered, so its existence is not revealed
     for cache_id in (hidden_id, hidden_id + 1000):
@@ -177,23 +199,24 @@ def test_s6_non_remote_accessible_cache_is_never_served(pd):
         assert status == "LLM_KV_CACHE_NOT_EXIST", (cache_id, status)
     assert d.call(R.poison_kept, "dst")
     for rid in hidden_regions:
-        _assert_refused(_raw(info["data_port"], [(rid, 0, 16)]), "not remote-accessible", rid)
+        _assert_refused(raw([(rid, 0, 16)]), "not remote-accessible", rid)
 
 
 def test_s7_deregistered_region_ids_are_refused(pd):
     p, d = pd
     info = _setup_owner(p)
+    raw = _linked_raw(d, info)
     rid = info["src"][0]
-    ok = _raw(info["data_port"], [(rid, 0, 16)])
+    ok = raw([(rid, 0, 16)])
     assert not ok["closed"] and ok["status"] == ST_OK, ok
     assert ok["extra"] == R.pattern(PROMPT, 1, NT, NB * BS)[0, :16].tobytes()
     assert p.call(R.unregister, "src") == "LLM_SUCCESS"
-    _assert_refused(_raw(info["data_port"], [(rid, 0, 16)]), "not registered", rid)
+    _assert_refused(raw([(rid, 0, 16)]), "not registered", rid)
     # re-registering the same memory gives a new region id; the old one stays refused
     p.call(R.register_blocks, "src2", NT, NB, BS, seed=1)
     new = p.call(R.region_of, "src2")
     assert rid not in new
-    _assert_refused(_raw(info["data_port"], [(rid, 0, 16)]), "not registered", rid)
+    _assert_refused(raw([(rid, 0, 16)]), "not registered", rid)
 
 
 NETWORK_CODE = [ROOT / "llmdd", *sorted((ROOT / "plugins").glob("*/src"))]
