@@ -229,7 +229,7 @@ class IoLoop:
     def call_soon(self, fn: Callable, *args: Any) -> None:
         """Run ``fn(*args)`` on the loop thread (from any thread; FIFO).  Once the loop has stopped,
         ``fn`` runs at once on the calling thread (closing a socket late still closes it)."""
-        if self._stopping and not self._thread.is_alive():
+        if self.dead is not None or (self._stopping and not self._thread.is_alive()):
             self._call(fn, *args)
             return
         with self._lock:
@@ -273,6 +273,8 @@ class IoLoop:
             key = self._sel.get_key(fileobj)
         except (KeyError, ValueError):
             key = None
+        except RuntimeError:   # the selector is closed (the loop has ended): nothing to watch any more
+            return
         try:
             if not events:
                 if key is not None:
@@ -281,7 +283,7 @@ class IoLoop:
                 self._sel.register(fileobj, events, handler)
             elif key.events != events or key.data != handler:
                 self._sel.modify(fileobj, events, handler)
-        except (OSError, ValueError, KeyError) as exc:  # a closed socket: nothing to watch
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # a closed socket or selector
             _log.debug("llmdd.io.register_failed", loop=self.name, error=repr(exc))
 
     def forget(self, fileobj: Any) -> None:
@@ -289,7 +291,8 @@ class IoLoop:
         self.set_events(fileobj, 0, None)  # type: ignore[arg-type]
 
     def watched(self) -> int:
-        return len(self._sel.get_map()) - 1
+        watched = self._sel.get_map()
+        return 0 if watched is None else max(0, len(watched) - 1)
 
     # ------------------------------------------------------------------ the loop
     def _on_wake(self, _mask: int) -> None:
@@ -318,6 +321,7 @@ class IoLoop:
                     cb(exc)
                 except BaseException as cb_exc:  # noqa: BLE001
                     _log.error("llmdd.io.on_dead_failed", loop=self.name, error=repr(cb_exc))
+            self._run_calls()   # what was queued (closing sockets) still happens; later calls run inline
 
     def _call(self, fn: Callable, *args: Any) -> None:
         try:
