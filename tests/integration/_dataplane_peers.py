@@ -232,9 +232,12 @@ def threaded_pulls(state: dict, jobs: list) -> list:
     return results
 
 
-def pull_until_error(state: dict, method: str, args: tuple, kwargs: dict, limit_s: float) -> dict:
+def pull_until_error(state: dict, method: str, args: tuple, kwargs: dict, limit_s: float,
+                     progress_path: str = "") -> dict:
     """Pull again and again until a pull fails (or ``limit_s``); the destination is then re-filled
-    with a sentinel, and the result says whether any byte of it changed within 0.5 s."""
+    with a sentinel, and the result says whether any byte of it changed within 0.5 s (a measurement
+    window).  With ``progress_path``, that file is created once the first pull has completed (the
+    parent waits for it instead of sleeping)."""
     n_ok = 0
     deadline = time.monotonic() + limit_s
     status = None
@@ -245,6 +248,9 @@ def pull_until_error(state: dict, method: str, args: tuple, kwargs: dict, limit_
         if status != "LLM_SUCCESS":
             break
         n_ok += 1
+        if n_ok == 1 and progress_path:
+            with open(progress_path, "w"):
+                pass
     dst = args[1].name
     fill(state, dst, 0xA5)
     time.sleep(0.5)

@@ -43,7 +43,7 @@ def _link(d, port):
 
 # ------------------------------------------------------------------------------ killed owner
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_owner_killed_mid_transfer(peer_pool, transport):
+def test_owner_killed_mid_transfer(peer_pool, transport, tmp_path):
     sync_ms = 2000
     p, d, port = peer_pool.pair(transport, prompt_kw={"sync_ms": sync_ms}, decoder_kw={"sync_ms": sync_ms})
     try:
@@ -52,9 +52,13 @@ def test_owner_killed_mid_transfer(peer_pool, transport):
         d.call(P.register, "dst", nt, [nb, bs], blocks=True)
         _link(d, port)
         blocks = list(range(nb))
+        progress = tmp_path / "first_pull_done"
         fut = d.call_async(P.pull_until_error, "pull_blocks", (BlocksCacheKey(PROMPT, 0), P.Ref("dst"),
-                                                                blocks, blocks[::-1]), {}, 20.0)
-        time.sleep(0.4)
+                                                                blocks, blocks[::-1]), {}, 20.0, str(progress))
+        deadline = time.monotonic() + 15.0          # one pull completed: the next ones are in flight
+        while not progress.exists() and time.monotonic() < deadline and not fut.done():
+            time.sleep(0.01)
+        assert progress.exists(), "no pull completed before the kill"
         killed_at = time.monotonic()
         p.kill()
         result = fut.result(timeout=sync_ms / 1000 + 15)
