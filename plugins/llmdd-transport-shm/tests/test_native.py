@@ -348,12 +348,15 @@ def test_deregister_and_remove_remote_region_race_native_batches():
             ch.add_remote_region(11, size, b.descs[11])
         a.ep.deregister(1)
         dst[:] = 7  # no native batch may still be writing into it
-        time.sleep(0.05)
+        typed_at = outcomes["typed"]
+        deadline = time.monotonic() + 30
+        while outcomes["typed"] <= typed_at and not outcomes["other"] and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the reader's next read was refused (bounded)
         stop.set()
         t.join(30)
         assert not t.is_alive()
         assert not outcomes["other"], outcomes["other"]
-        assert outcomes["ok"] >= 20 and outcomes["typed"] >= 1, outcomes
+        assert outcomes["ok"] >= 20 and outcomes["typed"] > typed_at, outcomes
         assert (dst == 7).all(), "a native batch wrote into a deregistered region"
         assert not ch._deferred and ch._nbusy == 0
         assert np.array_equal(src[:16], b.bufs[11][:16])
