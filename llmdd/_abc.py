@@ -56,6 +56,8 @@ __all__ = [
     "coalesce_ops",
     "split_ops",
     "as_ops",
+    "CAPABILITY_KEY",
+    "CAPABILITY_BYTES",
 ]
 
 _log = get_logger("llmdd.abc")
@@ -534,6 +536,39 @@ class Endpoint(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> dict:
         """Counters: bytes/ops served, requests refused, last error."""
+
+    # -------------------------------------------------------------- per-link capabilities
+    #: True when this endpoint serves a data connection only to a peer that presents a capability
+    #: granted with :meth:`grant` (the tcp transport).  The link manager then mints one capability
+    #: per link and incarnation, grants it here, and sends it to the peer inside this endpoint's
+    #: descriptor under :data:`CAPABILITY_KEY`; the peer's ``connect`` finds it there.  False (the
+    #: default): the transport has another trust boundary (docs/transports.md) and these calls are
+    #: no-ops.
+    capabilities: ClassVar[bool] = False
+
+    def serve_links_only(self) -> None:
+        """Serve from now on only connections that present a capability granted with :meth:`grant`.
+
+        Without this call an endpoint that has ``capabilities`` serves the holders of its own
+        ``describe()`` (tools and tests wiring two endpoints directly); the link manager calls it
+        right after opening the endpoint, before a region is registered."""
+
+    def grant(self, link_id: int, capability: bytes, regions: Union[Sequence[int], None]) -> None:
+        """Let the holder of ``capability`` open data connections, for the link ``link_id``, and
+        reach the remote-accessible regions in ``regions`` only (``None``: every one).  Called again
+        with the same ``link_id`` it replaces the region set; a ``link_id`` already revoked stays
+        revoked (the call is ignored)."""
+
+    def revoke(self, link_id: int) -> None:
+        """End the grant of ``link_id``: its capability opens nothing more, its data connections are
+        closed, and when this returns no request of theirs touches memory any more. Idempotent."""
+
+
+#: the key under which a descriptor exchanged in the link handshake carries the capability that its
+#: owner granted to that link (see :attr:`Endpoint.capabilities`)
+CAPABILITY_KEY = "capability"
+#: bytes in a capability (256 bits from :mod:`secrets`)
+CAPABILITY_BYTES = 32
 
 
 class Transport(abc.ABC):

@@ -28,6 +28,7 @@ import errno
 import itertools
 import os
 import random
+import secrets
 import socket
 import ssl
 import threading
@@ -36,7 +37,7 @@ from typing import Any, Callable, Optional
 
 import attrs
 
-from ._abc import Channel, Endpoint, MemRegion, TransportError
+from ._abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Endpoint, MemRegion, TransportError
 from ._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, Pool, PoolFull, Strand
 from ._lifecycle.machines import Tracked
 from ._lifecycle.tables import LinkState
@@ -488,7 +489,10 @@ class Link:
     failure_status: Optional[LLMStatusCode] = None
     strand: Any = None                        # the link's tasks, in order, on the engine's pool
     session: Any = None                       # server side: the accepting _ServerSession until LINKED
-    setup_descriptor: Optional[dict] = None   # server side: the peer's data descriptor, until LINKED
+    setup_descriptor: Optional[dict] = attrs.field(default=None, repr=False)   # server side: the peer's data
+    #                                           descriptor (it carries the peer's capability), until LINKED
+    grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)
+    capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
     settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
     claimed: bool = False                     # server side: a local link_clusters to the peer returned it
 
@@ -716,6 +720,7 @@ class LinkManager:
         self._linking: set[int] = set()             # remote_cluster_ids with a link_clusters in progress
         self._accepting: dict[int, threading.Event] = {}   # peers whose incoming link is being accepted
         self._request_ids = itertools.count(1)
+        self._grant_ids = itertools.count(1)
         self._closed = False
         self._listener: Optional[_Listener] = None
         self._listen_addr: Optional[tuple[str, int]] = None
@@ -815,6 +820,8 @@ class LinkManager:
         transport = cls(self._options.raw)
         ep = transport.open_endpoint(host=self._data_host(), secret=self.settings.secret)
         try:
+            # before any region is registered: the data port serves linked peers' grants only
+            ep.serve_links_only()
             for region in self._core.memory.regions.regions():
                 self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self._mem_region(region))
         except BaseException:
@@ -840,6 +847,41 @@ class LinkManager:
                 continue
             offers.append(m.TransportOffer(name=cand.name, descriptor=desc))
         return tuple(offers)
+
+    # ------------------------------------------------------------------ per-link capabilities
+    def _mint(self) -> tuple[int, bytes]:
+        """A fresh grant id and capability (256 bits from a CSPRNG) for one link and incarnation."""
+        return next(self._grant_ids), secrets.token_bytes(CAPABILITY_BYTES)
+
+    def _with_capability(self, offers: tuple, capability: bytes) -> tuple:
+        """``offers`` with ``capability`` in the descriptor of every transport that uses capabilities."""
+        out = []
+        for offer in offers:
+            ep = self._endpoints.get(offer.name)
+            if ep is not None and ep.capabilities:
+                offer = m.TransportOffer(name=offer.name,
+                                         descriptor=dict(offer.descriptor, **{CAPABILITY_KEY: capability}))
+            out.append(offer)
+        return tuple(out)
+
+    def _grant_link(self, link: Link, regions) -> None:
+        """(Re)grant the link's capability on its transport's endpoint, for ``regions`` (ids)."""
+        if link.grant_id is None:
+            return
+        ep = self._endpoints.get(link.transport)
+        if ep is not None and ep.capabilities:
+            ep.grant(link.grant_id, link.capability, tuple(regions))
+
+    def _revoke(self, name: Optional[str], grant_id: Optional[int]) -> None:
+        if grant_id is None:
+            return
+        ep = self._endpoints.get(name) if name else None
+        if ep is None:
+            return
+        try:
+            ep.revoke(grant_id)
+        except TransportError as exc:
+            _log.warning("llmdd.link.revoke_failed", transport=name, error=str(exc))
 
     def _granted(self, region) -> bool:
         """May linked peers access ``region``?  In remote-accessible mode only regions registered
@@ -906,6 +948,9 @@ class LinkManager:
         return regions, caches, keys
 
     def _announce(self, link: Link, regions: dict, caches: dict, keys: dict, *, full: bool = False) -> None:
+        # the grant covers what this announcement names before the peer can learn it (a removed region is
+        # already deregistered from every endpoint)
+        self._grant_link(link, regions)
         ann = link.announcer
         done = ann.announced
         if full:
@@ -1116,6 +1161,9 @@ class LinkManager:
         hs, conn, addr = sess.hs, sess.conn, sess.addr
         link: Optional[Link] = None
         accepting: Optional[threading.Event] = None
+        grant_name: Optional[str] = None
+        grant_id: Optional[int] = None
+        capability: Optional[bytes] = None
         try:
             if sess.done or conn.closed:
                 return
@@ -1148,9 +1196,17 @@ class LinkManager:
                                     f"{[c.name for c in candidates]}, forced {info.forced})"))
                 sess.drop()
                 return
-            welcome = hs.accept(m.TransportOffer(name=name, descriptor=self.endpoint(name).describe()))
+            ep = self.endpoint(name)
+            desc = ep.describe()
+            if ep.capabilities:
+                grant_id, capability = self._mint()
+                ep.grant(grant_id, capability, ())
+                grant_name = name
+                desc = dict(desc, **{CAPABILITY_KEY: capability})
+            welcome = hs.accept(m.TransportOffer(name=name, descriptor=desc))
             link = self._adopt(hs.result(), conn, is_client=False, transport=name, reason=_reason(info, name),
                                start=False)
+            link.grant_id, link.capability = grant_id, capability
             link.comm_id = sess.listener.comm_id
             link.session = sess
             link.setup_descriptor = offered[name].descriptor
@@ -1163,8 +1219,11 @@ class LinkManager:
         except (TimeoutError, ProtocolError, HandshakeRefused, TransportError, LLMException, OSError) as exc:
             _log.warning("llmdd.link.accept_failed", peer=str(addr), error=str(exc))
             if link is not None:
+                if link.grant_id is None:
+                    self._revoke(grant_name, grant_id)
                 self._submit(link, self._abort_setup, link, exc)
             else:
+                self._revoke(grant_name, grant_id)
                 sess.drop()
         finally:
             if accepting is not None:
@@ -1402,7 +1461,8 @@ class LinkManager:
             raise LLMException(f"the engine's I/O loop stopped ({self._io_error})", status_code=S.LLM_LINK_FAILED)
         if self.settings.total_time_s is not None and comm_id is not None:
             deadline = min(deadline, time.monotonic() + self.settings.total_time_s)
-        conn, peer = self._client_handshake(host, port, deadline)
+        grant_id, capability = self._mint()
+        conn, peer = self._client_handshake(host, port, deadline, capability=capability)
         link: Optional[Link] = None
         try:
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=peer.cluster_id,
@@ -1411,6 +1471,9 @@ class LinkManager:
             link = self._adopt(peer, conn, is_client=True, transport=peer.transport.name,
                                reason=_reason(info, peer.transport.name))
             link.comm_id = comm_id
+            # the peer connects its data channel to us once our tables are in: grant before they leave
+            link.grant_id, link.capability = grant_id, capability
+            self._grant_link(link, ())
             self._send_initial_tables(link)
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
             if not link.tables_ready.is_set():
@@ -1430,7 +1493,8 @@ class LinkManager:
                 conn.close()
             raise LLMException(f"link to {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
 
-    def _client_handshake(self, host: str, port: int, deadline: float) -> tuple[ControlConnection, Any]:
+    def _client_handshake(self, host: str, port: int, deadline: float, *,
+                          capability: bytes) -> tuple[ControlConnection, Any]:
         """Connect and authenticate; returns the (blocking, not yet attached) connection and the peer.
 
         A server over its pending-connection caps closes a new connection at once, before any
@@ -1440,7 +1504,7 @@ class LinkManager:
         failures = 0
         busy = 0
         last: BaseException | None = None
-        offers = self.offers()
+        offers = self._with_capability(self.offers(), capability)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -1698,6 +1762,8 @@ class LinkManager:
             link.fsm.fire(trigger, error=error, reason=str(error))
         except InvalidStateError:
             return  # another thread moved it first
+        # the capability dies with the link: the peer's data connections to us are closed now
+        self._revoke(link.transport, link.grant_id)
         for pending in list(link.pending.values()):
             pending.event.set()
         link.tables_ready.set()
@@ -1734,6 +1800,7 @@ class LinkManager:
         hook = self.request_handlers.get("__link_closed__")
         if hook is not None:
             hook(link, {})
+        self._revoke(link.transport, link.grant_id)
         channel, link.channel = link.channel, None
         if channel is not None:
             try:

@@ -8,10 +8,15 @@ addressed directly, which is the trust level of this transport: the owner mediat
 
 Wire (little endian, one request at a time per stream):
 
-* connect: server ``HELLO(magic, version, auth, endpoint_id[16], nonce_s[16])``; with a shared
-  secret the client answers ``AUTH(nonce_c[16], HMAC(secret, "c"|id|nonce_s|nonce_c))`` and
-  the server proves itself back with ``HMAC(secret, "s"|id|nonce_c|nonce_s)``. The secret is
-  never sent.
+* connect: server ``HELLO(magic, version, auth, endpoint_id[16], nonce_s[16])``; the client
+  answers ``OPEN(nonce_c[16], handle[16], HMAC(key, "c"|id|nonce_s|nonce_c))`` where ``cap`` is
+  the capability the owner granted to the client's link (``Endpoint.grant``; it reached the client
+  inside the owner's descriptor, over the link's control connection), ``handle =
+  SHA256("llmdd-tcp-handle"|cap)[:16]`` names the grant and ``key`` is ``cap`` itself, or
+  ``HMAC(secret, "llmdd-tcp-key"|cap)`` with a shared secret.  The owner answers
+  ``OPEN_RSP(0, HMAC(key, "s"|id|nonce_c|nonce_s))`` and from then on serves that stream for that
+  grant only (its link live, its regions only), or ``OPEN_RSP(1, 0)`` and closes.  Neither the
+  capability nor the secret is ever sent on a data connection.
 * request: ``REQ(magic, kind, count, total)`` + ``count`` packed ``(region u4, offset u8,
   length u8)``; a segment carries at most ``segment_bytes`` of payload.
 * READ: ``RSP(ok)`` + the bytes of every op in order, or ``RSP(refused, reason)``.
@@ -33,11 +38,19 @@ Serving: one I/O loop per endpoint (:class:`llmdd._ioloop.IoLoop`) accepts, runs
 exchange without blocking and watches idle streams; a stream with a request waiting is served
 by one of a bounded pool of workers (``llmdd.tcp.server_workers``), which keeps it while requests
 follow each other closely (``llmdd.tcp.linger_ms``) and then hands it back to the loop.  No thread
-waits on an idle stream.  A stream that has not proven it belongs to a link (authenticated with
-the shared secret, or without one its first well-formed request) within
-``llmdd.tcp.pending_timeout_ms`` (10 s) is closed; at most ``llmdd.max_pending_connections`` (64)
+waits on an idle stream.  A stream that has not proven it belongs to a link (a valid OPEN for a live
+grant) within ``llmdd.tcp.pending_timeout_ms`` (10 s) is closed; at most ``llmdd.max_pending_connections`` (64)
 such streams per endpoint and ``llmdd.max_pending_per_address`` (8) per source address are held,
 the next one is closed at once.
+
+Grants (the trust boundary): the engine's link manager calls :meth:`TcpEndpoint.serve_links_only`
+right after opening the endpoint, then :meth:`~TcpEndpoint.grant` once per link and incarnation with
+a fresh 256-bit capability and the regions it announced to that link, and
+:meth:`~TcpEndpoint.revoke` when the link ends (unlink, failure, replacement by a restarted peer,
+finalize).  A stream serves one grant: every request is checked against the remote-accessible
+regions *and* the grant's regions, and dies with the grant.  An endpoint used directly (tests,
+``llmdd doctor``) serves the holders of its ``describe()``, which then carries an endpoint-wide
+capability.
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ import errno
 import hashlib
 import hmac
 import os
+import secrets
 import select
 import socket
 import struct
@@ -60,7 +74,7 @@ import pluggy
 from llmdd._ioloop import EVENT_READ, IoLoop, PoolFull
 from llmdd._log import get_logger
 from llmdd._status import LLMStatusCode, TransportError
-from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
     Cancelled,
     Corrupt,
@@ -82,9 +96,9 @@ hookimpl = pluggy.HookimplMarker("llmdd")
 
 _log = get_logger("llmdd.transport.tcp")
 
-VERSION = 1
+VERSION = 2
 _HELLO = struct.Struct("<4sHBx16s16s")   # magic, version, auth, endpoint id, server nonce
-_AUTH = struct.Struct("<16s32s")          # client nonce, client mac
+_OPEN = struct.Struct("<16s16s32s")       # client nonce, grant handle, client mac
 _AUTH_RSP = struct.Struct("<B32s")        # status, server mac
 _REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, payload bytes
 _RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message length
@@ -111,6 +125,8 @@ _DEFAULTS = {OPT_STREAMS: 2, OPT_INLINE: 256 * 1024, OPT_SPLIT: 4 * 1024 * 1024,
              OPT_SEGMENT: 64 * 1024 * 1024, OPT_SERVER_SEND_TIMEOUT: 60.0, OPT_PENDING_TIMEOUT: 10000,
              OPT_SERVER_WORKERS: 8, OPT_LINGER: 50, OPT_MAX_PENDING: 64, OPT_MAX_PENDING_PER_ADDRESS: 8}
 _ACCEPT_PAUSE_S = 0.1
+#: the grant of an endpoint not (yet) serving links only: every region, for holders of ``describe()``
+_DIRECT = -1
 
 
 # --------------------------------------------------------------------------- low-level I/O
@@ -236,6 +252,52 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
+def _handle(cap: bytes) -> bytes:
+    """The public name of a grant: it tells the owner which grant a stream claims, not the capability."""
+    return hashlib.sha256(b"llmdd-tcp-handle" + cap).digest()[:16]
+
+
+def _cap_key(cap: bytes, secret: Union[bytes, None]) -> bytes:
+    """The MAC key of a data connection: the capability, bound to the shared secret when there is one."""
+    return cap if secret is None else _mac(secret, b"llmdd-tcp-key", cap)
+
+
+class _Grant:
+    """What one link (``link_id``) may do on this endpoint's data port, while ``alive``."""
+
+    __slots__ = ("link_id", "handle", "key", "regions", "region_ids", "alive", "busy", "conns")
+
+    def __init__(self, link_id: int, cap: bytes, secret: Union[bytes, None],
+                 regions: Union[frozenset, None]) -> None:
+        self.link_id = link_id
+        self.handle = _handle(cap)
+        self.key = _cap_key(cap, secret)
+        self.alive = True
+        self.busy = 0
+        self.conns: set = set()
+        self.set_regions(regions)
+
+    def set_regions(self, regions: Union[frozenset, None]) -> None:
+        self.regions = regions
+        self.region_ids = None if regions is None else np.array(sorted(regions), dtype=np.int64)
+
+    def __repr__(self) -> str:   # never the key
+        return f"<tcp grant link={self.link_id} alive={self.alive} regions={self.regions!r}>"
+
+    def check(self, ids: np.ndarray) -> None:
+        """Raise :class:`Refused` unless every region id of ``ids`` is in the grant."""
+        if self.regions is None or not len(ids):
+            return
+        if len(ids) <= 8:
+            for r in ids.tolist():
+                if r not in self.regions:
+                    raise Refused(f"remote region {r} is not granted to this link")
+            return
+        inside = np.isin(ids.astype(np.int64, copy=False), self.region_ids)
+        if not inside.all():
+            raise Refused(f"remote region {int(ids[np.argmin(inside)])} is not granted to this link")
+
+
 def _shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -336,7 +398,9 @@ class _Batch:
 
 
 class TcpEndpoint(Endpoint):
-    """Listens on ``host:ephemeral``; serves its own regions; opens channels to peers."""
+    """Listens on ``host:ephemeral``; serves its own regions to granted links; opens channels to peers."""
+
+    capabilities = True
 
     def __init__(self, *, host: str, secret: Union[bytes, None], cfg: Mapping[str, Any]) -> None:
         self._host = host
@@ -355,9 +419,16 @@ class TcpEndpoint(Endpoint):
         self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
         self._batches: set[_Batch] = set()
         self._channels: set[TcpChannel] = set()
+        self._grants: dict[int, _Grant] = {}
+        self._by_handle: dict[bytes, _Grant] = {}
+        self._revoked: set[int] = set()
+        self._direct = secrets.token_bytes(CAPABILITY_BYTES)
+        self._links_only = False
+        self._install(_DIRECT, self._direct, None)
         self._stats = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
                        "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
-                       "pending_expired": 0, "accept_errors": 0, "listener_failed": None}
+                       "pending_expired": 0, "accept_errors": 0, "listener_failed": None,
+                       "capability_refused": 0, "grants_revoked": 0}
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.bind((host, 0))
         self._lsock.listen(128)
@@ -373,9 +444,63 @@ class TcpEndpoint(Endpoint):
     # ------------------------------------------------------------------ public API
 
     def describe(self) -> dict:
-        return {"transport": "tcp", "version": VERSION, "host": self._host, "port": self._port,
+        desc = {"transport": "tcp", "version": VERSION, "host": self._host, "port": self._port,
                 "endpoint_id": self._id, "auth": self._secret is not None, "pid": os.getpid(),
                 "hostname": socket.gethostname()}
+        with self._lock:
+            if not self._links_only:
+                desc[CAPABILITY_KEY] = self._direct   # not serving links only: the description opens it
+        return desc
+
+    # ------------------------------------------------------------------ grants
+
+    def _install(self, link_id: int, cap: bytes, regions: Union[frozenset, None]) -> None:
+        grant = _Grant(link_id, cap, self._secret, regions)
+        self._grants[link_id] = grant
+        self._by_handle[grant.handle] = grant
+
+    def serve_links_only(self) -> None:
+        with self._lock:
+            self._links_only = True
+        self.revoke(_DIRECT)
+
+    def grant(self, link_id: int, capability: bytes, regions) -> None:
+        link_id = int(link_id)
+        capability = bytes(capability)
+        if len(capability) < 16:
+            raise Refused("a capability has at least 128 bits")
+        ids = None if regions is None else frozenset(int(r) for r in regions)
+        with self._lock:
+            if self._closed or link_id in self._revoked:
+                return
+            old = self._grants.get(link_id)
+            if old is not None and hmac.compare_digest(old.handle, _handle(capability)):
+                old.set_regions(ids)
+                return
+        if old is not None:
+            self.revoke(link_id)   # another capability for the same link: the old one dies first
+            with self._lock:
+                self._revoked.discard(link_id)
+        with self._lock:
+            if not self._closed and link_id not in self._revoked:
+                self._install(link_id, capability, ids)
+
+    def revoke(self, link_id: int) -> None:
+        link_id = int(link_id)
+        with self._lock:
+            self._revoked.add(link_id)
+            grant = self._grants.pop(link_id, None)
+            if grant is None:
+                return
+            self._by_handle.pop(grant.handle, None)
+            grant.alive = False
+            self._stats["grants_revoked"] += 1
+            conns = list(grant.conns)
+        for conn in conns:      # idle ones see the end of stream on the loop, served ones fail in the worker
+            _shutdown(conn.sock)
+        with self._cond:
+            while grant.busy:
+                self._cond.wait()
 
     def register(self, region: MemRegion) -> dict:
         with self._lock:
@@ -432,6 +557,10 @@ class TcpEndpoint(Endpoint):
             self._closed = True
             channels = list(self._channels)
             conns = list(self._server_conns.items())
+            for grant in self._grants.values():
+                grant.alive = False
+            self._grants.clear()
+            self._by_handle.clear()
         _shutdown(self._lsock)
         lsock = self._lsock
         self._io.call_soon(lambda: (self._io.forget(lsock), _close(lsock)))
@@ -562,15 +691,23 @@ class TcpEndpoint(Endpoint):
                 self._pending_by_ip.pop(conn.ip, None)
         conn.timer.cancel()
 
-    def _auth_ok(self, nonce_s: bytes, nonce_c: bytes, mac_c: bytes) -> bool:
-        return hmac.compare_digest(mac_c, _mac(self._secret, b"c", self._id, nonce_s, nonce_c))
-
-    def _auth_failed(self, conn: "_ServerConn") -> None:
+    def _open_grant(self, conn: "_ServerConn", nonce_c: bytes, handle: bytes, mac_c: bytes) -> Union[_Grant, None]:
+        """The live grant an OPEN proves it holds, bound to ``conn``; ``None`` (counted, logged) if none."""
         with self._lock:
-            self._stats["auth_failures"] += 1
+            grant = self._by_handle.get(handle)
+            if grant is not None and grant.alive and not self._closed:
+                if hmac.compare_digest(mac_c, _mac(grant.key, b"c", self._id, conn.nonce_s, nonce_c)):
+                    grant.conns.add(conn)
+                    conn.grant = grant
+                    return grant
+                key, what = "auth_failures", "authentication failed"
+            else:
+                key, what = "capability_refused", "no live link grant for the presented capability"
+            self._stats[key] += 1
             self._stats["refused"] += 1
-            self._stats["last_error"] = "authentication failed"
-        self._log.warning("llmdd.transport.tcp.auth_failed", peer=conn.ip)
+            self._stats["last_error"] = what
+        self._log.warning("llmdd.transport.tcp.open_refused", peer=conn.ip, reason=what)
+        return None
 
     def _serve_ready(self, conn: "_ServerConn") -> None:
         """A worker serves ``conn`` while requests keep coming, then hands it back to the loop."""
@@ -595,10 +732,7 @@ class TcpEndpoint(Endpoint):
                         if r == 0:
                             raise PeerGone("peer closed the stream mid-request")
                         got += r
-                if not conn.proven:
-                    conn.proven = True
-                    self._io.call_soon(self._proven, conn)
-                self._serve_request(sock, kind, wire, total)
+                self._serve_request(sock, kind, wire, total, conn.grant)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
                 if not _wait_readable(sock, self._linger):
@@ -618,11 +752,14 @@ class TcpEndpoint(Endpoint):
             return
         self._io.call_soon(conn.watch)
 
-    def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int) -> None:
+    def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int, grant: _Grant) -> None:
         token = id(wire)
         with self._lock:
+            if not grant.alive:
+                raise PeerGone("the link of this stream ended (its capability was revoked)")
             try:
                 self._served_table.check(wire["region"], wire["offset"], wire["length"], "remote")
+                grant.check(wire["region"])
                 if int(wire["length"].sum(dtype=np.uint64)) != total:
                     raise Corrupt("announced payload does not match the op lengths")
             except Refused as exc:
@@ -637,6 +774,7 @@ class TcpEndpoint(Endpoint):
                 pinned = [self._regs[r] for r in ids]
                 for reg in pinned:
                     reg.busy += 1
+                grant.busy += 1
                 mvs = {r: self._regs[r].view for r in ids}
                 self._serving[token] = (sock, ids)
         if refused is not None:
@@ -671,6 +809,7 @@ class TcpEndpoint(Endpoint):
                 self._serving.pop(token, None)
                 for reg in pinned:
                     reg.busy -= 1
+                grant.busy -= 1
                 self._cond.notify_all()
 
     def _refusal_reason(self, wire: np.ndarray, exc: Refused) -> str:
@@ -684,7 +823,7 @@ class TcpEndpoint(Endpoint):
 class _ServerConn:
     """One accepted data stream: HELLO/AUTH on the loop, then idle on the loop or served by a worker."""
 
-    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed")
+    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed", "grant")
 
     def __init__(self, ep: TcpEndpoint, sock: socket.socket, ip: str) -> None:
         self.ep = ep
@@ -694,6 +833,7 @@ class _ServerConn:
         self.buf = bytearray()
         self.proven = False
         self.closed = False
+        self.grant: Union[_Grant, None] = None
         self.timer = ep._io.call_later(ep._pending_s, self.expire)
 
     def start(self) -> None:
@@ -711,12 +851,12 @@ class _ServerConn:
         if self.closed:
             self.release()
             return
-        handler = self.on_auth if (self.ep._secret is not None and not self.proven) else self.on_request
+        handler = self.on_request if self.proven else self.on_open
         self.ep._io.set_events(self.sock, EVENT_READ, handler)
 
-    def on_auth(self, _mask: int) -> None:
+    def on_open(self, _mask: int) -> None:
         try:
-            data = self.sock.recv(_AUTH.size - len(self.buf))
+            data = self.sock.recv(_OPEN.size - len(self.buf))
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -726,18 +866,18 @@ class _ServerConn:
             self.finish(None)
             return
         self.buf += data
-        if len(self.buf) < _AUTH.size:
+        if len(self.buf) < _OPEN.size:
             return
-        nonce_c, mac_c = _AUTH.unpack(bytes(self.buf))
+        nonce_c, handle, mac_c = _OPEN.unpack(bytes(self.buf))
         self.buf = bytearray()
         ep = self.ep
         try:
-            if not ep._auth_ok(self.nonce_s, nonce_c, mac_c):
-                ep._auth_failed(self)
+            grant = ep._open_grant(self, nonce_c, handle, mac_c)
+            if grant is None:
                 self.sock.send(_AUTH_RSP.pack(1, bytes(32)))
                 self.finish(None)
                 return
-            rsp = _AUTH_RSP.pack(0, _mac(ep._secret, b"s", ep._id, nonce_c, self.nonce_s))
+            rsp = _AUTH_RSP.pack(0, _mac(grant.key, b"s", ep._id, nonce_c, self.nonce_s))
             if self.sock.send(rsp) != len(rsp):
                 raise PeerGone("short AUTH response")
         except OSError as exc:
@@ -788,6 +928,8 @@ class _ServerConn:
         ep._io.forget(self.sock)
         with ep._lock:
             ep._server_conns.pop(self.sock, None)
+            if self.grant is not None:
+                self.grant.conns.discard(self)
         _close(self.sock)
 
 
@@ -809,6 +951,13 @@ class TcpChannel(Channel):
         self._peer = dict(peer)
         self._addr = (str(peer["host"]), int(peer["port"]))
         self._peer_id = bytes(peer["endpoint_id"])
+        cap = peer.get(CAPABILITY_KEY)
+        if not isinstance(cap, (bytes, bytearray)) or len(cap) < 16:
+            raise Refused("the tcp endpoint description carries no data capability (the owner grants one per "
+                          "link, in the link handshake)", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        self._peer.pop(CAPABILITY_KEY, None)
+        self._handle = _handle(bytes(cap))
+        self._key = _cap_key(bytes(cap), endpoint._secret)
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._remote: dict[int, int] = {}
@@ -883,12 +1032,12 @@ class TcpChannel(Channel):
             if not auth and secret is not None:
                 raise Refused("peer does not authenticate but a secret is configured",
                               status_code=LLMStatusCode.LLM_LINK_FAILED)
-            if auth:
-                nonce_c = os.urandom(16)
-                sock.sendall(_AUTH.pack(nonce_c, _mac(secret, b"c", peer_id, nonce_s, nonce_c)))
-                status, mac_s = _AUTH_RSP.unpack(_recv_exact(sock, _AUTH_RSP.size))
-                if status != 0 or not hmac.compare_digest(mac_s, _mac(secret, b"s", peer_id, nonce_c, nonce_s)):
-                    raise Refused("authentication with peer failed", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            nonce_c = os.urandom(16)
+            sock.sendall(_OPEN.pack(nonce_c, self._handle, _mac(self._key, b"c", peer_id, nonce_s, nonce_c)))
+            status, mac_s = _AUTH_RSP.unpack(_recv_exact(sock, _AUTH_RSP.size))
+            if status != 0 or not hmac.compare_digest(mac_s, _mac(self._key, b"s", peer_id, nonce_c, nonce_s)):
+                raise Refused("the peer refused the data connection (no live link grant, or authentication "
+                              "failed)", status_code=LLMStatusCode.LLM_LINK_FAILED)
             sock.settimeout(None)
             _tune(sock)
         except BaseException as exc:
