@@ -200,12 +200,17 @@ class HostIdentity:
         return True
 
 
+def _redacted(descriptor: dict) -> str:
+    """A descriptor's repr without the data-port capability it may carry (llmdd.abc.CAPABILITY_KEY)."""
+    return repr({k: ("<redacted>" if k == "capability" else v) for k, v in descriptor.items()})
+
+
 @attrs.frozen(kw_only=True)
 class TransportOffer:
     """One transport a side can use, with what the peer needs to reach it (address, segment...)."""
 
     name: str = attrs.field(validator=_str)
-    descriptor: dict = attrs.field(factory=dict, validator=_str_dict)
+    descriptor: dict = attrs.field(factory=dict, validator=_str_dict, repr=_redacted)
 
 
 @attrs.frozen(kw_only=True)
