@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import enum
 import errno
+import ipaddress
 import itertools
 import os
 import random
@@ -71,6 +72,10 @@ OPT_SECRET = "llmdd.auth_secret"
 OPT_TLS_CERT = "llmdd.tls_cert"
 OPT_TLS_KEY = "llmdd.tls_key"
 OPT_TLS_CA = "llmdd.tls_ca"
+#: TLS with a certificate but no CA verifies no peer: refused at init unless this says "1"/"true"
+OPT_TLS_INSECURE = "llmdd.tls_insecure"
+#: the name a client checks the server's certificate against (besides a target host given as a name)
+OPT_TLS_SERVER_NAME = "llmdd.tls_server_name"
 OPT_KEEPALIVE_MS = "llmdd.keepalive_interval_ms"
 OPT_PEER_TIMEOUT_MS = "llmdd.peer_timeout_ms"
 OPT_DATA_HOST = "llmdd.data_host"
@@ -125,6 +130,8 @@ class LinkSettings:
     max_pending: int = 64
     max_pending_per_address: int = 8
     io_workers: int = 8
+    client_tls_named: Optional[ssl.SSLContext] = None   # the client context that checks host names
+    tls_server_name: Optional[str] = None
 
     @classmethod
     def from_options(cls, options) -> "LinkSettings":
@@ -134,10 +141,21 @@ class LinkSettings:
         if forced is None and options.transfer_backend:
             # "hixl" is upstream's one-sided host-side engine: llmdd's counterpart is the tcp transport
             forced = "tcp" if options.transfer_backend == "hixl" else options.transfer_backend
-        server_tls = client_tls = None
+        server_tls = client_tls = client_named = None
         cert, key, ca = raw.get(OPT_TLS_CERT), raw.get(OPT_TLS_KEY), raw.get(OPT_TLS_CA)
+        insecure = str(raw.get(OPT_TLS_INSECURE) or "").strip().lower() in ("1", "true", "yes", "on")
+        server_name = raw.get(OPT_TLS_SERVER_NAME) or None
+        if (cert or ca) and not ca and not insecure:
+            raise LLMException(f"TLS is configured ({OPT_TLS_CERT}) without a CA ({OPT_TLS_CA}): no peer would be "
+                               f"verified; give a CA, or set {OPT_TLS_INSECURE}=1 to accept that",
+                               status_code=S.LLM_PARAM_INVALID)
+        if server_name and not ca:
+            raise LLMException(f"{OPT_TLS_SERVER_NAME} needs a CA ({OPT_TLS_CA}) to check the name against",
+                               status_code=S.LLM_PARAM_INVALID)
         if cert or ca:
             server_tls, client_tls = _tls_contexts(cert, key, ca)
+            if ca:
+                _, client_named = _tls_contexts(cert, key, ca, check_hostname=True)
         total = options.link_total_time_s
         return cls(
             secret=secret.encode() if isinstance(secret, str) else secret,
@@ -153,10 +171,12 @@ class LinkSettings:
             max_pending=_count_option(raw, OPT_MAX_PENDING, 64),
             max_pending_per_address=_count_option(raw, OPT_MAX_PENDING_PER_ADDRESS, 8),
             io_workers=_count_option(raw, OPT_IO_WORKERS, 8),
+            client_tls_named=client_named,
+            tls_server_name=server_name,
         )
 
 
-def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str]):
+def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str], *, check_hostname: bool = False):
     try:
         server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -169,6 +189,7 @@ def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str]):
             server.verify_mode = ssl.CERT_REQUIRED  # mutual TLS when a CA is given
             client.load_verify_locations(ca)
             client.verify_mode = ssl.CERT_REQUIRED
+            client.check_hostname = check_hostname
         else:
             client.verify_mode = ssl.CERT_NONE
     except (OSError, ssl.SSLError) as exc:
@@ -1525,7 +1546,7 @@ class LinkManager:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if self.settings.client_tls is not None:
                     sock.settimeout(max(0.1, deadline - time.monotonic()))
-                    sock = self.settings.client_tls.wrap_socket(sock)
+                    sock = self._wrap_client_tls(sock, host)
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
                 if _closed_at_once(exc):
@@ -1561,6 +1582,16 @@ class LinkManager:
                 raise LLMException(f"link to {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
         raise LLMException(f"link to {host}:{port} failed: the server kept refusing new connections ({last})",
                            status_code=S.LLM_LINK_FAILED)
+
+    def _wrap_client_tls(self, sock: socket.socket, host: str) -> socket.socket:
+        """TLS on a client socket: the server's certificate must name ``llmdd.tls_server_name`` when it
+        is set, else ``host`` when that is a name rather than an IP literal (with a CA; see docs)."""
+        name = self.settings.tls_server_name
+        if name is None and self.settings.client_tls_named is not None and not _is_ip_literal(host):
+            name = host
+        if name is not None and self.settings.client_tls_named is not None:
+            return self.settings.client_tls_named.wrap_socket(sock, server_hostname=name)
+        return self.settings.client_tls.wrap_socket(sock)
 
     @staticmethod
     def _busy_pause(attempt: int, deadline: float) -> None:
@@ -1605,6 +1636,11 @@ class LinkManager:
         pending = _Pending()
         link.pending[rid] = pending
         try:
+            # registered first, then checked: a failure either releases this waiter or is seen here
+            # (a request on a link that already failed must not wait out its deadline)
+            if link.state in (LinkState.FAILED, LinkState.CLOSED):
+                raise LLMException(f"link to {link.peer_cluster_id} is {link.state.value}",
+                                   status_code=link.failure_status or S.LLM_LINK_FAILED)
             link.control.send(m.TransferRequest(request_id=rid, op=op, args=args))
             if not pending.event.wait(max(0.0, deadline - time.monotonic())):
                 raise LLMException(f"peer {link.peer_cluster_id} did not answer {op!r} in time",
@@ -1931,6 +1967,14 @@ class LinkManager:
                 "pending_addresses": len(self._pending_by_ip), "io_error": self._io_error,
                 "threads": self.loop.threads() + self._registrar_pool.threads(),
                 "watched": self.loop.watched(), **dict(self._counters)}
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
 
 def _closed_at_once(exc: BaseException) -> bool:
     """A TLS server closed a new connection before its TLS handshake (over a cap)."""

@@ -94,13 +94,16 @@ def test_push_tags_arrive_with_peer_finished_writing_on_the_destination_owner():
         pusher.call(R.register_blocks, "src", NT, NB, BS, seed=SEED, remote_accessible=True)
         assert pusher.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
         assert pusher.call(C.push_tagged, PROMPT, 5, [1, 2], [6, 7], "push-1") == "LLM_SUCCESS"
-        assert pusher.call(C.push_tagged, PROMPT, 5, [0], [0], None) == "LLM_SUCCESS"
+        assert pusher.call(C.push_tagged, PROMPT, 5, [0], [0], None) == "LLM_SUCCESS"   # untagged: best effort
+        # a tagged push is acknowledged after everything the link carried before it was handled
+        assert pusher.call(C.push_tagged, PROMPT, 5, [3], [3], "push-2") == "LLM_SUCCESS"
         events = owner.call(C.peer_events, "peer_written")
-        assert [(e[0], e[1], e[2]) for e in events] == [("push-1", [[6, 8]], None), (None, [[0, 1]], None)]
+        assert [(e[0], e[1], e[2]) for e in events] == [("push-1", [[6, 8]], None), (None, [[0, 1]], None),
+                                                       ("push-2", [[3, 4]], None)]
         got = owner.call(R.snapshot, "dst").reshape(NT, NB, BS)
         want = R.pattern(DECODER, SEED, NT, NB * BS).reshape(NT, NB, BS)
-        np.testing.assert_array_equal(got[:, [6, 7, 0]], want[:, [1, 2, 0]])
-        assert (got[:, 1:6] == R.POISON).all()
+        np.testing.assert_array_equal(got[:, [6, 7, 0, 3]], want[:, [1, 2, 0, 3]])
+        assert (got[:, [1, 2, 4, 5]] == R.POISON).all()
 
 
 def test_a_failed_tagged_pull_delivers_one_failure_event_with_its_tag():
