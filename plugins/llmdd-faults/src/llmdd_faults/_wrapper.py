@@ -171,8 +171,13 @@ class FaultyEndpoint(Endpoint):
             closed = self._closed
             if not closed:
                 self._batches.add(batch)
+            # a deregistration that ran between the batch's planning and this line did not see it:
+            # it must not outlive its local memory either (deregister pops, then collects, under _lock)
+            gone = [r for r in batch.local_regions if r not in self._regions]
         if closed:
             batch.completion.fail(Cancelled("endpoint closed"))
+        elif gone:
+            batch.completion.fail(Cancelled(f"local region {gone[0]} deregistered"))
 
     def _forget(self, batch: "_Batch") -> None:
         with self._lock:
