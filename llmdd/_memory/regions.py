@@ -253,8 +253,12 @@ class RegionTable:
 
     def remove_cache(self, cache_id: int, *, defer: Optional[Defer] = None) -> list[Region]:
         """Remove every region of a cache (none: nothing happens)."""
+        return self._remove_selected(lambda: self._by_cache.get(cache_id, ()), defer)
+
+    def _remove_selected(self, select: Callable[[], Iterable[int]], defer: Optional[Defer]) -> list[Region]:
+        """Remove the region ids ``select()`` gives (read under the lock); nothing: no notice."""
         with self._lock:
-            ids = list(self._by_cache.get(cache_id, ()))
+            ids = list(select())
             if not ids:
                 return []
             removed = self._remove_many_locked(ids)
@@ -308,11 +312,4 @@ class RegionTable:
 
     def clear(self, *, defer: Optional[Defer] = None) -> list[Region]:
         """Remove everything (engine finalize)."""
-        with self._lock:
-            ids = list(self._regions)
-            if not ids:
-                return []
-            removed = self._remove_many_locked(ids)
-            version = self._version
-        self._publish("remove", tuple(removed), version, defer)
-        return removed
+        return self._remove_selected(lambda: self._regions, defer)
