@@ -1234,6 +1234,10 @@ class LinkManager:
             sess.link = link
             conn.codec.max_frame_size = 16 * 1024 * 1024
             conn.send(welcome)
+            frame_key = hs.result().frame_key
+            if frame_key is not None and self.settings.server_tls is None:
+                # a secret and no TLS: every frame after the Welcome carries a MAC with a sequence number
+                conn.codec.enable_frame_mac(frame_key, client=False)
             conn.resume(lambda msg: self._dispatch(link, msg))
             if sess.done:   # the deadline passed meanwhile
                 raise TimeoutError(f"link setup did not finish within {self.settings.handshake_s} s")
@@ -1565,7 +1569,11 @@ class LinkManager:
                         raise ProtocolError("the server closed the connection before answering")
                     for out in hs.receive(msg):
                         conn.send(out)
-                return conn, hs.result()   # raises HandshakeRefused
+                peer = hs.result()   # raises HandshakeRefused
+                if peer.frame_key is not None and self.settings.client_tls is None:
+                    # a secret and no TLS: every frame after the Welcome carries a MAC with a sequence number
+                    conn.codec.enable_frame_mac(peer.frame_key, client=True)
+                return conn, peer
             except HandshakeRefused as exc:
                 conn.close()
                 if exc.by_peer and exc.refusal.status_code == S.LLM_ALREADY_LINK.value \

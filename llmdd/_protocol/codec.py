@@ -6,7 +6,8 @@ Frame (all integers big-endian)::
     0       2     magic  b"LD"
     2       1     wire version (1)
     3       1     message type (see MESSAGE_TYPES)
-    4       1     flags: bit 0 = CRC32 trailer present; other bits must be 0
+    4       1     flags: bit 0 = CRC32 trailer present; bit 1 = 32-byte HMAC-SHA256 trailer instead
+                  (every frame after an authenticated handshake); other bits must be 0
     5       4     payload length (u32, <= max_frame_size)
     9       len   payload (fields of the message, in schema order, no padding)
     9+len   4     CRC32 (zlib) of header + payload, when flag bit 0 is set
@@ -33,6 +34,8 @@ oversized length), before the payload is buffered.  Any malformed input ends in
 from __future__ import annotations
 
 import abc
+import hashlib
+import hmac
 
 import struct
 import zlib
@@ -71,8 +74,13 @@ SUPPORTED_WIRE_VERSIONS = frozenset({1})
 _HEADER = struct.Struct(">2sBBBI")
 HEADER_SIZE = _HEADER.size  # 9
 FLAG_CRC32 = 0x01
-_KNOWN_FLAGS = FLAG_CRC32
+#: the frame ends in HMAC-SHA256(direction key, seq u64 | header | payload) instead of a CRC32: set on
+#: every frame after an authenticated handshake (``Connection.enable_frame_mac``)
+FLAG_MAC = 0x02
+_KNOWN_FLAGS = FLAG_CRC32 | FLAG_MAC
 _CRC = struct.Struct(">I")
+_MAC_SIZE = 32
+_SEQ = struct.Struct(">Q")
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
 DEFAULT_MAX_DEPTH = 16
 _MAX_DEPTH_LIMIT = 64  # keeps the recursive value decoder far from Python's recursion limit
@@ -659,6 +667,23 @@ class Connection:
         self._header: tuple[int, int, int] | None = None  # (type code, flags, length) of the pending frame
         self._frames_sent = self._frames_received = 0
         self._bytes_sent = self._bytes_received = 0
+        self._mac_send: bytes | None = None      # direction keys once frame MACs are on
+        self._mac_recv: bytes | None = None
+        self._seq_send = self._seq_recv = 0
+
+    def enable_frame_mac(self, key: bytes, *, client: bool) -> None:
+        """From the next frame on, in both directions, every frame carries an HMAC-SHA256 under a key
+        derived from ``key`` for its direction, over a sequence number counted from 0 per direction
+        and the frame: a modified, replayed, reordered, dropped-then-resumed or unsigned frame is a
+        ProtocolError.  Call it exactly between the last handshake frame and the first frame after."""
+        up = hmac.new(key, b"client->server", hashlib.sha256).digest()
+        down = hmac.new(key, b"server->client", hashlib.sha256).digest()
+        self._mac_send, self._mac_recv = (up, down) if client else (down, up)
+        self._seq_send = self._seq_recv = 0
+
+    @property
+    def frame_mac(self) -> bool:
+        return self._mac_send is not None
 
     # -- configuration
     @property
@@ -686,7 +711,15 @@ class Connection:
     # -- sending
     def send(self, msg: Any) -> bytes:
         """Encode ``msg`` as one frame and return the bytes to write."""
-        frame = encode_frame(msg, checksum=self._checksum, max_frame_size=self._max_frame_size)
+        if self._mac_send is not None:
+            frame = encode_frame(msg, checksum=False, max_frame_size=self._max_frame_size)
+            frame = bytearray(frame)
+            frame[4] = FLAG_MAC   # header byte 4: flags
+            frame += hmac.new(self._mac_send, _SEQ.pack(self._seq_send) + bytes(frame), hashlib.sha256).digest()
+            self._seq_send += 1
+            frame = bytes(frame)
+        else:
+            frame = encode_frame(msg, checksum=self._checksum, max_frame_size=self._max_frame_size)
         self._frames_sent += 1
         self._bytes_sent += len(frame)
         return frame
@@ -747,7 +780,12 @@ class Connection:
                 raise ProtocolError(f"unsupported wire version {version}")
             if flags & ~_KNOWN_FLAGS:
                 raise ProtocolError(f"unknown frame flags 0x{flags:02x}")
-            if self._require_checksum and not flags & FLAG_CRC32:
+            if self._mac_recv is not None:
+                if flags != FLAG_MAC:
+                    raise ProtocolError("frame without the required MAC")
+            elif flags & FLAG_MAC:
+                raise ProtocolError("a MAC'd frame before frame MACs were agreed")
+            elif self._require_checksum and not flags & FLAG_CRC32:
                 raise ProtocolError("frame without the required CRC32")
             if code not in _BY_CODE:
                 raise ProtocolError(f"unknown message type 0x{code:02x}")
@@ -755,7 +793,7 @@ class Connection:
                 raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self._max_frame_size}")
             self._header = (code, flags, length)
         code, flags, length = self._header
-        total = HEADER_SIZE + length + (_CRC.size if flags & FLAG_CRC32 else 0)
+        total = HEADER_SIZE + length + (_MAC_SIZE if flags & FLAG_MAC else _CRC.size if flags & FLAG_CRC32 else 0)
         if avail < total:
             if self._eof:
                 raise ProtocolError(f"peer closed after {avail} of {total} frame bytes")
@@ -763,7 +801,14 @@ class Connection:
         start = self._off
         frame = memoryview(bytes(self._buf[start:start + total]))  # one copy; the buffer stays resizable
         payload = frame[HEADER_SIZE:HEADER_SIZE + length]
-        if flags & FLAG_CRC32:
+        if flags & FLAG_MAC:
+            assert self._mac_recv is not None
+            want_mac = hmac.new(self._mac_recv, _SEQ.pack(self._seq_recv) + bytes(frame[:HEADER_SIZE + length]),
+                                hashlib.sha256).digest()
+            if not hmac.compare_digest(want_mac, bytes(frame[HEADER_SIZE + length:])):
+                raise ProtocolError("frame MAC mismatch (modified, replayed or out of order)")
+            self._seq_recv += 1
+        elif flags & FLAG_CRC32:
             (want,) = _CRC.unpack_from(frame, HEADER_SIZE + length)
             if zlib.crc32(frame[:HEADER_SIZE + length]) != want:
                 raise ProtocolError("frame CRC32 mismatch")

@@ -76,6 +76,7 @@ NONCE_SIZE = 32
 
 _CLIENT_LABEL = b"llmdd-auth-v1 client"
 _SERVER_LABEL = b"llmdd-auth-v1 server"
+_FRAME_KEY_LABEL = b"llmdd-frame-key-v1"
 _LINK_FAILED = LLMStatusCode.LLM_LINK_FAILED.value
 
 
@@ -154,6 +155,9 @@ class PeerInfo:
     transport: m.TransportOffer        # the chosen transport, with the *peer's* descriptor
     offered: tuple                     # every TransportOffer the peer made (server: just its choice)
     authenticated: bool
+    #: with a shared secret: the key both sides derive for MACs on the frames after the handshake
+    #: (``Connection.enable_frame_mac``); never sent, never shown
+    frame_key: bytes | None = attrs.field(default=None, repr=False)
 
 
 class HandshakeRefused(RemoteError):
@@ -307,9 +311,13 @@ class ClientHandshake(_Handshake):
         if self._expected_cluster_id is not None and msg.cluster_id != self._expected_cluster_id:
             return [self._refuse(LLMStatusCode.LLM_LINK_FAILED.value,
                                  f"peer is cluster {msg.cluster_id}, expected {self._expected_cluster_id}")]
+        frame_key = None
+        if secret is not None and self._challenge is not None:
+            frame_key = _mac(secret, _FRAME_KEY_LABEL, hello.nonce, self._challenge.nonce, hello.incarnation,
+                             self._challenge.incarnation, self._client_mac, msg.proof)
         self._peer = PeerInfo(cluster_id=msg.cluster_id, incarnation=msg.incarnation, role=msg.role, host=msg.host,
                               version=msg.version, transport=msg.transport, offered=(msg.transport,),
-                              authenticated=secret is not None)
+                              authenticated=secret is not None, frame_key=frame_key)
         self._state = HandshakeState.ESTABLISHED
         return []
 
@@ -399,9 +407,13 @@ class ServerHandshake(_Handshake):
             proof = _mac(c.secret, _SERVER_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
                          encode_payload(hello), self._client_mac, encode_payload(welcome))
             welcome = attrs.evolve(welcome, proof=proof)
+        frame_key = None
+        if authenticated:
+            frame_key = _mac(c.secret, _FRAME_KEY_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
+                             self._client_mac, welcome.proof)
         self._peer = PeerInfo(cluster_id=hello.cluster_id, incarnation=hello.incarnation, role=hello.role,
                               host=hello.host, version=self._version, transport=offered[transport.name],
-                              offered=hello.transports, authenticated=authenticated)
+                              offered=hello.transports, authenticated=authenticated, frame_key=frame_key)
         self._state = HandshakeState.ESTABLISHED
         return welcome
 
