@@ -843,6 +843,11 @@ class LinkManager:
         try:
             # before any region is registered: the data port serves linked peers' grants only
             ep.serve_links_only()
+            if ep.capabilities and self.settings.server_tls is not None:
+                # said at run time, not only in docs/transports.md: TLS does not cover this data port yet
+                _log.warning("llmdd.transport.data_not_tls", transport=name,
+                             reason="llmdd.tls_* covers control connections only; data connections of this "
+                                    "transport are plaintext, served only to per-link capabilities")
             for region in self._core.memory.regions.regions():
                 self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self._mem_region(region))
         except BaseException:
