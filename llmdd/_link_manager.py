@@ -87,29 +87,25 @@ OPT_IO_WORKERS = "llmdd.io_workers"
 MAX_CLUSTERS_PER_CALL = 16
 
 
-def _ms_option(options, key: str, default: int) -> int:
+def _int_option(options, key: str, default: int, *, what: str) -> int:
     text = options.get(key)
     if text is None:
         return default
     try:
-        value = int(text)
+        return int(text)
     except (TypeError, ValueError):
-        raise LLMException(f"option {key} must be an integer (milliseconds), got {text!r}",
-                           status_code=S.LLM_PARAM_INVALID) from None
+        raise LLMException(f"option {key} must be {what}, got {text!r}", status_code=S.LLM_PARAM_INVALID) from None
+
+
+def _ms_option(options, key: str, default: int) -> int:
+    value = _int_option(options, key, default, what="an integer (milliseconds)")
     if value <= 0:
         raise LLMException(f"option {key} must be > 0, got {value}", status_code=S.LLM_PARAM_INVALID)
     return value
 
 
 def _count_option(options, key: str, default: int) -> int:
-    text = options.get(key)
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except (TypeError, ValueError):
-        raise LLMException(f"option {key} must be an integer, got {text!r}",
-                           status_code=S.LLM_PARAM_INVALID) from None
+    value = _int_option(options, key, default, what="an integer")
     if not 1 <= value <= 1 << 20:
         raise LLMException(f"option {key} must be in [1, {1 << 20}], got {value}", status_code=S.LLM_PARAM_INVALID)
     return value

@@ -107,6 +107,7 @@ class TransferEngine:
         self._flusher.start()
         self._async: set = set()
         self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
+        self._async_pulls = 0         # non-blocking pulls waiting or running (under _read_done_lock)
         handlers = self._lm.request_handlers
         for op, handler in (("reserve_key", self._serve_reserve_key), ("release_key", self._serve_release_key),
                             ("push_done", self._serve_push_done), ("consume_key", self._serve_consume_key),
@@ -355,7 +356,6 @@ class TransferEngine:
                                                             args={"id": int(reserved[0]),
                                                                   "model_id": int(reserved[1])}))
         if pulled and tag is None:   # a tagged pull's notice was delivered (acknowledged) above
-            spans = _spans(src_blocks) if src_blocks else ()
             self._queue_read_done(link, m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=spans))
 
     # ------------------------------------------------------------------ pushes
@@ -757,7 +757,7 @@ class TransferEngine:
         with self._read_done_lock:
             if self._closed:
                 raise _err("the engine is finalized", S.LLM_ENGINE_FINALIZED)
-            pending = sum(1 for t in self._async if isinstance(t, AsyncPull))
+            pending = self._async_pulls
             if pending >= MAX_ASYNC_PULLS:
                 raise _err(f"{pending} non-blocking pulls are in flight (at most {MAX_ASYNC_PULLS})", S.LLM_LINK_BUSY)
             if self._pull_pool is None:
@@ -766,9 +766,15 @@ class TransferEngine:
                 self._pull_pool = ThreadPoolExecutor(max_workers=ASYNC_PULL_WORKERS, thread_name_prefix="llmdd-pull")
             task = AsyncPull(self, link, run, callback)
             self._async.add(task)
+            self._async_pulls += 1
             pool = self._pull_pool
         pool.submit(task)
         return task
+
+    def _async_pull_ended(self, task: "AsyncPull") -> None:
+        with self._read_done_lock:
+            self._async.discard(task)
+            self._async_pulls -= 1
 
     def close(self) -> None:
         for task in list(self._async):
@@ -830,7 +836,7 @@ class AsyncPull:
     def _finish(self, status: LLMStatusCode) -> None:
         self._status = status
         self._done.set()
-        self._engine._async.discard(self)
+        self._engine._async_pull_ended(self)
         callback = self._callback
         if callback is not None:
             try:

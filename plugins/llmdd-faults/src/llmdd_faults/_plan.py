@@ -25,8 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 import attrs
 
 from llmdd._log import get_logger
-from llmdd._status import TransportError
-from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportTimeout
+from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout
 
 __all__ = [
     "OPS",
