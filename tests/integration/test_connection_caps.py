@@ -329,7 +329,10 @@ def test_an_io_loop_that_cannot_continue_fails_links_typed_and_is_reported(serve
         lm.loop._sel.close()
         lm.loop.call_soon(lambda: None)   # wake it: its next select fails
         _wait(lambda: lm.io_statistics()["io_error"], 5.0, "the loop to report its end")
-        assert lm.links() == [] or all(lk.state.value == "failed" for lk in lm.links())
+        # the dying loop's thread records the error first, then fails the listener, then every link:
+        # wait for the last of those before looking at any of them
+        _wait(lambda: [e for e in rec.events if e.trigger == "listener_failed"], 5.0, "listener_failed")
+        _wait(lambda: all(lk.state.value == "failed" for lk in lm.links()), 5.0, "every link to fail")
         (event,) = [e for e in rec.events if e.trigger == "listener_failed"]
         assert event.info["listener"] == "control"
         # the peer learns at once: its control connection was shut down
