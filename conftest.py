@@ -8,11 +8,16 @@
   default, so local runs keep finding new examples.
 
 ``HYPOTHESIS_PROFILE=ci`` selects the CI profile locally (to reproduce a CI run).
+
+llmdd's pytest plugin (the ``llmdd_*`` fixtures) is opt-in, as for any suite: loaded here for
+llmdd's own tests and its plugins' tests.
 """
 
 import os
 
 from hypothesis import settings
+
+pytest_plugins = ["llmdd.testing.pytest_plugin"]
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)

@@ -1,4 +1,5 @@
-"""Thin: the fixtures (pm, hooks, hook_recorder, log_output) come from llmdd.testing.pytest_plugin (pytest11)."""
+"""Thin: the fixtures (llmdd_pm, llmdd_hooks, llmdd_hook_recorder, llmdd_log_output) come from
+llmdd.testing.pytest_plugin, loaded by the root conftest.py (the plugin is opt-in)."""
 
 import pytest
 

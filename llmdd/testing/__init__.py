@@ -4,7 +4,7 @@
 * hook and log recorders (``HookRecorder``, ``capture_log_output``);
 * a multi-process harness (``peers``, ``spawn_peer``, checkpoints, kill/stall), a loopback
   proxy that partitions links (``LoopbackProxy``) and leak snapshots (``ResourceSnapshot``);
-* the pytest plugin (``llmdd.testing.pytest_plugin``, loaded through ``pytest11``).
+* the pytest plugin (``llmdd.testing.pytest_plugin``, opt-in: ``-p llmdd.testing.pytest_plugin``).
 """
 
 from ._conformance import CONFORMANCE_CHECKS as CONFORMANCE_CHECKS

@@ -1,10 +1,18 @@
-"""pytest plugin of llmdd (loaded through the ``pytest11`` entry point): fixtures.
+"""pytest plugin of llmdd: fixtures for plugin authors and llmdd's own tests.
 
-* ``pm``: a fresh plugin manager, entry points not loaded, strict (a raising
+Opt-in: installing llmdd registers nothing with pytest (no ``pytest11`` entry point), so a
+framework's own test suite never sees these fixtures unless it asks for them, with either
+
+* ``pytest_plugins = ["llmdd.testing.pytest_plugin"]`` in the root ``conftest.py``, or
+* ``-p llmdd.testing.pytest_plugin`` on the command line or in ``addopts``.
+
+Every fixture carries the ``llmdd_`` prefix, so none shadows a fixture of the suite loading it:
+
+* ``llmdd_pm``: a fresh plugin manager, entry points not loaded, strict (a raising
   subscriber fails the test);
-* ``hooks``: the typed :class:`~llmdd._plugins.Hooks` facade over ``pm``;
-* ``hook_recorder``: a :class:`~llmdd.testing.HookRecorder` on ``pm``;
-* ``log_output``: the ``llmdd`` log lines of the test as dicts
+* ``llmdd_hooks``: the typed :class:`~llmdd._plugins.Hooks` facade over ``llmdd_pm``;
+* ``llmdd_hook_recorder``: a :class:`~llmdd.testing.HookRecorder` on ``llmdd_pm``;
+* ``llmdd_log_output``: the ``llmdd`` log lines of the test as dicts
   (:class:`~llmdd.testing.LogOutput`, DEBUG and above).
 """
 
@@ -17,30 +25,30 @@ import pytest
 from .._plugins import Hooks, LLMDDPluginManager, make_plugin_manager
 from ._recorder import HookRecorder, LogOutput, capture_log_output
 
-__all__ = ["pm", "hooks", "hook_recorder", "log_output"]
+__all__ = ["llmdd_pm", "llmdd_hooks", "llmdd_hook_recorder", "llmdd_log_output"]
 
 
 @pytest.fixture
-def pm() -> LLMDDPluginManager:
+def llmdd_pm() -> LLMDDPluginManager:
     """A fresh plugin manager: default plugins only, strict."""
     return make_plugin_manager(autoload=False, strict=True)
 
 
 @pytest.fixture
-def hooks(pm: LLMDDPluginManager) -> Hooks:
-    """The typed hook facade over ``pm`` (strict)."""
-    return Hooks(pm)
+def llmdd_hooks(llmdd_pm: LLMDDPluginManager) -> Hooks:
+    """The typed hook facade over ``llmdd_pm`` (strict)."""
+    return Hooks(llmdd_pm)
 
 
 @pytest.fixture
-def hook_recorder(pm: LLMDDPluginManager) -> Iterator[HookRecorder]:
-    """Records every hook call made through ``pm``."""
-    with HookRecorder(pm) as recorder:
+def llmdd_hook_recorder(llmdd_pm: LLMDDPluginManager) -> Iterator[HookRecorder]:
+    """Records every hook call made through ``llmdd_pm``."""
+    with HookRecorder(llmdd_pm) as recorder:
         yield recorder
 
 
 @pytest.fixture
-def log_output() -> Iterator[LogOutput]:
+def llmdd_log_output() -> Iterator[LogOutput]:
     """Captures llmdd's log lines (level DEBUG and above) as dicts."""
     with capture_log_output() as output:
         yield output

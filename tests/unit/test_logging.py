@@ -66,11 +66,11 @@ def _lifecycle(machine, hooks):
     return Lifecycle(machine, hooks.emitter(machine))
 
 
-def test_one_line_per_transition_with_its_fields(hooks, log_output):
-    link = _lifecycle(Machine.LINK, hooks).create(7, peer=8)
+def test_one_line_per_transition_with_its_fields(llmdd_hooks, llmdd_log_output):
+    link = _lifecycle(Machine.LINK, llmdd_hooks).create(7, peer=8)
     link.fire("link", transport="tcp")
     link.fire("handshake_succeeded")
-    assert log_output.events("llmdd.link.transition") == [
+    assert llmdd_log_output.events("llmdd.link.transition") == [
         {"event": "llmdd.link.transition", "machine": "link", "id": 7, "source": "unlinked",
          "dest": "linking", "trigger": "link", "peer": 8, "transport": "tcp",
          "log_level": "info", "logger": "llmdd.link"},
@@ -78,8 +78,8 @@ def test_one_line_per_transition_with_its_fields(hooks, log_output):
          "dest": "linked", "trigger": "handshake_succeeded", "peer": 8,
          "log_level": "info", "logger": "llmdd.link"},
     ]
-    assert [e for e in log_output.entries if e["event"].startswith("llmdd.link")] == \
-        log_output.events("llmdd.link.transition")
+    assert [e for e in llmdd_log_output.entries if e["event"].startswith("llmdd.link")] == \
+        llmdd_log_output.events("llmdd.link.transition")
 
 
 @pytest.mark.parametrize(("machine", "trigger", "level"), [
@@ -89,47 +89,47 @@ def test_one_line_per_transition_with_its_fields(hooks, log_output):
     (Machine.CACHE, "allocate", "debug"),
     (Machine.TASK, "start", "debug"),
 ])
-def test_levels_per_machine(hooks, log_output, machine, trigger, level):
-    _lifecycle(machine, hooks).create(1).fire(trigger)
-    [entry] = log_output.events(f"llmdd.{machine.value}.transition")
+def test_levels_per_machine(llmdd_hooks, llmdd_log_output, machine, trigger, level):
+    _lifecycle(machine, llmdd_hooks).create(1).fire(trigger)
+    [entry] = llmdd_log_output.events(f"llmdd.{machine.value}.transition")
     assert entry["log_level"] == level and entry["logger"] == f"llmdd.{machine.value}"
 
 
-def test_failures_log_a_warning_with_the_error(hooks, log_output):
-    task = _lifecycle(Machine.TASK, hooks).create("t1", peer=3)
+def test_failures_log_a_warning_with_the_error(llmdd_hooks, llmdd_log_output):
+    task = _lifecycle(Machine.TASK, llmdd_hooks).create("t1", peer=3)
     task.fire("start", bytes=65536)
     task.fire("transfer_failed", error=TimeoutError("deadline"))
-    [started, failed] = log_output.events("llmdd.task.transition")
+    [started, failed] = llmdd_log_output.events("llmdd.task.transition")
     assert started["log_level"] == "debug" and started["bytes"] == 65536 and "error" not in started
     assert failed == {"event": "llmdd.task.transition", "machine": "task", "id": "t1", "source": "running",
                       "dest": "failed", "trigger": "transfer_failed", "error": "TimeoutError: deadline",
                       "peer": 3, "log_level": "warning", "logger": "llmdd.task"}
 
 
-def test_disabled_level_builds_nothing(hooks, monkeypatch, log_output):
-    logging.getLogger("llmdd").setLevel(logging.INFO)  # log_output restores it
+def test_disabled_level_builds_nothing(llmdd_hooks, monkeypatch, llmdd_log_output):
+    logging.getLogger("llmdd").setLevel(logging.INFO)  # llmdd_log_output restores it
     calls = []
     original = TransitionEvent.as_log_fields
     monkeypatch.setattr(TransitionEvent, "as_log_fields", lambda self: calls.append(self) or original(self))
-    task = _lifecycle(Machine.TASK, hooks).create(1)
+    task = _lifecycle(Machine.TASK, llmdd_hooks).create(1)
     task.fire("start")
     task.fire("transfer_succeeded")
-    assert calls == [] and log_output.events("llmdd.task.transition") == []
-    _lifecycle(Machine.LINK, hooks).create(1).fire("link")
-    assert len(calls) == 1 and len(log_output.events("llmdd.link.transition")) == 1
+    assert calls == [] and llmdd_log_output.events("llmdd.task.transition") == []
+    _lifecycle(Machine.LINK, llmdd_hooks).create(1).fire("link")
+    assert len(calls) == 1 and len(llmdd_log_output.events("llmdd.link.transition")) == 1
 
 
-def test_log_observer_is_an_ordinary_plugin(log_output):
+def test_log_observer_is_an_ordinary_plugin(llmdd_log_output):
     hooks = Hooks(make_plugin_manager(autoload=False, blocked=["llmdd._builtin.log_events"]))
     assert hooks.emitter(Machine.LINK) is None
     Lifecycle(Machine.LINK, hooks.emitter(Machine.LINK)).create(1).fire("link")
-    assert log_output.events("llmdd.link.transition") == []
+    assert llmdd_log_output.events("llmdd.link.transition") == []
 
 
-def test_no_line_per_event_of_the_hook_machinery(hooks, log_output):
-    task = _lifecycle(Machine.TASK, hooks).create(1)
+def test_no_line_per_event_of_the_hook_machinery(llmdd_hooks, llmdd_log_output):
+    task = _lifecycle(Machine.TASK, llmdd_hooks).create(1)
     task.fire("start")
     for _ in range(100):
         task.fire("layer_transferred")
     task.fire("transfer_succeeded")
-    assert len(log_output.entries) == len(log_output.events("llmdd.task.transition")) == 102
+    assert len(llmdd_log_output.entries) == len(llmdd_log_output.events("llmdd.task.transition")) == 102

@@ -69,27 +69,27 @@ def test_hookspecs_module_lists_every_spec():
     assert set(TRANSITION_HOOKS.values()) <= set(specs)
 
 
-def test_manager_has_defaults_and_spec_flags(pm):
-    assert isinstance(pm, LLMDDPluginManager)
-    assert pm.project_name == PROJECT == "llmdd"
-    assert [name for name, _ in pm.list_name_plugin()] == list(DEFAULT_PLUGINS)
-    assert pm.hook.llmdd_addhooks.is_historic() and pm.hook.llmdd_configure.is_historic()
-    assert pm.hook.llmdd_select_transport.spec.opts["firstresult"]
-    assert pm.hook.llmdd_run_transfer.spec.opts["firstresult"]
+def test_manager_has_defaults_and_spec_flags(llmdd_pm):
+    assert isinstance(llmdd_pm, LLMDDPluginManager)
+    assert llmdd_pm.project_name == PROJECT == "llmdd"
+    assert [name for name, _ in llmdd_pm.list_name_plugin()] == list(DEFAULT_PLUGINS)
+    assert llmdd_pm.hook.llmdd_addhooks.is_historic() and llmdd_pm.hook.llmdd_configure.is_historic()
+    assert llmdd_pm.hook.llmdd_select_transport.spec.opts["firstresult"]
+    assert llmdd_pm.hook.llmdd_run_transfer.spec.opts["firstresult"]
 
 
-def test_prefix_is_enforced(pm):
+def test_prefix_is_enforced(llmdd_pm):
     class Unprefixed:
         @hookimpl
         def link_transition(self, event):
             pass
 
     with pytest.raises(pluggy.PluginValidationError, match="start with 'llmdd_'"):
-        pm.register(Unprefixed())
-    assert pm.get_plugin("Unprefixed") is None
+        llmdd_pm.register(Unprefixed())
+    assert llmdd_pm.get_plugin("Unprefixed") is None
 
 
-def test_specname_may_name_the_hook(pm, hooks):
+def test_specname_may_name_the_hook(llmdd_pm, llmdd_hooks):
     class Named:
         seen = []
 
@@ -97,31 +97,31 @@ def test_specname_may_name_the_hook(pm, hooks):
         def on_link(self, event):
             self.seen.append(event)
 
-    pm.register(Named())
-    _fire_link(hooks)
+    llmdd_pm.register(Named())
+    _fire_link(llmdd_hooks)
     assert len(Named.seen) == 1
 
 
-def test_unknown_llmdd_hook_fails_check_pending(pm):
+def test_unknown_llmdd_hook_fails_check_pending(llmdd_pm):
     class Typo:
         @hookimpl
         def llmdd_link_transitoin(self, event):
             pass
 
-    pm.register(Typo())
+    llmdd_pm.register(Typo())
     with pytest.raises(pluggy.PluginValidationError, match="unknown hook"):
-        pm.check_pending()
+        llmdd_pm.check_pending()
 
 
 @pytest.mark.parametrize("opts", [{"wrapper": True}, {"hookwrapper": True}])
-def test_notification_hooks_take_no_wrappers(pm, opts):
+def test_notification_hooks_take_no_wrappers(llmdd_pm, opts):
     class Wrapping:
         @hookimpl(**opts)
         def llmdd_task_transition(self, event):
             yield
 
     with pytest.raises(pluggy.PluginValidationError, match="cannot be a wrapper"):
-        pm.register(Wrapping())
+        llmdd_pm.register(Wrapping())
 
 
 def test_blocked_argument_and_env(monkeypatch):
@@ -149,17 +149,17 @@ def test_autoload_env_switch(monkeypatch, value, loads):
     assert calls == []
 
 
-def test_trace_hooks_env_logs_calls(monkeypatch, log_output):
+def test_trace_hooks_env_logs_calls(monkeypatch, llmdd_log_output):
     monkeypatch.setenv("LLMDD_TRACE_HOOKS", "1")
     pm = make_plugin_manager(autoload=False)
     _fire_link(Hooks(pm))
-    [call] = [c for c in log_output.events("llmdd.hooks.call") if c["hook"] == "llmdd_link_transition"]
+    [call] = [c for c in llmdd_log_output.events("llmdd.hooks.call") if c["hook"] == "llmdd_link_transition"]
     assert call["logger"] == "llmdd.hooks" and call["log_level"] == "info"
     assert call["plugins"] == ["llmdd._builtin.log_events"]
-    assert [r["hook"] for r in log_output.events("llmdd.hooks.returned")] == ["llmdd_addhooks", "llmdd_link_transition"]
+    assert [r["hook"] for r in llmdd_log_output.events("llmdd.hooks.returned")] == ["llmdd_addhooks", "llmdd_link_transition"]
 
 
-def test_addhooks_lets_plugins_add_specs(pm):
+def test_addhooks_lets_plugins_add_specs(llmdd_pm):
     spec = pluggy.HookspecMarker("llmdd")
 
     class ExtraSpecs:
@@ -176,14 +176,14 @@ def test_addhooks_lets_plugins_add_specs(pm):
         def llmdd_extra(self, value):
             return value * 2
 
-    pm.register(Extension())
-    pm.check_pending()
-    assert pm.hook.llmdd_extra(value=21) == [42]
+    llmdd_pm.register(Extension())
+    llmdd_pm.check_pending()
+    assert llmdd_pm.hook.llmdd_extra(value=21) == [42]
 
 
-def test_configure_is_historic(pm, hooks):
+def test_configure_is_historic(llmdd_pm, llmdd_hooks):
     config = EngineConfig(cluster_id=1, role="PROMPT", options={"llm.SyncKvCacheWaitTime": "1000"})
-    hooks.configure(config)
+    llmdd_hooks.configure(config)
 
     class Late:
         seen = []
@@ -192,7 +192,7 @@ def test_configure_is_historic(pm, hooks):
         def llmdd_configure(self, config):
             self.seen.append(config)
 
-    pm.register(Late())
+    llmdd_pm.register(Late())
     assert Late.seen == [config]
     with pytest.raises(TypeError):
         config.options["x"] = "y"
@@ -215,7 +215,7 @@ def test_emitter_is_none_without_subscribers_and_counts_events():
 
 @pytest.mark.parametrize("raiser_first", [True, False])
 @pytest.mark.parametrize("recorded", [False, True], ids=["direct", "monitored"])
-def test_raising_subscriber_is_contained(raiser_first, recorded, log_output):
+def test_raising_subscriber_is_contained(raiser_first, recorded, llmdd_log_output):
     pm = make_plugin_manager(autoload=False)
     hooks = Hooks(pm)
     good = Subscriber()
@@ -226,7 +226,7 @@ def test_raising_subscriber_is_contained(raiser_first, recorded, log_output):
     with HookRecorder(pm) if recorded else _null() as recorder:
         [event] = _fire_link(hooks)
     assert good.events == [event]
-    [failure] = log_output.events("llmdd.hook.failed")
+    [failure] = llmdd_log_output.events("llmdd.hook.failed")
     assert failure["plugin"] == "bad" and failure["hook"] == "llmdd_link_transition"
     assert failure["log_level"] == "error" and "subscriber bug" in failure["error"]
     stats = hooks.statistics()
@@ -244,44 +244,44 @@ class _null:
         return None
 
 
-def test_strict_mode_reraises_after_every_subscriber_ran(pm, hooks):
+def test_strict_mode_reraises_after_every_subscriber_ran(llmdd_pm, llmdd_hooks):
     good = Subscriber()
-    pm.register(Raiser(), name="bad")
-    pm.register(Subscriber(), name="good-before")
-    pm.register(good, name="good")
-    link = Lifecycle(Machine.LINK, hooks.emitter(Machine.LINK)).create(7)
+    llmdd_pm.register(Raiser(), name="bad")
+    llmdd_pm.register(Subscriber(), name="good-before")
+    llmdd_pm.register(good, name="good")
+    link = Lifecycle(Machine.LINK, llmdd_hooks.emitter(Machine.LINK)).create(7)
     with pytest.raises(RuntimeError, match="subscriber bug"):
         link.fire("link")
-    assert len(good.events) == 1 and len(pm.get_plugin("good-before").events) == 1
+    assert len(good.events) == 1 and len(llmdd_pm.get_plugin("good-before").events) == 1
     assert link.state is LinkState.LINKING  # the machine moved; only the observer failed
 
 
-def test_subscriber_changes_are_seen(pm, hooks):
-    emit = hooks.emitter(Machine.LINK)
+def test_subscriber_changes_are_seen(llmdd_pm, llmdd_hooks):
+    emit = llmdd_hooks.emitter(Machine.LINK)
     link = Lifecycle(Machine.LINK, emit).create(1)
     link.fire("link")
     late = Subscriber()
-    pm.register(late)
+    llmdd_pm.register(late)
     link.fire("handshake_succeeded")
-    pm.unregister(late)
+    llmdd_pm.unregister(late)
     link.fire("unlink")
     assert [e.trigger for e in late.events] == ["handshake_succeeded"]
 
 
-def test_facade_methods_reach_their_hooks(pm, hooks, hook_recorder):
+def test_facade_methods_reach_their_hooks(llmdd_pm, llmdd_hooks, llmdd_hook_recorder):
     events = {
         machine: TransitionEvent(machine=machine, id=1, source=INITIAL[machine], dest=INITIAL[machine],
                                  trigger=TABLES[machine][0]["trigger"], at=0.0)
         for machine in Machine
     }
-    hooks.engine_transition(events[Machine.ENGINE])
-    hooks.link_transition(events[Machine.LINK])
-    hooks.comm_group_transition(events[Machine.COMM_GROUP])
-    hooks.cache_transition(events[Machine.CACHE])
-    hooks.task_transition(events[Machine.TASK])
+    llmdd_hooks.engine_transition(events[Machine.ENGINE])
+    llmdd_hooks.link_transition(events[Machine.LINK])
+    llmdd_hooks.comm_group_transition(events[Machine.COMM_GROUP])
+    llmdd_hooks.cache_transition(events[Machine.CACHE])
+    llmdd_hooks.task_transition(events[Machine.TASK])
     for machine in Machine:
-        assert hook_recorder.events(machine) == [events[machine]]
-    assert hook_recorder.events() == [events[m] for m in Machine]
+        assert llmdd_hook_recorder.events(machine) == [events[machine]]
+    assert llmdd_hook_recorder.events() == [events[m] for m in Machine]
 
 
 # ----------------------------------------------------------------------------- transports
@@ -361,7 +361,7 @@ def test_registry_probes_once_and_orders_by_priority():
     assert (cand.name, cand.priority, cand.same_host_only, cand.info.available) == ("fake", 10, False, True)
 
 
-def test_register_transports_hook_is_contained(log_output):
+def test_register_transports_hook_is_contained(llmdd_log_output):
     pm = make_plugin_manager(autoload=False)
 
     class Good:
@@ -378,7 +378,7 @@ def test_register_transports_hook_is_contained(log_output):
     pm.register(Bad(), name="bad")  # LIFO: runs first, so "fake" is free for it
     registry = Hooks(pm).register_transports()
     assert registry.get("fake") is OtherFake
-    [failure] = log_output.events("llmdd.hook.failed")
+    [failure] = llmdd_log_output.events("llmdd.hook.failed")
     assert failure["plugin"] == "good" and "already registered" in failure["error"]
     with pytest.raises(ValueError):
         Hooks(pm, strict=True).register_transports()
@@ -401,13 +401,13 @@ SHM, UCX, TCP = _cand("shm", 100, True), _cand("ucx", 50), _cand("tcp", 10)
     (True, "tcp", (SHM, UCX, TCP), "tcp"),
     (False, "hccs", (SHM, UCX, TCP), None),
 ])
-def test_default_selection_policy(hooks, same_host, forced, candidates, expected):
+def test_default_selection_policy(llmdd_hooks, same_host, forced, candidates, expected):
     link = LinkInfo(local_cluster_id=1, peer_cluster_id=2, same_host=same_host, forced=forced,
                     peer_transports=[c.name for c in candidates])
-    assert hooks.select_transport(link, candidates) == expected
+    assert llmdd_hooks.select_transport(link, candidates) == expected
 
 
-def test_tryfirst_policy_overrides_default(pm, hooks):
+def test_tryfirst_policy_overrides_default(llmdd_pm, llmdd_hooks):
     class Vendor:
         @hookimpl(tryfirst=True)
         def llmdd_select_transport(self, link, candidates):
@@ -415,14 +415,14 @@ def test_tryfirst_policy_overrides_default(pm, hooks):
                 return None  # let the default decide
             return "tcp" if any(c.name == "tcp" for c in candidates) else None
 
-    pm.register(Vendor())
+    llmdd_pm.register(Vendor())
     link = LinkInfo(local_cluster_id=1, peer_cluster_id=2, same_host=True)
-    assert hooks.select_transport(link, (SHM, TCP)) == "tcp"
-    assert hooks.select_transport(LinkInfo(local_cluster_id=1, peer_cluster_id=99, same_host=True),
+    assert llmdd_hooks.select_transport(link, (SHM, TCP)) == "tcp"
+    assert llmdd_hooks.select_transport(LinkInfo(local_cluster_id=1, peer_cluster_id=99, same_host=True),
                                   (SHM, TCP)) == "shm"
 
 
-def test_policy_answer_must_be_a_candidate(log_output):
+def test_policy_answer_must_be_a_candidate(llmdd_log_output):
     class Wrong:
         @hookimpl(tryfirst=True)
         def llmdd_select_transport(self, link, candidates):
@@ -432,7 +432,7 @@ def test_policy_answer_must_be_a_candidate(log_output):
     pm = make_plugin_manager(autoload=False)
     pm.register(Wrong())
     assert Hooks(pm).select_transport(link, (TCP,)) is None
-    assert log_output.events("llmdd.hook.invalid_result")
+    assert llmdd_log_output.events("llmdd.hook.invalid_result")
     with pytest.raises(ValueError, match="nonexistent"):
         Hooks(pm, strict=True).select_transport(link, (TCP,))
 
@@ -440,11 +440,11 @@ def test_policy_answer_must_be_a_candidate(log_output):
 # ----------------------------------------------------------------------------- run_transfer
 
 
-def test_run_transfer_default_runs_the_task(hooks):
-    assert hooks.run_transfer("task-1", lambda: "done") == "done"
+def test_run_transfer_default_runs_the_task(llmdd_hooks):
+    assert llmdd_hooks.run_transfer("task-1", lambda: "done") == "done"
 
 
-def test_run_transfer_wrapper_sees_whole_task(pm, hooks, hook_recorder):
+def test_run_transfer_wrapper_sees_whole_task(llmdd_pm, llmdd_hooks, llmdd_hook_recorder):
     seen = []
 
     class Timer:
@@ -455,14 +455,14 @@ def test_run_transfer_wrapper_sees_whole_task(pm, hooks, hook_recorder):
             seen.append(("after", result))
             return result
 
-    pm.register(Timer())
-    assert hooks.run_transfer("t", lambda: 5) == 5
+    llmdd_pm.register(Timer())
+    assert llmdd_hooks.run_transfer("t", lambda: 5) == 5
     assert seen == [("before", "t"), ("after", 5)]
-    [call] = hook_recorder.getcalls("llmdd_run_transfer")
+    [call] = llmdd_hook_recorder.getcalls("llmdd_run_transfer")
     assert call.task == "t"
 
 
-def test_run_transfer_errors_propagate_and_faults_can_be_injected(pm, hooks):
+def test_run_transfer_errors_propagate_and_faults_can_be_injected(llmdd_pm, llmdd_hooks):
     class Fault:
         @hookimpl(wrapper=True)
         def llmdd_run_transfer(self, task, run):
@@ -470,13 +470,13 @@ def test_run_transfer_errors_propagate_and_faults_can_be_injected(pm, hooks):
                 raise TimeoutError("injected")
             return (yield)
 
-    pm.register(Fault())
+    llmdd_pm.register(Fault())
     ran = []
     with pytest.raises(TimeoutError, match="injected"):
-        hooks.run_transfer("doomed", lambda: ran.append(1))
+        llmdd_hooks.run_transfer("doomed", lambda: ran.append(1))
     assert ran == []
     with pytest.raises(ZeroDivisionError):
-        hooks.run_transfer("t", lambda: 1 / 0)
+        llmdd_hooks.run_transfer("t", lambda: 1 / 0)
 
 
 def test_run_transfer_runs_once_and_without_default():
@@ -496,14 +496,14 @@ def test_run_transfer_runs_once_and_without_default():
     assert Hooks(pm).run_transfer("t", lambda: "still runs") == "still runs"
 
 
-def test_run_transfer_can_be_replaced(pm, hooks):
+def test_run_transfer_can_be_replaced(llmdd_pm, llmdd_hooks):
     class Replace:
         @hookimpl(tryfirst=True)
         def llmdd_run_transfer(self, task, run):
             return "simulated"
 
-    pm.register(Replace())
-    assert hooks.run_transfer("t", lambda: pytest.fail("must not run")) == "simulated"
+    llmdd_pm.register(Replace())
+    assert llmdd_hooks.run_transfer("t", lambda: pytest.fail("must not run")) == "simulated"
 
 
 # ----------------------------------------------------------------------------- entry points (the proof)
