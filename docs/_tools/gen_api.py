@@ -1,221 +1,196 @@
-"""Generate docs/api.md from the docstrings and signatures of llmdd's public API.
+"""Generate the API reference pages (docs/api.md and docs/api/*.md) from llmdd's public modules.
 
-    python docs/_tools/gen_api.py           # (re)write docs/api.md
-    python docs/_tools/gen_api.py --check   # exit 1 if docs/api.md is stale
+    python docs/_tools/gen_api.py           # (re)write the pages
+    python docs/_tools/gen_api.py --check   # exit 1 if a page is stale or missing
 
-What is public is what the modules say: ``__all__`` of ``llmdd`` (the llm_datadist
-contract; ``CacheManager``, reached through ``LLMDataDist.cache_manager``, is added),
-``llmdd.hookspecs``, ``llmdd.plugin``, ``llmdd.events``, ``llmdd.abc``, ``llmdd.lowlevel``,
-``llmdd.testing`` and ``llmdd.compat``.  Everything is read with :mod:`inspect`; the output
-is deterministic (``__all__`` order for module members, alphabetical order for the
-methods and properties of a class, memory addresses removed from default values), so a
-unit test can compare it with the committed file.
+The pages hold mkdocstrings directives (``::: llmdd.abc``): the docs site (``mkdocs.yml``,
+built by ``scripts/build_docs.sh``) renders each public object from its docstring and
+signature. What is public is what the modules say: the ``__all__`` of every public module (a
+module whose dotted path has no component starting with ``_``), listed in ``PAGES``;
+``CacheManager``, reached through ``LLMDataDist.cache_manager``, is added to the contract's
+page. An object re-exported by several modules (``llmdd.configs.LLMConfig`` is
+``llmdd.LLMConfig``) is rendered once, where it first appears, and the other modules link to
+it. The output is deterministic, so a unit test compares it with the committed pages and
+checks that every public module is covered.
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import importlib
 import inspect
-import re
+import pkgutil
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-OUTPUT = ROOT / "docs" / "api.md"
+DOCS = ROOT / "docs"
+INDEX = DOCS / "api.md"
+API_DIR = DOCS / "api"
 
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-#: (module, title, extra members documented although not in ``__all__``)
-MODULES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("llmdd", "The llm_datadist contract", ()),
-    ("llmdd._cache_manager", "CacheManager (reached through `LLMDataDist.cache_manager`)", ("CacheManager",)),
-    ("llmdd.hookspecs", "Hook specifications", ()),
-    ("llmdd.plugin", "Plugin authoring", ()),
-    ("llmdd.events", "Transition events", ()),
-    ("llmdd.abc", "The transport seam", ()),
-    ("llmdd.lowlevel", "Helpers for transport authors", ()),
-    ("llmdd.testing", "Test support and conformance suite", ()),
-    ("llmdd.compat", "Drop-in alias", ()),
+#: (page slug, page title, what the page is for, modules on it)
+PAGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
+    ("llmdd", "The llm_datadist contract",
+     "The `llmdd` module is the `llm_datadist` contract (see [concepts](../concepts.md) for what the "
+     "objects mean); `CacheManager` is what `LLMDataDist.cache_manager` returns.",
+     ("llmdd",)),
+    ("hookspecs", "Hook specifications",
+     "Every hook a plugin may implement (see [hooks](../hooks.md)).", ("llmdd.hookspecs",)),
+    ("plugin", "Plugin authoring",
+     "The `hookimpl` marker and the objects hooks receive.", ("llmdd.plugin",)),
+    ("events", "Transition events",
+     "The events subscribers receive and the state enumerations (see [lifecycles](../lifecycle.md)).",
+     ("llmdd.events",)),
+    ("abc", "The transport seam",
+     "The protocols a transport plugin implements (see [writing a transport](../writing-a-transport.md)).",
+     ("llmdd.abc",)),
+    ("lowlevel", "Helpers for transport authors",
+     "Regions, the op dtype, typed errors and ready-made completions.", ("llmdd.lowlevel",)),
+    ("testing", "Test support and conformance suite",
+     "The conformance suite, recorders and the multi-process harness "
+     "(see [writing a transport](../writing-a-transport.md#pytest-fixtures-opt-in)).",
+     ("llmdd.testing", "llmdd.testing.pytest_plugin")),
+    ("compat", "Drop-in alias",
+     "Make `import llm_datadist` resolve to llmdd (see [drop-in use](../dropin.md)).", ("llmdd.compat",)),
+    ("upstream-paths", "Upstream module paths",
+     "The modules that mirror `llm_datadist`'s own module paths, so that code importing from them "
+     "runs unchanged. Objects they share with `llmdd` are documented once, on the contract's page, "
+     "and linked from here.",
+     ("llmdd.configs", "llmdd.status", "llmdd.data_type", "llmdd.v2", "llmdd.v2.cache_manager",
+      "llmdd.v2.config", "llmdd.v2.llm_datadist", "llmdd.v2.llm_types", "llmdd.v2.llm_utils",
+      "llmdd.utils", "llmdd.utils.log", "llmdd.utils.utils")),
 )
 
-HEADER = """\
-# API reference
+#: objects documented although no ``__all__`` lists them: (the module whose section shows it, its dotted path)
+EXTRA: tuple[tuple[str, str], ...] = (
+    ("llmdd", "llmdd._cache_manager.CacheManager"),
+)
 
-<!-- Generated by docs/_tools/gen_api.py from the docstrings and signatures of the code:
-     do not edit. A unit test fails when this file is stale; regenerate with
-     `python docs/_tools/gen_api.py`. -->
-
-The public API of llmdd, module by module. The `llmdd` module is the `llm_datadist`
-contract (see [concepts](concepts.md) for what the objects mean); the other modules are
-llmdd's extension surface (see [hooks](hooks.md) and [writing a transport](writing-a-transport.md)).
-Names that start with `_` are private and may change without notice.
-"""
-
-_ADDR = re.compile(r" at 0x[0-9a-fA-F]+")
-_UNDERLINE = re.compile(r"^\s*(-{3,}|={3,})\s*$")
+GENERATED = ("<!-- Generated by docs/_tools/gen_api.py from llmdd's public modules: do not edit.\n"
+             "     A unit test fails when this page is stale; regenerate with\n"
+             "     `python docs/_tools/gen_api.py`. -->\n")
 
 
-def _clean(text: str) -> str:
-    return _ADDR.sub("", text)
+def public_modules() -> list[str]:
+    """Every importable module of the llmdd package whose dotted path has no ``_`` component."""
+    import llmdd
 
-
-def _doc(obj: Any, *, own_only: bool = True) -> str:
-    """The object's own docstring, cleaned; RST section underlines become bold lines."""
-    raw = obj.__doc__ if own_only else inspect.getdoc(obj)
-    if not isinstance(raw, str) or not raw.strip():
-        return ""
-    lines = inspect.cleandoc(raw).splitlines()
-    out: list[str] = []
-    for line in lines:
-        if _UNDERLINE.match(line) and out and out[-1].strip():
-            out[-1] = f"**{out[-1].strip()}**"
+    found = ["llmdd"]
+    for info in pkgutil.walk_packages(llmdd.__path__, "llmdd.",
+                                      onerror=lambda name: None):
+        if any(part.startswith("_") for part in info.name.split(".")):
             continue
-        out.append(line)
-    return _clean("\n".join(out)).strip()
+        found.append(info.name)
+    return sorted(found)
 
 
-def _signature(obj: Any) -> str:
-    try:
-        return _clean(str(inspect.signature(obj)))
-    except (TypeError, ValueError):
-        return "(...)"
+def _members(module: Any) -> list[str]:
+    names = getattr(module, "__all__", None)
+    if names is None:  # a package that only gathers submodules (llmdd.v2, llmdd.utils)
+        return []
+    return list(names)
 
 
-def _is_llmdd(obj: Any) -> bool:
-    return getattr(obj, "__module__", "").split(".")[0] == "llmdd"
+def _summary(module: Any) -> str:
+    doc = inspect.getdoc(module) or ""
+    return doc.strip().split("\n\n", 1)[0].replace("\n", " ")
 
 
-def _code(text: str) -> str:
-    return f"`{text}`" if "`" not in text else f"`` {text} ``"
-
-
-def _block(text: str) -> list[str]:
-    return [text, ""] if text else []
-
-
-def _render_function(qualname: str, fn: Any, level: str) -> list[str]:
-    kind = "hook" if qualname.split(".")[-1].startswith("llmdd_") and "hookspecs" in qualname else "function"
-    lines = [f"{level} {_code(qualname)}", "", "```python", f"{qualname.split('.')[-1]}{_signature(fn)}", "```", ""]
-    opts = getattr(fn, "llmdd_spec", None)
-    if kind == "hook" and opts:
-        flags = [k for k in ("firstresult", "historic", "warn_on_impl") if opts.get(k)]
-        lines += [f"Hook options: {', '.join(flags) if flags else 'none'}.", ""]
-    lines += _block(_doc(fn))
-    return lines
-
-
-def _class_members(cls: type) -> list[tuple[str, Any, type]]:
-    """Public methods, properties and ``__call__`` of ``cls`` and its llmdd bases."""
-    seen: dict[str, tuple[Any, type]] = {}
-    for base in cls.__mro__:
-        if not _is_llmdd(base):
-            continue
-        for name, value in vars(base).items():
-            if name in seen:
-                continue
-            if name.startswith("_") and name != "__call__":
-                continue
-            if isinstance(value, (staticmethod, classmethod)):
-                value = value.__func__
-            if isinstance(value, property) or inspect.isfunction(value):
-                seen[name] = (value, base)
-    return [(name, seen[name][0], seen[name][1]) for name in sorted(seen)]
-
-
-def _render_enum(qualname: str, cls: type[enum.Enum], level: str) -> list[str]:
-    bases = ", ".join(b.__name__ for b in cls.__bases__)
-    lines = [f"{level} {_code(qualname)}", "", f"Enumeration ({bases}).", ""]
-    lines += _block(_doc(cls))
-    lines += ["| member | value |", "| --- | --- |"]
-    for member in cls:
-        lines.append(f"| `{member.name}` | `{member.value!r}` |")
-    lines.append("")
-    return lines
-
-
-def _render_class(qualname: str, cls: type, level: str) -> list[str]:
-    if issubclass(cls, enum.Enum):
-        return _render_enum(qualname, cls, level)
-    name = qualname.split(".")[-1]
-    bases = [b for b in cls.__bases__ if b is not object]
-    lines = [f"{level} {_code(qualname)}", ""]
-    lines += ["```python", f"class {name}{_signature(cls)}", "```", ""]
-    if bases:
-        lines += [f"Bases: {', '.join(_code(f'{b.__module__}.{b.__qualname__}') for b in bases)}.", ""]
-    lines += _block(_doc(cls))
-    for member, value, owner in _class_members(cls):
-        inherited = "" if owner is cls else f" (from `{owner.__qualname__}`)"
-        if isinstance(value, property):
-            setter = ", settable" if value.fset is not None else ""
-            lines += [f"* **`{member}`** — property{setter}{inherited}."]
-            doc = _doc(value.fget) if value.fget is not None else ""
+def _directive(path: str, members: list[str] | None, *, heading: int) -> list[str]:
+    lines = [f"::: {path}", "    options:", f"      heading_level: {heading}"]
+    if members is not None:
+        if members:
+            lines.append("      members:")
+            lines += [f"        - {name}" for name in members]
         else:
-            lines += [f"* **`{member}{_signature(value)}`**{inherited}"]
-            doc = _doc(value)
-        if doc:
-            lines += [""] + ["  " + line if line else "" for line in doc.splitlines()]
-        lines.append("")
-    return lines
+            lines.append("      members: false")
+    return lines + [""]
 
 
-def _render_value(qualname: str, value: Any, level: str) -> list[str]:
-    if isinstance(value, (list, tuple)) and value and all(callable(v) for v in value):
-        shown = "[" + ", ".join(getattr(v, "__name__", repr(v)) for v in value) + "]"
-    elif isinstance(value, (str, int, float, dict, tuple, list)) or value is None:
-        shown = repr(value)
-    else:
-        shown = f"{type(value).__module__}.{type(value).__qualname__} instance"
-        if hasattr(value, "descr") and hasattr(value, "names"):  # a numpy dtype
-            shown = f"numpy.dtype({value.descr!r})"
-    return [f"{level} {_code(qualname)}", "", "```python", f"{qualname.split('.')[-1]} = {_clean(shown)}", "```", ""]
+def render() -> dict[Path, str]:
+    """Every API page, by path, as the committed files must read."""
+    owner: dict[int, tuple[str, str]] = {}   # id(object) -> (page slug, anchor = dotted path)
+    pages: dict[Path, str] = {}
+    for slug, title, purpose, modules in PAGES:
+        out = [f"# {title}", "", GENERATED, purpose, ""]
+        for modname in modules:
+            module = importlib.import_module(modname)
+            if len(modules) > 1:
+                out += [f"## `{modname}`", ""]
+            rendered: list[str] = []
+            linked: list[tuple[str, str, str]] = []
+            for name in _members(module):
+                obj = getattr(module, name)
+                known = owner.get(id(obj)) if (inspect.isclass(obj) or inspect.isroutine(obj)) else None
+                if known is not None:
+                    linked.append((name, known[0], known[1]))
+                    continue
+                rendered.append(name)
+                owner[id(obj)] = (slug, f"{modname}.{name}")
+            heading = 3 if len(modules) > 1 else 2
+            out += _directive(modname, rendered, heading=heading)
+            if linked:
+                out += ["| name | documented as |", "| --- | --- |"]
+                for name, page, anchor in linked:
+                    target = f"#{anchor}" if page == slug else f"{page}.md#{anchor}"
+                    out.append(f"| `{modname}.{name}` | [`{anchor}`]({target}) |")
+                out.append("")
+            for extra_mod, path in EXTRA:
+                if extra_mod == modname:
+                    obj = importlib.import_module(path.rsplit(".", 1)[0])
+                    owner[id(getattr(obj, path.rsplit(".", 1)[1]))] = (slug, path)
+                    out += _directive(path, None, heading=heading)
+        pages[API_DIR / f"{slug}.md"] = "\n".join(out).rstrip() + "\n"
+
+    index = ["# API reference", "", GENERATED,
+             "The public API of llmdd, one page per module group, rendered by the docs site from the "
+             "code's docstrings and signatures (build it with `bash scripts/build_docs.sh`, then open "
+             "`site/index.html`). Names that start with `_` are private and may change without notice.",
+             "", "| page | modules | what |", "| --- | --- | --- |"]
+    for slug, title, _purpose, modules in PAGES:
+        mods = ", ".join(f"`{m}`" for m in modules)
+        what = _summary(importlib.import_module(modules[0])) if slug != "upstream-paths" else \
+            "upstream's module paths (`llm_datadist.configs`, `.status`, `.v2.*`, `.utils.*`)"
+        index.append(f"| [{title}](api/{slug}.md) | {mods} | {what.replace('|', '/')} |")
+    pages[INDEX] = "\n".join(index) + "\n"
+    return pages
 
 
-def _render_member(qualname: str, obj: Any, level: str) -> list[str]:
-    if inspect.isclass(obj):
-        return _render_class(qualname, obj, level)
-    if inspect.isfunction(obj) or inspect.isbuiltin(obj):
-        return _render_function(qualname, obj, level)
-    return _render_value(qualname, obj, level)
+def covered_modules() -> list[str]:
+    return sorted(m for _slug, _t, _p, modules in PAGES for m in modules)
 
 
-def render() -> str:
-    out = [HEADER]
-    toc = []
-    body: list[str] = []
-    for modname, title, extra in MODULES:
-        module = importlib.import_module(modname)
-        names = list(extra) if extra else list(getattr(module, "__all__", ()))
-        anchor = re.sub(r"[^a-z0-9 -]", "", f"{modname} {title}".lower()).replace(" ", "-")
-        toc.append(f"* [`{modname}` — {title}](#{anchor})")
-        body += [f"## `{modname}` — {title}", ""]
-        if not extra:
-            body += _block(_doc(module))
-        display = "llmdd" if modname == "llmdd._cache_manager" else modname
-        for name in names:
-            body += _render_member(f"{display}.{name}", getattr(module, name), "###")
-    out += toc + [""] + body
-    text = "\n".join(out)
-    text = re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n"
-    return text
+def stale(pages: dict[Path, str] | None = None) -> list[str]:
+    """Relative paths of the pages that differ from what ``render`` makes (or should not exist)."""
+    pages = render() if pages is None else pages
+    out = [p for p, text in pages.items()
+           if not p.exists() or p.read_text(encoding="utf-8") != text]
+    extra = [p for p in API_DIR.glob("*.md") if p not in pages] if API_DIR.exists() else []
+    return sorted(str(p.relative_to(ROOT)) for p in out + extra)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/api.md is stale")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = parser.parse_args(argv)
-    text = render()
+    pages = render()
     if args.check:
-        current = OUTPUT.read_text(encoding="utf-8") if OUTPUT.exists() else ""
-        if current != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is stale: run python docs/_tools/gen_api.py", file=sys.stderr)
+        bad = stale(pages)
+        if bad:
+            print(f"stale API pages {bad}: run python docs/_tools/gen_api.py", file=sys.stderr)
             return 1
         return 0
-    OUTPUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUTPUT.relative_to(ROOT)}")
+    API_DIR.mkdir(exist_ok=True)
+    for p in API_DIR.glob("*.md"):
+        if p not in pages:
+            p.unlink()
+    for path, text in pages.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 
