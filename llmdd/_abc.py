@@ -13,7 +13,7 @@ A transport moves bytes between *registered regions*, one-sided, the way RDMA do
   per-op Python object crosses the seam.
 * Each batch returns a ``Completion`` (``done``, ``wait``, ``error``, ``cancel``).
 
-The promise of a ``Completion`` (DESIGN.md section 3, "what done means"): once ``wait``
+The promise of a ``Completion`` (docs/concepts.md, "What done means"): once ``wait``
 returned with an error, or once ``cancel()`` returned, no byte of that batch is written into
 local memory any more: the transport drains or kills its I/O first (sockets shut down and
 worker threads joined for the tcp transport).

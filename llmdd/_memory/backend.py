@@ -10,7 +10,7 @@ same-host peer can map them (``attach_segment``):
   rule of the contract is exercised (``describe()`` says so).  A CUDA or NPU
   backend implements the same :class:`MemoryBackend` protocol.
 
-Shared-memory hygiene (DESIGN.md section 6):
+Shared-memory hygiene:
 
 * the *owner* creates a segment with ``track=False`` (Python >= 3.13) or
   unregisters it from the resource tracker right after creation (older
