@@ -53,3 +53,18 @@ def test_mkdocs_build_strict_passes(tmp_path):
     html = (tmp_path / "site" / "api" / "llmdd.html").read_text(encoding="utf-8")
     assert 'id="llmdd.LLMDataDist.link_clusters"' in html      # rendered from the docstrings
     assert "fonts.googleapis.com" not in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
+
+
+def test_rst_constructs_in_docstrings_become_markdown():
+    spec = importlib.util.spec_from_file_location("griffe_rst", DOCS / "_tools" / "griffe_rst.py")
+    if importlib.util.find_spec("griffe") is None:
+        pytest.skip("griffe (part of the docs tools) is not installed here")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = ("Uses :class:`~llmdd.events.TransitionEvent` and :meth:`.pull_blocks`, see :mod:`llmdd.plugin`::\n"
+            "\n    from llmdd.plugin import hookimpl\n\n    .. versionadded:: 0.1\n"
+            "a = {'k': 1}  # no role here: a::b stays\n")
+    assert module.to_markdown(text) == (
+        "Uses `llmdd.events.TransitionEvent` and `pull_blocks`, see `llmdd.plugin`:\n"
+        "\n    from llmdd.plugin import hookimpl\n\n    *New in version 0.1.*\n"
+        "a = {'k': 1}  # no role here: a::b stays\n")
