@@ -322,8 +322,11 @@ def _run_pair(first: Snippet, second: Snippet, workdir: Path, timeout: float) ->
             ready = None
             problem = f"role={first.role} printed no line within {timeout:.0f} s (its readiness signal)"
         if ready is None and not problem:
-            p1.wait(10)
-            problem = f"role={first.role} exited before printing its readiness line"
+            try:
+                p1.wait(10)
+                problem = f"role={first.role} exited before printing its readiness line"
+            except subprocess.TimeoutExpired:
+                problem = f"role={first.role} closed its stdout without printing its readiness line"
         if not problem:
             p2, _, err2 = _spawn(second, workdir, stdin=subprocess.DEVNULL)
             r2 = _Reader(p2)
