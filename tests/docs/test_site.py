@@ -52,6 +52,11 @@ def test_mkdocs_build_strict_passes(tmp_path):
     assert (tmp_path / "site" / "api" / "llmdd.html").exists()
     html = (tmp_path / "site" / "api" / "llmdd.html").read_text(encoding="utf-8")
     assert 'id="llmdd.LLMDataDist.link_clusters"' in html      # rendered from the docstrings
+    import llmdd
+
+    shown = re.sub(r"<[^>]+>", "", html)
+    assert "_BASE + " not in shown                                # enum members show their values
+    assert re.search(rf"LLM_TIMEOUT\s*=\s*{int(llmdd.LLMStatusCode.LLM_TIMEOUT)}\b", shown)
     assert "fonts.googleapis.com" not in (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
 
 
