@@ -43,7 +43,8 @@ from ._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, Pool, PoolFull, Strand
 from ._lifecycle.machines import Tracked
 from ._lifecycle.tables import LinkState
 from ._log import get_logger
-from ._options import is_local_address
+from ._options import K_TLS_CA, K_TLS_CERT, K_TLS_INSECURE, K_TLS_KEY, K_TLS_SERVER_NAME, is_local_address
+from ._options import tls_config
 from ._protocol import messages as m
 from ._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 from ._protocol.handshake import (
@@ -69,13 +70,11 @@ S = LLMStatusCode
 #: llmdd's own option keys (documented in docs/configuration.md)
 OPT_TRANSPORT = "llmdd.transport"
 OPT_SECRET = "llmdd.auth_secret"
-OPT_TLS_CERT = "llmdd.tls_cert"
-OPT_TLS_KEY = "llmdd.tls_key"
-OPT_TLS_CA = "llmdd.tls_ca"
-#: TLS with a certificate but no CA verifies no peer: refused at init unless this says "1"/"true"
-OPT_TLS_INSECURE = "llmdd.tls_insecure"
-#: the name a client checks the server's certificate against (besides a target host given as a name)
-OPT_TLS_SERVER_NAME = "llmdd.tls_server_name"
+OPT_TLS_CERT = K_TLS_CERT
+OPT_TLS_KEY = K_TLS_KEY
+OPT_TLS_CA = K_TLS_CA
+OPT_TLS_INSECURE = K_TLS_INSECURE          # TLS with no CA is refused at init unless this says so
+OPT_TLS_SERVER_NAME = K_TLS_SERVER_NAME    # the name a client checks the server's certificate against
 OPT_KEEPALIVE_MS = "llmdd.keepalive_interval_ms"
 OPT_PEER_TIMEOUT_MS = "llmdd.peer_timeout_ms"
 OPT_DATA_HOST = "llmdd.data_host"
@@ -137,21 +136,8 @@ class LinkSettings:
         if forced is None and options.transfer_backend:
             # "hixl" is upstream's one-sided host-side engine: llmdd's counterpart is the tcp transport
             forced = "tcp" if options.transfer_backend == "hixl" else options.transfer_backend
-        server_tls = client_tls = client_named = None
-        cert, key, ca = raw.get(OPT_TLS_CERT), raw.get(OPT_TLS_KEY), raw.get(OPT_TLS_CA)
-        insecure = str(raw.get(OPT_TLS_INSECURE) or "").strip().lower() in ("1", "true", "yes", "on")
-        server_name = raw.get(OPT_TLS_SERVER_NAME) or None
-        if (cert or ca) and not ca and not insecure:
-            raise LLMException(f"TLS is configured ({OPT_TLS_CERT}) without a CA ({OPT_TLS_CA}): no peer would be "
-                               f"verified; give a CA, or set {OPT_TLS_INSECURE}=1 to accept that",
-                               status_code=S.LLM_PARAM_INVALID)
-        if server_name and not ca:
-            raise LLMException(f"{OPT_TLS_SERVER_NAME} needs a CA ({OPT_TLS_CA}) to check the name against",
-                               status_code=S.LLM_PARAM_INVALID)
-        if cert or ca:
-            server_tls, client_tls = _tls_contexts(cert, key, ca)
-            if ca:
-                _, client_named = _tls_contexts(cert, key, ca, check_hostname=True)
+        # one policy for control and tcp data connections (the tcp transport reads the same options)
+        tls = tls_config(raw)
         total = options.link_total_time_s
         return cls(
             secret=secret.encode() if isinstance(secret, str) else secret,
@@ -160,38 +146,16 @@ class LinkSettings:
             peer_timeout_s=_ms_option(raw, OPT_PEER_TIMEOUT_MS, 5000) / 1000.0,
             retry_count=options.link_retry_count or 1,
             total_time_s=float(total) if total else None,
-            server_tls=server_tls,
-            client_tls=client_tls,
+            server_tls=tls.server if tls else None,
+            client_tls=tls.client if tls else None,
             data_host=raw.get(OPT_DATA_HOST) or None,
             handshake_s=_ms_option(raw, OPT_HANDSHAKE_MS, 10000) / 1000.0,
             max_pending=_count_option(raw, OPT_MAX_PENDING, 64),
             max_pending_per_address=_count_option(raw, OPT_MAX_PENDING_PER_ADDRESS, 8),
             io_workers=_count_option(raw, OPT_IO_WORKERS, 8),
-            client_tls_named=client_named,
-            tls_server_name=server_name,
+            client_tls_named=tls.client_named if tls else None,
+            tls_server_name=tls.server_name if tls else None,
         )
-
-
-def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str], *, check_hostname: bool = False):
-    try:
-        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        client.check_hostname = False
-        if cert:
-            server.load_cert_chain(cert, key)
-            client.load_cert_chain(cert, key)
-        if ca:
-            server.load_verify_locations(ca)
-            server.verify_mode = ssl.CERT_REQUIRED  # mutual TLS when a CA is given
-            client.load_verify_locations(ca)
-            client.verify_mode = ssl.CERT_REQUIRED
-            client.check_hostname = check_hostname
-        else:
-            client.verify_mode = ssl.CERT_NONE
-    except (OSError, ssl.SSLError) as exc:
-        raise LLMException(f"cannot set up TLS from llmdd.tls_* options: {exc}",
-                           status_code=S.LLM_PARAM_INVALID) from None
-    return server, client
 
 
 # --------------------------------------------------------------------------- control connection
@@ -542,6 +506,9 @@ class _CrossLink(Exception):
     """The peer refused our link because its own link to us, started at the same moment, is kept."""
 
 
+_NO_TRANSPORT = ("no transport is available in this process (no transport plugin installed, or all "
+                 "unavailable or disabled): pip install llmdd brings llmdd-transport-shm and llmdd-transport-tcp; "
+                 "`llmdd doctor` says what is missing")
 _CROSS_LINK_REASON = "cross link: both clusters link to each other; the link the lower cluster id starts is kept"
 
 
@@ -839,11 +806,6 @@ class LinkManager:
         try:
             # before any region is registered: the data port serves linked peers' grants only
             ep.serve_links_only()
-            if ep.capabilities and self.settings.server_tls is not None:
-                # said at run time, not only in docs/transports.md: TLS does not cover this data port yet
-                _log.warning("llmdd.transport.data_not_tls", transport=name,
-                             reason="llmdd.tls_* covers control connections only; data connections of this "
-                                    "transport are plaintext, served only to per-link capabilities")
             for region in self._core.memory.regions.regions():
                 self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self._mem_region(region))
         except BaseException:
@@ -1213,9 +1175,10 @@ class LinkManager:
             candidates = self._registry.candidates(offered)
             name = self._hooks.select_transport(info, candidates)
             if name is None:
+                none_here = "" if self._registry.candidates() else f"; the server: {_NO_TRANSPORT}"
                 conn.send(hs.refuse(S.LLM_LINK_FAILED.value,
                                     f"no common transport (offered {sorted(offered)}, here "
-                                    f"{[c.name for c in candidates]}, forced {info.forced})"))
+                                    f"{[c.name for c in candidates]}, forced {info.forced}){none_here}"))
                 sess.drop()
                 return
             ep = self.endpoint(name)
@@ -1485,6 +1448,8 @@ class LinkManager:
         Runs in the caller's thread; the connection moves to the I/O loop once authenticated."""
         if self._io_error is not None:
             raise LLMException(f"the engine's I/O loop stopped ({self._io_error})", status_code=S.LLM_LINK_FAILED)
+        if not self._registry.candidates():
+            raise LLMException(f"cannot link to {host}:{port}: {_NO_TRANSPORT}", status_code=S.LLM_LINK_FAILED)
         if self.settings.total_time_s is not None and comm_id is not None:
             deadline = min(deadline, time.monotonic() + self.settings.total_time_s)
         grant_id, capability = self._mint()

@@ -4,14 +4,16 @@ and typed access to the option keys the engine reads."""
 from __future__ import annotations
 
 import ipaddress
-from typing import Mapping
+import ssl
+from typing import Mapping, Optional
 
 import attrs
 
 from ._enums import ROLE_TO_STR, LLMRole
 from ._status import LLMException, LLMStatusCode
 
-__all__ = ["EngineOptions", "prepare_engine_options", "parse_listen_ip_info", "DEFAULT_SYNC_KV_TIMEOUT_MS"]
+__all__ = ["EngineOptions", "prepare_engine_options", "parse_listen_ip_info", "DEFAULT_SYNC_KV_TIMEOUT_MS",
+           "TlsConfig", "tls_config"]
 
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 
@@ -25,6 +27,14 @@ K_LISTEN_IP = "llm.ListenIp"
 K_LISTEN_PORT = "llm.ListenPort"
 K_SYNC_KV = "llm.SyncKvCacheWaitTime"
 K_FLOW_GRAPH_MEM = "ge.flowGraphMemMaxSize"
+#: llmdd's TLS keys (docs/configuration.md): one policy for control connections and tcp data connections
+K_TLS_CERT = "llmdd.tls_cert"
+K_TLS_KEY = "llmdd.tls_key"
+K_TLS_CA = "llmdd.tls_ca"
+#: TLS with a certificate but no CA verifies no peer: refused at init unless this says "1"/"true"
+K_TLS_INSECURE = "llmdd.tls_insecure"
+#: the name a client checks the server's certificate against (besides a target host given as a name)
+K_TLS_SERVER_NAME = "llmdd.tls_server_name"
 
 
 def _param_invalid(msg: str) -> LLMException:
@@ -189,3 +199,79 @@ def is_local_address(ip: str) -> bool:
         return True
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@attrs.frozen(kw_only=True)
+class TlsConfig:
+    """The TLS contexts that the ``llmdd.tls_*`` options make: the engine's link manager wraps its
+    control connections with them and the tcp transport (which gets the same options) its data
+    connections, so both follow one policy."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+    client_named: Optional[ssl.SSLContext]   # the client context that checks host names (with a CA)
+    server_name: Optional[str]
+
+    def wrap_client(self, sock, host: str, **kwargs):
+        """TLS on a connected client socket: the server's certificate must name ``server_name`` when
+        it is set, else ``host`` when that is a name rather than an IP literal (with a CA only)."""
+        name = self.server_name
+        if name is None and self.client_named is not None and not _is_ip_literal(host):
+            name = host
+        if name is not None and self.client_named is not None:
+            return self.client_named.wrap_socket(sock, server_hostname=name, **kwargs)
+        return self.client.wrap_socket(sock, **kwargs)
+
+
+def _truthy(value) -> bool:
+    return str(value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tls_config(raw: Mapping[str, str]) -> Optional[TlsConfig]:
+    """The :class:`TlsConfig` of ``raw`` options, ``None`` without TLS options; raises
+    ``LLM_PARAM_INVALID`` for TLS that would verify no peer (no CA) unless ``llmdd.tls_insecure``
+    says so, for a server name without a CA, and for files that do not load."""
+    cert, key, ca = raw.get(K_TLS_CERT) or None, raw.get(K_TLS_KEY) or None, raw.get(K_TLS_CA) or None
+    server_name = raw.get(K_TLS_SERVER_NAME) or None
+    if (cert or ca) and not ca and not _truthy(raw.get(K_TLS_INSECURE)):
+        raise _param_invalid(f"TLS is configured ({K_TLS_CERT}) without a CA ({K_TLS_CA}): no peer would be "
+                             f"verified; give a CA, or set {K_TLS_INSECURE}=1 to accept that")
+    if server_name and not ca:
+        raise _param_invalid(f"{K_TLS_SERVER_NAME} needs a CA ({K_TLS_CA}) to check the name against")
+    if not (cert or ca):
+        return None
+    server, client = _tls_contexts(cert, key, ca)
+    named = _tls_contexts(cert, key, ca, check_hostname=True)[1] if ca else None
+    return TlsConfig(server=server, client=client, client_named=named, server_name=server_name)
+
+
+def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str], *, check_hostname: bool = False):
+    try:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.check_hostname = False
+        if cert:
+            server.load_cert_chain(cert, key)
+            client.load_cert_chain(cert, key)
+        if ca:
+            server.load_verify_locations(ca)
+            server.verify_mode = ssl.CERT_REQUIRED  # mutual TLS when a CA is given
+            client.load_verify_locations(ca)
+            client.verify_mode = ssl.CERT_REQUIRED
+            client.check_hostname = check_hostname
+        else:
+            client.verify_mode = ssl.CERT_NONE
+    except (OSError, ssl.SSLError) as exc:
+        raise _param_invalid(f"cannot set up TLS from llmdd.tls_* options: {exc}") from None
+    return server, client
+
+
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True

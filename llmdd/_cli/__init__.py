@@ -1,7 +1,8 @@
 """The ``llmdd`` command line: ``demo``, ``doctor``, ``info``, ``bench``.
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and
-``run(args) -> int``.  The CLI (never the library) configures logging.
+``run(args) -> int``.  The global options (``-v``, ``--version``) are accepted before or after
+the subcommand.  The CLI (never the library) configures logging.
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import platform
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "no_transport_error"]
 
 SUBCOMMANDS = {
     "demo": ("llmdd._cli.demo", "a disaggregated prefill/decode run on this machine"),
@@ -32,17 +35,53 @@ def _available() -> dict:
     return found
 
 
+def no_transport_error(command: str, transports: list | None = None) -> str:
+    """What a command prints when no transport is available here: why, and how to fix it.
+
+    ``transports``: :func:`llmdd._doctor.collect_info`'s list (collected here when not given)."""
+    from .. import _doctor as d
+
+    if transports is None:
+        transports = d.collect_info()["transports"]
+    return (f"llmdd {command}: {d.no_transport_message(transports)}; no link can be made\n"
+            f"  fix: {d.NO_TRANSPORT_FIX}\n"
+            f"  (`llmdd doctor` lists what is installed and why each transport is unavailable)")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    import llmdd
+
+    try:
+        version = metadata.version("llmdd")
+    except metadata.PackageNotFoundError:   # a source tree on sys.path, not installed
+        version = llmdd.__version__
+    return f"llmdd {version} (Python {platform.python_version()}, {os.path.dirname(llmdd.__file__)})"
+
+
+def _add_global_options(parser: argparse.ArgumentParser, version: str, *, sub: bool) -> None:
+    """The options every subcommand takes too: ``llmdd -v doctor`` and ``llmdd doctor -v`` mean the
+    same (counts add up: ``llmdd -v doctor -v`` is ``-vv``)."""
+    parser.add_argument("-v", "--verbose", action="count", dest="verbose_sub" if sub else "verbose",
+                        default=argparse.SUPPRESS if sub else 0, help="log llmdd events (-vv: debug)")
+    parser.add_argument("--version", action="version", version=version, help="print llmdd's version and exit")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmdd", description="llmdd: KV-cache transfer engine for "
                                      "disaggregated LLM inference")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="log llmdd events (-vv: debug)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    version = _version()
+    _add_global_options(parser, version, sub=False)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, helptext) in _available().items():
         p = sub.add_parser(name, help=helptext, description=helptext)
         add = getattr(module, f"add_{name}_arguments", None) or module.add_arguments
         add(p)
+        _add_global_options(p, version, sub=True)
         p.set_defaults(_run=getattr(module, f"run_{name}", None) or module.run)
     args = parser.parse_args(argv)
+    args.verbose += getattr(args, "verbose_sub", 0)
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

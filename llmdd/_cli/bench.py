@@ -20,18 +20,31 @@ import os
 import sys
 import time
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "llmdd-bench-results"
+
+
+class _ProfileRenamed(argparse.Action):
+    """``--profile`` names a chip-family profile everywhere else (info, doctor); bench's cProfile
+    switch is ``--cprofile``, and ``--profile`` here is refused saying so."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--profile is the chip-family profile of `llmdd info` / `llmdd doctor`; bench's "
+                     "cProfile listings are --cprofile")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, fewer repetitions, up to 2 decoders and 8 links (CI; under a minute)")
     parser.add_argument("--out", default=None, metavar="DIR",
-                        help="results directory (default bench/results/<UTC stamp>/)")
+                        help=f"results directory (default ./{DEFAULT_OUT}/<UTC stamp>/ under the current "
+                             "directory, printed when the run starts)")
     parser.add_argument("--transport", action="append", default=None, metavar="NAME",
                         help="measure only this transport (repeatable; default: every available one)")
-    parser.add_argument("--profile", action="store_true",
+    parser.add_argument("--cprofile", action="store_true",
                         help="also write cProfile listings of the decoder's pulls (profile_*.txt)")
+    parser.add_argument("--profile", nargs="?", action=_ProfileRenamed, help=argparse.SUPPRESS)
     parser.add_argument("--no-anchors", action="store_true", help="skip the machine's anchors (no ratios)")
     parser.add_argument("--seed", type=int, default=0, help="block tables")
     parser.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of the table")
@@ -61,6 +74,11 @@ def run(args: argparse.Namespace) -> int:
     from .._bench.runner import Options, Sizes, available_transports, run_bench
 
     transports = available_transports()
+    if not transports:
+        from . import no_transport_error
+
+        print(no_transport_error("bench"), file=sys.stderr)
+        return 1
     if args.transport:
         unknown = [t for t in args.transport if t not in transports]
         if unknown:
@@ -68,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
                   f"(available: {', '.join(transports)})", file=sys.stderr)
             return 2
         transports = list(args.transport)
-    out = args.out or os.path.join("bench", "results", time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
-    opts = Options(sizes=Sizes.quick() if args.quick else Sizes(), transports=transports, profile=args.profile,
+    out = args.out or os.path.join(DEFAULT_OUT, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    opts = Options(sizes=Sizes.quick() if args.quick else Sizes(), transports=transports, profile=args.cprofile,
                    seed=args.seed, skip={"anchors"} if args.no_anchors else set())
     if not args.quiet:
-        print(f"llmdd bench: transports {', '.join(transports)}; results in {out}", file=sys.stderr)
+        print(f"llmdd bench: transports {', '.join(transports)}; results in {os.path.abspath(out)}", file=sys.stderr)
     results = run_bench(opts, progress_enabled=not args.quiet)
     results["meta"]["command"] = " ".join(["llmdd", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] \
         else "llmdd bench"

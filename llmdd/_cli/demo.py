@@ -56,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"llmdd demo: {exc}", file=sys.stderr)
         return 2
+    problem = _transport_problem(opts.transport)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
 
     began = time.monotonic()
 
@@ -72,3 +76,26 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     sys.stdout.flush()
     return 0 if result.ok else 1
+
+
+def _transport_problem(forced: str) -> str:
+    """Why the demo cannot link here (no transport, or the forced one unavailable), with the fix; "" when it can."""
+    from .. import _doctor as d
+    from . import no_transport_error
+
+    info = d.collect_info()
+    if info["plugins"]["error"]:
+        return f"llmdd demo: the plugins could not be loaded: {info['plugins']['error']} (see `llmdd doctor`)"
+    transports = info["transports"]
+    if not any(t["available"] for t in transports):
+        return no_transport_error("demo", transports)
+    if forced != "auto":
+        chosen = [t for t in transports if t["name"] == forced]
+        if not chosen:
+            return (f"llmdd demo: --transport {forced}: no such transport is installed or loaded "
+                    f"(here: {', '.join(t['name'] for t in transports)})\n"
+                    f"  fix: pip install llmdd-transport-{forced}, or --transport auto")
+        if not chosen[0]["available"]:
+            return (f"llmdd demo: --transport {forced} is not available here: {chosen[0]['reason']}\n"
+                    f"  fix: --transport auto, or see `llmdd doctor`")
+    return ""

@@ -9,6 +9,7 @@ misconfiguration checks its options ask for; it exits 0 when every check passed,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any, Optional, TextIO
 
@@ -121,6 +122,8 @@ def _print_info(info: dict, out: TextIO) -> None:
     w("transports (most preferred first)\n")
     if not info["transports"]:
         w("  none registered\n")
+    if not any(t["available"] for t in info["transports"]) and not plugins["error"]:
+        w(f"  no transport is available: {d.NO_TRANSPORT_FIX}\n")
     for t in info["transports"]:
         scope = "same host only" if t["same_host_only"] else "any host"
         state = "available" if t["available"] else "unavailable"
@@ -147,32 +150,87 @@ def _print_info(info: dict, out: TextIO) -> None:
         w(f"  {shm['path']:<16} {d.format_bytes(shm['free'])} free of {d.format_bytes(shm['size'])}\n")
 
 
-def _print_report(report: d.DoctorReport, seconds: float, out: TextIO) -> None:
+class _Report:
+    """Renders the doctor's report part by part, as :func:`llmdd._doctor.run_doctor` finds each part.
+
+    ``live`` (a terminal): while a slow part runs, a status line says what is running; it is
+    erased by the part's result.  Otherwise (piped) only the report's plain lines, each flushed
+    as soon as it is known."""
+
+    def __init__(self, out: TextIO, seconds: float, live: bool = False) -> None:
+        self.out, self.seconds, self.live = out, seconds, live
+        self._status = False
+        self._selftests = 0
+        self._checks = False
+
+    def __call__(self, kind: str, item: Any) -> None:
+        if kind == "start":
+            if self.live:
+                self._clear()
+                self.out.write(f"  ...   {item}")
+                self._status = True
+                self.out.flush()
+            return
+        self._clear()
+        w = self.out.write
+        if kind == "info":
+            _print_info(dict(item), self.out)
+            if self.seconds <= 0:
+                w("self-test: skipped (--seconds 0)\n")
+            else:
+                w(f"self-test (read a {d.format_bytes(d.SELF_TEST_BYTES)} region with "
+                  f"{d.format_bytes(d.SELF_TEST_OP_BYTES)} ops for {self.seconds:g} s, bytes verified)\n")
+        elif kind == "selftest":
+            self._selftests += 1
+            _print_selftest(item, self.out)
+        elif kind == "check":
+            if not self._checks:
+                if self.seconds > 0 and not self._selftests:
+                    w("  no transport to test\n")
+                w("checks\n")
+                self._checks = True
+            _print_check(item, self.out)
+        self.out.flush()
+
+    def finish(self, report: d.DoctorReport) -> None:
+        self._clear()
+        n = report.problems
+        self.out.write("result: all checks passed\n" if n == 0 else f"result: {n} problem{'s' if n != 1 else ''} found\n")
+        self.out.flush()
+
+    def _clear(self) -> None:
+        if self._status:
+            self.out.write("\r\033[K")
+            self._status = False
+
+
+def _print_selftest(t: d.SelfTestResult, out: TextIO) -> None:
     w = out.write
-    _print_info(dict(report.info), out)
-    if seconds <= 0:
-        w("self-test: skipped (--seconds 0)\n")
+    procs = "1 process" if t.processes == 1 else f"{t.processes} processes"
+    if t.ok:
+        w(f"  {'ok':<5} {t.transport:<8} {t.gbps:6.2f} GB/s  ({t.batches} reads, "
+          f"{d.format_bytes(t.bytes_read)}, {procs})\n")
     else:
-        w(f"self-test (read a {d.format_bytes(d.SELF_TEST_BYTES)} region with "
-          f"{d.format_bytes(d.SELF_TEST_OP_BYTES)} ops for {seconds:g} s, bytes verified)\n")
-        if not report.selftests:
-            w("  no transport to test\n")
+        w(f"  {'FAIL':<5} {t.transport:<8} {t.error}\n")
+    if t.note:
+        w(f"        note: {t.note}\n")
+
+
+def _print_check(c: d.Check, out: TextIO) -> None:
+    out.write(f"  {_MARK.get(c.status, c.status):<5} {c.name:<20} {c.message}\n")
+    if c.fix and c.status in (d.FAIL, d.WARN):
+        out.write(f"        fix: {c.fix}\n")
+
+
+def _print_report(report: d.DoctorReport, seconds: float, out: TextIO) -> None:
+    """The whole report at once (what the streamed output adds up to)."""
+    render = _Report(out, seconds)
+    render("info", report.info)
     for t in report.selftests:
-        procs = "1 process" if t.processes == 1 else f"{t.processes} processes"
-        if t.ok:
-            w(f"  {'ok':<5} {t.transport:<8} {t.gbps:6.2f} GB/s  ({t.batches} reads, "
-              f"{d.format_bytes(t.bytes_read)}, {procs})\n")
-        else:
-            w(f"  {'FAIL':<5} {t.transport:<8} {t.error}\n")
-        if t.note:
-            w(f"        note: {t.note}\n")
-    w("checks\n")
+        render("selftest", t)
     for c in report.checks:
-        w(f"  {_MARK.get(c.status, c.status):<5} {c.name:<20} {c.message}\n")
-        if c.fix and c.status in (d.FAIL, d.WARN):
-            w(f"        fix: {c.fix}\n")
-    n = report.problems
-    w("result: all checks passed\n" if n == 0 else f"result: {n} problem{'s' if n != 1 else ''} found\n")
+        render("check", c)
+    render.finish(report)
 
 
 # --------------------------------------------------------------------------- commands
@@ -190,13 +248,21 @@ def run_info(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
 
 def run_doctor(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
     out = out or sys.stdout
+    render = None if args.json else _Report(out, args.seconds, live=_is_terminal(out))
     report = d.run_doctor(profile=args.profile, seconds=args.seconds, listen=args.listen, secret=args.secret,
                           peer=args.peer, mem_pool_cfg=args.mem_pool_cfg, host_mem_pool_cfg=args.host_mem_pool_cfg,
                           register_bytes=args.register_bytes, peer_timeout=args.peer_timeout,
                           processes="two" if args.two_process else "auto",
-                          reclaim_shm=getattr(args, "reclaim_shm", False))
-    if args.json:
+                          reclaim_shm=getattr(args, "reclaim_shm", False), progress=render)
+    if render is None:
         out.write(d.report_json(report) + "\n")
     else:
-        _print_report(report, args.seconds, out)
+        render.finish(report)
     return 0 if report.ok else 1
+
+
+def _is_terminal(out: TextIO) -> bool:
+    try:
+        return bool(out.isatty()) and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):
+        return False

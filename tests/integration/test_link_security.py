@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import socket
-import subprocess
 import sys
 import time
 
@@ -25,6 +23,7 @@ from llmdd.testing._harness import peers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers as P  # noqa: E402  (children load it from its file: see the harness)
+from _tls_certs import make_certs  # noqa: E402
 
 S = LLMStatusCode
 HOST = "127.0.0.1"
@@ -160,25 +159,9 @@ def test_garbage_and_truncated_hello_do_not_hurt_the_listener():
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    """A CA and one node certificate signed by it, made with the openssl CLI (no Python package needed)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.skip("TLS test needs the openssl CLI (and the cryptography package is not installed)")
-    d = tmp_path_factory.mktemp("tls")
-
-    def run(*args):
-        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=30)
-
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=llmdd-test-ca")
-    run("req", *ec, "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=127.0.0.1")
-    (d / "ext.cnf").write_text("basicConstraints=CA:FALSE\nsubjectAltName=IP:127.0.0.1\n"
-                               "keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n")
-    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
-    # a second, unrelated CA and node: a client the server's CA did not sign
-    run("req", "-x509", *ec, "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2", "-subj", "/CN=rogue")
-    return {name: str(d / name) for name in ("ca.pem", "node.pem", "node.key", "rogue.pem", "rogue.key")}
+    """A CA and one node certificate signed by it, and an unrelated CA (``_tls_certs``: trustme or the
+    openssl CLI; with neither the test fails under CI and skips elsewhere)."""
+    return make_certs(tmp_path_factory.mktemp("tls"))
 
 
 def _tls(files, cert="node.pem", key="node.key", ca="ca.pem"):

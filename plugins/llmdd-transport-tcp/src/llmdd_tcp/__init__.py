@@ -25,10 +25,22 @@ Wire (little endian, one request at a time per stream):
   owner never reads more than announced, and never reads before validating, so a WRITE can
   not overfill it; bytes in flight are capped by the segment size plus the socket buffers.
 
+TLS: with ``llmdd.tls_*`` options (the engine's, which reach every transport) every data connection
+is TLS first, built by :func:`llmdd._options.tls_config` as the engine's control connections are: mutual
+with a CA, the server name checked as ``llmdd.tls_server_name`` says, refused without a CA unless
+``llmdd.tls_insecure``.  The wire above is unchanged inside TLS.  ``describe()`` says ``tls``; a channel
+refuses, before connecting, a peer whose ``tls`` differs from its own (no silent plaintext).  The
+server runs the handshake on the I/O loop under the pending timer and caps; a failed one is counted
+(``tls_failures``), logged and closed.
+
 Data moves with ``sendmsg`` / ``recvmsg_into(MSG_WAITALL)`` over windows of memoryview
 slices of the registered memory (``(ctypes.c_char * n).from_address(addr)``), built from the
 numpy op arrays window by window: no copy through ``bytes`` and no per-op object outside the
-window in flight. Large batches are coalesced and split over two streams.
+window in flight. Large batches are coalesced and split over two streams.  Over TLS (no
+``sendmsg``, no flags on receive, no ``MSG_PEEK``) the same windows go out as staged buffers of up
+to 256 KiB (small ops) or slices of that size (large ones) and come in with ``recv_into`` straight
+into the destinations; the loop notices a request by taking its first byte.  Deadlines on TLS
+streams are Python socket timeouts (under ``SO_RCVTIMEO`` a blocking SSL read would retry forever).
 
 Cancellation and deadlines: streams are blocking sockets armed with ``SO_RCVTIMEO`` /
 ``SO_SNDTIMEO`` set to the time left; cancel, deadline, close and deregistration shut the
@@ -63,6 +75,7 @@ import os
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -71,8 +84,9 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 import pluggy
 
-from llmdd._ioloop import EVENT_READ, IoLoop, PoolFull
+from llmdd._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull
 from llmdd._log import get_logger
+from llmdd._options import TlsConfig, tls_config
 from llmdd._status import LLMStatusCode, TransportError
 from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
@@ -109,6 +123,7 @@ WIRE_OP = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])  #
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
 _WINDOW = 1024                             # memoryviews per sendmsg / recvmsg_into call (Linux IOV_MAX)
+_TLS_CHUNK = 256 * 1024                    # TLS: small pieces are staged up to this, large ones sent in slices of it
 
 # options (engine options pass through; unknown keys such as "llm.RdmaTrafficClass" are ignored)
 OPT_STREAMS = "llmdd.tcp.streams"
@@ -138,8 +153,16 @@ def _region_view(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
 
 
+def _is_tls(sock: socket.socket) -> bool:
+    return isinstance(sock, ssl.SSLSocket)
+
+
 def _set_timeouts(sock: socket.socket, seconds: float) -> None:
     seconds = max(seconds, 1e-3)
+    if _is_tls(sock):
+        # an SSL socket needs Python's own timeout: under SO_RCVTIMEO a blocking SSL read retries forever
+        sock.settimeout(seconds)
+        return
     tv = struct.pack("ll", int(seconds), int((seconds % 1.0) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
@@ -163,15 +186,21 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None
     buf = bytearray(n)
     mv = memoryview(buf)
     got = 0
+    flags = _waitall(sock)
     while got < n:
         _arm(sock, deadline)
-        r = sock.recv_into(mv[got:], n - got, socket.MSG_WAITALL)
+        r = sock.recv_into(mv[got:], n - got, flags)
         if r == 0:
             if stale_ok and got == 0:
                 raise _StaleStream("peer closed the stream before answering")
             raise PeerGone("peer closed the stream")
         got += r
     return buf
+
+
+def _waitall(sock: socket.socket) -> int:
+    """``MSG_WAITALL`` on a plain socket; an SSL socket takes no flags (it returns a record at a time)."""
+    return 0 if _is_tls(sock) else socket.MSG_WAITALL
 
 
 def _advance(views: list, k: int) -> list:
@@ -190,11 +219,19 @@ def _move(sock: socket.socket, mvs: Mapping[int, memoryview], reg: np.ndarray, o
     """Send or receive the bytes of ops (``reg``, ``off``, ``ln``) window by window; return bytes."""
     moved_total = 0
     n = len(ln)
+    tls = _is_tls(sock)
     for s in range(0, n, _WINDOW):
         e = min(s + _WINDOW, n)
         lens = ln[s:e].tolist()
         views = [mvs[a][b:b + c] for a, b, c in zip(reg[s:e].tolist(), off[s:e].tolist(), lens)]
         total = sum(lens)
+        if tls:
+            if send:
+                _send_tls(sock, views, deadline, abort_check)
+            else:
+                _recv_tls(sock, views, deadline, abort_check)
+            moved_total += total
+            continue
         moved = 0
         while moved < total:
             if abort_check is not None and abort_check():
@@ -213,7 +250,54 @@ def _move(sock: socket.socket, mvs: Mapping[int, memoryview], reg: np.ndarray, o
     return moved_total
 
 
+def _send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
+              abort_check: Union[Callable[[], bool], None] = None) -> None:
+    """Send ``views`` in order over TLS (no sendmsg there): small ones staged into one buffer of up to
+    ``_TLS_CHUNK`` bytes (one TLS write instead of one record per op), large ones in slices of it."""
+    staged = bytearray()
+
+    def put(buf) -> None:
+        if abort_check is not None and abort_check():
+            raise Cancelled("stream aborted")
+        _arm(sock, deadline)
+        sock.sendall(buf)
+
+    for v in views:
+        n = len(v)
+        if n < _TLS_CHUNK:
+            staged += v
+            if len(staged) >= _TLS_CHUNK:
+                put(staged)
+                staged = bytearray()
+            continue
+        if staged:
+            put(staged)
+            staged = bytearray()
+        for at in range(0, n, _TLS_CHUNK):
+            put(v[at:at + _TLS_CHUNK])
+    if staged:
+        put(staged)
+
+
+def _recv_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
+              abort_check: Union[Callable[[], bool], None] = None) -> None:
+    """Receive exactly the bytes of ``views`` over TLS, straight into them (no MSG_WAITALL there)."""
+    for v in views:
+        got, n = 0, len(v)
+        while got < n:
+            if abort_check is not None and abort_check():
+                raise Cancelled("stream aborted")
+            _arm(sock, deadline)
+            r = sock.recv_into(v[got:], n - got)
+            if r == 0:
+                raise PeerGone("peer closed the stream in the middle of a batch")
+            got += r
+
+
 def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
+    if _is_tls(sock):
+        _send_tls(sock, bufs)
+        return
     total = sum(len(b) for b in bufs)
     k = sock.sendmsg(bufs)
     if k < total:
@@ -224,6 +308,10 @@ def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
 def _map_exc(exc: BaseException) -> TransportError:
     if isinstance(exc, TransportError):
         return exc
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError,
+                                                               ssl.SSLWantReadError, ssl.SSLWantWriteError)):
+        # a certificate the other side does not accept, a peer that does not speak TLS: a typed refusal
+        return Refused(f"TLS on the data connection failed: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED)
     if isinstance(exc, (BlockingIOError, TimeoutError)):
         return TransportTimeout(f"socket timed out: {exc}")
     if isinstance(exc, OSError):
@@ -299,8 +387,10 @@ class _Grant:
 
 
 def _shutdown(sock: socket.socket) -> None:
+    """Shut the descriptor down (from any thread). On an SSL socket the plain socket's call: the SSL
+    one also drops the SSL object, under the feet of a thread still reading or writing with it."""
     try:
-        sock.shutdown(socket.SHUT_RDWR)
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
         pass
 
@@ -308,6 +398,8 @@ def _shutdown(sock: socket.socket) -> None:
 def _readable(sock: socket.socket) -> bool:
     """True when ``sock`` has data or EOF pending (a zero-timeout poll; no byte is consumed)."""
     try:
+        if _is_tls(sock) and sock.pending():
+            return True
         ready, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
         return True
@@ -351,9 +443,14 @@ class TcpTransport(Transport):
     def __init__(self, options: Mapping[str, str]) -> None:
         super().__init__(options)
         self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+        # the engine's options reach every transport: with llmdd.tls_* set, data connections use TLS
+        # under the same policy as the engine's control connections (llmdd._options.tls_config)
+        self._tls = tls_config(self.options)
+        if self._tls is not None:
+            self._tls.server.num_tickets = 0   # no session tickets: nothing unasked-for on an idle stream
 
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> "TcpEndpoint":
-        return TcpEndpoint(host=host, secret=secret, cfg=self._cfg)
+        return TcpEndpoint(host=host, secret=secret, cfg=self._cfg, tls=self._tls)
 
 
 @hookimpl
@@ -402,9 +499,11 @@ class TcpEndpoint(Endpoint):
 
     capabilities = True
 
-    def __init__(self, *, host: str, secret: Union[bytes, None], cfg: Mapping[str, Any]) -> None:
+    def __init__(self, *, host: str, secret: Union[bytes, None], cfg: Mapping[str, Any],
+                 tls: Union[TlsConfig, None] = None) -> None:
         self._host = host
         self._secret = secret
+        self._tls = tls
         self._cfg = dict(cfg)
         self._id = os.urandom(16)
         self._lock = threading.Lock()
@@ -428,7 +527,7 @@ class TcpEndpoint(Endpoint):
         self._stats = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
                        "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
                        "pending_expired": 0, "accept_errors": 0, "listener_failed": None,
-                       "capability_refused": 0, "grants_revoked": 0}
+                       "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0}
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.bind((host, 0))
         self._lsock.listen(128)
@@ -445,8 +544,8 @@ class TcpEndpoint(Endpoint):
 
     def describe(self) -> dict:
         desc = {"transport": "tcp", "version": VERSION, "host": self._host, "port": self._port,
-                "endpoint_id": self._id, "auth": self._secret is not None, "pid": os.getpid(),
-                "hostname": socket.gethostname()}
+                "endpoint_id": self._id, "auth": self._secret is not None, "tls": self._tls is not None,
+                "pid": os.getpid(), "hostname": socket.gethostname()}
         with self._lock:
             if not self._links_only:
                 desc[CAPABILITY_KEY] = self._direct   # not serving links only: the description opens it
@@ -574,6 +673,7 @@ class TcpEndpoint(Endpoint):
     def statistics(self) -> dict:
         with self._lock:
             return dict(self._stats, regions=len(self._regs), port=self._port, closed=self._closed,
+                        tls=self._tls is not None,
                         open_connections=len(self._server_conns), pending_connections=len(self._pending),
                         threads=self._io.threads())
 
@@ -667,6 +767,9 @@ class TcpEndpoint(Endpoint):
                 raise Refused("too many connections that did not prove themselves yet")
             sock.setblocking(False)
             _tune(sock)
+            if self._tls is not None:
+                # the handshake runs on the loop (_ServerConn.start), under the pending timer and caps
+                sock = self._tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
             conn = _ServerConn(self, sock, ip)
         except Exception as exc:  # noqa: BLE001 - over a cap, or no memory: this one is closed at once
             with self._lock:
@@ -715,9 +818,12 @@ class TcpEndpoint(Endpoint):
         try:
             sock.setblocking(True)
             _set_timeouts(sock, float(self._cfg[OPT_SERVER_SEND_TIMEOUT]))
+            flags = _waitall(sock)
             while True:
+                # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the header
+                head, conn.head = conn.head, b""
                 try:
-                    hdr = _recv_exact(sock, _REQ.size)
+                    hdr = head + _recv_exact(sock, _REQ.size - len(head))
                 except PeerGone:
                     conn.finish(None)
                     return
@@ -728,7 +834,7 @@ class TcpEndpoint(Endpoint):
                 if count:
                     got, mv = 0, memoryview(wire.view(np.uint8))
                     while got < len(mv):
-                        r = sock.recv_into(mv[got:], len(mv) - got, socket.MSG_WAITALL)
+                        r = sock.recv_into(mv[got:], len(mv) - got, flags)
                         if r == 0:
                             raise PeerGone("peer closed the stream mid-request")
                         got += r
@@ -821,9 +927,10 @@ class TcpEndpoint(Endpoint):
 
 
 class _ServerConn:
-    """One accepted data stream: HELLO/AUTH on the loop, then idle on the loop or served by a worker."""
+    """One accepted data stream: (TLS handshake,) HELLO/AUTH on the loop, then idle on the loop or
+    served by a worker."""
 
-    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed", "grant")
+    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed", "grant", "tls", "head")
 
     def __init__(self, ep: TcpEndpoint, sock: socket.socket, ip: str) -> None:
         self.ep = ep
@@ -834,9 +941,37 @@ class _ServerConn:
         self.proven = False
         self.closed = False
         self.grant: Union[_Grant, None] = None
+        self.tls = _is_tls(sock)
+        self.head = b""          # TLS: the first byte of a request, taken by the loop to see it come
         self.timer = ep._io.call_later(ep._pending_s, self.expire)
 
     def start(self) -> None:
+        if self.tls:
+            self.handshake(0)
+        else:
+            self.hello()
+
+    def handshake(self, _mask: int) -> None:
+        """Drive the server side of the TLS handshake without blocking (loop thread)."""
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self.ep._io.set_events(self.sock, EVENT_READ, self.handshake)
+            return
+        except ssl.SSLWantWriteError:
+            self.ep._io.set_events(self.sock, EVENT_WRITE, self.handshake)
+            return
+        except (OSError, ValueError) as exc:
+            # plaintext, a certificate our CA did not sign, no certificate: counted, logged, closed
+            with self.ep._lock:
+                self.ep._stats["tls_failures"] += 1
+                self.ep._stats["last_error"] = f"TLS handshake failed: {exc}"
+            self.ep._log.warning("llmdd.transport.tcp.tls_refused", peer=self.ip, error=str(exc))
+            self.finish(None)
+            return
+        self.hello()
+
+    def hello(self) -> None:
         hello = _HELLO.pack(_M_HELLO, VERSION, int(self.ep._secret is not None), self.ep._id, self.nonce_s)
         try:
             if self.sock.send(hello) != len(hello):   # 40 bytes into a fresh socket: all or broken
@@ -853,21 +988,26 @@ class _ServerConn:
             return
         handler = self.on_request if self.proven else self.on_open
         self.ep._io.set_events(self.sock, EVENT_READ, handler)
+        if self.tls and self.sock.pending():
+            self.ep._io.call_soon(handler, EVENT_READ)   # bytes already decrypted: no readiness would come
 
     def on_open(self, _mask: int) -> None:
-        try:
-            data = self.sock.recv(_OPEN.size - len(self.buf))
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self.finish(_map_exc(exc))
-            return
-        if not data:
-            self.finish(None)
-            return
-        self.buf += data
-        if len(self.buf) < _OPEN.size:
-            return
+        while True:
+            try:
+                data = self.sock.recv(_OPEN.size - len(self.buf))
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return
+            except OSError as exc:
+                self.finish(_map_exc(exc))
+                return
+            if not data:
+                self.finish(None)
+                return
+            self.buf += data
+            if len(self.buf) >= _OPEN.size:
+                break
+            if not (self.tls and self.sock.pending()):
+                return   # the rest comes with a later readiness (bytes buffered in TLS would not signal one)
         nonce_c, handle, mac_c = _OPEN.unpack(bytes(self.buf))
         self.buf = bytearray()
         ep = self.ep
@@ -890,8 +1030,13 @@ class _ServerConn:
     def on_request(self, _mask: int) -> None:
         """Bytes wait on an idle stream: a worker takes it over (an end of stream is handled here)."""
         try:
-            peek = self.sock.recv(1, socket.MSG_PEEK)
-        except (BlockingIOError, InterruptedError):
+            if self.tls:
+                # TLS has no MSG_PEEK, and a readable descriptor may hold a part of a record only: take
+                # the first byte of the request (the worker reads the header on from it), or wait
+                peek = self.head = self.sock.recv(1)
+            else:
+                peek = self.sock.recv(1, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError as exc:
             self.finish(_map_exc(exc))
@@ -937,6 +1082,8 @@ def _wait_readable(sock: socket.socket, seconds: float) -> bool:
     if seconds <= 0:
         return False
     try:
+        if _is_tls(sock) and sock.pending():
+            return True   # decrypted bytes already buffered: the descriptor may never turn readable
         ready, _, _ = select.select([sock], [], [], seconds)
     except (OSError, ValueError):
         return True   # let the read report it
@@ -956,6 +1103,14 @@ class TcpChannel(Channel):
             raise Refused("the tcp endpoint description carries no data capability (the owner grants one per "
                           "link, in the link handshake)", status_code=LLMStatusCode.LLM_LINK_FAILED)
         self._peer.pop(CAPABILITY_KEY, None)
+        peer_tls = bool(peer.get("tls", False))
+        if peer_tls and endpoint._tls is None:
+            raise Refused(f"the tcp data port at {self._addr[0]}:{self._addr[1]} requires TLS and this side has no "
+                          "llmdd.tls_* options", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        if endpoint._tls is not None and not peer_tls:
+            raise Refused(f"TLS is configured here but the tcp data port at {self._addr[0]}:{self._addr[1]} is "
+                          "plaintext: refused rather than sending data unencrypted",
+                          status_code=LLMStatusCode.LLM_LINK_FAILED)
         self._handle = _handle(bytes(cap))
         self._key = _cap_key(bytes(cap), endpoint._secret)
         self._lock = threading.Lock()
@@ -1021,6 +1176,16 @@ class TcpChannel(Channel):
             raise _map_exc(exc) from None
         try:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            tls = self._ep._tls
+            if tls is not None:
+                _tune(sock)
+                plain, sock = sock, None
+                try:
+                    # the server's certificate is checked as on control connections (llmdd.tls_server_name)
+                    sock = tls.wrap_client(plain, self._addr[0])
+                finally:
+                    if sock is None:
+                        plain.close()
             magic, version, auth, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
             if magic != _M_HELLO or version != VERSION:
                 raise Corrupt(f"peer at {self._addr} does not speak llmdd-tcp v{VERSION}")
@@ -1041,7 +1206,8 @@ class TcpChannel(Channel):
             sock.settimeout(None)
             _tune(sock)
         except BaseException as exc:
-            _close(sock)
+            if sock is not None:   # None: the TLS wrap failed and closed its socket
+                _close(sock)
             raise _map_exc(exc) from None
         with self._lock:
             self._stats["streams_opened"] += 1
