@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# Run the NIXL and Mooncake anchors of ../shared/bench right after `llmdd bench`, on the same
-# machine, and merge them into that run's results.json (ratios and targets against the peers).
+# Measure the peers (NIXL over UCX, Mooncake over TCP) with bench/peers/*.py on this machine right
+# after an `llmdd bench` run, and merge them into that run's results.json (ratios and targets
+# against the peers: `llmdd bench --report RESULTS/results.json --peers RESULTS/peers`).
 #
 # Usage: bench/run_peers.sh [RESULTS_DIR]
-#   RESULTS_DIR   the `llmdd bench --out` directory (default: the newest bench/results/*/)
+#   RESULTS_DIR   an `llmdd bench --out` directory (default: the newest bench/results/*/)
 # Environment:
 #   PEERS_VENV    venv for the peers (default bench/results/.peers-venv, git-ignored; never the llmdd venv)
-#   SHARED_BENCH  the anchor scripts (default ../shared/bench)
 #   LLMDD_PY      python of the llmdd venv (default .venv/bin/python)
-#   INSTALL_TIMEOUT, RUN_TIMEOUT  seconds per install / per anchor script (600 / 420)
+#   PEER_RUNS     timed runs per workload (default 5); PEER_GIB buffer per side in GiB (default 1)
+#   INSTALL_TIMEOUT, RUN_TIMEOUT  seconds per install / per peer script (600 / 420)
 #
-# Installs (as ../shared/bench/README.md says): NIXL torch-free with
-#   pip install numpy && pip install --no-deps nixl-cu12
-# and Mooncake's non-CUDA build plus libibverbs1 from apt:
-#   pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1
-# A failed install or run is recorded in RESULTS_DIR/peers/status.txt and the other peer still runs.
+# Installs, into PEERS_VENV, only what is missing:
+#   NIXL:     pip install numpy && pip install --no-deps nixl-cu12==1.5.1   (as scripts/test.sh, torch-free)
+#   Mooncake: pip install mooncake-transfer-engine; where that (CUDA) build cannot be imported
+#             (no libcudart), pip install mooncake-transfer-engine-non-cuda instead; both need
+#             libibverbs.so.1 (apt-get install -y libibverbs1, tried when missing and apt-get is usable).
+# Whatever fails is written to RESULTS_DIR/peers/status.txt (and shows in the report); the other peer still runs.
 set -u
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-SHARED_BENCH="${SHARED_BENCH:-$ROOT/../shared/bench}"
 PEERS_VENV="${PEERS_VENV:-$ROOT/bench/results/.peers-venv}"
 LLMDD_PY="${LLMDD_PY:-$ROOT/.venv/bin/python}"
+PEER_RUNS="${PEER_RUNS:-5}"
+PEER_GIB="${PEER_GIB:-1}"
 INSTALL_TIMEOUT="${INSTALL_TIMEOUT:-600}"
 RUN_TIMEOUT="${RUN_TIMEOUT:-420}"
 
@@ -28,66 +31,84 @@ if [ -z "$RESULTS" ]; then
   RESULTS="$(ls -d "$ROOT"/bench/results/*/ 2>/dev/null | sort | tail -n 1)"
 fi
 RESULTS="${RESULTS%/}"
-if [ ! -f "$RESULTS/results.json" ]; then
-  echo "run_peers.sh: no results.json in '$RESULTS' (run 'llmdd bench' first)" >&2
+if [ -z "$RESULTS" ] || [ ! -f "$RESULTS/results.json" ]; then
+  echo "run_peers.sh: no results.json in '${RESULTS:-bench/results/*}' (run 'llmdd bench --out DIR' first)" >&2
   exit 2
 fi
-RESULTS="$(cd "$RESULTS" && pwd)"  # absolute: the anchors run from $SHARED_BENCH
-if [ ! -d "$SHARED_BENCH" ]; then
-  echo "run_peers.sh: anchor scripts not found at $SHARED_BENCH (set SHARED_BENCH)" >&2
-  exit 2
-fi
+RESULTS="$(cd "$RESULTS" && pwd)"
 OUT="$RESULTS/peers"
 mkdir -p "$OUT"
+rm -f "$OUT"/*.jsonl
 STATUS="$OUT/status.txt"
 : > "$STATUS"
+: > "$OUT/install.log"
 note() { echo "$*" | tee -a "$STATUS"; }
 
 note "run_peers.sh $(date -u +%Y-%m-%dT%H:%M:%SZ) load $(cut -d' ' -f1-3 /proc/loadavg)"
 if [ ! -x "$PEERS_VENV/bin/python" ]; then
-  python3 -m venv "$PEERS_VENV" || { note "venv: python3 -m venv $PEERS_VENV failed"; exit 1; }
+  python3 -m venv "$PEERS_VENV" >>"$OUT/install.log" 2>&1 || { note "venv: python3 -m venv $PEERS_VENV failed"; exit 1; }
 fi
 PY="$PEERS_VENV/bin/python"
-PIP="$PEERS_VENV/bin/pip"
+pipi() { timeout "$INSTALL_TIMEOUT" "$PY" -m pip install -q --disable-pip-version-check "$@" >>"$OUT/install.log" 2>&1; }
+has() { "$PY" -c "import $1" >>"$OUT/install.log" 2>&1; }
+version() { "$PY" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 
-t0=$(date +%s)
 nixl_ok=0
-if timeout "$INSTALL_TIMEOUT" "$PIP" install -q numpy >>"$OUT/install.log" 2>&1 \
-   && timeout "$INSTALL_TIMEOUT" "$PIP" install -q --no-deps nixl-cu12 >>"$OUT/install.log" 2>&1 \
-   && "$PY" -c "import nixl_cu12" >>"$OUT/install.log" 2>&1; then
+if has nixl_cu12 || { pipi numpy && pipi --no-deps 'nixl-cu12==1.5.1' && has nixl_cu12; }; then
   nixl_ok=1
-  note "nixl: installed ($("$PIP" show nixl-cu12 2>/dev/null | grep ^Version), $(( $(date +%s) - t0 )) s)"
+  note "nixl: nixl-cu12 $(version nixl-cu12)"
 else
-  note "nixl: install failed, see $OUT/install.log"
+  note "nixl: install failed (pip install --no-deps nixl-cu12==1.5.1), see peers/install.log"
 fi
 
-t1=$(date +%s)
+ensure_ibverbs() {
+  ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' && return 0
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { timeout "$INSTALL_TIMEOUT" apt-get update -q && timeout "$INSTALL_TIMEOUT" apt-get install -y -q libibverbs1; } \
+      >>"$OUT/install.log" 2>&1 && return 0
+  fi
+  note "mooncake: libibverbs.so.1 missing and apt-get install libibverbs1 not possible here"
+  return 1
+}
 mooncake_ok=0
-if timeout "$INSTALL_TIMEOUT" "$PIP" install -q mooncake-transfer-engine-non-cuda >>"$OUT/install.log" 2>&1; then
-  if ! dpkg -s libibverbs1 >/dev/null 2>&1; then
-    (timeout "$INSTALL_TIMEOUT" apt-get update -q && timeout "$INSTALL_TIMEOUT" apt-get install -y -q libibverbs1) \
-      >>"$OUT/install.log" 2>&1 || note "mooncake: apt-get install libibverbs1 failed"
-  fi
-  if "$PY" -c "import mooncake.engine" >>"$OUT/install.log" 2>&1; then
-    mooncake_ok=1
-    note "mooncake: installed ($("$PIP" show mooncake-transfer-engine-non-cuda 2>/dev/null | grep ^Version), $(( $(date +%s) - t1 )) s)"
-  else
-    note "mooncake: installed but 'import mooncake.engine' fails, see $OUT/install.log"
-  fi
+if has mooncake.engine; then
+  mooncake_ok=1
 else
-  note "mooncake: pip install mooncake-transfer-engine-non-cuda failed, see $OUT/install.log"
+  pipi numpy
+  if pipi mooncake-transfer-engine; then
+    ensure_ibverbs
+    if has mooncake.engine; then
+      mooncake_ok=1
+    else
+      why="$("$PY" -c 'import mooncake.engine' 2>&1 | tail -n 1)"
+      note "mooncake: pip install mooncake-transfer-engine installed, but it does not import here: $why"
+      "$PY" -m pip uninstall -y -q mooncake-transfer-engine >>"$OUT/install.log" 2>&1
+    fi
+  else
+    note "mooncake: pip install mooncake-transfer-engine failed, see peers/install.log"
+  fi
+  if [ "$mooncake_ok" = 0 ]; then
+    if pipi mooncake-transfer-engine-non-cuda && ensure_ibverbs && has mooncake.engine; then
+      mooncake_ok=1
+    else
+      note "mooncake: unavailable (mooncake-transfer-engine-non-cuda did not install or import either), see peers/install.log"
+    fi
+  fi
+fi
+if [ "$mooncake_ok" = 1 ]; then
+  v="$(version mooncake-transfer-engine)"
+  [ -n "$v" ] && note "mooncake: mooncake-transfer-engine $v" \
+              || note "mooncake: mooncake-transfer-engine-non-cuda $(version mooncake-transfer-engine-non-cuda) (the CUDA build does not import here)"
 fi
 
-export ANCHORS_RESULTS_DIR="$OUT"
 run() {
   local name="$1"; shift
   echo "== $name: $*"
-  (cd "$SHARED_BENCH" && timeout "$RUN_TIMEOUT" "$PY" "$@") 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
-  note "$name: rc=$rc"
+  timeout "$RUN_TIMEOUT" "$PY" "$@" --out "$OUT" --runs "$PEER_RUNS" --gib "$PEER_GIB" 2>&1 | tee "$OUT/$name.log"
+  note "$name: rc=${PIPESTATUS[0]}"
 }
-[ "$nixl_ok" = 1 ] && run nixl anchors_nixl.py --runs 5
-[ "$mooncake_ok" = 1 ] && run mooncake anchors_mooncake.py --runs 5
+[ "$nixl_ok" = 1 ] && run nixl "$ROOT/bench/peers/nixl_peer.py"
+[ "$mooncake_ok" = 1 ] && run mooncake "$ROOT/bench/peers/mooncake_peer.py"
 note "finished $(date -u +%Y-%m-%dT%H:%M:%SZ) load $(cut -d' ' -f1-3 /proc/loadavg)"
 
 "$LLMDD_PY" -m llmdd bench --report "$RESULTS/results.json" --peers "$OUT"

@@ -1,4 +1,5 @@
-"""Ratios to the anchors, the DESIGN.md section 8 targets, the stdout table, the JSON and the plots."""
+"""Ratios to the anchors, the targets' verdicts, the stdout table, the JSON, the plots and the
+report over several committed runs (text or markdown)."""
 
 from __future__ import annotations
 
@@ -32,19 +33,19 @@ ANCHORS = {
     "tcp_rr_64k": "raw tcp request/reply 64 KiB, p50",
 }
 
-# peers (bench/run_peers.sh): key -> the anchor script's measurement name
+# peers (bench/run_peers.sh runs bench/peers/*.py): measurement name -> label
 PEERS = {
-    "nixl_kv64": "nixl KV 64x256x64KiB READ make+post->done [UCX_TLS=default(cma)]",
-    "nixl_kv64_prepared": "nixl KV 64x256x64KiB READ post->done [UCX_TLS=default(cma)]",
-    "nixl_kv16": "nixl KV 64x1024x16KiB READ make+post->done [UCX_TLS=default(cma)]",
-    "nixl_kv16_prepared": "nixl KV 64x1024x16KiB READ post->done [UCX_TLS=default(cma)]",
-    "nixl_contiguous": "nixl i) contiguous 1GiB READ [UCX_TLS=default(cma)]",
-    "nixl_latency": "nixl one 64KiB block READ initialize+post->done+release latency [UCX_TLS=default(cma)]",
-    "nixl_latency_prepared": "nixl one 64KiB block READ post->done latency [UCX_TLS=default(cma)]",
-    "mooncake_kv64": "mooncake KV 64x256x64KiB batch_transfer_sync_read 1 call [tcp]",
-    "mooncake_kv16": "mooncake KV 64x1024x16KiB batch_transfer_sync_read 1 call [tcp]",
-    "mooncake_contiguous": "mooncake i) contiguous 1GiB transfer_sync_read [tcp]",
-    "mooncake_latency": "mooncake one 64KiB block transfer_sync_read latency [tcp]",
+    "nixl_kv64": "NIXL/UCX KV 64x256x64 KiB READ, per request (make + post + wait)",
+    "nixl_kv64_prepared": "NIXL/UCX KV 64x256x64 KiB READ, prepared handle (post + wait)",
+    "nixl_kv16": "NIXL/UCX KV 64x1024x16 KiB READ, per request",
+    "nixl_kv16_prepared": "NIXL/UCX KV 64x1024x16 KiB READ, prepared handle",
+    "nixl_contiguous": "NIXL/UCX contiguous READ",
+    "nixl_latency": "NIXL/UCX one 64 KiB block, per request, p50",
+    "nixl_latency_prepared": "NIXL/UCX one 64 KiB block, prepared handle, p50",
+    "mooncake_kv64": "Mooncake TCP KV 64x256x64 KiB, one batch_transfer_sync_read",
+    "mooncake_kv16": "Mooncake TCP KV 64x1024x16 KiB, one batch_transfer_sync_read",
+    "mooncake_contiguous": "Mooncake TCP contiguous transfer_sync_read",
+    "mooncake_latency": "Mooncake TCP one 64 KiB block transfer_sync_read, p50",
 }
 
 # the matching peer of each llmdd figure: same-host transports vs NIXL (cma), tcp vs Mooncake (tcp)
@@ -117,79 +118,11 @@ def _ratio(rows: list, t: str, fig: str, anchor: str) -> Optional[float]:
     return None
 
 
-def targets(results: dict, rows: list) -> list:
-    """DESIGN.md section 8, each target per transport it concerns: met True / False / None (not measured)."""
-    out = []
-    tr = results.get("transports", {})
-    sizes = results.get("meta", {}).get("sizes", {})
+def targets(results: dict, rows: Optional[list] = None) -> list:
+    """One run's verdicts on the targets of ``targets.toml`` (see :mod:`.targets`)."""
+    from .targets import evaluate
 
-    def add(target: str, transport: str, value: Any, goal: str, met: Optional[bool], note: str = "") -> None:
-        out.append({"target": target, "transport": transport, "value": value, "goal": goal, "met": met,
-                    "note": note})
-
-    for t, figs in tr.items():
-        if same_host(t):
-            r = _ratio(rows, t, "pull_blocks_64k", "cma_64k")
-            add("same host 64 KiB blocks vs single-thread process_vm_readv", t, r, ">= 0.9x",
-                None if r is None else r >= 0.9)
-            r = _ratio(rows, t, "pull_blocks_64k", "nixl_kv64")
-            add("same host 64 KiB blocks vs NIXL/UCX (cma)", t, r, ">= 1.5x", None if r is None else r >= 1.5,
-                "" if r is not None else "needs bench/run_peers.sh")
-            r = _ratio(rows, t, "pull_blocks_64k", "gather_64k")
-            add("moonshot: 64 KiB blocks vs single-thread in-process gather", t, r, "> 1.0x",
-                None if r is None else r > 1.0)
-            r = _ratio(rows, t, "pull_blocks_16k", "cma_16k")
-            add("same host 16 KiB blocks vs single-thread process_vm_readv", t, r, ">= 0.8x",
-                None if r is None else r >= 0.8)
-            r = _ratio(rows, t, "pull_blocks_16k", "nixl_kv16")
-            add("same host 16 KiB blocks vs NIXL/UCX (cma)", t, r, ">= 2x", None if r is None else r >= 2.0,
-                "" if r is not None else "needs bench/run_peers.sh")
-            lat = figs.get("latency_64k", {}).get("p50")
-            add("one 64 KiB block p50, same host", t, lat, "<= 50 us", None if lat is None else lat <= 50.0)
-        else:
-            r = _ratio(rows, t, "pull_blocks_64k", "tcp_2stream")
-            add("tcp 64 KiB blocks vs raw two-stream Python socket", t, r, ">= 0.8x", None if r is None else r >= 0.8)
-            r = _ratio(rows, t, "pull_blocks_64k", "mooncake_kv64")
-            add("tcp 64 KiB blocks vs Mooncake TCP", t, r, ">= 2x", None if r is None else r >= 2.0,
-                "" if r is not None else "needs bench/run_peers.sh")
-            r = _ratio(rows, t, "latency_64k", "tcp_rr_64k")
-            add("one 64 KiB block p50 vs raw tcp request/reply", t, r, "<= 1.3x", None if r is None else r <= 1.3)
-        dec = figs.get("decoders", {})
-        ns = sorted(int(k) for k in dec if k.isdigit())
-        if ns:
-            n = ns[-1]
-            agg = dec[str(n)]["aggregate_gbps"] / dec["1"]["aggregate_gbps"] if "1" in dec else None
-            floor = dec[str(n)]["min_gbps"] / dec[str(n)]["mean_gbps"]
-            suffix = "" if n == 8 else f" (measured with {n}: --quick)"
-            add(f"{n} decoders: aggregate vs one decoder", t, agg, ">= 0.8x", None if agg is None else agg >= 0.8,
-                suffix)
-            add(f"{n} decoders: slowest vs mean", t, floor, ">= 0.5x", floor >= 0.5, suffix)
-        links = figs.get("links", {})
-        if links.get("idle"):
-            idle = links["idle"]["delta_bytes"] / MiB
-            add("idle engine RSS (after init minus before)", t, idle, "<= 50 MiB", idle <= 50.0,
-                f"process total {links['idle']['rss_after_init'] / MiB:.1f} MiB")
-        pts = links.get("points") or []
-        if pts and pts[-1].get("marginal_per_link_bytes") is not None:
-            last = pts[-1]
-            per = last["marginal_per_link_bytes"] / MiB
-            add(f"server RSS per link (links 2..{last['links']}; the first link's "
-                f"{pts[0]['delta_bytes'] / MiB:.1f} MiB of transport set-up reported apart)", t, per, "<= 1 MiB",
-                per <= 1.0)
-    if "ucx" in tr:
-        for fig, pk in (("pull_blocks_64k", "nixl_kv64"), ("pull_blocks_16k", "nixl_kv16"),
-                        ("latency_64k", "nixl_latency")):
-            r = _ratio(rows, "ucx", fig, pk)
-            if fig == "latency_64k":
-                met = None if r is None else r <= 1.1
-            else:
-                met = None if r is None else r >= 0.9
-            add(f"ucx plugin {fig} vs raw NIXL per-request path", "ucx", r, "within 10%", met,
-                "" if r is not None else "needs bench/run_peers.sh")
-    if sizes and sizes.get("kv_bytes", 0) < (1 << 30):
-        for row in out:
-            row["note"] = (row["note"] + "; " if row["note"] else "") + "--quick sizes"
-    return out
+    return evaluate(results)
 
 
 # ---------------------------------------------------------------------- text
@@ -253,12 +186,12 @@ def table(results: dict, rows: list, tgts: list) -> list:
             kind = "lat" if "latency" in key else "bw"
             lines.append(f"  {PEERS[key]:70s} {_fmt(v, kind)}")
     lines.append("")
-    lines.append("DESIGN.md section 8 targets:")
+    lines.append("targets (llmdd/_bench/targets.toml):")
     for g in tgts:
         v = g["value"]
-        vs = "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+        vs = "-" if v is None else f"{v:.2f}{g.get('unit', '')}"
         met = {True: "MET", False: "NOT MET", None: "n/a"}[g["met"]]
-        lines.append(f"  [{met:7s}] {g['transport']:4s} {g['target']}: {vs} (goal {g['goal']})"
+        lines.append(f"  [{met:7s}] {g.get('id', ''):14s} {g['transport']:4s} {g['target']}: {vs} (goal {g['goal']})"
                      + (f"  [{g['note']}]" if g["note"] else ""))
     for e in results.get("errors", []):
         lines.append(f"ERROR in {e['step']}: {e['error'].splitlines()[0]}")
@@ -277,7 +210,7 @@ def finish(results: dict, out_dir: str) -> dict:
             with open(os.path.join(out_dir, f"{key}_{t}.txt"), "w") as f:
                 f.write(figs.pop(key))
             figs.setdefault("profiles", []).append(f"{key}_{t}.txt")
-    results["plots"] = plots(results, out_dir)
+    results["plots"] = plots([results], out_dir)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     return results
@@ -299,82 +232,280 @@ def all_verified(results: dict) -> bool:
     return bool(checks) and all(checks)
 
 
-def plots(results: dict, out_dir: str) -> dict:
-    """PNG plots when matplotlib is installed; otherwise says why there are none."""
+def _spread(runs: list, get) -> tuple:
+    """(median, min, max) of ``get(run)`` over the runs where it is a number; NaNs when none is."""
+    import statistics
+
+    vals = [v for v in (get(r) for r in runs) if isinstance(v, (int, float))]
+    if not vals:
+        return float("nan"), float("nan"), float("nan")
+    return statistics.median(vals), min(vals), max(vals)
+
+
+def plots(runs: list, out_dir: str) -> dict:
+    """PNG plots of one run, or of the medians of several (bars span each value's min..max over the runs),
+    when matplotlib is installed; otherwise says why there are none.
+
+    Block sizes and "contiguous" are categories (grouped bars, no line between them); decoder and link
+    counts get integer ticks at the measured counts; every legend sits outside the data."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return {"skipped": "matplotlib is not installed (pip install matplotlib); no plots"}
-    made = []
-    tr = results.get("transports", {})
-    an = results.get("anchors", {})
-    contiguous = results.get("meta", {}).get("sizes", {}).get("contiguous_bytes", 1 << 30)
+        return {"skipped": "matplotlib is not installed (pip install 'llmdd[bench]'); no plots"}
+    import numpy as np
 
-    # bandwidth vs block size
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    xs = [16 * KiB, 64 * KiB, contiguous]
-    for t, figs in tr.items():
-        ys = [_value(figs.get("pull_blocks_16k"), "bw"), _value(figs.get("pull_blocks_64k"), "bw"),
-              _value(figs.get("pull_cache"), "bw")]
-        ax.plot(xs, [y or float("nan") for y in ys], marker="o", label=f"llmdd {t} pull")
-    for label, keys in (("process_vm_readv 1 thread", ("cma_16k", "cma_64k", "cma_contiguous")),
-                        ("in-process gather / memcpy", ("gather_16k", "gather_64k", "memcpy"))):
-        ax.plot(xs, [_value(an.get(k), "bw") or float("nan") for k in keys], linestyle="--", marker="x", label=label)
-    if an.get("tcp_2stream"):
-        ax.axhline(an["tcp_2stream"]["median"], color="grey", linestyle=":", label="raw tcp, 2 streams")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, ["16 KiB", "64 KiB", f"contiguous {contiguous // MiB} MiB"])
-    ax.set_ylabel("GB/s")
-    ax.set_title("bandwidth vs block size")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "bandwidth_vs_block_size.png"), dpi=100)
+    made = []
+    transports: list = []
+    for r in runs:
+        transports += [t for t in r.get("transports", {}) if t not in transports]
+    contiguous = runs[0].get("meta", {}).get("sizes", {}).get("contiguous_bytes", 1 << 30)
+    title_runs = "" if len(runs) == 1 else f" (median of {len(runs)} runs; bars: min..max)"
+
+    def tr(r: dict, t: str, fig: str, kind: str = "bw"):
+        return _value(r.get("transports", {}).get(t, {}).get(fig), kind)
+
+    def an(r: dict, key: str, kind: str = "bw"):
+        return _value(r.get("anchors", {}).get(key), kind)
+
+    # bandwidth vs block size: three categories, one bar per series
+    cats = ["16 KiB blocks", "64 KiB blocks", f"contiguous {contiguous // MiB} MiB"]
+    series = [(f"llmdd {t} pull", [lambda r, t=t, f=f: tr(r, t, f) for f in
+                                   ("pull_blocks_16k", "pull_blocks_64k", "pull_cache")]) for t in transports]
+    series.append(("process_vm_readv, 1 thread", [lambda r, k=k: an(r, k) for k in
+                                                  ("cma_16k", "cma_64k", "cma_contiguous")]))
+    series.append(("in-process gather (blocks) / memcpy (contiguous), 1 thread",
+                   [lambda r, k=k: an(r, k) for k in ("gather_16k", "gather_64k", "memcpy")]))
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    width = 0.8 / max(1, len(series))
+    x = np.arange(len(cats))
+    for i, (label, getters) in enumerate(series):
+        med, lo, hi = zip(*(_spread(runs, g) for g in getters))
+        med, lo, hi = np.array(med), np.array(lo), np.array(hi)
+        yerr = None if len(runs) == 1 else np.vstack([med - lo, hi - med])
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, med, width, yerr=yerr, capsize=3, label=label)
+    tcp2 = _spread(runs, lambda r: an(r, "tcp_2stream"))[0]
+    if tcp2 == tcp2:
+        ax.axhline(tcp2, color="grey", linestyle=":", label="raw tcp socket, 2 streams")
+    ax.set_xticks(x, cats)
+    ax.set_ylabel("GB/s (1e9 B/s)")
+    ax.set_title("pull bandwidth by block size" + title_runs, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.savefig(os.path.join(out_dir, "bandwidth_vs_block_size.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
     made.append("bandwidth_vs_block_size.png")
 
-    # latency distribution
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [(f"llmdd {t}", figs.get("latency_64k")) for t, figs in tr.items()]
-    series += [("process_vm_readv", an.get("cma_latency_64k")), ("raw tcp req/reply", an.get("tcp_rr_64k"))]
-    for label, entry in series:
+    # latency of one block: the first run's distributions (histograms do not average), p50 over the runs
+    fig, ax = plt.subplots(figsize=(9.5, 4.5))
+    first = runs[0]
+    lat = [(f"llmdd {t} pull_blocks", lambda r, t=t: r.get("transports", {}).get(t, {}).get("latency_64k"))
+           for t in transports]
+    lat += [("bare process_vm_readv", lambda r: r.get("anchors", {}).get("cma_latency_64k")),
+            ("raw tcp request/reply", lambda r: r.get("anchors", {}).get("tcp_rr_64k"))]
+    for label, get in lat:
+        entry = get(first)
         if entry and entry.get("hist"):
+            p50 = _spread(runs, lambda r: (get(r) or {}).get("p50"))[0]
+            p99 = _spread(runs, lambda r: (get(r) or {}).get("p99"))[0]
             e, c = entry["hist"]["edges"], entry["hist"]["counts"]
-            ax.stairs(c, e, label=f"{label} (p50 {entry['p50']:.0f} us, p99 {entry['p99']:.0f} us)")
+            ax.stairs(c, e, label=f"{label}: p50 {p50:.0f} us, p99 {p99:.0f} us")
     ax.set_xscale("log")
-    ax.set_xlabel("us per 64 KiB block")
+    ax.set_xlabel("us per call, one 64 KiB block")
     ax.set_ylabel("calls")
-    ax.set_title("latency of one 64 KiB block")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "latency_64k.png"), dpi=100)
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("latency of one 64 KiB block" + ("" if len(runs) == 1 else
+                                                  f" (histograms: first run; p50/p99: median of {len(runs)} runs)"),
+                 fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.savefig(os.path.join(out_dir, "latency_64k.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
     made.append("latency_64k.png")
 
-    # scaling with decoders and links
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for t, figs in tr.items():
-        dec = figs.get("decoders", {})
-        ns = sorted(int(k) for k in dec if k.isdigit())
-        if ns:
-            ax1.plot(ns, [dec[str(n)]["aggregate_gbps"] for n in ns], marker="o", label=f"{t} aggregate")
-            ax1.plot(ns, [dec[str(n)]["min_gbps"] for n in ns], marker="x", linestyle="--", label=f"{t} slowest")
-        pts = figs.get("links", {}).get("points", [])
-        if pts:
-            ax2.plot([p["links"] for p in pts], [p["delta_bytes"] / MiB for p in pts], marker="o",
-                     label=f"{t} server RSS delta")
-    ax1.set_xlabel("decoders pulling from one prompt")
-    ax1.set_ylabel("GB/s")
-    ax1.set_title("scaling with decoders")
-    ax1.legend(fontsize=8)
-    ax2.set_xlabel("links")
+    # scaling with decoders (categorical counts) and links (integer counts)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
+    counts = sorted({int(k) for r in runs for f in r.get("transports", {}).values()
+                     for k in f.get("decoders", {}) if k.isdigit()})
+    pos = np.arange(len(counts))
+    nser = 2 * max(1, len(transports))
+    width = 0.8 / nser
+    i = 0
+    for ti, t in enumerate(transports):
+        for key, what in (("aggregate_gbps", "aggregate"), ("min_gbps", "slowest decoder")):
+            med, lo, hi = zip(*(_spread(runs, lambda r, n=n, key=key: r.get("transports", {}).get(t, {})
+                                        .get("decoders", {}).get(str(n), {}).get(key)) for n in counts)) \
+                if counts else ((), (), ())
+            med, lo, hi = np.array(med), np.array(lo), np.array(hi)
+            yerr = None if len(runs) == 1 or not counts else np.vstack([med - lo, hi - med])
+            ax1.bar(pos + (i - (nser - 1) / 2) * width, med, width, yerr=yerr, capsize=2, label=f"{t} {what}",
+                    color=f"C{ti}", edgecolor="black", linewidth=0.5,
+                    hatch="" if key == "aggregate_gbps" else "//", alpha=1.0 if key == "aggregate_gbps" else 0.55)
+            i += 1
+    ax1.set_xticks(pos, [str(n) for n in counts])
+    ax1.set_xlabel("decoders pulling from one prompt at once")
+    ax1.set_ylabel("GB/s (1e9 B/s)")
+    ax1.set_title("scaling with decoders", fontsize=10)
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(3, max(1, nser)))
+    link_counts = sorted({p["links"] for r in runs for f in r.get("transports", {}).values()
+                          for p in f.get("links", {}).get("points", [])})
+    for ti, t in enumerate(transports):
+        def at(r, n, t=t):
+            for p in r.get("transports", {}).get(t, {}).get("links", {}).get("points", []):
+                if p["links"] == n:
+                    return p["delta_bytes"] / MiB
+            return None
+        med = [_spread(runs, lambda r, n=n: at(r, n))[0] for n in link_counts]
+        ax2.plot(link_counts, med, marker="o", color=f"C{ti}", label=f"{t}: server RSS above no links")
+    if link_counts:
+        ax2.set_xscale("log", base=2)
+        ax2.set_xticks(link_counts, [str(n) for n in link_counts])
+        ax2.minorticks_off()
+    ax2.set_xlabel("links to one server (log scale)")
     ax2.set_ylabel("MiB")
-    ax2.set_title("server memory vs links")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "scaling.png"), dpi=100)
+    ax2.set_title("server memory vs links", fontsize=10)
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(3, max(1, len(transports))))
+    if title_runs:
+        fig.suptitle(title_runs.strip(" ()"), fontsize=10)
+    fig.savefig(os.path.join(out_dir, "scaling.png"), dpi=100, bbox_inches="tight")
     plt.close(fig)
     made.append("scaling.png")
     return {"files": made}
+
+
+# ---------------------------------------------------------------------- several committed runs
+def prepare(results: dict) -> dict:
+    """``results`` with its ratios and verdicts recomputed from the current tables (in place)."""
+    results["ratios"] = ratios(results)
+    results["targets"] = targets(results)
+    return results
+
+
+def _median(vals: list) -> Optional[float]:
+    import statistics
+
+    got = [v for v in vals if v is not None]
+    return statistics.median(got) if got else None
+
+
+def _cell(vals: list, kind: str) -> str:
+    """``median (run 1, run 2, ...)``; a single run is just its value."""
+    med = _median(vals)
+    if med is None:
+        return "-"
+    fmt = (lambda v: f"{v:.2f}") if kind in ("bw", "x") else (lambda v: f"{v:.1f}")
+    unit = {"bw": " GB/s", "lat": " us", "x": "x"}[kind]
+    if len(vals) == 1:
+        return fmt(med) + unit
+    return fmt(med) + unit + " (" + ", ".join("-" if v is None else fmt(v) for v in vals) + ")"
+
+
+def markdown(runs: list, names: list) -> list:
+    """The report over ``runs`` (``results.json`` dictionaries, ``names`` their paths as given) as markdown
+    lines: the runs and their load, the figures, the ratios to the primary anchor, the anchors, the peers,
+    and the targets' verdicts on the medians."""
+    from .targets import aggregate
+
+    for r in runs:
+        prepare(r)
+    transports: list = []
+    for r in runs:
+        transports += [t for t in r.get("transports", {}) if t not in transports]
+    n = len(runs)
+    L = [f"Generated by `llmdd bench --report {' '.join(names)} --markdown` from the committed results;"
+         f" {'each cell: the median of the ' + str(n) + ' runs, then every run in order' if n > 1 else 'one run'}.",
+         "", "| run | started (UTC) | load 1/5/15 min before -> after | seconds | transports | sizes | peers |",
+         "|---|---|---|---:|---|---|---|"]
+    for name, r in zip(names, runs):
+        m = r.get("meta", {})
+        peers = r.get("peers", {})
+        pv = peers.get("values", {})
+        pl = peers.get("load")
+        pcell = (f"{len(pv)} figures" + (f", load {pl}" if pl else "")) if pv else "none"
+        L.append(f"| `{name}` | {m.get('started_utc', '?')} | {m.get('load_before')} -> {m.get('load_after')} | "
+                 f"{m.get('elapsed_s', 0):.0f} | {', '.join(r.get('transports', {}))} | "
+                 f"{'quick' if _is_quick(r) else 'full'} | {pcell} |")
+    errors = [(name, e) for name, r in zip(names, runs) for e in r.get("errors", [])]
+    unverified = [name for name, r in zip(names, runs) if not all_verified(r)]
+    L.append("")
+    L.append("Every moved byte verified in every run." if not unverified else
+             "Runs with a byte that did not verify: " + ", ".join(f"`{u}`" for u in unverified) + ".")
+    for name, e in errors:
+        L.append(f"- error in `{name}`, step {e['step']}: {e['error'].splitlines()[0]}")
+    L += ["", "**Figures**", "", "| workload | " + " | ".join(f"llmdd {t}" for t in transports) + " |",
+          "|---|" + "---:|" * len(transports)]
+    for fig, (label, kind) in FIGURES.items():
+        cells = [_cell([_value(r.get("transports", {}).get(t, {}).get(fig), kind) for r in runs], kind)
+                 for t in transports]
+        L.append(f"| {label} | " + " | ".join(cells) + " |")
+    for k in sorted({int(k) for r in runs for f in r.get("transports", {}).values() for k in f.get("decoders", {})
+                     if k.isdigit()}):
+        cells = [_cell([r.get("transports", {}).get(t, {}).get("decoders", {}).get(str(k), {}).get("aggregate_gbps")
+                        for r in runs], "bw") for t in transports]
+        L.append(f"| {k} decoder{'s' if k > 1 else ''} at once, aggregate | " + " | ".join(cells) + " |")
+    L += ["", "**Ratios to the primary anchor** (bandwidth: llmdd / anchor, > 1 is faster; latency: llmdd / anchor,"
+          " < 1 is faster)", "", "| workload | " + " | ".join(f"llmdd {t}" for t in transports) + " |",
+          "|---|" + "---|" * len(transports)]
+    for fig, (label, kind) in FIGURES.items():
+        cells = []
+        for t in transports:
+            refs = anchor_match(fig, t)
+            if not refs:
+                cells.append("-")
+                continue
+            vals = [_ratio(r["ratios"], t, fig, refs[0]) for r in runs]
+            cells.append("-" if _median(vals) is None else f"{_cell(vals, 'x')} {refs[0]}")
+        L.append(f"| {label} | " + " | ".join(cells) + " |")
+    L += ["", "**Anchors** (this machine, same runs)", "", "| anchor | value |", "|---|---:|"]
+    for key, label in ANCHORS.items():
+        kind = "lat" if "latency" in key or "rr" in key else "bw"
+        vals = [_value(r.get("anchors", {}).get(key), kind) for r in runs]
+        if _median(vals) is not None:
+            L.append(f"| {label} | {_cell(vals, kind)} |")
+    if any(r.get("peers", {}).get("values") for r in runs):
+        L += ["", "**Peers** (bench/run_peers.sh right after each run, same machine)", "", "| peer | value |",
+              "|---|---:|"]
+        for key, label in PEERS.items():
+            kind = "lat" if "latency" in key else "bw"
+            vals = [r.get("peers", {}).get("values", {}).get(key) for r in runs]
+            if _median(vals) is not None:
+                L.append(f"| {label} | {_cell(vals, kind)} |")
+        notes = sorted({s for r in runs for s in r.get("peers", {}).get("status", [])
+                        if "failed" in s or "unavailable" in s or "not" in s})
+        for s in notes:
+            L.append(f"- {s}")
+    L += ["", "**Targets** (`llmdd/_bench/targets.toml`; verdict on the median of the runs that measured it)", "",
+          "| id | source | target | transport | value | goal | verdict |", "|---|---|---|---|---|---|---|"]
+    for g in aggregate(runs):
+        unit = g["unit"]
+        kind = "x" if unit == "x" else "num"
+        if g["value"] is None:
+            val = "-"
+        elif kind == "x":
+            val = _cell(g["values"], "x")
+        else:
+            fmt = (lambda v: "-" if v is None else f"{v:.2f}")
+            val = fmt(g["value"]) + f" {unit}" + ("" if n == 1 else " (" + ", ".join(fmt(v) for v in g["values"]) + ")")
+        verdict = {True: "**met**", False: "**not met**", None: "not measured"}[g["met"]]
+        note = f" ({g['note']})" if g["note"] else ""
+        L.append(f"| {g['id']} | {g['source']} | {g['target']} | {g['transport']} | {val} | {g['goal']} {unit}".rstrip()
+                 + f" | {verdict}{note} |")
+    return L
+
+
+def _is_quick(results: dict) -> bool:
+    from .targets import quick
+
+    return quick(results)
+
+
+def text(runs: list, names: list) -> list:
+    """The report over several runs for a terminal: the markdown without its table syntax."""
+    out = []
+    for line in markdown(runs, names):
+        if line.startswith("|---"):
+            continue
+        if line.startswith("| "):
+            line = "  ".join(c.strip() for c in line.strip("|").split(" | "))
+        out.append(line.replace("**", "").replace("`", ""))
+    return out

@@ -6,10 +6,12 @@ latency of one 64 KiB block, ``transfer_cache_async`` with a layer synchronizer,
 decoders pulling from one prompt, link setup time and server memory per link, idle engine
 memory.  In the same run: single-thread memcpy and gather, ``process_vm_readv``, raw
 Python sockets (1 and 2 streams, request/reply).  Every llmdd figure is also reported as a
-ratio to its anchor, and the DESIGN.md section 8 targets as met / not met.
+ratio to its anchor, and the targets of ``llmdd/_bench/targets.toml`` as met / not met.
 
 ``--report results.json [--peers DIR]`` re-renders a finished run, merging the NIXL and
-Mooncake results that ``bench/run_peers.sh`` wrote into DIR.
+Mooncake results that ``bench/run_peers.sh`` wrote into DIR.  ``--report R1 R2 ... [--markdown]
+[--plots DIR]`` reports several committed runs: every run's figures, their medians and the
+targets' verdicts on the medians, rewriting none of them.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-anchors", action="store_true", help="skip the machine's anchors (no ratios)")
     parser.add_argument("--seed", type=int, default=0, help="block tables")
     parser.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of the table")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="do not measure: re-render this results.json (with --peers merged) and rewrite it")
+    parser.add_argument("--report", default=None, nargs="+", metavar="RESULTS_JSON",
+                        help="do not measure: re-render one results.json (with --peers merged) and rewrite it; "
+                             "several: report their medians and every run, rewriting none")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --report: print the report as markdown (the tables docs/benchmarks.md embeds)")
+    parser.add_argument("--plots", default=None, metavar="DIR",
+                        help="with several --report files or --markdown: write the plots of their medians into DIR")
     parser.add_argument("--peers", default=None, metavar="DIR",
                         help="with --report: NIXL / Mooncake anchor JSON lines from bench/run_peers.sh")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -58,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from .._bench.report import all_verified, finish, table
 
+    if args.report and (len(args.report) > 1 or args.markdown):
+        return _report_many(args)
     if args.report:
-        with open(args.report) as f:
+        with open(args.report[0]) as f:
             results = json.load(f)
         if args.peers:
             from .._bench.peers import load_peers
@@ -67,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             results["peers"] = load_peers(args.peers)
             if not results["peers"]["values"]:
                 print(f"llmdd bench: no peer measurements found under {args.peers}", file=sys.stderr)
-        results = finish(results, os.path.dirname(os.path.abspath(args.report)))
+        results = finish(results, os.path.dirname(os.path.abspath(args.report[0])))
         _emit(results, args, table)
         return 0
 
@@ -105,6 +114,30 @@ def run(args: argparse.Namespace) -> int:
     if results.get("errors"):
         return 1
     return 0 if all_verified(results) else 1
+
+
+def _report_many(args: argparse.Namespace) -> int:
+    """The report over several committed runs; rewrites none of them."""
+    from .._bench.report import markdown, plots, text
+
+    if args.peers:
+        print("llmdd bench: --peers merges into one results.json; run it per run first", file=sys.stderr)
+        return 2
+    runs = []
+    for path in args.report:
+        try:
+            with open(path) as f:
+                runs.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            print(f"llmdd bench: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+    lines = markdown(runs, args.report) if args.markdown else text(runs, args.report)
+    print("\n".join(lines))
+    if args.plots:
+        os.makedirs(args.plots, exist_ok=True)
+        made = plots(runs, args.plots)
+        print(f"llmdd bench: {made.get('skipped') or 'plots ' + ', '.join(made['files'])}", file=sys.stderr)
+    return 0
 
 
 def _emit(results: dict, args: argparse.Namespace, table) -> None:

@@ -1,51 +1,59 @@
-"""Wire format of the llmdd control plane: framing plus a schema-driven binary codec (sans-io).
+"""Wire format of the llmdd control plane: framing plus MessagePack payloads (sans-io).
 
 Frame (all integers big-endian)::
 
     offset  size  field
     0       2     magic  b"LD"
-    2       1     wire version (1)
+    2       1     wire version (2: MessagePack payloads; 1 was the hand-rolled binary payload codec)
     3       1     message type (see MESSAGE_TYPES)
     4       1     flags: bit 0 = CRC32 trailer present; bit 1 = 32-byte HMAC-SHA256 trailer instead
                   (every frame after an authenticated handshake); other bits must be 0
     5       4     payload length (u32, <= max_frame_size)
-    9       len   payload (fields of the message, in schema order, no padding)
+    9       len   payload: the message as a MessagePack array of its fields in declaration order
+                  (nested building blocks the same way; descriptor dicts as MessagePack maps)
     9+len   4     CRC32 (zlib) of header + payload, when flag bit 0 is set
 
-Payload primitives: u8/u16/u32/u64/i64 fixed width; bool = one byte 0/1; f64 IEEE-754;
-bytes/str = u32 length + data (str is UTF-8); list = u32 count + elements; optional = one byte
-0/1 + value; "any64" int = tag byte (0: i64, 1: u64 >= 2**63) + 8 bytes; a descriptor dict =
-u32 count + (str key, tagged value) pairs.  Tagged values (descriptor dicts)::
+Payloads are encoded and decoded by ``msgspec`` against the message classes of ``messages`` (typed
+decoding, in C): every integer is checked against its field's range, every string, byte string and
+list against its length cap, every enum against its members, while parsing; a length or count is
+checked against the bytes actually present before anything is allocated.  Descriptor dicts
+(``dict[str, Any]``) are then walked: str keys only, only the value types the wire carries (no
+MessagePack extension types), at most ``max_depth`` nested (the connection's limit, <= 16).
 
-    0x00 None  0x01 False  0x02 True  0x03 i64  0x04 u64 (only >= 2**63)  0x05 f64
-    0x06 str   0x07 bytes  0x08 list  0x09 dict (str keys, no duplicates)
+Canonical encodings: every accepted payload except a :class:`~.messages.ReadDone` notice re-encodes
+to exactly its bytes (``encode(decode(b)) == b``): the decoder rejects a non-minimal integer or
+length, a float32, a duplicate map key, a missing trailing field and trailing bytes.  The handshake
+MACs the re-encoded messages, so a payload has one meaning and one encoding.  ReadDone is exempt to
+keep the bulk notice cheap; it carries only numbers the owner checks against its tables.
 
-Encodings are canonical (the decoder rejects a u64 tag for a value that fits i64, bool bytes
-other than 0/1, duplicate dict keys, trailing bytes), so ``encode(decode(b)) == b`` for every
-accepted payload; the handshake relies on that to MAC a transcript.
+Encoding checks: a message is checked when constructed (``messages``); the encoder also decodes what
+it produced (except ReadDone) so it refuses, with :class:`LocalProtocolError`, anything a peer would
+refuse, e.g. an instance altered past its constructor.
 
-Decoder guarantees: every length/count is checked against the bytes actually present before
-anything is built, against the frame limit and against per-field caps; nesting depth is bounded;
-the header is rejected as soon as its bytes arrive (wrong magic, version, flags, type or an
+The header is rejected as soon as its bytes arrive (wrong magic, version, flags, type or an
 oversized length), before the payload is buffered.  Any malformed input ends in
 :class:`ProtocolError` and the connection is dead from then on.
+
+Why MessagePack, not the v1 binary codec: a peer-read notice of 256 entries x 8 spans took ~1.2 ms
+to encode and ~5 ms to decode in pure Python; msgspec does both in C (bench/control_codec.py,
+bench/results-committed/issue22/control_codec*.json).  The C++ API embeds this Python package
+(cpp/src/llm_datadist.cc), so it speaks the new payloads with no codec of its own to change.
 """
 
 from __future__ import annotations
 
-import abc
 import hashlib
 import hmac
-
 import struct
 import zlib
 from typing import Any
 
 import attrs
+import msgspec
 
-from .._enums import LLMRole, Placement
 from .._status import LLMStatusCode, LocalUsageError, TransportError
 from . import messages as m
+from .messages import MAX_COUNT as MAX_COUNT, MAX_NAME as MAX_NAME
 
 __all__ = [
     "MAGIC",
@@ -69,8 +77,8 @@ __all__ = [
 ]
 
 MAGIC = b"LD"
-WIRE_VERSION = 1
-SUPPORTED_WIRE_VERSIONS = frozenset({1})
+WIRE_VERSION = 2
+SUPPORTED_WIRE_VERSIONS = frozenset({2})
 _HEADER = struct.Struct(">2sBBBI")
 HEADER_SIZE = _HEADER.size  # 9
 FLAG_CRC32 = 0x01
@@ -82,10 +90,8 @@ _CRC = struct.Struct(">I")
 _MAC_SIZE = 32
 _SEQ = struct.Struct(">Q")
 DEFAULT_MAX_FRAME_SIZE = 16 * 1024 * 1024
-DEFAULT_MAX_DEPTH = 16
-_MAX_DEPTH_LIMIT = 64  # keeps the recursive value decoder far from Python's recursion limit
-MAX_COUNT = 1 << 20      # elements in any one list / dict
-MAX_NAME = 4096          # bytes in a name or reason string outside descriptor dicts
+DEFAULT_MAX_DEPTH = m.MAX_DESCRIPTOR_DEPTH
+_MAX_DEPTH_LIMIT = m.MAX_DESCRIPTOR_DEPTH  # the messages' own check; a connection may only lower it
 _ABS_MAX_FRAME = 2**32 - 1
 
 
@@ -127,428 +133,7 @@ PEER_CLOSED = _Sentinel("PEER_CLOSED")
 """``next_message()``: the peer closed cleanly (``receive_data(b"")``) at a frame boundary."""
 
 
-# --------------------------------------------------------------------------- reader / field types
-
-class _Reader:
-    __slots__ = ("_buf", "_pos", "_end", "max_depth", "limit")
-
-    def __init__(self, buf: memoryview, max_depth: int) -> None:
-        self._buf = buf
-        self._pos = 0
-        self._end = len(buf)
-        self.max_depth = max_depth
-        self.limit = len(buf)
-
-    @property
-    def remaining(self) -> int:
-        return self._end - self._pos
-
-    def take(self, n: int) -> memoryview:
-        if n > self._end - self._pos:
-            raise ProtocolError(f"truncated payload: need {n} bytes, {self._end - self._pos} left")
-        start = self._pos
-        self._pos += n
-        return self._buf[start:self._pos]
-
-    def unpack(self, st: struct.Struct) -> Any:
-        if st.size > self._end - self._pos:
-            raise ProtocolError(f"truncated payload: need {st.size} bytes, {self._end - self._pos} left")
-        (value,) = st.unpack_from(self._buf, self._pos)
-        self._pos += st.size
-        return value
-
-    def count(self, what: str, cap: int, min_item: int) -> int:
-        n = self.unpack(_U32)
-        if n > cap:
-            raise ProtocolError(f"{what}: count {n} exceeds limit {cap}")
-        if n * min_item > self.remaining:
-            raise ProtocolError(f"{what}: count {n} needs more bytes than the frame holds")
-        return n
-
-
-_U8 = struct.Struct(">B")
-_U16 = struct.Struct(">H")
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
-_I64 = struct.Struct(">q")
-_F64 = struct.Struct(">d")
-
-
-def _bad(msg: str) -> LocalProtocolError:
-    return LocalProtocolError(msg)
-
-
-class _Field(abc.ABC):
-    """One field codec of a message schema (every concrete field implements both directions)."""
-
-    min_size = 1
-
-    @abc.abstractmethod
-    def enc(self, v: Any, out: bytearray) -> None:
-        """Append the encoding of ``v`` to ``out``."""
-
-    @abc.abstractmethod
-    def dec(self, r: _Reader) -> Any:
-        """Decode one value from ``r`` (bounded; raises on malformed input)."""
-
-
-class _Int(_Field):
-    def __init__(self, st: struct.Struct, lo: int, hi: int) -> None:
-        self.st, self.lo, self.hi = st, lo, hi
-        self.min_size = st.size
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        if isinstance(v, bool) or not isinstance(v, int) or not self.lo <= v <= self.hi:
-            raise _bad(f"integer {v!r} outside [{self.lo}, {self.hi}]")
-        out += self.st.pack(v)
-
-    def dec(self, r: _Reader) -> int:
-        return r.unpack(self.st)
-
-
-U8 = _Int(_U8, 0, m.U8_MAX)
-U16 = _Int(_U16, 0, m.U16_MAX)
-U32 = _Int(_U32, 0, m.U32_MAX)
-U64 = _Int(_U64, 0, m.U64_MAX)
-I64 = _Int(_I64, m.I64_MIN, m.I64_MAX)
-
-
-class _AnyInt(_Field):
-    """-2**63 .. 2**64-1 as tag + 8 bytes (canonical: u64 tag only for values above i64)."""
-
-    min_size = 9
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _bad(f"expected int, got {type(v).__name__}")
-        if m.I64_MIN <= v <= m.I64_MAX:
-            out.append(0)
-            out += _I64.pack(v)
-        elif v <= m.U64_MAX:
-            out.append(1)
-            out += _U64.pack(v)
-        else:
-            raise _bad(f"integer {v} outside the 64-bit range")
-
-    def dec(self, r: _Reader) -> int:
-        tag = r.unpack(_U8)
-        if tag == 0:
-            return r.unpack(_I64)
-        if tag == 1:
-            v = r.unpack(_U64)
-            if v <= m.I64_MAX:
-                raise ProtocolError("non-canonical u64 encoding")
-            return v
-        raise ProtocolError(f"bad integer tag {tag}")
-
-
-ANY64 = _AnyInt()
-
-
-class _Bool(_Field):
-    def enc(self, v: Any, out: bytearray) -> None:
-        if not isinstance(v, bool):
-            raise _bad(f"expected bool, got {type(v).__name__}")
-        out.append(1 if v else 0)
-
-    def dec(self, r: _Reader) -> bool:
-        b = r.unpack(_U8)
-        if b > 1:
-            raise ProtocolError(f"bad bool byte {b}")
-        return b == 1
-
-
-BOOL = _Bool()
-
-
-class _Bytes(_Field):
-    min_size = 4
-
-    def __init__(self, max_len: int | None = None) -> None:
-        self.max_len = max_len
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        if not isinstance(v, (bytes, bytearray, memoryview)):
-            raise _bad(f"expected bytes, got {type(v).__name__}")
-        v = bytes(v)
-        if self.max_len is not None and len(v) > self.max_len:
-            raise _bad(f"byte string of {len(v)} exceeds {self.max_len}")
-        if len(v) > m.U32_MAX:
-            raise _bad("byte string too long")
-        out += _U32.pack(len(v))
-        out += v
-
-    def _len(self, r: _Reader) -> int:
-        n = r.unpack(_U32)
-        if self.max_len is not None and n > self.max_len:
-            raise ProtocolError(f"length {n} exceeds {self.max_len}")
-        return n
-
-    def dec(self, r: _Reader) -> bytes:
-        return bytes(r.take(self._len(r)))
-
-
-class _Str(_Bytes):
-    def enc(self, v: Any, out: bytearray) -> None:
-        if not isinstance(v, str):
-            raise _bad(f"expected str, got {type(v).__name__}")
-        try:
-            data = v.encode("utf-8")
-        except UnicodeEncodeError as exc:  # lone surrogates
-            raise _bad(f"string is not encodable as UTF-8: {exc}") from None
-        super().enc(data, out)
-
-    def dec(self, r: _Reader) -> str:
-        return str(r.take(self._len(r)), "utf-8")  # UnicodeDecodeError -> ProtocolError at the boundary
-
-
-BYTES = _Bytes(m.NONCE_MAX_SIZE)
-NAME = _Str(MAX_NAME)
-TEXT = _Str(64 * 1024)
-
-
-class _Enum(_Field):
-    def __init__(self, enum_cls: type, base: _Int = U8) -> None:
-        self.enum_cls, self.base = enum_cls, base
-        self.min_size = base.min_size
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        self.base.enc(int(self.enum_cls(v)), out)
-
-    def dec(self, r: _Reader) -> Any:
-        return self.enum_cls(self.base.dec(r))  # ValueError -> ProtocolError at the boundary
-
-
-class _List(_Field):
-    min_size = 4
-
-    def __init__(self, elem: _Field, cap: int = MAX_COUNT) -> None:
-        self.elem, self.cap = elem, cap
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        if not isinstance(v, (tuple, list)):
-            raise _bad(f"expected a sequence, got {type(v).__name__}")
-        if len(v) > self.cap:
-            raise _bad(f"{len(v)} elements exceed {self.cap}")
-        out += _U32.pack(len(v))
-        for item in v:
-            self.elem.enc(item, out)
-
-    def dec(self, r: _Reader) -> tuple:
-        n = r.count("list", self.cap, self.elem.min_size)
-        return tuple(self.elem.dec(r) for _ in range(n))
-
-
-class _Optional(_Field):
-    def __init__(self, elem: _Field) -> None:
-        self.elem = elem
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        if v is None:
-            out.append(0)
-        else:
-            out.append(1)
-            self.elem.enc(v, out)
-
-    def dec(self, r: _Reader) -> Any:
-        b = r.unpack(_U8)
-        if b == 0:
-            return None
-        if b == 1:
-            return self.elem.dec(r)
-        raise ProtocolError(f"bad optional marker {b}")
-
-
-class _Struct(_Field):
-    """An attrs class encoded as its fields in order; construction runs the class's validators."""
-
-    def __init__(self, cls: type, *fields: tuple[str, _Field]) -> None:
-        names = tuple(a.name for a in attrs.fields(cls))
-        if names != tuple(n for n, _ in fields):
-            raise RuntimeError(f"wire schema of {cls.__name__} {fields} does not match its fields {names}")
-        self.cls = cls
-        self.fields = fields
-        self.min_size = max(1, sum(f.min_size for _, f in fields))
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        if type(v) is not self.cls:
-            raise _bad(f"expected {self.cls.__name__}, got {type(v).__name__}")
-        for name, f in self.fields:
-            f.enc(getattr(v, name), out)
-
-    def dec(self, r: _Reader) -> Any:
-        kwargs = {name: f.dec(r) for name, f in self.fields}
-        return self.cls(**kwargs)  # validator failures (ValueError/TypeError) -> ProtocolError
-
-
-# tagged dynamic values (descriptor dicts) -------------------------------------------------
-
-_T_NONE, _T_FALSE, _T_TRUE, _T_I64, _T_U64, _T_F64, _T_STR, _T_BYTES, _T_LIST, _T_DICT = range(10)
-
-
-def _enc_value(v: Any, out: bytearray, depth: int, max_depth: int) -> None:
-    if v is None:
-        out.append(_T_NONE)
-    elif v is True:
-        out.append(_T_TRUE)
-    elif v is False:
-        out.append(_T_FALSE)
-    elif isinstance(v, int):
-        if m.I64_MIN <= v <= m.I64_MAX:
-            out.append(_T_I64)
-            out += _I64.pack(v)
-        elif m.I64_MAX < v <= m.U64_MAX:
-            out.append(_T_U64)
-            out += _U64.pack(v)
-        else:
-            raise _bad(f"integer {v} outside the 64-bit range")
-    elif isinstance(v, float):
-        out.append(_T_F64)
-        out += _F64.pack(v)
-    elif isinstance(v, str):
-        out.append(_T_STR)
-        _VSTR.enc(v, out)
-    elif isinstance(v, (bytes, bytearray, memoryview)):
-        out.append(_T_BYTES)
-        _VBYTES.enc(v, out)
-    elif isinstance(v, (list, tuple)):
-        if depth >= max_depth:
-            raise _bad(f"descriptor nesting deeper than {max_depth}")
-        if len(v) > MAX_COUNT:
-            raise _bad(f"{len(v)} elements exceed {MAX_COUNT}")
-        out.append(_T_LIST)
-        out += _U32.pack(len(v))
-        for item in v:
-            _enc_value(item, out, depth + 1, max_depth)
-    elif isinstance(v, dict):
-        if depth >= max_depth:
-            raise _bad(f"descriptor nesting deeper than {max_depth}")
-        out.append(_T_DICT)
-        _enc_dict_body(v, out, depth + 1, max_depth)
-    else:
-        raise _bad(f"descriptor values cannot be {type(v).__name__}")
-
-
-def _enc_dict_body(v: Any, out: bytearray, depth: int, max_depth: int) -> None:
-    if not isinstance(v, dict):
-        raise _bad(f"expected a dict, got {type(v).__name__}")
-    if len(v) > MAX_COUNT:
-        raise _bad(f"{len(v)} entries exceed {MAX_COUNT}")
-    out += _U32.pack(len(v))
-    for key, item in v.items():
-        if not isinstance(key, str):
-            raise _bad(f"descriptor keys must be str, got {type(key).__name__}")
-        _VSTR.enc(key, out)
-        _enc_value(item, out, depth, max_depth)
-
-
-def _dec_value(r: _Reader, depth: int) -> Any:
-    tag = r.unpack(_U8)
-    if tag == _T_NONE:
-        return None
-    if tag == _T_FALSE:
-        return False
-    if tag == _T_TRUE:
-        return True
-    if tag == _T_I64:
-        return r.unpack(_I64)
-    if tag == _T_U64:
-        v = r.unpack(_U64)
-        if v <= m.I64_MAX:
-            raise ProtocolError("non-canonical u64 value")
-        return v
-    if tag == _T_F64:
-        return r.unpack(_F64)
-    if tag == _T_STR:
-        return _VSTR.dec(r)
-    if tag == _T_BYTES:
-        return _VBYTES.dec(r)
-    if tag == _T_LIST:
-        if depth >= r.max_depth:
-            raise ProtocolError(f"descriptor nesting deeper than {r.max_depth}")
-        n = r.count("list", MAX_COUNT, 1)
-        return [_dec_value(r, depth + 1) for _ in range(n)]
-    if tag == _T_DICT:
-        if depth >= r.max_depth:
-            raise ProtocolError(f"descriptor nesting deeper than {r.max_depth}")
-        return _dec_dict_body(r, depth + 1)
-    raise ProtocolError(f"unknown value tag {tag}")
-
-
-def _dec_dict_body(r: _Reader, depth: int) -> dict:
-    n = r.count("dict", MAX_COUNT, 5)  # key length (4) + value tag (1) at least
-    out: dict = {}
-    for _ in range(n):
-        key = _VSTR.dec(r)
-        if key in out:
-            raise ProtocolError(f"duplicate descriptor key {key!r}")
-        out[key] = _dec_value(r, depth)
-    return out
-
-
-_VSTR = _Str(None)    # bounded by the frame
-_VBYTES = _Bytes(None)
-
-
-class _Dict(_Field):
-    """A descriptor dict (str keys, tagged values), the top level counting as depth 1."""
-
-    min_size = 4
-
-    def enc(self, v: Any, out: bytearray) -> None:
-        _enc_dict_body(v, out, 1, _encode_depth)
-
-    def dec(self, r: _Reader) -> dict:
-        return _dec_dict_body(r, 1)
-
-
-_encode_depth = DEFAULT_MAX_DEPTH
-DICT = _Dict()
-
-
-# --------------------------------------------------------------------------- schemas
-
-_HOST = _Struct(m.HostIdentity, ("boot_id", NAME), ("machine_id", NAME), ("uid", I64), ("pid", I64),
-                ("namespaces", DICT))
-_OFFER = _Struct(m.TransportOffer, ("name", NAME), ("descriptor", DICT))
-_REGION = _Struct(m.RegionDescriptor, ("region_id", U32), ("cache_id", I64), ("addr", U64), ("size", U64),
-                  ("placement", _Enum(Placement)), ("remote_accessible", BOOL), ("transports", DICT))
-_KEYREF = _Struct(m.KeyRef, ("kind", _Enum(m.KeyKind)), ("model_id", ANY64), ("id", U64))
-_KEYENTRY = _Struct(m.KeyEntry, ("key", _KEYREF), ("cache_id", I64), ("batch_index", U32))
-_CACHE = _Struct(m.CacheEntry, ("cache_id", I64), ("addrs", _List(U64)), ("tensor_size", U64),
-                 ("shape", _List(I64, 64)), ("data_type", U16), ("placement", _Enum(Placement)),
-                 ("is_blocks", BOOL))
-_SPAN = _Struct(m.Span, ("start", U64), ("stop", U64))
-_READDONE_ENTRY = _Struct(m.ReadDoneEntry, ("cache_id", I64), ("key", _Optional(_KEYREF)),
-                          ("block_spans", _List(_SPAN)))
-_ROLE = _Enum(LLMRole)
-
-_SCHEMAS: dict[type, _Struct] = {
-    s.cls: s for s in (
-        _Struct(m.Hello, ("min_version", U16), ("max_version", U16), ("cluster_id", U64),
-                ("incarnation", BYTES), ("role", _ROLE), ("transports", _List(_OFFER, 256)),
-                ("host", _HOST), ("nonce", BYTES)),
-        _Struct(m.AuthChallenge, ("nonce", BYTES), ("incarnation", BYTES)),
-        _Struct(m.AuthResponse, ("mac", BYTES)),
-        _Struct(m.Welcome, ("version", U16), ("cluster_id", U64), ("incarnation", BYTES), ("role", _ROLE),
-                ("transport", _OFFER), ("host", _HOST), ("proof", BYTES)),
-        _Struct(m.Refuse, ("status_code", I64), ("reason", TEXT)),
-        _Struct(m.RegionsUpdate, ("version", U64), ("full", BOOL), ("added", _List(_REGION)),
-                ("removed", _List(U32))),
-        _Struct(m.CacheTableUpdate, ("version", U64), ("full", BOOL), ("caches_added", _List(_CACHE)),
-                ("caches_removed", _List(I64)), ("keys_added", _List(_KEYENTRY)),
-                ("keys_removed", _List(_KEYREF))),
-        _Struct(m.Keepalive, ("seq", U64), ("sent_at_ns", U64)),
-        _Struct(m.KeepaliveAck, ("seq", U64), ("echo_sent_at_ns", U64), ("sent_at_ns", U64)),
-        _Struct(m.UnlinkRequest, ("request_id", U64), ("force", BOOL), ("reason", TEXT)),
-        _Struct(m.UnlinkAck, ("request_id", U64), ("status_code", I64)),
-        _Struct(m.ReadDone, ("entries", _List(_READDONE_ENTRY))),
-        _Struct(m.KeyConsumed, ("key", _KEYREF), ("cache_id", I64), ("tensor_spans", _List(_SPAN))),
-        _Struct(m.TransferRequest, ("request_id", U64), ("op", NAME), ("args", DICT)),
-        _Struct(m.TransferReply, ("request_id", U64), ("status_code", I64), ("result", DICT)),
-        _Struct(m.Error, ("status_code", I64), ("message", TEXT), ("fatal", BOOL)),
-    )
-}
+# --------------------------------------------------------------------------- payloads
 
 MESSAGE_TYPES: dict[type, int] = {
     m.Hello: 0x01,
@@ -568,42 +153,69 @@ MESSAGE_TYPES: dict[type, int] = {
     m.TransferReply: 0x51,
     m.Error: 0x7F,
 }
-_BY_CODE: dict[int, _Struct] = {code: _SCHEMAS[cls] for cls, code in MESSAGE_TYPES.items()}
-if set(MESSAGE_TYPES) != set(m.MESSAGE_CLASSES) or set(_SCHEMAS) != set(m.MESSAGE_CLASSES):
-    raise RuntimeError("every message class needs exactly one type code and one schema")
+if set(MESSAGE_TYPES) != set(m.MESSAGE_CLASSES):
+    raise RuntimeError("every message class needs exactly one type code")
 
-# What the decoder lets escape from constructors and primitive parsing: all become ProtocolError.
-_DECODE_ERRORS = (ValueError, TypeError, OverflowError, struct.error, RecursionError)
+_ENCODER = msgspec.msgpack.Encoder()
+_encode = _ENCODER.encode
+_DECODERS: dict[int, Any] = {}  # type code -> msgspec Decoder, built on first use (cheap import)
+_CLASS_BY_CODE: dict[int, type] = {code: cls for cls, code in MESSAGE_TYPES.items()}
+#: the bulk notice: neither re-encoded on decode (canonical check) nor decoded on encode (local check)
+_BULK = frozenset({MESSAGE_TYPES[m.ReadDone]})
+#: message types that may hold a descriptor dict (the only ones a lower connection depth limit affects)
+_WITH_DICTS = frozenset(MESSAGE_TYPES[c] for c in (m.Hello, m.Welcome, m.RegionsUpdate, m.TransferRequest,
+                                                    m.TransferReply))
+
+# What decoding may raise: all become ProtocolError (ValidationError is a DecodeError; __post_init__
+# checks raise ValueError/TypeError, which msgspec turns into ValidationError).
+_DECODE_ERRORS = (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError)
+
+
+def _decoder(code: int) -> Any:
+    dec = _DECODERS.get(code)
+    if dec is None:
+        dec = _DECODERS[code] = msgspec.msgpack.Decoder(_CLASS_BY_CODE[code])
+    return dec
+
+
+def _decode_checked(code: int, payload: Any, max_depth: int) -> Any:
+    cls = _CLASS_BY_CODE.get(code)
+    if cls is None:
+        raise ProtocolError(f"unknown message type 0x{code:02x}")
+    try:
+        msg = _decoder(code).decode(payload)
+        if code not in _BULK and _encode(msg) != payload:
+            raise ProtocolError(f"non-canonical encoding of {cls.__name__}")
+        if max_depth < _MAX_DEPTH_LIMIT and code in _WITH_DICTS:
+            for d in m.descriptor_dicts(msg):
+                m.check_descriptor(d, "descriptor", 1, max_depth)
+    except ProtocolError:
+        raise
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(f"malformed {cls.__name__}: {exc}") from None
+    return msg
 
 
 def encode_payload(msg: Any) -> bytes:
     """The payload bytes of ``msg`` (no header); deterministic and canonical."""
-    schema = _SCHEMAS.get(type(msg))
-    if schema is None:
+    code = MESSAGE_TYPES.get(type(msg))
+    if code is None:
         raise LocalProtocolError(f"not an llmdd message: {type(msg).__name__}")
-    out = bytearray()
     try:
-        schema.enc(msg, out)
-    except (ValueError, TypeError) as exc:  # enum conversions of a hand-built instance
+        payload = _encode(msg)
+    except (TypeError, ValueError, OverflowError, UnicodeError) as exc:
         raise LocalProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from None
-    return bytes(out)
+    if code not in _BULK:
+        try:  # refuse locally what the peer would refuse (an instance altered past its checks)
+            _decoder(code).decode(payload)
+        except _DECODE_ERRORS as exc:
+            raise LocalProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from None
+    return payload
 
 
 def decode_payload(type_code: int, payload: bytes | memoryview, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
     """Decode one payload of message type ``type_code``; any malformation -> ProtocolError."""
-    schema = _BY_CODE.get(type_code)
-    if schema is None:
-        raise ProtocolError(f"unknown message type 0x{type_code:02x}")
-    r = _Reader(memoryview(payload), max_depth)
-    try:
-        msg = schema.dec(r)
-    except ProtocolError:
-        raise
-    except _DECODE_ERRORS as exc:
-        raise ProtocolError(f"malformed {schema.cls.__name__}: {exc}") from None
-    if r.remaining:
-        raise ProtocolError(f"{r.remaining} trailing bytes after {schema.cls.__name__}")
-    return msg
+    return _decode_checked(type_code, payload, max_depth)
 
 
 def encode_frame(msg: Any, *, checksum: bool = True, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
@@ -787,7 +399,7 @@ class Connection:
                 raise ProtocolError("a MAC'd frame before frame MACs were agreed")
             elif self._require_checksum and not flags & FLAG_CRC32:
                 raise ProtocolError("frame without the required CRC32")
-            if code not in _BY_CODE:
+            if code not in _CLASS_BY_CODE:
                 raise ProtocolError(f"unknown message type 0x{code:02x}")
             if length > self._max_frame_size:
                 raise ProtocolError(f"frame of {length} bytes exceeds the limit of {self._max_frame_size}")
@@ -812,7 +424,7 @@ class Connection:
             (want,) = _CRC.unpack_from(frame, HEADER_SIZE + length)
             if zlib.crc32(frame[:HEADER_SIZE + length]) != want:
                 raise ProtocolError("frame CRC32 mismatch")
-        msg = decode_payload(code, payload, max_depth=self._max_depth)
+        msg = _decode_checked(code, payload, self._max_depth)
         self._header = None
         self._off += total
         self._frames_received += 1

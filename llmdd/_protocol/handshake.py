@@ -43,6 +43,7 @@ import os
 from typing import Any, Iterable, Optional
 
 import attrs
+import msgspec
 
 from .._enums import LLMRole
 from .._status import InvalidStateError, LLMStatusCode, LocalUsageError, RemoteError, code_2_status
@@ -295,7 +296,7 @@ class ClientHandshake(_Handshake):
                 return [self._refuse(_LINK_FAILED, "peer did not authenticate; a secret is required")]
             expected = _mac(secret, _SERVER_LABEL, hello.nonce, self._challenge.nonce, hello.incarnation,
                             self._challenge.incarnation, encode_payload(hello), self._client_mac,
-                            encode_payload(attrs.evolve(msg, proof=b"")))
+                            encode_payload(msgspec.structs.replace(msg, proof=b"")))
             if not hmac.compare_digest(expected, msg.proof):
                 return [self._refuse(_LINK_FAILED, "peer failed authentication")]
             if msg.incarnation != self._challenge.incarnation:
@@ -406,7 +407,7 @@ class ServerHandshake(_Handshake):
         if authenticated:
             proof = _mac(c.secret, _SERVER_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
                          encode_payload(hello), self._client_mac, encode_payload(welcome))
-            welcome = attrs.evolve(welcome, proof=proof)
+            welcome = msgspec.structs.replace(welcome, proof=proof)
         frame_key = None
         if authenticated:
             frame_key = _mac(c.secret, _FRAME_KEY_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,

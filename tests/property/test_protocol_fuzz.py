@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 import time
 
+import msgspec
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmdd._enums import LLMRole, Placement
@@ -14,6 +15,7 @@ from llmdd._protocol.codec import (
     MESSAGE_TYPES,
     NEED_DATA,
     PEER_CLOSED,
+    WIRE_VERSION,
     Connection,
     ProtocolError,
     decode_payload,
@@ -77,8 +79,10 @@ MESSAGES = {
     m.KeepaliveAck: st.builds(m.KeepaliveAck, seq=u64, echo_sent_at_ns=u64, sent_at_ns=u64),
     m.UnlinkRequest: st.builds(m.UnlinkRequest, request_id=u64, force=st.booleans(), reason=text),
     m.UnlinkAck: st.builds(m.UnlinkAck, request_id=u64, status_code=i64),
+    # the hot notice types keep what they are given (no construction conversion): build tuples
     m.ReadDone: st.builds(m.ReadDone, entries=st.lists(st.builds(
-        m.ReadDoneEntry, cache_id=i64, key=st.none() | keyrefs, block_spans=st.lists(spans, **small)), **small)),
+        m.ReadDoneEntry, cache_id=i64, key=st.none() | keyrefs,
+        block_spans=st.lists(spans, **small).map(tuple)), **small).map(tuple)),
     m.KeyConsumed: st.builds(m.KeyConsumed, key=keyrefs, cache_id=i64, tensor_spans=st.lists(spans, **small)),
     m.TransferRequest: st.builds(m.TransferRequest, request_id=u64, op=text, args=descriptors),
     m.TransferReply: st.builds(m.TransferReply, request_id=u64, status_code=i64, result=descriptors),
@@ -162,8 +166,47 @@ def test_random_bytes(data, eof):
 @FAST
 @given(st.sampled_from(sorted(MESSAGE_TYPES.values())), st.binary(max_size=256))
 def test_random_payload_behind_a_valid_header(code, payload):
-    header = b"LD" + bytes([1, code, 0]) + struct.pack(">I", len(payload))
+    header = b"LD" + bytes([WIRE_VERSION, code, 0]) + struct.pack(">I", len(payload))
     _check_hostile(header + payload)
+
+
+# any MessagePack value (maps with str or int keys, ext types, big and negative ints, floats, bytes)
+mp_scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+              | st.binary(max_size=8) | st.builds(msgspec.msgpack.Ext, st.integers(-128, 127), st.binary(max_size=4)))
+mp_values = st.recursive(mp_scalars, lambda inner: st.lists(inner, max_size=5)
+                         | st.dictionaries(st.text(max_size=4) | st.integers(-5, 5), inner, max_size=4), max_leaves=20)
+
+
+@FAST
+@given(st.sampled_from(sorted(MESSAGE_TYPES.values())), mp_values)
+def test_well_formed_msgpack_of_the_wrong_shape(code, value):
+    """Valid MessagePack that is not (or only nearly) the message its header names: refused, quickly."""
+    payload = msgspec.msgpack.encode(value)
+    _check_hostile(b"LD" + bytes([WIRE_VERSION, code, 0]) + struct.pack(">I", len(payload)) + payload)
+
+
+@FAST
+@given(any_message, st.data())
+def test_one_field_replaced_by_any_value(msg, data):
+    """A real message with one top-level field swapped for an arbitrary MessagePack value: either
+    it decodes to a message that passes every check (the value happened to fit) or ProtocolError."""
+    fields = list(msgspec.structs.astuple(msg))
+    i = data.draw(st.integers(0, len(fields) - 1))
+    fields[i] = data.draw(mp_values)
+    try:
+        payload = msgspec.msgpack.encode(fields)
+    except (TypeError, OverflowError, ValueError):
+        return
+    code = MESSAGE_TYPES[type(msg)]
+    conn = Connection()
+    conn.receive_data(b"LD" + bytes([WIRE_VERSION, code, 0]) + struct.pack(">I", len(payload)) + payload)
+    got, end = drain(conn)
+    if got:
+        assert len(got) == 1 and type(got[0]) is type(msg) and end is NEED_DATA
+        if type(msg) is not m.ReadDone:
+            assert encode_payload(got[0]) == payload  # canonical, and it passes the encoder's own checks
+    else:
+        assert isinstance(end, ProtocolError)
 
 
 @FAST
@@ -196,6 +239,9 @@ def test_mutated_frames(msgs, checksum, data):
 @settings(max_examples=30, deadline=2000)
 @given(st.integers(1, 2**32 - 1), st.integers(0, 0x7F))
 def test_huge_counts_are_cheap(count, code):
-    """A payload that declares a huge count fails fast instead of looping or allocating."""
-    payload = struct.pack(">Q", 0) + struct.pack(">I", 0) + struct.pack(">I", count) + b"\x00" * 8
-    _check_hostile(b"LD" + bytes([1, code, 0]) + struct.pack(">I", len(payload)) + payload)
+    """A payload that declares a huge count fails fast instead of looping or allocating: as the
+    top-level array, as a map inside it, as a string length."""
+    for payload in (b"\xdd" + struct.pack(">I", count) + b"\x00" * 8,
+                    b"\x93\x00\xa0\xdf" + struct.pack(">I", count) + b"\xa1k\xc0" * 4,
+                    b"\x93\x00\xdb" + struct.pack(">I", count) + b"x" * 8):
+        _check_hostile(b"LD" + bytes([WIRE_VERSION, code, 0]) + struct.pack(">I", len(payload)) + payload)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import struct
 import zlib
 
-import attrs
+import msgspec
 import pytest
+from msgspec.structs import asdict, force_setattr, replace
 
 from llmdd._enums import LLMRole, Placement
 from llmdd._protocol import handshake as hs, messages as m
@@ -19,6 +20,7 @@ from llmdd._protocol.codec import (
     PEER_CLOSED,
     Connection,
     LocalProtocolError,
+    WIRE_VERSION,
     ProtocolError,
     decode_payload,
     encode_frame,
@@ -115,11 +117,11 @@ def test_round_trip_every_message(cls, checksum):
 def test_frame_layout():
     msg = SAMPLES[m.Keepalive]
     frame = encode_frame(msg, checksum=True)
-    payload = struct.pack(">QQ", 1, 123456789)
-    header = MAGIC + bytes([1, 0x20, FLAG_CRC32]) + struct.pack(">I", len(payload))
-    assert HEADER_SIZE == 9
+    payload = b"\x92\x01\xce" + struct.pack(">I", 123456789)  # MessagePack [1, 123456789]
+    header = MAGIC + bytes([2, 0x20, FLAG_CRC32]) + struct.pack(">I", len(payload))
+    assert HEADER_SIZE == 9 and WIRE_VERSION == 2
     assert frame == header + payload + struct.pack(">I", zlib.crc32(header + payload))
-    assert encode_frame(msg, checksum=False) == MAGIC + bytes([1, 0x20, 0]) + struct.pack(">I", 16) + payload
+    assert encode_frame(msg, checksum=False) == MAGIC + bytes([2, 0x20, 0]) + struct.pack(">I", 7) + payload
 
 
 def test_descriptor_values_round_trip_types():
@@ -205,12 +207,13 @@ def test_bad_magic_rejected_on_first_byte():
         conn.next_message()
 
 
-def _header(code=0x20, flags=0, length=16, version=1, magic=MAGIC) -> bytes:
+def _header(code=0x20, flags=0, length=16, version=WIRE_VERSION, magic=MAGIC) -> bytes:
     return magic + bytes([version, code, flags]) + struct.pack(">I", length)
 
 
 @pytest.mark.parametrize("header, match", [
-    (_header(version=2), "wire version"),
+    (_header(version=1), "unsupported wire version 1"),   # a peer still on the v1 binary payloads
+    (_header(version=3), "wire version"),
     (_header(flags=0x80), "flags"),
     (_header(code=0x66), "unknown message type"),
     (_header(length=2**32 - 1), "exceeds the limit"),
@@ -263,35 +266,47 @@ def _raw_frame(code: int, payload: bytes) -> bytes:
     return _header(code=code, length=len(payload)) + payload
 
 
+_enc = msgspec.msgpack.encode
+
+
 @pytest.mark.parametrize("code, payload, match", [
-    (0x20, struct.pack(">QQ", 1, 2) + b"\x00", "trailing bytes"),
-    (0x20, struct.pack(">Q", 1), "truncated"),
-    # TransferRequest: request_id, op "", args dict with a non-canonical u64 value
-    (0x50, struct.pack(">QI", 0, 0) + struct.pack(">I", 1) + struct.pack(">I", 1) + b"k" + b"\x04"
-     + struct.pack(">Q", 5), "non-canonical"),
-    # duplicate keys
-    (0x50, struct.pack(">QI", 0, 0) + struct.pack(">I", 2) + (struct.pack(">I", 1) + b"k" + b"\x00") * 2,
-     "duplicate"),
-    # unknown value tag
-    (0x50, struct.pack(">QI", 0, 0) + struct.pack(">I", 1) + struct.pack(">I", 1) + b"k" + b"\x42", "tag"),
-    # count far larger than the bytes present
-    (0x50, struct.pack(">QI", 0, 0) + struct.pack(">I", 1_000_000), "more bytes than the frame"),
-    # count over the hard cap
-    (0x50, struct.pack(">QI", 0, 0) + struct.pack(">I", 2**32 - 1), "exceeds limit"),
+    (0x20, _enc([1, 2]) + b"\x00", "trailing"),
+    (0x20, _enc([1, 2])[:-1], "truncated"),
+    (0x20, _enc([1, 2, 3]), "at most length 2"),                      # an unknown trailing field
+    (0x20, _enc([-1, 0]), ">= 0"),                                     # u64 field
+    (0x20, _enc(["1", 0]), "Expected `int`"),
+    (0x20, b"\xc0", "Expected `array`"),
+    # non-canonical: 5 as a uint64, a default left out, a duplicate key, a float32
+    (0x20, b"\x92\x01\xcf" + struct.pack(">Q", 5), "non-canonical"),
+    (0x31, _enc([5]), "non-canonical"),
+    (0x50, b"\x93\x00\xa0\x82\xa1k\xc0\xa1k\xc0", "non-canonical"),
+    (0x50, b"\x93\x00\xa0\x81\xa1k\xca" + struct.pack(">f", 1.5), "non-canonical"),
+    # descriptor values: an extension type, a timestamp, a non-str key below the top level
+    (0x50, b"\x93\x00\xa0\x81\xa1k\xd4\x05\x00", "descriptor values cannot be Ext"),
+    (0x50, b"\x93\x00\xa0\x81\xa1k\xd6\xff\x00\x00\x00\x01", "descriptor values cannot be datetime"),
+    (0x50, _enc([0, "", {"k": {1: 2}}]), "keys must be str"),
+    (0x50, _enc([0, "", {1: 2}]), "Expected `str`"),
+    # a count far larger than the bytes present (array32 / map32 / str32 headers)
+    (0x50, b"\x93\x00\xa0\xdf" + struct.pack(">I", 1_000_000), "truncated"),
+    (0x50, b"\xdd" + struct.pack(">I", 2**32 - 1), "truncated"),
+    (0x50, b"\x93\x00\xdb" + struct.pack(">I", 2**32 - 1), "truncated"),
+    # a list over its field cap (CacheEntry.shape: 64)
+    (0x11, _enc([1, False, [[0, [], 0, [1] * 65, 0, 0, False]], [], [], []]), "length <= 64"),
     # invalid UTF-8 in op
-    (0x50, struct.pack(">QI", 0, 2) + b"\xff\xfe" + struct.pack(">I", 0), "malformed"),
-    # bad bool byte (Error.fatal)
-    (0x7F, struct.pack(">qI", 0, 0) + b"\x02", "bool"),
-    # validator failure: Span stop < start inside KeyConsumed
-    (0x41, b"\x01" + b"\x00" + struct.pack(">q", 0) + struct.pack(">Q", 0) + struct.pack(">q", 3)
-     + struct.pack(">I", 1) + struct.pack(">QQ", 5, 1), "malformed"),
-    # enum out of range (KeyKind 9)
-    (0x41, b"\x09" + b"\x00" + struct.pack(">q", 0) + struct.pack(">Q", 0) + struct.pack(">q", 3)
-     + struct.pack(">I", 0), "malformed"),
-    # nonce length outside the validator's bounds (AuthChallenge with 1-byte nonce)
-    (0x02, struct.pack(">I", 1) + b"x" + struct.pack(">I", 16) + b"i" * 16, "malformed"),
-    # a byte string longer than its field cap (AuthResponse mac of 1000 bytes claimed)
-    (0x03, struct.pack(">I", 1000), "exceeds"),
+    (0x50, b"\x93\x00\xa2\xff\xfe\x80", "malformed"),
+    # a bool field holding 2 (Error.fatal)
+    (0x7F, _enc([0, "", 2]), "Expected `bool`"),
+    # enum out of range (KeyKind 9), the BLOCKS rule
+    (0x41, _enc([[9, 0, 0], 3, []]), "Invalid enum value 9"),
+    (0x41, _enc([[3, 0, 5], 3, []]), "BLOCKS key carries no"),
+    # i64 field beyond its range (KeyConsumed.cache_id)
+    (0x41, _enc([[1, 0, 0], 2**63, []]), "<= 9223372036854775807"),
+    # nonce length outside its bounds (AuthChallenge with a 1-byte nonce)
+    (0x02, _enc([b"x", b"i" * 16]), "length >= 16"),
+    # a byte string longer than its field cap (AuthResponse mac of 1000 bytes)
+    (0x03, _enc([b"m" * 1000]), "length <= 32"),
+    # Hello whose versions are out of order (a cross-field rule)
+    (0x01, _enc([2, 1, 0, b"i" * 16, 1, [], ["", "", -1, 0, {}], b"n" * 16]), "max_version 1 < min_version 2"),
 ])
 def test_malformed_payloads(code, payload, match):
     conn = Connection(checksum=False)
@@ -304,15 +319,25 @@ def test_nesting_depth_bounded():
     nested: object = 1
     for _ in range(40):
         nested = [nested]
-    with pytest.raises(LocalProtocolError, match="nesting"):
-        encode_frame(m.TransferRequest(request_id=0, op="x", args={"n": nested}))
-    # hand-built frame: 40 nested lists
-    body = b"".join(b"\x08" + struct.pack(">I", 1) for _ in range(40)) + b"\x00"
-    payload = struct.pack(">QI", 0, 0) + struct.pack(">I", 1) + struct.pack(">I", 1) + b"n" + body
-    conn = Connection(checksum=False)
-    conn.receive_data(_raw_frame(0x50, payload))
-    with pytest.raises(ProtocolError, match="nesting"):
-        conn.next_message()
+    with pytest.raises(ValueError, match="nesting"):  # refused at construction
+        m.TransferRequest(request_id=0, op="x", args={"n": nested})
+    bypassed = replace(SAMPLES[m.TransferRequest])
+    force_setattr(bypassed, "args", {"n": nested})
+    with pytest.raises(LocalProtocolError, match="nesting"):  # and by the encoder
+        encode_frame(bypassed)
+    # hand-built frames: 40 nested lists (past the limit of 16), and 200000 (past msgspec's recursion guard)
+    for depth, match in ((40, "nesting deeper than 16"), (200_000, "malformed")):
+        payload = b"\x93\x00\xa1x\x81\xa1n" + b"\x91" * depth + b"\x01"
+        conn = Connection(checksum=False, max_frame_size=1 << 20)
+        conn.receive_data(_raw_frame(0x50, payload))
+        with pytest.raises(ProtocolError, match=match):
+            conn.next_message()
+    # 15 levels below the top-level dict (16 in all) is the limit itself: accepted
+    nested = 1
+    for _ in range(15):
+        nested = [nested]
+    ok = m.TransferRequest(request_id=0, op="x", args={"n": nested})
+    assert feed(Connection(), encode_frame(ok)) == [ok]
     shallow = Connection(max_depth=2)
     shallow.receive_data(encode_frame(m.TransferRequest(request_id=0, op="x", args={"a": [[1]]})))
     with pytest.raises(ProtocolError, match="nesting"):
@@ -328,8 +353,8 @@ def test_nesting_depth_bounded():
     {"x": "\ud800"},
 ])
 def test_encode_rejects_unrepresentable_values(args):
-    msg = attrs.evolve(SAMPLES[m.TransferRequest])
-    object.__setattr__(msg, "args", args)  # bypass the shallow validator to reach the encoder
+    msg = replace(SAMPLES[m.TransferRequest])
+    force_setattr(msg, "args", args)  # bypass the construction check to reach the encoder
     with pytest.raises(LocalProtocolError):
         Connection().send(msg)
 
@@ -355,15 +380,49 @@ def test_receive_after_eof_is_caller_error():
     lambda: m.Hello(min_version=1, max_version=1, cluster_id=0, incarnation=b"short", role=1, nonce=b"n" * 32),
     lambda: m.Hello(min_version=1, max_version=1, cluster_id=0, incarnation=INC_A, role=9, nonce=b"n" * 32),
     lambda: m.RegionDescriptor(region_id=2**32, cache_id=0, addr=0, size=0),
-    lambda: m.Span(start=5, stop=4),
     lambda: m.KeyRef(kind=m.KeyKind.BLOCKS, id=3),
+    lambda: m.KeyRef(kind=9),
+    lambda: m.KeyEntry(key=m.KeyRef.for_req(1), cache_id=0, batch_index=-1),
     lambda: m.Welcome(version=1, cluster_id=0, incarnation=INC_A, role=1, transport=TCP, proof=b"x"),
     lambda: m.TransferRequest(request_id=0, op="x", args={1: 2}),
     lambda: m.CacheEntry(cache_id=0, addrs=(-1,), tensor_size=0, shape=()),
+    lambda: m.CacheEntry(cache_id=0, addrs=(), tensor_size=0, shape=(1,) * 65),
+    lambda: m.Refuse(status_code=0, reason="r" * (m.MAX_TEXT + 1)),
+    lambda: m.TransferRequest(request_id=0, op="x", args={"x": {"y": object()}}),
+    lambda: m.RegionsUpdate(version=0, added=(REGION, "not a region")),
 ])
 def test_message_validators(build):
     with pytest.raises((ValueError, TypeError)):
         build()
+
+
+def test_construction_converts_lists_and_enums():
+    entry = m.CacheEntry(cache_id=1, addrs=[1, 2], tensor_size=3, shape=[4], placement=1)
+    assert entry.addrs == (1, 2) and entry.shape == (4,) and entry.placement is Placement.DEVICE
+    assert m.KeyRef(kind=2, id=5).kind is m.KeyKind.PREFIX
+    hello = replace(SAMPLES[m.Hello], role=3, transports=[TCP])
+    assert hello.role is LLMRole.MIX and hello.transports == (TCP,)
+    assert hash(KEY_REQ) == hash(m.KeyRef.for_req(req_id=11)) and {KEY_REQ: 1}[m.KeyRef.for_req(11)] == 1
+
+
+def test_hot_notice_types_leave_span_order_to_the_owner():
+    """Span, ReadDoneEntry and ReadDone run no construction check (they are decoded by the thousand);
+    the typed decoder still checks a peer's ranges and types, and a reversed span is refused by the
+    owner's table check (llmdd._peer_input) before any work."""
+    from llmdd._peer_input import PeerInputError, peer_spans
+
+    payload = _enc([[[7, None, [[5, 1]]]]])
+    notice = decode_payload(MESSAGE_TYPES[m.ReadDone], payload)
+    (entry,) = notice.entries
+    assert entry.block_spans == (m.Span(start=5, stop=1),)
+    with pytest.raises(PeerInputError, match=r"\[5, 1\) is outside"):
+        peer_spans(entry.block_spans, "read_done blocks", 10)
+    with pytest.raises(ProtocolError, match=">= 0"):
+        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[-1, 1]]]]]))
+    with pytest.raises(ProtocolError, match="Expected `int`"):
+        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[0, 1.5]]]]]))
+    with pytest.raises(ProtocolError, match="at most length 2"):
+        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[0, 1, 2]]]]]))
 
 
 def test_region_contains():
@@ -378,15 +437,15 @@ def test_region_contains():
 def test_host_identity():
     me = m.HostIdentity.local()
     assert me.pid > 0
-    other_proc = attrs.evolve(me, pid=me.pid + 1)
+    other_proc = replace(me, pid=me.pid + 1)
     if me.boot_id:
         assert me.same_host(other_proc)
         assert me.same_ipc_domain(other_proc) == bool(me.namespaces.get("ipc") and me.namespaces.get("mnt"))
-    assert not me.same_host(attrs.evolve(me, boot_id="another-boot"))
+    assert not me.same_host(replace(me, boot_id="another-boot"))
     assert not m.HostIdentity().same_host(m.HostIdentity())  # unknown is never "same"
-    assert not HOST.same_ipc_domain(attrs.evolve(HOST, namespaces={"ipc": "ipc:[9]", "mnt": "mnt:[2]"}))
-    assert not HOST.same_ipc_domain(attrs.evolve(HOST, uid=0))
-    assert HOST.same_ipc_domain(attrs.evolve(HOST, pid=7))
+    assert not HOST.same_ipc_domain(replace(HOST, namespaces={"ipc": "ipc:[9]", "mnt": "mnt:[2]"}))
+    assert not HOST.same_ipc_domain(replace(HOST, uid=0))
+    assert HOST.same_ipc_domain(replace(HOST, pid=7))
 
 
 # --------------------------------------------------------------------------- handshake
@@ -473,7 +532,7 @@ def test_wrong_secret_refused_and_client_learns_nothing():
     # authentication is checked before versions: nothing about the server's versions leaks
     assert refusal.reason == "authentication failed" and refusal.status_code == LLMStatusCode.LLM_LINK_FAILED.value
     challenge = p.to_client[0]
-    assert set(attrs.asdict(challenge)) == {"nonce", "incarnation"}
+    assert set(asdict(challenge)) == {"nonce", "incarnation"}
     assert p.server.hello is None and p.server.peer is None and p.client.peer is None
     with pytest.raises(HandshakeRefused, match="authentication failed"):
         p.client.result()
@@ -529,7 +588,7 @@ def test_tampered_hello_fails_authentication():
     client = ClientHandshake(config(1, secret=b"k"))
     server = ServerHandshake(config(2, secret=b"k"))
     hello = client.start()
-    forged = attrs.evolve(hello, transports=(m.TransportOffer(name="tcp", descriptor={"host": "evil"}),))
+    forged = replace(hello, transports=(m.TransportOffer(name="tcp", descriptor={"host": "evil"}),))
     (challenge,) = server.receive(forged)
     (response,) = client.receive(challenge)
     (refusal,) = server.receive(response)
@@ -539,7 +598,7 @@ def test_tampered_hello_fails_authentication():
 def test_tampered_welcome_is_rejected_by_client():
     client, server, *_ = _authenticated_pair()
     welcome = server.accept(SERVER_TCP)
-    forged = attrs.evolve(welcome, cluster_id=99)
+    forged = replace(welcome, cluster_id=99)
     (refusal,) = client.receive(forged)
     assert isinstance(refusal, m.Refuse) and "failed authentication" in refusal.reason
     assert client.state is HandshakeState.REFUSED
@@ -585,11 +644,11 @@ def test_client_rejects_unoffered_transport_and_wrong_cluster():
     assert "expected 5" in refusal.reason
     client3 = ClientHandshake(config(1, versions=(1, 1)))
     client3.start()
-    (refusal,) = client3.receive(attrs.evolve(bad, version=4))
+    (refusal,) = client3.receive(replace(bad, version=4))
     assert "protocol version 4" in refusal.reason
     client4 = ClientHandshake(config(1))
     client4.start()
-    (refusal,) = client4.receive(attrs.evolve(bad, proof=b"p" * 32))
+    (refusal,) = client4.receive(replace(bad, proof=b"p" * 32))
     assert "unexpected authentication proof" in refusal.reason
 
 
