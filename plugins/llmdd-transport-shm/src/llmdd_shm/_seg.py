@@ -50,12 +50,27 @@ def _path(name: str) -> str:
     return "/" + name
 
 
+#: the mode of every segment this plugin creates: its owner's user only (the trust boundary of a
+#: same-user transport), set with fchmod after creation so that no umask changes it either way
+MODE = 0o600
+
+
 def open_fd(name: str, *, create: bool = False) -> int:
-    """``shm_open`` the segment read-write (``O_CREAT|O_EXCL`` with ``create``); FileNotFoundError if absent."""
+    """``shm_open`` the segment read-write (``O_CREAT|O_EXCL`` with ``create``, then mode exactly
+    :data:`MODE`); FileNotFoundError if absent."""
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     if _posixshmem is not None:
-        return _posixshmem.shm_open(_path(name), flags, mode=0o600)
-    return os.open("/dev/shm" + _path(name), flags | getattr(os, "O_CLOEXEC", 0), 0o600)  # pragma: no cover
+        fd = _posixshmem.shm_open(_path(name), flags, mode=MODE)
+    else:  # pragma: no cover
+        fd = os.open("/dev/shm" + _path(name), flags | getattr(os, "O_CLOEXEC", 0), MODE)
+    if create:
+        try:
+            os.fchmod(fd, MODE)   # the umask may have taken bits away (0400 would lock the peers out)
+        except BaseException:
+            os.close(fd)
+            unlink(name)
+            raise
+    return fd
 
 
 def unlink(name: str) -> None:
