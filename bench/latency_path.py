@@ -1,4 +1,4 @@
-"""The latency path of DESIGN.md section 8, measured in one run with its anchors.
+"""The latency path (one 64 KiB block per call), measured in one run with its anchors.
 
 One 64 KiB block of one tensor (``pull_blocks``, p50 / p99 over ``--n`` calls) per transport, the raw
 Python TCP request/reply and single-block ``process_vm_readv`` anchors, and optionally (``--bulk``)

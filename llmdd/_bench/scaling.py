@@ -10,7 +10,7 @@ process.
 
 Measured at each level N (links alive): the server's threads, RSS and descriptors, and the link
 setup time of ``probes`` more links set up one at a time on top of the N (connect to the server's
-tables arriving, i.e. LINKED on the server), each unlinked again.  Targets (DESIGN.md section 8):
+tables arriving, i.e. LINKED on the server), each unlinked again.  Targets:
 threads constant in N, RSS per link <= 64 KiB, setup p50 at 1,000 <= 2x the p50 at 1.
 
 Run alone: ``python -m llmdd._bench.scaling [--links 1,64,1000] [--json]``; ``llmdd bench`` (the
