@@ -20,6 +20,7 @@ _NUM_TENSORS_PER_LAYER = 2
 
 
 _PULL_KWARGS = ("src_layer_range", "dst_layer_range", "tensor_num_per_layer")
+_PULL_KWARG_SET = frozenset(_PULL_KWARGS)
 
 
 def _check_pull_kwargs(kwargs: dict) -> tuple:
@@ -40,6 +41,44 @@ def _check_blocks(name: str, blocks) -> list:
     for i, b in enumerate(blocks):
         check_uint64(f"{name}[{i}]", b)
     return [int(b) for b in blocks]  # a bool passes as upstream and travels as the int it stands for
+
+
+_U64_MAX = 2**64 - 1
+_U32_MAX = 2**32 - 1
+
+
+def _plain_blocks(src_blocks, dst_blocks) -> bool:
+    """True when both block lists are what the small-transfer path takes without further checks:
+    a list or tuple each, of equal non-zero length (at most 16), of ``int`` (not bool) in uint64."""
+    if type(src_blocks) not in (list, tuple) or type(dst_blocks) not in (list, tuple):
+        return False
+    n = len(dst_blocks)
+    if not 0 < n <= 16 or len(src_blocks) != n:
+        return False
+    for b in src_blocks:
+        if type(b) is not int or not 0 <= b <= _U64_MAX:
+            return False
+    for b in dst_blocks:
+        if type(b) is not int or not 0 <= b <= _U64_MAX:
+            return False
+    return True
+
+
+def _plain_layers(layers) -> bool:
+    """A layer range that :func:`check_layer_range` accepts, given explicitly (push's defaults
+    depend on the cache: the full path computes them)."""
+    return type(layers) is range and layers.step == 1 and 0 <= layers.start < layers.stop
+
+
+def _quick_engine(self, key, cache):
+    """The data plane when a blocks call may take the small-transfer path: an initialized manager
+    with a data plane, a ``BlocksCacheKey`` and a blocks ``Cache`` of exactly those types; else None
+    (the full checks then run and raise what the contract says)."""
+    if type(key) is not BlocksCacheKey or type(cache) is not Cache or not cache.is_blocks_cache:
+        return None
+    if not self._initialized:
+        return None
+    return getattr(self, "_transfers", None)
 
 
 def _check_tag(tag) -> Optional[tuple]:
@@ -142,6 +181,19 @@ class RemoteOperations:
 
         ``tag`` (llmdd extension, keyword only): delivered to the owner with this pull's "peer
         finished reading" event (acknowledged before the call returns)."""
+        if tag is None and len(kwargs) <= 3:
+            # the small-transfer path: arguments that pass every check below as they are
+            engine = _quick_engine(self, src_cache_key, dst_cache)
+            if engine is not None and _plain_blocks(src_blocks, dst_blocks):
+                src_range = kwargs.get("src_layer_range")
+                dst_range = kwargs.get("dst_layer_range")
+                tnpl = kwargs.get("tensor_num_per_layer", _NUM_TENSORS_PER_LAYER)
+                if ((src_range is None or type(src_range) is range) and (dst_range is None or type(dst_range) is range)
+                        and type(tnpl) is int and 0 < tnpl <= _U32_MAX
+                        and kwargs.keys() <= _PULL_KWARG_SET):
+                    engine.pull_blocks_quick(src_cache_key, dst_cache, src_blocks, dst_blocks, src_range, dst_range,
+                                             tnpl)
+                    return
         self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)[1]()
 
     def pull_blocks_async(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
@@ -218,6 +270,15 @@ class RemoteOperations:
 
         ``tag`` (llmdd extension, keyword only): delivered to the owner with this push's "peer
         finished writing" event (acknowledged before the call returns)."""
+        if (tag is None and type(tensor_num_per_layer) is int and 0 < tensor_num_per_layer <= _U32_MAX
+                and _plain_layers(src_layer_range) and _plain_layers(dst_layer_range)
+                and len(src_layer_range) == len(dst_layer_range) and self._enable_remote_cache_accessible):
+            # the small-transfer path: arguments that pass every check below as they are
+            engine = _quick_engine(self, dst_cache_key, src_cache)
+            if engine is not None and _plain_blocks(src_blocks, dst_blocks):
+                engine.push_blocks_quick(dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
+                                         dst_layer_range, tensor_num_per_layer)
+                return
         engine = _transfers(self)
         raise_if_false(self._enable_remote_cache_accessible,
                        "push_blocks requires enable_remote_cache_accessible to be True.")

@@ -54,10 +54,12 @@ class _EngineCore:
 
         host_pool = options.raw.get("llm.HostMemPoolConfig")
         check_pool_options(self.profile, parse_mem_pool_cfg(host_pool)[0] if host_pool else None)
-        self.caches = Lifecycle(Machine.CACHE, self.hooks.emitter(Machine.CACHE))
-        self.tasks = Lifecycle(Machine.TASK, self.hooks.emitter(Machine.TASK))
-        self.links = Lifecycle(Machine.LINK, self.hooks.emitter(Machine.LINK))
-        self.comm_groups = Lifecycle(Machine.COMM_GROUP, self.hooks.emitter(Machine.COMM_GROUP))
+        # events are built only while someone listens, decided per event (Hooks.live_emitter): a
+        # subscriber registered after init gets every later transition
+        self.caches = self._lifecycle(Machine.CACHE)
+        self.tasks = self._lifecycle(Machine.TASK)
+        self.links = self._lifecycle(Machine.LINK)
+        self.comm_groups = self._lifecycle(Machine.COMM_GROUP)
         self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
         self.link_manager = None
         self.transfers = None
@@ -78,6 +80,10 @@ class _EngineCore:
         except BaseException:
             self.close()
             raise
+
+    def _lifecycle(self, machine: Machine) -> Lifecycle:
+        emit, wants = self.hooks.live_emitter(machine)
+        return Lifecycle(machine, emit, wants=wants)
 
     def close(self) -> None:
         for name in ("cache_manager", "kv_cache_manager"):

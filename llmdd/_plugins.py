@@ -69,6 +69,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
 )
 
 _DEFAULT_RUN_TRANSFER = "llmdd._builtin.run_transfer"
+_LOG_OBSERVER = "llmdd._builtin.log_events"
 
 #: The notification hook of each lifecycle machine.
 TRANSITION_HOOKS: Mapping[Machine, str] = {
@@ -321,6 +322,7 @@ class Hooks:
         self._contained: dict[str, _Dispatch] = {}
         self._transition_hooks = {m: getattr(pm.hook, name) for m, name in TRANSITION_HOOKS.items()}
         self._emitters = {m: self._make_emitter(m) for m in Machine}
+        self._run_direct: tuple = (None, False)  # (pm generation, no plugin intercepts llmdd_run_transfer)
 
     @property
     def pm(self) -> pluggy.PluginManager:
@@ -343,6 +345,42 @@ class Hooks:
         if not self._transition_hooks[machine].get_hookimpls():
             return None
         return self._emitters[machine]
+
+    def live_emitter(self, machine: Machine) -> tuple[Callable[[TransitionEvent], None], Callable[[Any], bool]]:
+        """``(emit, wants)`` for ``Lifecycle(machine, emit, wants=wants)``: decided per event, not once.
+
+        ``wants(error)`` says whether an event of ``machine`` (with ``error`` or without) has a
+        listener *now*: some subscriber other than the built-in log observer, a hook-call tracer, or
+        the log observer with its logger enabled for that event's level.  A lifecycle then builds
+        no event object while nobody listens, and a subscriber registered later gets every later
+        event.  Costs one integer compare (and a logger level check) per transition."""
+        hook = self._transition_hooks[machine]
+        pm = self._pm
+        state: list = [None, False, False]  # [generation seen, others subscribe, log observer subscribes]
+        import logging
+
+        from . import _log as log_module
+        from ._builtin import log_events
+
+        # the log observer's own rule (log_events.log_event): nothing is built below its level
+        logger = log_events._STDLIB[machine]
+        level = log_events.LEVELS[machine]
+
+        if not isinstance(pm, LLMDDPluginManager):
+            return self._emitters[machine], lambda error: True  # no generation to follow: always emit
+
+        def wants(error: Any) -> bool:
+            if pm.generation != state[0]:
+                impls = hook.get_hookimpls()
+                state[1] = any(impl.plugin_name != _LOG_OBSERVER for impl in impls)
+                state[2] = any(impl.plugin_name == _LOG_OBSERVER for impl in impls)
+                state[0] = pm.generation
+            if state[1] or pm._monitors:
+                return True
+            return state[2] and (log_module._native or
+                                 logger.isEnabledFor(logging.WARNING if error is not None else level))
+
+        return self._emitters[machine], wants
 
     def engine_transition(self, event: TransitionEvent) -> None:
         self._emitters[Machine.ENGINE](event)
@@ -466,6 +504,20 @@ class Hooks:
             raise ValueError(message)
         return None
 
+    def runs_transfers_directly(self) -> bool:
+        """True while only the default ``llmdd_run_transfer`` is registered and no tracer monitors
+        hook calls: a task's transfer may then run without the hook (what :meth:`run_transfer`
+        does in that case).  Decided once per plugin-manager generation."""
+        pm = self._pm
+        if getattr(pm, "monitored", True):
+            return False
+        generation = getattr(pm, "generation", None)
+        direct = self._run_direct
+        if generation is None or direct[0] != generation:
+            impls = pm.hook.llmdd_run_transfer.get_hookimpls()
+            direct = self._run_direct = (generation, len(impls) == 1 and impls[0].plugin_name == _DEFAULT_RUN_TRANSFER)
+        return direct[1]
+
     def run_transfer(self, task: Any, run: Callable[[], Any]) -> Any:
         """Run one task through ``llmdd_run_transfer``; ``run`` executes at most once.
 
@@ -473,11 +525,9 @@ class Hooks:
         here; an implementation that returns a value without calling ``run``
         replaces the transfer.  Exceptions propagate (they are the task's outcome).
         """
+        if self.runs_transfers_directly():
+            return run()  # nobody intercepts: skip the hook machinery on the per-task path
         hook = self._pm.hook.llmdd_run_transfer
-        if not getattr(self._pm, "monitored", True):
-            impls = hook.get_hookimpls()
-            if len(impls) == 1 and impls[0].plugin_name == _DEFAULT_RUN_TRANSFER:
-                return run()  # nobody intercepts: skip the hook machinery on the per-task path
         once = _RunOnce(run)
         result = hook(task=task, run=once)
         if result is None:

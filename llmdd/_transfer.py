@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import struct
 import threading
 import time
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ._abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
+from ._abc import OP_DTYPE, Cancelled, PeerGone, Refused, TransportError, TransportTimeout
 from ._lifecycle.tables import LinkState
 from ._enums import Placement
 from ._log import get_logger
@@ -71,6 +72,16 @@ def _spans(blocks: Any) -> tuple:
     return tuple(m.Span(start=int(a), stop=int(b)) for a, b in zip(starts, stops))
 
 
+#: the kinds of queued owner notices, and the most of one kind sent in one message
+_READ, _PUSH = 0, 1
+MAX_NOTICE_BATCH = 1024
+
+
+def _push_args(cache_id: int, dst_blocks: Any, start: int, stop: int, failed: bool) -> dict:
+    spans = [[s.start, s.stop] for s in _spans(dst_blocks)] if dst_blocks else []
+    return {"cache_id": cache_id, "blocks": spans, "tensors": [start, stop], "failed": failed}
+
+
 def _one_slot(layout: CacheLayout, *, whole: bool) -> CacheLayout:
     """A blocks cache seen as a cache of one batch slot, as upstream's cache table describes it
     (batch size 1): the slot is one block on the sending side (``whole`` False: what a
@@ -81,6 +92,98 @@ def _one_slot(layout: CacheLayout, *, whole: bool) -> CacheLayout:
     size = layout.tensor_size if whole else layout.unit_size
     return CacheLayout(cache_id=layout.cache_id, region_ids=layout.region_ids, tensor_size=size, units=1,
                        is_blocks=False)
+
+
+_OP_ROWS: dict[int, struct.Struct] = {}  # packers of n OP_DTYPE rows (little-endian, packed as OP_DTYPE)
+
+
+def _op_rows(n: int) -> struct.Struct:
+    packer = _OP_ROWS.get(n)
+    if packer is None:
+        packer = _OP_ROWS[n] = struct.Struct("<" + "IQIQQ" * n)
+    return packer
+
+
+assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
+
+
+class _QuickPlan:
+    """What a small pull_blocks / push_blocks of one shape needs besides its block lists."""
+
+    __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
+                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block")
+
+    def __init__(self, link: Any, tables: Any, rec: Any, cache_id: int, src: CacheLayout, dst: CacheLayout,
+                 src_tensors: range, dst_tensors: range, push: bool) -> None:
+        self.link, self.tables, self.rec, self.regions = link, tables, rec, rec.regions
+        self.cv, self.rv = tables.cache_table_version, tables.regions_version
+        self.cache_id, self.src, self.dst, self.push = cache_id, src, dst, push
+        self.src_tensors, self.dst_tensors = src_tensors, dst_tensors
+        sreg, dreg = src.region_ids, dst.region_ids
+        # (local region, remote region) per tensor pair, in the planner's order
+        self.pairs = [(sreg[t1], dreg[t2]) if push else (dreg[t2], sreg[t1])
+                      for t1, t2 in zip(src_tensors, dst_tensors)]
+        self.bs, self.su, self.du = src.unit_size, src.units, dst.units
+        self.per_block = src.unit_size * len(self.pairs)
+
+    def ops(self, src_blocks: Any, dst_blocks: Any) -> tuple:
+        """(ops, total bytes): the ops :func:`plan_blocks` makes for these blocks (the same rows, in the
+        same order); blocks it would refuse, or more than it plans in plain Python, go through it."""
+        su, du = self.su, self.du
+        n = len(dst_blocks)
+        ok = 0 < n <= 16 and len(src_blocks) == n
+        if ok:
+            for b in src_blocks:
+                if type(b) is not int or not 0 <= b < su:
+                    ok = False
+                    break
+            for b in dst_blocks:
+                if type(b) is not int or not 0 <= b < du:
+                    ok = False
+                    break
+        if not ok:
+            return self._planned(src_blocks, dst_blocks)
+        if n == 1:
+            runs = ((src_blocks[0], dst_blocks[0], 1),)
+        else:
+            if len(set(dst_blocks)) != n:   # a destination block listed twice: the last pair wins
+                pairs = [(a, b) for i, (a, b) in enumerate(zip(src_blocks, dst_blocks)) if b not in dst_blocks[i + 1:]]
+            else:
+                pairs = zip(src_blocks, dst_blocks)
+            runs = []
+            ps = pd = -2
+            for a, b in pairs:
+                if a == ps + 1 and b == pd + 1:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([a, b, 1])
+                ps, pd = a, b
+        if len(runs) * len(self.pairs) > 64:
+            return self._planned(src_blocks, dst_blocks)
+        bs = self.bs
+        flat: list = []
+        blocks = 0
+        if self.push:   # local = src
+            for s0, d0, c in runs:
+                blocks += c
+            for lreg, rreg in self.pairs:
+                for s0, d0, c in runs:
+                    flat += (lreg, s0 * bs, rreg, d0 * bs, c * bs)
+        else:           # local = dst
+            for s0, d0, c in runs:
+                blocks += c
+            for lreg, rreg in self.pairs:
+                for s0, d0, c in runs:
+                    flat += (lreg, d0 * bs, rreg, s0 * bs, c * bs)
+        rows = len(flat) // 5
+        ops = np.frombuffer(bytearray(_op_rows(rows).pack(*flat)), dtype=OP_DTYPE)
+        return ops, blocks * self.per_block
+
+    def _planned(self, src_blocks: Any, dst_blocks: Any) -> tuple:
+        ops = plan_blocks(src=self.src, dst=self.dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+                          src_tensors=self.src_tensors, dst_tensors=self.dst_tensors,
+                          local="src" if self.push else "dst")
+        return ops, (int(ops["length"].sum()) if len(ops) else 0)
 
 
 class TransferEngine:
@@ -97,7 +200,9 @@ class TransferEngine:
         self._layouts: dict[tuple[int, int], tuple[int, CacheLayout]] = {}
         self._local_layouts: dict[int, tuple[Any, tuple, CacheLayout]] = {}
         self._blocks_refs: dict[int, Any] = {}  # model_id -> KeyRef of its blocks key (immutable)
-        self._read_done: dict[int, list] = {}
+        self._plans: dict[tuple, _QuickPlan] = {}  # the small-transfer path's per-shape plans
+        self._read_done: dict[int, list] = {}   # id(link) -> [link, queued notice, ...]
+        self._sending: dict[int, int] = {}       # id(link) -> batches of its notices the flusher is sending
         self._read_done_lock = threading.Condition()
         # id(link) -> {key index a peer reserved and still holds: its cache id}
         self._reservations: dict[int, dict[tuple, int]] = {}
@@ -202,30 +307,23 @@ class TransferEngine:
             link.transfer_lock.release()
             self._lm.require(link.peer_cluster_id)
 
-    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, task: Any = None) -> None:
-        """Move ``ops`` over ``link`` as one task step with the sync_kv_timeout deadline."""
-        n_ops = len(ops)
-        nbytes = (sum(ops["length"].tolist()) if n_ops <= 8 else int(ops["length"].sum())) if n_ops else 0
+    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, task: Any = None,
+                nbytes: Optional[int] = None) -> None:
+        """Move ``ops`` over ``link`` as one task step with the sync_kv_timeout deadline (``nbytes``:
+        the ops' total length when the caller knows it)."""
+        if nbytes is None:
+            n_ops = len(ops)
+            nbytes = (sum(ops["length"].tolist()) if n_ops <= 8 else int(ops["length"].sum())) if n_ops else 0
         own_task = task is None
         if own_task:
             task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
         task.fire("start", bytes=nbytes)
-
-        def run() -> None:
-            deadline = time.monotonic() + self.timeout_s
-            channel = link.channel
-            if channel is None:
-                raise PeerGone("the link has no data channel any more")
-            completion = (channel.write if write else channel.read)(ops, deadline=deadline)
-            if not completion.wait(max(0.0, deadline - time.monotonic())):
-                completion.cancel()
-                raise TransportTimeout(f"transfer not done within sync_kv_timeout ({self.timeout_s:.3f} s)")
-            if completion.error is not None:
-                raise completion.error
-
         try:
             if len(ops):
-                self._hooks.run_transfer(task, run)
+                if self._hooks.runs_transfers_directly():
+                    self._move(link, ops, write)
+                else:
+                    self._hooks.run_transfer(task, functools.partial(self._move, link, ops, write))
         except TransportTimeout as exc:
             link.failures += 1
             task.fire("deadline_expired", error=exc)
@@ -266,6 +364,112 @@ class TransferEngine:
         link.transfers += 1
         if own_task:
             task.fire("transfer_succeeded", bytes=nbytes)
+
+    def _move(self, link: Any, ops: np.ndarray, write: bool) -> None:
+        """One step's bytes over ``link``'s data channel, by the sync_kv_timeout deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        channel = link.channel
+        if channel is None:
+            raise PeerGone("the link has no data channel any more")
+        completion = (channel.write if write else channel.read)(ops, deadline=deadline)
+        if not completion.wait(max(0.0, deadline - time.monotonic())):
+            completion.cancel()
+            raise TransportTimeout(f"transfer not done within sync_kv_timeout ({self.timeout_s:.3f} s)")
+        if completion.error is not None:
+            raise completion.error
+
+    # ------------------------------------------------------------------ the small-transfer path
+    # pull_blocks / push_blocks with a BlocksCacheKey, no tag and a few int blocks (issue 21): the
+    # same steps, checks, errors and outcomes as pull() / push(), with what only depends on the
+    # shape of the call (the peer's cache id and layout, the placement rules, the tensor ranges, the
+    # per-tensor regions) kept per (direction, link, local cache, model id, layer ranges, tnpl) and
+    # valid while the peer's tables, the local record and its regions are the same objects/versions.
+    def _quick_plan(self, push: bool, link: Any, rec: Any, key: Any, src_layer_range: Any, dst_layer_range: Any,
+                    tnpl: int) -> Optional["_QuickPlan"]:
+        tables = link.tables
+        # ranges by (start, stop, step): range(0, 2, 2) == range(0, 1), but only one passes the checks
+        pk = (push, id(link), rec.cache_id, key.model_id,
+              None if src_layer_range is None else (src_layer_range.start, src_layer_range.stop, src_layer_range.step),
+              None if dst_layer_range is None else (dst_layer_range.start, dst_layer_range.stop, dst_layer_range.step),
+              tnpl)
+        plan = self._plans.get(pk)
+        if (plan is not None and plan.link is link and plan.tables is tables and plan.rec is rec
+                and plan.regions is rec.regions and plan.cv == tables.cache_table_version
+                and plan.rv == tables.regions_version):
+            return plan
+        # the steps of pull() / push() up to the planner, in their order (so their errors)
+        _, local = self.local_layout(rec.cache_id)
+        cache_id, _ = self._resolve_remote(link, key)
+        remote = self.remote_layout(link, cache_id)
+        kind = "push_blocks" if push else "pull_blocks"
+        self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="src" if push else "dst",
+                               kind=kind, remote_is_blocks=remote.is_blocks)
+        src, dst = (local, remote) if push else (remote, local)
+        if not src.is_blocks and not push:
+            return None  # a contiguous remote cache: pull() plans it
+        src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
+        dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
+        # the planner's checks of the two layouts (block 0 exists in any cache): raises as pull/push would
+        plan_blocks(src=src, dst=dst, src_blocks=[0], dst_blocks=[0], src_tensors=src_tensors,
+                    dst_tensors=dst_tensors, local="src" if push else "dst")
+        plan = _QuickPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push)
+        if len(self._plans) > 4096:
+            self._plans.clear()
+        self._plans[pk] = plan
+        return plan
+
+    def pull_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
+                          dst_layer_range: Any, tnpl: int) -> None:
+        """:meth:`pull` of kind ``pull_blocks`` for a ``BlocksCacheKey`` without a tag; the caller
+        checked the arguments (lists of ints, equal non-zero lengths)."""
+        rec = self._memory.get(cache.cache_id)
+        plan = None
+        if rec is not None and rec.live:
+            link = self._link_for(key.cluster_id)
+            plan = self._quick_plan(False, link, rec, key, src_layer_range, dst_layer_range, tnpl)
+        if plan is None:
+            self.pull(key, cache, kind="pull_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
+                      src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+            return
+        ops, nbytes = plan.ops(src_blocks, dst_blocks)
+        self._acquire(link)
+        try:
+            try:
+                self.run_ops(link, ops, write=False, kind="pull_blocks", nbytes=nbytes)
+            except LLMException as exc:
+                raise self._local_outcome(rec, exc, "pull_blocks") from None
+            if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
+                raise self._local_outcome(rec, None, "pull_blocks")
+        finally:
+            link.transfer_lock.release()
+        self._queue_notice(link, (_READ, plan.cache_id, tuple(src_blocks)))
+
+    def push_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
+                          dst_layer_range: Any, tnpl: int) -> None:
+        """:meth:`push` of kind ``push_blocks`` for a ``BlocksCacheKey`` without a tag; the caller
+        checked the arguments (lists of ints, equal non-zero lengths, non-empty layer ranges)."""
+        rec = self._memory.get(cache.cache_id)
+        plan = None
+        if rec is not None and rec.live:
+            link = self._link_for(key.cluster_id)
+            plan = self._quick_plan(True, link, rec, key, src_layer_range, dst_layer_range, tnpl)
+        if plan is None:
+            self.push(key, cache, kind="push_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
+                      src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+            return
+        ops, nbytes = plan.ops(src_blocks, dst_blocks)
+        dt = plan.dst_tensors
+        self._acquire(link)
+        try:
+            try:
+                self.run_ops(link, ops, write=True, kind="push_blocks", nbytes=nbytes)
+            except LLMException as exc:
+                err = self._local_outcome(rec, exc, "push_blocks")
+                self._push_notice(link, plan.cache_id, dst_blocks, dt, failed=True)
+                raise err from None
+        finally:
+            link.transfer_lock.release()
+        self._push_notice(link, plan.cache_id, dst_blocks, dt, failed=False)
 
     # ------------------------------------------------------------------ pulls
     def pull(self, key: Any, cache: Any, *, kind: str, batch_index: int = 0, size: int = -1,
@@ -356,7 +560,7 @@ class TransferEngine:
                                                             args={"id": int(reserved[0]),
                                                                   "model_id": int(reserved[1])}))
         if pulled and tag is None:   # a tagged pull's notice was delivered (acknowledged) above
-            self._queue_read_done(link, m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=spans))
+            self._queue_read_done(link, cache_id, tuple(src_blocks) if src_blocks else None)
 
     # ------------------------------------------------------------------ pushes
     def push(self, key: Any, cache: Any, *, kind: str, src_batch_index: int = 0,
@@ -420,6 +624,7 @@ class TransferEngine:
         failure with the error.  No acknowledgement within sync_kv_timeout: the link is unusable
         (as any timed-out step) and a successful transfer reports ``LLM_TIMEOUT``, since the owner
         may not have learnt it; a failure's notice is best effort (the link may be what failed)."""
+        self._flush_link(link)   # the untagged transfers' notices before this one (the owner sees them first)
         args: dict = {"cache_id": int(cache_id), "blocks": [[sp.start, sp.stop] for sp in spans],
                       "tag": tag[0], "tag_str": tag[1], "failed": error is not None,
                       "status": int(error.status_code.value) if error is not None else 0}
@@ -440,10 +645,9 @@ class TransferEngine:
                        f"{result.get('error', status)}", S.LLM_PARAM_INVALID)
 
     def _push_notice(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
-        spans = [[s.start, s.stop] for s in _spans(dst_blocks)] if dst_blocks else []
-        self._lm.notify(link, m.TransferRequest(request_id=0, op="push_done", args={
-            "cache_id": int(cache_id), "blocks": spans, "tensors": [dst_tensors.start, dst_tensors.stop],
-            "failed": failed}))
+        """Queue an untagged push's "push done" notice (best effort, sent by the flusher)."""
+        blocks = tuple(dst_blocks) if dst_blocks else None  # a copy: the caller may reuse its list
+        self._queue_notice(link, (_PUSH, int(cache_id), blocks, dst_tensors.start, dst_tensors.stop, failed))
 
     # ------------------------------------------------------------------ layer-wise async transfer
     def transfer_async(self, cache: Any, synchronizer: Any, configs: Sequence[Any], *,
@@ -668,6 +872,17 @@ class TransferEngine:
         return 0, {}
 
     def _serve_push_done(self, link: Any, args: Any) -> tuple[int, dict]:
+        if isinstance(args, dict) and "batch" in args:
+            # several untagged pushes' notices in one message (queued by the pusher, in order):
+            # the whole batch is validated before any of its events fires
+            batch = args["batch"]
+            if not isinstance(batch, list) or not 0 < len(batch) <= MAX_NOTICE_BATCH or len(args) != 1:
+                raise PeerInputError(f"push_done batch must be a list of 1 to {MAX_NOTICE_BATCH} notices")
+            checked = [self._check_transfer_done(link, item, "push_done") for item in batch]
+            for item in checked:
+                if item is not None:
+                    self._cache_event(item[0], "peer_written", error=item[1], **item[2])
+            return 0, {}
         return self._serve_transfer_done(link, args, "push_done")
 
     def _serve_tagged_read_done(self, link: Any, args: Any) -> tuple[int, dict]:
@@ -676,6 +891,15 @@ class TransferEngine:
     def _serve_transfer_done(self, link: Any, args: Any, what: str) -> tuple[int, dict]:
         """A peer's transfer on one of this engine's caches ended (``read_done``: it read, ``push_done``:
         it wrote): one "peer finished reading/writing" event, with the transfer's tag when it has one."""
+        checked = self._check_transfer_done(link, args, what)
+        if checked is not None:
+            self._cache_event(checked[0], "peer_written" if what == "push_done" else "peer_read", error=checked[1],
+                              **checked[2])
+        return 0, {}
+
+    def _check_transfer_done(self, link: Any, args: Any, what: str) -> Optional[tuple]:
+        """A transfer-done notice checked against this engine's tables: ``(record, error, event info)``,
+        or None when its cache is gone (a benign race); a violation raises PeerInputError."""
         if not isinstance(args, dict):
             raise PeerInputError(f"{what} arguments must be a map")
         failed = peer_bool(args.get("failed", False), f"{what} failed")
@@ -691,7 +915,7 @@ class TransferEngine:
         status = peer_int(args.get("status", 0), f"{what} status", 0, 2**32 - 1)
         rec = self._served_record(link, args.get("cache_id"), what)
         if rec is None:
-            return 0, {}
+            return None
         blocks = self._block_spans(rec, args.get("blocks", []), f"{what} blocks")
         info: dict = {"peer": link.peer_cluster_id, "blocks": blocks}
         tensors = args.get("tensors")
@@ -713,10 +937,11 @@ class TransferEngine:
             error = LLMException(f"a {verb} this cache by cluster {link.peer_cluster_id} failed"
                                  + ("; these blocks may be partially written" if what == "push_done" else ""),
                                  status_code=code)
-        self._cache_event(rec, "peer_written" if what == "push_done" else "peer_read", error=error, **info)
-        return 0, {}
+        return rec, error, info
 
     def _on_link_down(self, link: Any, args: dict) -> tuple[int, dict]:
+        for pk in [pk for pk, plan in list(self._plans.items()) if plan.link is link]:
+            self._plans.pop(pk, None)
         for task in list(self._async):
             task.link_down(link)
         with self._read_done_lock:
@@ -727,27 +952,91 @@ class TransferEngine:
             self._memory.finish_reserved(index, None, pulled=False)
         return 0, {}
 
-    # ------------------------------------------------------------------ batched read-done notices
-    def _queue_read_done(self, link: Any, entry: m.ReadDoneEntry) -> None:
+    # ------------------------------------------------------------------ batched owner notices
+    # A successful untagged pull's "read done" and an untagged push's "push done" are queued per link
+    # as plain tuples, and the flusher thread builds and sends them every _READ_DONE_FLUSH_S, in
+    # queue order: consecutive read-done entries as one ReadDone message, consecutive push notices as
+    # one push_done request carrying a batch (the owner fires one event per pull or push either way).
+    def _queue_read_done(self, link: Any, cache_id: int, src_blocks: Any) -> None:
+        self._queue_notice(link, (_READ, cache_id, src_blocks))
+
+    def _queue_notice(self, link: Any, item: tuple) -> None:
         with self._read_done_lock:
             wake = not self._read_done  # the flusher sleeps only while the queue is empty
-            self._read_done.setdefault(id(link), [link]).append(entry)
+            queued = self._read_done.get(id(link))
+            if queued is None:
+                self._read_done[id(link)] = [link, item]
+            else:
+                queued.append(item)
             if wake:
                 self._read_done_lock.notify()
 
     def _flush_loop(self) -> None:
+        sending = self._sending
         while True:
             with self._read_done_lock:
                 while not self._read_done and not self._closed:
                     self._read_done_lock.wait()
-                if self._closed:
-                    return
-                self._read_done_lock.wait(_READ_DONE_FLUSH_S)
+                if not self._closed:
+                    self._read_done_lock.wait(_READ_DONE_FLUSH_S)
                 batches, self._read_done = self._read_done, {}
-            for items in batches.values():
-                link, entries = items[0], items[1:]
-                for i in range(0, len(entries), 1024):
-                    self._lm.notify(link, m.ReadDone(entries=tuple(entries[i:i + 1024])))
+                closed = self._closed
+                for lid in batches:
+                    sending[lid] = sending.get(lid, 0) + 1
+            try:
+                for items in batches.values():
+                    self._send_notices_safely(items[0], items[1:])
+            finally:
+                with self._read_done_lock:
+                    for lid in batches:
+                        left = sending[lid] - 1
+                        if left:
+                            sending[lid] = left
+                        else:
+                            del sending[lid]
+                    self._read_done_lock.notify_all()   # _flush_link may wait for this batch
+            if closed:  # what was queued before close has been sent (best effort): done
+                return
+
+    def _flush_link(self, link: Any) -> None:
+        """Send ``link``'s queued notices now, after any batch of them the flusher is sending, so that
+        what follows on the link (a tagged transfer's acknowledged notice) reaches the owner after
+        them.  Waits at most sync_kv_timeout for the flusher; holds no lock while sending."""
+        lid = id(link)
+        deadline = time.monotonic() + self.timeout_s
+        with self._read_done_lock:
+            items = self._read_done.pop(lid, None)
+            while self._sending.get(lid):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._read_done_lock.wait(left)
+        if items is not None:
+            self._send_notices_safely(link, items[1:])
+
+    def _send_notices_safely(self, link: Any, items: list) -> None:
+        try:
+            self._send_notices(link, items)
+        except Exception as exc:  # noqa: BLE001 - best effort: a notice must not kill the flusher
+            _log.warning("llmdd.transfer.notice_failed", peer=link.peer_cluster_id, error=repr(exc))
+
+    def _send_notices(self, link: Any, items: list) -> None:
+        i, n = 0, len(items)
+        while i < n:
+            kind = items[i][0]
+            j = i
+            while j < n and j - i < MAX_NOTICE_BATCH and items[j][0] == kind:
+                j += 1
+            run = items[i:j]
+            if kind == _READ:
+                self._lm.notify(link, m.ReadDone(entries=tuple(
+                    m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=_spans(blocks) if blocks else ())
+                    for _, cache_id, blocks in run)))
+            else:
+                args = [_push_args(*item[1:]) for item in run]
+                self._lm.notify(link, m.TransferRequest(request_id=0, op="push_done", args=args[0] if len(args) == 1
+                                                        else {"batch": args}))
+            i = j
 
     # ------------------------------------------------------------------ non-blocking pulls
     def submit_pull(self, cluster_id: int, run: Any, callback: Any) -> "AsyncPull":

@@ -169,7 +169,144 @@ def cmd_shm_data_path(self) -> dict:
     return llmdd_shm.data_path()
 
 
+#: the engine's stages timed by :func:`cmd_small_profile` (inclusive wall time per call):
+#: (stage, object path from the worker's engine core, attribute)
+_STAGES = (
+    ("transport (hooks.run_transfer: channel read/write + wait)", "hooks", "run_transfer"),
+    ("planning (plan_blocks)", "_planner_mod", "plan_blocks"),
+    ("layouts (local_layout + remote_layout)", "transfers", "local_layout+remote_layout"),
+    ("link lookup + lock (_link_for + _acquire)", "transfers", "_link_for+_acquire"),
+    ("task lifecycle (tasks.create + every fire)", "tasks", "create"),
+    ("owner notices (notify / queue read_done)", "transfers", "_push_notice+_queue_read_done"),
+)
+
+
+def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id: int, num_blocks: int,
+                      blocks: int, tensors: int, n: int, top: int = 30) -> dict:
+    """Where one small ``pull_blocks`` / ``push_blocks`` spends its time, two ways:
+
+    * ``stages``: a per-stage timer: the engine methods of :data:`_STAGES` wrapped (in this worker
+      only, for this measurement only) with a ``perf_counter`` pair; median microseconds per call of
+      each stage and of the whole call, over ``n`` calls (the wrappers' own cost included);
+    * ``cprofile``: cProfile of ``n`` further calls (unwrapped), top ``top`` by cumulative and by
+      internal time.
+    """
+    import cProfile
+    import io
+    import pstats
+    import statistics
+
+    import llmdd
+    from llmdd import _planner, _transfer
+
+    cm = self.dd.cache_manager
+    cache = self.caches[model_id]
+    key = llmdd.BlocksCacheKey(remote, remote_model_id)
+    one = range(0, 1)
+    srcs = _draws(num_blocks, blocks, 2 * n, 21)
+    dsts = _draws(num_blocks, blocks, 2 * n, 22)
+    fn = cm.pull_blocks if op == "pull" else cm.push_blocks
+
+    def call(i):
+        fn(key, cache, srcs[i], dsts[i], src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=tensors)
+
+    for i in range(min(100, n)):
+        call(i)
+    engine = cm._transfers
+    core = engine._core
+    acc: dict = {}
+    pc = time.perf_counter
+
+    def wrap(obj, attr, stage):
+        orig = getattr(obj, attr)
+
+        def timed(*a, **k):
+            t0 = pc()
+            try:
+                return orig(*a, **k)
+            finally:
+                acc[stage][-1] += pc() - t0
+        setattr(obj, attr, timed)
+        return obj, attr, orig
+
+    restore = []
+    for stage, where, attrs in _STAGES:
+        acc[stage] = []
+        for attr in attrs.split("+"):
+            if where == "_planner_mod":
+                for mod in (_planner, _transfer):
+                    if hasattr(mod, attr):
+                        restore.append(wrap(mod, attr, stage))
+            elif where == "hooks":
+                restore.append(wrap(core.hooks, attr, stage))
+            elif where == "tasks":
+                restore.append(wrap(core.tasks, attr, stage))
+            elif hasattr(engine, attr):
+                restore.append(wrap(engine, attr, stage))
+    # every task transition (fire) of the tasks this call creates counts as lifecycle
+    fire_stage = "task lifecycle (tasks.create + every fire)"
+    machine_cls = None
+    orig_create = core.tasks.create
+
+    def create(*a, **k):
+        nonlocal machine_cls
+        t = orig_create(*a, **k)
+        if machine_cls is None:
+            machine_cls = type(t)
+            orig_fire = machine_cls.fire
+
+            def fire(self_, *fa, **fk):
+                t0 = pc()
+                try:
+                    return orig_fire(self_, *fa, **fk)
+                finally:
+                    acc[fire_stage][-1] += pc() - t0
+            machine_cls.fire = fire
+            restore.append((machine_cls, "fire", orig_fire))
+        return t
+    core.tasks.create = create
+    total = []
+    try:
+        for i in range(n):
+            for v in acc.values():
+                v.append(0.0)
+            t0 = pc()
+            call(i)
+            total.append(pc() - t0)
+    finally:
+        core.tasks.__dict__.pop("create", None)
+        for obj, attr, orig in reversed(restore):
+            if isinstance(obj, type):
+                setattr(obj, attr, orig)
+            elif obj in (_planner, _transfer):
+                setattr(obj, attr, orig)
+            else:
+                obj.__dict__.pop(attr, None)
+    stages = {s: round(statistics.median(v) * 1e6, 2) for s, v in acc.items()}
+    whole = statistics.median(total) * 1e6
+    stages["rest (argument checks, facade, glue)"] = round(whole - sum(stages.values()), 2)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(n, 2 * n):
+        call(i)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return {"op": op, "blocks": blocks, "tensors": tensors, "n": n, "whole_p50_us": round(whole, 2),
+            "stages_p50_us": stages, "cprofile": text.getvalue()}
+
+
+def cmd_transports(self) -> dict:
+    """The engine's transports: registered plugins, endpoints opened so far, and each link's transport."""
+    lm = self.dd._core.link_manager
+    return {"registered": sorted(lm.registry.names()), "endpoints_open": sorted(lm._endpoints),
+            "links": {str(k): v.get("transport") for k, v in self.dd.statistics()["links"].items()}}
+
+
 def install(worker_cls: type) -> None:
+    worker_cls.cmd_transports = cmd_transports
+    worker_cls.cmd_small_profile = cmd_small_profile
     worker_cls.cmd_shm_data_path = cmd_shm_data_path
     worker_cls.cmd_small_latency = cmd_small_latency
     worker_cls.cmd_cma_small_latency = cmd_cma_small_latency

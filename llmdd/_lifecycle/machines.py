@@ -80,8 +80,10 @@ class Tracked:
         self.id = resource_id
         self.info = info
         self._lifecycle = lifecycle
-        self._lock = threading.Lock()
-        self.state = INITIAL[lifecycle.machine]
+        # a machine driven by the compiled table alone (tasks) changes state under its lifecycle's
+        # statistics lock (one lock per transition); transitions-driven ones under their own
+        self._lock = threading.Lock() if lifecycle._tmachine is not None else None
+        self.state = lifecycle._initial
 
     @property
     def is_final(self) -> bool:
@@ -100,6 +102,32 @@ class Tracked:
         holds a lock records it in its outbox and delivers once the lock is released).
         """
         lc = self._lifecycle
+        tmachine = lc._tmachine
+        if tmachine is None:
+            with lc._stats_lock:   # the state and the statistics together
+                source = self.state
+                hit = lc._fast.get((source, trigger))
+                if hit is not None:
+                    dest, final = hit
+                    self.state = dest
+                    lc._triggers[trigger] += 1
+                    if source is not dest:
+                        live = lc._live
+                        live[source] -= 1
+                        if not final:
+                            live[dest] += 1
+                    if error is not None:
+                        lc._last_error = f"{type(error).__name__}: {error}"
+                else:
+                    lc._refused += 1
+            if hit is None:
+                raise InvalidStateError(
+                    f"{self.machine.value} {self.id!r}: trigger {trigger!r} is not allowed in state "
+                    f"{source.value!r}", status_code=LLMStatusCode.LLM_FAILED)
+            wants = lc._wants
+            if lc._emit is None or (wants is not None and not wants(error)):
+                return None  # nobody listens now: no event is built (a later subscriber gets later ones)
+            return self._emit(lc, source, dest, trigger, error, defer, info)
         with self._lock:
             source = self.state
             dest = lc._table.get((source, trigger))
@@ -108,18 +136,31 @@ class Tracked:
                 raise InvalidStateError(
                     f"{self.machine.value} {self.id!r}: trigger {trigger!r} is not allowed in state "
                     f"{source.value!r}", status_code=LLMStatusCode.LLM_FAILED)
-            if lc._tmachine is not None:
+            if tmachine is not None:
                 try:
                     getattr(self, "trigger")(trigger)
                 except MachineError as exc:  # the compiled table and transitions disagree: a bug
                     raise InvalidStateError(str(exc), status_code=LLMStatusCode.LLM_FAILED) from exc
             else:
                 self.state = dest
-            lc._account(source, dest, trigger, error)
-        if dest in FINAL[self.machine] and lc._tmachine is not None:
-            lc._tmachine.remove_model(self)
-        if lc._emit is None:
-            return None
+            # the statistics (Lifecycle._account, inlined: this runs several times per transfer)
+            final = dest in lc._final
+            with lc._stats_lock:
+                lc._triggers[trigger] += 1
+                if source is not dest:
+                    lc._live[source] -= 1
+                    if not final:
+                        lc._live[dest] += 1
+                if error is not None:
+                    lc._last_error = f"{type(error).__name__}: {error}"
+        if final and tmachine is not None:
+            tmachine.remove_model(self)
+        if lc._emit is None or (lc._wants is not None and not lc._wants(error)):
+            return None  # nobody listens now: no event is built (a later subscriber gets later ones)
+        return self._emit(lc, source, dest, trigger, error, defer, info)
+
+    def _emit(self, lc: "Lifecycle", source: enum.Enum, dest: enum.Enum, trigger: str, error: BaseException | None,
+              defer: Callable[[Callable[[], None]], Any] | None, info: dict) -> TransitionEvent:
         event = TransitionEvent(
             machine=self.machine, id=self.id, source=source, dest=dest, trigger=trigger,
             error=error, at=time.time(), info={**self.info, **info} if info else self.info)
@@ -137,13 +178,20 @@ class Tracked:
 class Lifecycle:
     """All resources of one machine kind in one engine."""
 
-    def __init__(self, machine: Machine, emit: Emit | None = None, *, use_transitions: bool | None = None) -> None:
+    def __init__(self, machine: Machine, emit: Emit | None = None, *, use_transitions: bool | None = None,
+                 wants: Callable[[BaseException | None], bool] | None = None) -> None:
         self.machine = machine
         self._emit = emit
+        #: ``wants(error)``: whether an event has a listener now (None: always build and emit)
+        self._wants = wants
+        self._final = FINAL[machine]
         self._table = compile_table(machine)
         if use_transitions is None:
             use_transitions = machine is not Machine.TASK
         self._tmachine = build_transitions_machine(machine, model=[]) if use_transitions else None
+        self._initial = INITIAL[machine]
+        #: (state, trigger) -> (dest, dest is final): the table as the hot path reads it
+        self._fast = {k: (dest, dest in self._final) for k, dest in self._table.items()}
         self._stats_lock = threading.Lock()
         self._live: collections.Counter[enum.Enum] = collections.Counter()
         self._triggers: collections.Counter[str] = collections.Counter()

@@ -84,6 +84,14 @@ class TaskState(enum.Enum):
     CANCELLED = "cancelled"
 
 
+# Members of these enums are singletons compared by identity, so hashing them by identity is
+# consistent with equality; it is a C slot instead of Enum.__hash__ (a Python call hashing the name),
+# which the lifecycle pays several times per transition (table lookup, live counts).
+for _states in (EngineState, LinkState, CommGroupState, CacheState, TaskState):
+    _states.__hash__ = object.__hash__  # type: ignore[method-assign]
+del _states
+
+
 def _t(trigger: str, source, dest) -> dict:
     return {"trigger": trigger, "source": source, "dest": dest}
 
