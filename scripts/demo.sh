@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Install llmdd and its built-in transport plugins into .venv, then run `llmdd demo`
-# (extra arguments are passed to it, e.g. `bash scripts/demo.sh --mode push`).
+# Install llmdd's runtime set into .venv (llmdd, its plugin distributions, matplotlib for the bench
+# plots, NIXL for the ucx transport; see scripts/_venv.sh: the same set scripts/test.sh installs,
+# skipped when current), then run `llmdd demo` (extra arguments are passed to it, e.g.
+# `bash scripts/demo.sh --mode push`).  Afterwards the command is .venv/bin/llmdd, or `llmdd` once
+# the venv is activated (`. .venv/bin/activate`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-plugins=()
-for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
-.venv/bin/python -m pip install -q -e . "${plugins[@]}"
+. scripts/_venv.sh
+llmdd_venv bench
 exec .venv/bin/llmdd demo "$@"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install llmdd, its built-in plugin distributions and the test tools into .venv,
-# then run the test suite (every test has a pytest-timeout).
+# Install llmdd's runtime set (scripts/_venv.sh: the same set scripts/demo.sh installs, skipped when
+# current) and the test tools on top into .venv, then run the test suite (every test has a
+# pytest-timeout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,13 +14,8 @@ if { ! command -v gcc >/dev/null || [ ! -f "$inc/Python.h" ]; } && command -v ap
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc python3-dev >/dev/null
 fi
 export LLMDD_REQUIRE_NATIVE=1
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-plugins=()
-for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
-.venv/bin/python -m pip install -q -e '.[test]' "${plugins[@]}"
-# the ucx plugin's engine: NIXL's CPU-capable wheel without its (unneeded) torch/CUDA requirements
-.venv/bin/python -m pip install -q --no-deps 'nixl-cu12==1.5.1'
+. scripts/_venv.sh
+llmdd_venv bench,test
 # torch CPU for the torch-registration test (optional for llmdd itself); the CPU build, where the
 # package index serves it, so that no CUDA libraries come along; elsewhere that one test skips and says so
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0+cpu' \
