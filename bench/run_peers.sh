@@ -4,10 +4,10 @@
 # against the peers: `llmdd bench --report RESULTS/results.json --peers RESULTS/peers`).
 #
 # Usage: bench/run_peers.sh [RESULTS_DIR]
-#   RESULTS_DIR   an `llmdd bench --out` directory (default: the newest bench/results/*/)
+#   RESULTS_DIR   an `llmdd bench --out` directory (default: the newest llmdd-bench-results/*/ or bench/results/*/)
 # Environment:
 #   PEERS_VENV    venv for the peers (default bench/results/.peers-venv, git-ignored; never the llmdd venv)
-#   LLMDD_PY      python of the llmdd venv (default .venv/bin/python)
+#   LLMDD_PY      python of the llmdd venv (default .venv/bin/python); LLMDD_PYTHONPATH its PYTHONPATH, if any
 #   PEER_RUNS     timed runs per workload (default 5); PEER_GIB buffer per side in GiB (default 1)
 #   INSTALL_TIMEOUT, RUN_TIMEOUT  seconds per install / per peer script (600 / 420)
 #
@@ -28,7 +28,7 @@ RUN_TIMEOUT="${RUN_TIMEOUT:-420}"
 
 RESULTS="${1:-}"
 if [ -z "$RESULTS" ]; then
-  RESULTS="$(ls -d "$ROOT"/bench/results/*/ 2>/dev/null | sort | tail -n 1)"
+  RESULTS="$(ls -td "$ROOT"/llmdd-bench-results/*/ "$ROOT"/bench/results/*/ 2>/dev/null | head -n 1)"
 fi
 RESULTS="${RESULTS%/}"
 if [ -z "$RESULTS" ] || [ ! -f "$RESULTS/results.json" ]; then
@@ -49,6 +49,7 @@ if [ ! -x "$PEERS_VENV/bin/python" ]; then
   python3 -m venv "$PEERS_VENV" >>"$OUT/install.log" 2>&1 || { note "venv: python3 -m venv $PEERS_VENV failed"; exit 1; }
 fi
 PY="$PEERS_VENV/bin/python"
+unset PYTHONPATH PYTHONHOME  # the peers' venv sees numpy and the peer's wheel only; LLMDD_PY keeps its own environment
 pipi() { timeout "$INSTALL_TIMEOUT" "$PY" -m pip install -q --disable-pip-version-check "$@" >>"$OUT/install.log" 2>&1; }
 has() { "$PY" -c "import $1" >>"$OUT/install.log" 2>&1; }
 version() { "$PY" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
@@ -111,4 +112,5 @@ run() {
 [ "$mooncake_ok" = 1 ] && run mooncake "$ROOT/bench/peers/mooncake_peer.py"
 note "finished $(date -u +%Y-%m-%dT%H:%M:%SZ) load $(cut -d' ' -f1-3 /proc/loadavg)"
 
-"$LLMDD_PY" -m llmdd bench --report "$RESULTS/results.json" --peers "$OUT"
+env ${LLMDD_PYTHONPATH:+PYTHONPATH="$LLMDD_PYTHONPATH"} "$LLMDD_PY" -m llmdd bench --report "$RESULTS/results.json" \
+  --peers "$OUT"
