@@ -58,7 +58,7 @@ PEER_MATCH = {
 
 
 def same_host(transport: str) -> bool:
-    return transport != "tcp"
+    return transport not in ("tcp", "tcp+tls")
 
 
 def anchor_match(figure: str, transport: str) -> list:

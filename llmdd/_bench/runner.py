@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import platform
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -20,6 +21,7 @@ import numpy as np
 from .common import GiB, KiB, MiB, Progress, load_average, rss_bytes
 from .worker import worker_main
 from .small import rows as small_rows
+from .tls import VARIANTS, TlsFiles
 
 PROMPT = 1
 DECODER = 2
@@ -160,6 +162,11 @@ def available_transports() -> list:
     return [info.name for info in registry.available()]
 
 
+def variants(available: list) -> list:
+    """The rows measured on request only (``VARIANTS``) whose transport is available here."""
+    return [v for v, base in VARIANTS.items() if base in available]
+
+
 def machine_facts() -> dict:
     model = "unknown"
     try:
@@ -194,6 +201,18 @@ class Run:
         self.p = progress
         self.spawn = mp.get_context("spawn")
         self.results: dict = {"anchors": {}, "transports": {}, "errors": []}
+        self._tls: Optional[TlsFiles] = None
+
+    def _engine(self, t: str) -> dict:
+        """A worker's ``init`` arguments for row ``t``: a variant names its base transport and settings."""
+        if t not in VARIANTS:
+            return {"transport": t}
+        if self._tls is None:
+            try:
+                self._tls = TlsFiles()
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                raise BenchError(f"{t}: {exc}") from None
+        return {"transport": VARIANTS[t], "options": dict(self._tls.options)}
 
     # steps are counted up front for the progress bar
     @staticmethod
@@ -275,8 +294,8 @@ class Run:
         prompt, d1 = start_peers(self.spawn, [f"{t}-prompt", f"{t}-decoder-1"], self.o.step_timeout)
         extra: list = []
         try:
-            pinfo = prompt.call("init", role="PROMPT", cluster_id=PROMPT, transport=t, listen=True)
-            d1.call("init", role="DECODER", cluster_id=DECODER, transport=t)
+            pinfo = prompt.call("init", role="PROMPT", cluster_id=PROMPT, listen=True, **self._engine(t))
+            d1.call("init", role="DECODER", cluster_id=DECODER, **self._engine(t))
             layouts = {}
             for mid, bb in enumerate(s.block_sizes, start=10):
                 nb = s.kv_bytes // NUM_TENSORS // bb
@@ -296,6 +315,8 @@ class Run:
             if link["status"] != "LLM_SUCCESS":
                 raise BenchError(f"{t}: link failed: {link}")
             res["link"] = link
+            if t == "tcp+tls" and not link.get("data_tls"):
+                raise BenchError(f"{t}: the link's data connections are not TLS: {link}")
             self.p.step(f"{t}: prompt and decoder linked ({link['transport']}, {link['link_s'] * 1e3:.1f} ms)")
             for bb in s.block_sizes:
                 mid, nb, name = layouts[bb]
@@ -382,7 +403,7 @@ class Run:
         need = max(s.decoders) - 1
         if need:
             extra.extend(start_peers(self.spawn, [f"{t}-decoder-{i + 2}" for i in range(need)], self.o.step_timeout))
-            broadcast(extra, "init", lambda i: {"role": "DECODER", "cluster_id": DECODER + 1 + i, "transport": t})
+            broadcast(extra, "init", lambda i: {"role": "DECODER", "cluster_id": DECODER + 1 + i, **self._engine(t)})
             broadcast(extra, "alloc", lambda i: {"nbytes": per_bytes, "name": name})
             broadcast(extra, "register_blocks", lambda i: {"model_id": mid, "num_tensors": NUM_TENSORS,
                                                           "num_blocks": nbd, "block_bytes": bb, "name": name})
@@ -424,7 +445,7 @@ class Run:
         server = start_peers(self.spawn, [f"{t}-link-server"], self.o.step_timeout)[0]
         clients: list = []
         try:
-            info = server.call("init", role="PROMPT", cluster_id=1000, transport=t, listen=True)
+            info = server.call("init", role="PROMPT", cluster_id=1000, listen=True, **self._engine(t))
             idle = {"rss_before_init": info["rss_before_init"], "rss_after_init": info["rss_after_init"],
                     "delta_bytes": info["rss_after_init"] - info["rss_before_init"],
                     "rss_process_start": info["rss_process_start"], "init_s": info["init_s"]}
@@ -432,7 +453,7 @@ class Run:
                         f"({info['rss_after_init'] / MiB:.1f} MiB total)")
             n = max(s.links)
             clients = start_peers(fork, [f"{t}-link-client-{i}" for i in range(n)], self.o.step_timeout)
-            broadcast(clients, "init", lambda i: {"role": "DECODER", "cluster_id": 2000 + i, "transport": t})
+            broadcast(clients, "init", lambda i: {"role": "DECODER", "cluster_id": 2000 + i, **self._engine(t)})
             rss0 = server.call("rss")
             time.sleep(0.05)
             self.p.step(f"{t}: {n} link clients ready")

@@ -85,8 +85,9 @@ class Worker:
 
     # ------------------------------------------------------------------ engine
     def cmd_init(self, role: str, cluster_id: int, transport: str, listen: bool = False,
-                 sync_ms: int = 20000) -> dict:
-        """Create and init the engine; reports RSS before and after ``init`` (no caches yet)."""
+                 sync_ms: int = 20000, options: Optional[dict] = None) -> dict:
+        """Create and init the engine; reports RSS before and after ``init`` (no caches yet).
+        ``options``: more engine options (a variant row's, e.g. tcp+tls's ``llmdd.tls_*``)."""
         import gc
 
         import llmdd
@@ -100,8 +101,10 @@ class Worker:
         cfg.sync_kv_timeout = sync_ms
         if listen:
             cfg.listen_ip_info = f"{HOST}:0"
+        extra = options or {}
         options = cfg.generate_options()
         options["llmdd.transport"] = transport
+        options.update(extra)
         dd = llmdd.LLMDataDist(llmdd.LLMRole[role], cluster_id)
         t0 = time.perf_counter()
         dd.init(options)
@@ -125,8 +128,11 @@ class Worker:
         ret, rets = self.dd.link_clusters([info], timeout_ms)
         link_s = time.perf_counter() - t0
         link = self.dd.statistics()["links"].get(remote) or {}
-        return {"status": ret.name, "per_cluster": [r.name for r in rets], "link_s": link_s,
-                "transport": link.get("transport"), "transport_reason": link.get("transport_reason")}
+        out = {"status": ret.name, "per_cluster": [r.name for r in rets], "link_s": link_s,
+               "transport": link.get("transport"), "transport_reason": link.get("transport_reason")}
+        if link.get("transport") == "tcp":   # do its data connections use TLS (the tcp+tls row)?
+            out["data_tls"] = bool(self.dd._core.link_manager.endpoint("tcp").statistics().get("tls"))
+        return out
 
     def cmd_link_stats(self) -> dict:
         return {str(k): {f: v[f] for f in ("transport", "bytes_read", "bytes_written", "transfers", "failures")}

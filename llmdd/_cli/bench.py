@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"results directory (default ./{DEFAULT_OUT}/<UTC stamp>/ under the current "
                              "directory, printed when the run starts)")
     parser.add_argument("--transport", action="append", default=None, metavar="NAME",
-                        help="measure only this transport (repeatable; default: every available one)")
+                        help="measure only this transport (repeatable; default: every available one); also "
+                             "tcp+tls, the tcp transport with TLS on control and data connections (on request only)")
     parser.add_argument("--cprofile", action="store_true",
                         help="also write cProfile listings of the decoder's pulls (profile_*.txt)")
     parser.add_argument("--profile", nargs="?", action=_ProfileRenamed, help=argparse.SUPPRESS)
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         _emit(results, args, table)
         return 0
 
-    from .._bench.runner import Options, Sizes, available_transports, run_bench
+    from .._bench.runner import Options, Sizes, available_transports, run_bench, variants
 
     transports = available_transports()
     if not transports:
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         print(no_transport_error("bench"), file=sys.stderr)
         return 1
     if args.transport:
-        unknown = [t for t in args.transport if t not in transports]
+        unknown = [t for t in args.transport if t not in transports + variants(transports)]
         if unknown:
             print(f"llmdd bench: transport(s) not available here: {', '.join(unknown)} "
                   f"(available: {', '.join(transports)})", file=sys.stderr)
