@@ -10,7 +10,7 @@ random block tables (src and dst permuted per tensor) for
 
 and in the same run the anchor: a single-thread ``process_vm_readv`` of the same blocks from (b)
 (one iovec per block, batches of IOV_MAX, iovecs prepared before timing), as
-shared/bench/anchors_memcpy.py part e measures it. Also p50/p99 of 1000 single-block (one
+``llmdd bench``'s ``cma_64k`` / ``cma_16k`` anchors measure it. Also p50/p99 of 1000 single-block (one
 tensor, 64 KiB) pulls, ``read`` + ``wait``, per memory kind. GB/s = 1e9 B/s, medians of --runs.
 
 Usage: python bench/smoke_shm.py [--runs 3]

@@ -3,8 +3,8 @@
 
 Workload: 64 tensors x 256 blocks x 64 KiB (1 GiB) held by a spawned "prompt" process; this
 process pulls every block with one batch of random block tables (src and dst permuted per
-tensor). In the same run a raw Python two-stream socket moves the same 1 GiB (the anchor of
-shared/bench/anchors_tcp.py: ``sendall`` of memoryview halves, ``recv_into`` a pre-faulted
+tensor). In the same run a raw Python two-stream socket moves the same 1 GiB (as ``llmdd bench``'s
+``tcp_2stream`` anchor: ``sendall`` of memoryview halves, ``recv_into`` a pre-faulted
 buffer). Runs alternate; medians are printed in GB/s (1e9 B/s) with the ratio tcp / raw.
 
 Usage: python bench/smoke_tcp.py [--runs 3]
