@@ -36,7 +36,8 @@ def _port() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_pull_feeds_counters_histogram_and_link_gauges():
+@pytest.mark.parametrize("peer_labels", [False, True], ids=["bounded", "peer_labels"])
+def test_pull_feeds_counters_histogram_and_link_gauges(peer_labels):
     port = _port()
     prompt = subprocess.Popen([sys.executable, "-c", PROMPT, str(port)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
@@ -47,7 +48,7 @@ def test_pull_feeds_counters_histogram_and_link_gauges():
         cfg = LLMConfig()
         cfg.enable_cache_manager = True
         dd.init(cfg.generate_options())
-        sub = MetricsSubscriber(registry)
+        sub = MetricsSubscriber(registry=registry, peer_labels=peer_labels)
         dd.add_plugin(sub)
         dst = np.zeros((2, 8 * 4096), dtype=np.uint8)
         cache = dd.cache_manager.register_blocks_cache(CacheDesc(2, [8, 4096], DataType.DT_UINT8),
@@ -63,9 +64,15 @@ def test_pull_feeds_counters_histogram_and_link_gauges():
             dd.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, [99], [0])  # out of range: refused
 
         get = registry.get_sample_value
-        labels = {"peer": "1", "transport": transport, "kind": "pull_blocks"}
+        labels = {"transport": transport, "kind": "pull_blocks"}
+        if peer_labels:
+            labels["peer"] = "1"
         assert get("llmdd_transfers_total", {**labels, "outcome": "ok"}) == 1
         assert get("llmdd_transfer_bytes_total", {**labels, "direction": "in"}) == 3 * 2 * 4096
+        other = {"transport": transport, "kind": "pull_blocks", "outcome": "ok"}
+        if not peer_labels:
+            other["peer"] = "1"
+        assert get("llmdd_transfers_total", other) is None   # the other label set does not exist
         assert get("llmdd_transfer_seconds_count", {"transport": transport, "kind": "pull_blocks"}) == 1
         assert get("llmdd_links", {"transport": transport, "state": "linked"}) == 1
         assert get("llmdd_caches", {"state": "registered"}) == 1

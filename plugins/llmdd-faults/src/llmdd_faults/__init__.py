@@ -3,7 +3,7 @@
 * :class:`Fault` / :class:`FaultPlan`: what goes wrong, on which call, and what fired;
 * :func:`wrap`: a transport class that runs another one under a plan;
 * :class:`FaultInjector`: the plan as an ordinary pluggy plugin of one engine
-  (``dd._pm.register(FaultInjector(plan))`` before ``init``).
+  (``dd.add_plugin(FaultInjector(plan))`` before ``init``).
 
 Installing the distribution changes nothing by itself: this module (the ``faults`` entry
 point) implements hooks only when the environment variable ``LLMDD_FAULTS`` holds a plan

@@ -5,16 +5,25 @@ or set ``LLMDD_METRICS=1`` and the installed distribution (entry-point group ``l
 subscribes one process-wide instance to every engine.  Installed alone it costs nothing.
 It turns lifecycle events into:
 
-* ``llmdd_transfers_total{peer, transport, kind, outcome}`` and
-  ``llmdd_transfer_bytes_total{peer, transport, kind, direction}``;
+* ``llmdd_transfers_total{transport, kind, outcome}`` and
+  ``llmdd_transfer_bytes_total{transport, kind, direction}``;
 * ``llmdd_transfer_seconds{transport, kind}`` (histogram, from a task's start to its end);
 * ``llmdd_transfer_failures_total{kind, status}`` (by upstream status code name);
 * ``llmdd_links{transport, state}`` and ``llmdd_link_transitions_total{trigger}``;
 * ``llmdd_caches{state}`` and ``llmdd_peer_reads_total`` / ``llmdd_peer_writes_total``.
 
-Expose them with ``prometheus_client.start_http_server(port)`` in the application, or
-read them from :data:`REGISTRY` (a framework may pass its own registry to
-:class:`MetricsSubscriber` and register that instance instead).
+**Bounded label sets.**  Every label takes its values from a fixed set (transport names,
+transfer kinds, outcomes, states, triggers, status codes), so the number of series does not grow
+with the number of peers.  A per-peer breakdown is opt-in: ``MetricsSubscriber(peer_labels=True)``
+(or ``LLMDD_METRICS_PEER_LABELS=1`` for the entry-point instance) adds a ``peer`` label (the peer's
+cluster id) to ``llmdd_transfers_total`` and ``llmdd_transfer_bytes_total``; with hundreds of
+peers that is hundreds of series per label combination, which is why it is off by default.
+
+**Registry.**  By default the series live in prometheus_client's default :data:`REGISTRY`, exposed
+by ``prometheus_client.start_http_server(port)`` in the application.  A framework that exposes
+its own registry (a worker process whose default registry nobody scrapes) passes it:
+``dd.add_plugin(MetricsSubscriber(registry=framework_registry))``.  One subscriber per registry
+(prometheus_client refuses a second set of the same metric names in one registry).
 """
 
 from __future__ import annotations
@@ -35,15 +44,22 @@ _TERMINAL = {"completed": "ok", "failed": "failed", "timed_out": "timeout", "can
 
 
 class MetricsSubscriber:
-    """A pluggy plugin object: register it on an engine with ``LLMDataDist.add_plugin(subscriber)``."""
+    """A pluggy plugin object: register it on an engine with ``LLMDataDist.add_plugin(subscriber)``.
 
-    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
+    ``registry``: the prometheus_client registry the series are registered in (default: the
+    process's default :data:`REGISTRY`).  ``peer_labels``: add the peer's cluster id as a
+    ``peer`` label to the transfer counters (unbounded with the number of peers; off by default).
+    """
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None, *, peer_labels: bool = False) -> None:
         reg = registry if registry is not None else REGISTRY
         self.registry = reg
+        self.peer_labels = bool(peer_labels)
+        peer = ["peer"] if self.peer_labels else []
         self.transfers = Counter("llmdd_transfers", "Transfer tasks by outcome",
-                                 ["peer", "transport", "kind", "outcome"], registry=reg)
+                                 [*peer, "transport", "kind", "outcome"], registry=reg)
         self.bytes = Counter("llmdd_transfer_bytes", "Bytes moved by transfer tasks",
-                             ["peer", "transport", "kind", "direction"], registry=reg)
+                             [*peer, "transport", "kind", "direction"], registry=reg)
         self.latency = Histogram("llmdd_transfer_seconds", "Transfer task duration", ["transport", "kind"],
                                  buckets=(50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                                           0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=reg)
@@ -91,12 +107,13 @@ class MetricsSubscriber:
             started = self._started.pop(event.id, None)
         peer = str(info.get("peer", started[2] if started else ""))
         transport = self._link_transport.get(_as_int(peer), "")
-        self.transfers.labels(peer, transport, kind, outcome).inc()
+        by_peer = (peer,) if self.peer_labels else ()
+        self.transfers.labels(*by_peer, transport, kind, outcome).inc()
         if started is not None:
             self.latency.labels(transport, kind).observe(time.perf_counter() - started[0])
             if outcome == "ok" and started[1]:
                 direction = "in" if kind.startswith("pull") else "out"
-                self.bytes.labels(peer, transport, kind, direction).inc(started[1])
+                self.bytes.labels(*by_peer, transport, kind, direction).inc(started[1])
         if outcome != "ok":
             status = getattr(event.error, "status_code", None)
             self.failures.labels(kind, getattr(status, "name", type(event.error).__name__)).inc()
@@ -121,16 +138,21 @@ def _as_int(text: str) -> Any:
         return text
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 _ENTRY_POINT_SUBSCRIBER: Optional[MetricsSubscriber] = None
 
 
 @hookimpl
 def llmdd_addhooks(pluginmanager) -> None:
-    """Entry-point load: subscribe one process-wide instance (default registry) to this engine."""
+    """Entry-point load: subscribe one process-wide instance (default registry) to this engine
+    when ``LLMDD_METRICS`` is set; ``LLMDD_METRICS_PEER_LABELS=1`` gives it the ``peer`` label."""
     global _ENTRY_POINT_SUBSCRIBER
-    if os.environ.get("LLMDD_METRICS", "0").lower() in ("", "0", "false", "no", "off"):
+    if not _env_flag("LLMDD_METRICS"):
         return
     if _ENTRY_POINT_SUBSCRIBER is None:
-        _ENTRY_POINT_SUBSCRIBER = MetricsSubscriber()
+        _ENTRY_POINT_SUBSCRIBER = MetricsSubscriber(peer_labels=_env_flag("LLMDD_METRICS_PEER_LABELS"))
     if not pluginmanager.is_registered(_ENTRY_POINT_SUBSCRIBER):
         pluginmanager.register(_ENTRY_POINT_SUBSCRIBER, name="llmdd-metrics-subscriber")
