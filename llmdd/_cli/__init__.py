@@ -69,6 +69,16 @@ def _add_global_options(parser: argparse.ArgumentParser, version: str, *, sub: b
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.verbose += getattr(args, "verbose_sub", 0)
+    if args.verbose:
+        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    return int(args._run(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``llmdd`` argument parser, every available subcommand included."""
     parser = argparse.ArgumentParser(prog="llmdd", description="llmdd: KV-cache transfer engine for "
                                      "disaggregated LLM inference")
     version = _version()
@@ -80,9 +90,4 @@ def main(argv: list[str] | None = None) -> int:
         add(p)
         _add_global_options(p, version, sub=True)
         p.set_defaults(_run=getattr(module, f"run_{name}", None) or module.run)
-    args = parser.parse_args(argv)
-    args.verbose += getattr(args, "verbose_sub", 0)
-    if args.verbose:
-        logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    return int(args._run(args) or 0)
+    return parser

@@ -295,3 +295,41 @@ def test_demo_forced_transport_that_is_not_there_says_which_are():
     proc = _run("demo", "--quick", "--transport", "shm", env=_env(LLMDD_DISABLED_PLUGINS="shm,ucx"))
     assert proc.returncode == 1
     assert "llmdd demo: --transport shm: no such transport is installed or loaded (here: tcp)" in proc.stderr
+
+
+# --------------------------------------------------------------------------- README commands
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for page in ("README.md", "docs/quickstart.md", "docs/doctor.md"):
+        text = (root / page).read_text(encoding="utf-8")
+        for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+            for line in block.splitlines():
+                line = line.split("#", 1)[0].strip()
+                if line.startswith((".venv/bin/llmdd", "llmdd ")):
+                    found.append((page, shlex.split(line)[1:]))
+    return found
+
+
+def test_documented_commands_exist_and_parse_as_written():
+    """Every `.venv/bin/llmdd ...` / `llmdd ...` line of the README, quick start and doctor pages is
+    a command this CLI accepts (the venv's bin/llmdd exists: the set-up scripts put it there)."""
+    from llmdd._cli import build_parser
+
+    commands = _documented_commands()
+    pages = {page for page, _ in commands}
+    assert {"README.md", "docs/quickstart.md"} <= pages, commands
+    assert os.path.exists(os.path.join(os.path.dirname(sys.executable), "llmdd"))
+    for page, argv in commands:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:   # --version / --help exit 0 after printing
+            assert exc.code == 0, (page, argv)
+            continue
+        assert callable(args._run), (page, argv)
