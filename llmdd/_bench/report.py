@@ -430,6 +430,8 @@ def markdown(runs: list, names: list) -> list:
     L.append("")
     L.append("Every moved byte verified in every run." if not unverified else
              "Runs with a byte that did not verify: " + ", ".join(f"`{u}`" for u in unverified) + ".")
+    if errors:
+        L.append("")
     for name, e in errors:
         L.append(f"- error in `{name}`, step {e['step']}: {e['error'].splitlines()[0]}")
     L += ["", "**Figures**", "", "| workload | " + " | ".join(f"llmdd {t}" for t in transports) + " |",
@@ -456,6 +458,14 @@ def markdown(runs: list, names: list) -> list:
             vals = [_ratio(r["ratios"], t, fig, refs[0]) for r in runs]
             cells.append("-" if _median(vals) is None else f"{_cell(vals, 'x')} {refs[0]}")
         L.append(f"| {label} | " + " | ".join(cells) + " |")
+    for fig, match in PEER_MATCH.items():
+        cells = []
+        for t in transports:
+            pk = match[0] if same_host(t) else match[1]
+            vals = [_ratio(r["ratios"], t, fig, pk) for r in runs]
+            cells.append("-" if _median(vals) is None else f"{_cell(vals, 'x')} {pk}")
+        if any(c != "-" for c in cells):
+            L.append(f"| {FIGURES[fig][0]} vs the peer | " + " | ".join(cells) + " |")
     L += ["", "**Anchors** (this machine, same runs)", "", "| anchor | value |", "|---|---:|"]
     for key, label in ANCHORS.items():
         kind = "lat" if "latency" in key or "rr" in key else "bw"
@@ -472,6 +482,8 @@ def markdown(runs: list, names: list) -> list:
                 L.append(f"| {label} | {_cell(vals, kind)} |")
         notes = sorted({s for r in runs for s in r.get("peers", {}).get("status", [])
                         if "failed" in s or "unavailable" in s or "not" in s})
+        if notes:
+            L.append("")
         for s in notes:
             L.append(f"- {s}")
     L += ["", "**Targets** (`llmdd/_bench/targets.toml`; verdict on the median of the runs that measured it)", "",
@@ -488,8 +500,8 @@ def markdown(runs: list, names: list) -> list:
             val = fmt(g["value"]) + f" {unit}" + ("" if n == 1 else " (" + ", ".join(fmt(v) for v in g["values"]) + ")")
         verdict = {True: "**met**", False: "**not met**", None: "not measured"}[g["met"]]
         note = f" ({g['note']})" if g["note"] else ""
-        L.append(f"| {g['id']} | {g['source']} | {g['target']} | {g['transport']} | {val} | {g['goal']} {unit}".rstrip()
-                 + f" | {verdict}{note} |")
+        goal = g["goal"] + ("x" if unit == "x" else f" {unit}" if unit else "")
+        L.append(f"| {g['id']} | {g['source']} | {g['target']} | {g['transport']} | {val} | {goal} | {verdict}{note} |")
     return L
 
 
