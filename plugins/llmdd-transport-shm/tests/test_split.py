@@ -175,3 +175,28 @@ def test_deadline_or_cancel_fails_the_batch_and_stops_the_pool_part(channel, mon
         assert c.done() and isinstance(c.error, Cancelled)
     assert stopped.is_set() and ep.statistics()["active_batches"] == 0
     assert ch.statistics()["failed"] == 1
+
+
+def test_a_forked_child_gets_a_fresh_copy_pool(channel):
+    conn, ep, ch, local = channel
+    lb, rb = _tables(17, 160)
+    c = ch.read(make_ops(1, lb * BLOCK, USER_RID, rb * BLOCK, BLOCK), deadline=time.monotonic() + 30)
+    assert c.wait(30) and c.error is None
+    assert llmdd_shm._pool.threads() >= 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no inherited copy thread, and the pool's lock is usable
+        try:
+            ok = llmdd_shm._pool.threads() == 0
+            done = threading.Event()
+            llmdd_shm._pool.submit(done.set)
+            ok = ok and done.wait(10) and llmdd_shm._pool.threads() == 1
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)

@@ -382,9 +382,14 @@ class _CopyPool:
         self._idle = 0
         self._pid = os.getpid()
 
+    def after_fork(self) -> None:
+        """In a forked child: the parent's threads do not exist here, and its lock may be held."""
+        self._lock = threading.Lock()
+        self._reset()
+
     def submit(self, work: Callable[[], None]) -> None:
         with self._lock:
-            if self._pid != os.getpid():  # a forked child: the parent's threads do not exist here
+            if self._pid != os.getpid():  # forked without the at-fork hook (os.fork from C)
                 self._reset()
             if self._idle:
                 self._idle -= 1
@@ -413,6 +418,8 @@ class _CopyPool:
 
 _POOL_MAX = 16
 _pool = _CopyPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.after_fork)
 
 
 class _SplitCompletion(Completion):
