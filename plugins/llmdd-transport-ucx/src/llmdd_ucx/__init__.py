@@ -35,7 +35,11 @@ Trust level: UCX enforces registrations through remote keys on RDMA hardware. Ov
 tcp it does not; there the owner's grants are enforced by the initiator (correct peers only):
 the channel refuses regions it was not given or that are not remote-accessible, and the owner's
 ``deregister``/``close`` ask every client over the notification channel to refuse and drain
-before they return (DRAIN/BYE, bounded by ``llmdd.ucx.control_timeout``).
+before they return (DRAIN/BYE, bounded by ``llmdd.ucx.control_timeout``).  ``describe()`` carries
+the agent's *full* metadata, with the remote key of every region registered here, remote-accessible
+or not: a linked peer that calls NIXL itself, going around this channel's checks, reads a region
+that is not remote-accessible (shown by ``bench/results-committed/issue14/ucx_keys.py``; memory
+never registered is refused by NIXL).  The keys travel only over the link's control connection.
 """
 
 from __future__ import annotations

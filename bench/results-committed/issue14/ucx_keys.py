@@ -1,0 +1,73 @@
+"""What a linked ucx peer can reach with the owner's NIXL metadata (issue 14, item 4).
+
+Run: python bench/results-committed/issue14/ucx_keys.py (output: ucx_keys.txt).  Two processes on one
+host: the owner registers a remote-accessible region, a region that is NOT remote-accessible, and keeps
+a buffer it never registers; the "attacker" connects with the owner's describe() only (what every
+linked peer receives) and then calls NIXL itself, going around the llmdd channel's checks.  Last, the
+llmdd channel is asked for the non-accessible region (it must refuse).
+"""
+import multiprocessing as mp, time, sys, os
+import numpy as np
+
+SIZE = 1 << 16
+
+def owner(conn):
+    from llmdd.lowlevel import MemRegion
+    from llmdd_ucx import UcxTransport
+    ep = UcxTransport({}).open_endpoint()
+    rng = np.random.default_rng(14)
+    bufs = {n: rng.integers(0, 256, SIZE, dtype=np.uint8) for n in ("acc", "noacc", "unreg")}
+    d_acc = ep.register(MemRegion(region_id=1, addr=bufs["acc"].ctypes.data, size=SIZE, remote_accessible=True, placement=0))
+    d_no = ep.register(MemRegion(region_id=2, addr=bufs["noacc"].ctypes.data, size=SIZE, remote_accessible=False, placement=0))
+    conn.send({"desc": ep.describe(), "acc": d_acc, "noacc": d_no, "unreg_addr": bufs["unreg"].ctypes.data,
+               "want": {k: v[:64].tobytes() for k, v in bufs.items()}})
+    conn.recv()
+    ep.close()
+
+def attacker(conn):
+    from llmdd.lowlevel import MemRegion
+    from llmdd_ucx import UcxTransport
+    info = conn.recv()
+    ep = UcxTransport({}).open_endpoint()
+    dst = np.zeros(SIZE, np.uint8)
+    ep.register(MemRegion(region_id=9, addr=dst.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
+    ch = ep.connect(info["desc"], timeout=10)   # only the description: no region descriptor added
+    agent, peer = ep._agent, ch._peer_name
+    out = {}
+    for what, addr in (("remote-accessible region", info["acc"]["addr"]), ("region NOT remote-accessible", info["noacc"]["addr"]),
+                       ("memory never registered", info["unreg_addr"])):
+        dst[:] = 0
+        try:
+            l = agent.get_xfer_descs(np.array([[dst.ctypes.data, 64, 0]], dtype=np.uint64), "DRAM")
+            r = agent.get_xfer_descs(np.array([[addr, 64, 0]], dtype=np.uint64), "DRAM")
+            h = agent.initialize_xfer("READ", l, r, peer)
+            st = agent.transfer(h)
+            t0 = time.monotonic()
+            while st == "PROC" and time.monotonic() - t0 < 10:
+                st = agent.check_xfer_state(h); time.sleep(0.001)
+            agent.release_xfer_handle(h)
+            key = {"remote-accessible region": "acc", "region NOT remote-accessible": "noacc", "memory never registered": "unreg"}[what]
+            out[what] = f"state {st}, bytes match owner: {dst[:64].tobytes() == info['want'][key]}"
+        except Exception as exc:
+            out[what] = f"refused by NIXL: {type(exc).__name__}: {str(exc)[:120]}"
+    # the llmdd channel itself, given the non-accessible region's descriptor
+    from llmdd.lowlevel import make_ops
+    try:
+        ch.add_remote_region(2, SIZE, info["noacc"])
+        c = ch.read(make_ops(9, 0, 2, 0, 64), deadline=time.monotonic() + 5); c.wait(10)
+        out["llmdd channel, region NOT remote-accessible"] = f"error: {c.error!r}"
+    except Exception as exc:
+        out["llmdd channel, region NOT remote-accessible"] = f"refused: {type(exc).__name__}: {exc}"
+    out["ucx tls"] = os.environ.get("UCX_TLS", "(default)")
+    conn.send(out)
+    ch.close(); ep.close()
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")
+    a1, a2 = ctx.Pipe(); b1, b2 = ctx.Pipe()
+    po = ctx.Process(target=owner, args=(a2,)); pa = ctx.Process(target=attacker, args=(b2,))
+    po.start(); pa.start()
+    info = a1.recv(); b1.send(info)
+    res = b1.recv()
+    for k, v in res.items(): print(f"{k}: {v}")
+    a1.send("done"); po.join(30); pa.join(30)
