@@ -45,6 +45,7 @@ from ._lifecycle.tables import LinkState
 from ._log import get_logger
 from ._options import K_TLS_CA, K_TLS_CERT, K_TLS_INSECURE, K_TLS_KEY, K_TLS_SERVER_NAME, is_local_address
 from ._options import tls_config
+from ._plugins import LazyCandidates
 from ._protocol import messages as m
 from ._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 from ._protocol.handshake import (
@@ -60,6 +61,9 @@ from ._protocol.handshake import (
 )
 from ._status import InvalidStateError, LLMException, LLMStatusCode
 from .plugin import LinkInfo
+
+#: the descriptor of a transport offered by name only (not probed, endpoint not opened; see offers())
+DEFERRED_KEY = "deferred"
 
 __all__ = ["LinkManager", "Link", "LinkSettings"]
 
@@ -736,7 +740,9 @@ class LinkManager:
             m.Error: self._on_error,
             m.Refuse: self._on_refuse,
         }
-        self.request_handlers: dict[str, Callable[[Link, dict], tuple[int, dict]]] = {}
+        self.request_handlers: dict[str, Callable[[Link, dict], tuple[int, dict]]] = {
+            "link_descriptor": self._serve_link_descriptor}
+        self._unavailable: set[str] = set()   # transports found unusable here after a deferred offer
         self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
         self.loop.on_dead(self._on_loop_dead)
         self._keepalive_seq = itertools.count(1)
@@ -819,18 +825,54 @@ class LinkManager:
 
     def offers(self) -> tuple[m.TransportOffer, ...]:
         """The transports this engine offers in a handshake (only the forced one when forced, so a
-        forcing client is honoured even though the server side decides)."""
+        forcing client is honoured even though the server side decides).
+
+        In automatic mode a transport whose endpoint is not open yet is offered *deferred*: by name,
+        with the descriptor ``{DEFERRED_KEY: True}``, neither probed nor opened (a probe or an
+        endpoint may be costly: NIXL's take about half a second).  When the server picks a
+        deferred offer the client probes and opens that one transport and sends the endpoint's
+        descriptor in a ``link_descriptor`` request before its tables (:meth:`connect_peer`)."""
         offers = []
-        for cand in self._registry.candidates():
-            if self.settings.forced_transport and cand.name != self.settings.forced_transport:
+        forced = self.settings.forced_transport
+        for name in self._registry.names():
+            if forced and name != forced:
+                continue
+            if not forced and name not in self._endpoints:
+                if name not in self._unavailable:
+                    offers.append(m.TransportOffer(name=name, descriptor={DEFERRED_KEY: True}))
+                continue
+            if not self._registry.probe(name).available:
                 continue
             try:
-                desc = self.endpoint(cand.name).describe()
+                desc = self.endpoint(name).describe()
             except (TransportError, OSError) as exc:
-                _log.warning("llmdd.transport.endpoint_failed", transport=cand.name, error=str(exc))
+                _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
                 continue
-            offers.append(m.TransportOffer(name=cand.name, descriptor=desc))
+            offers.append(m.TransportOffer(name=name, descriptor=desc))
         return tuple(offers)
+
+    def _open_deferred(self, name: str) -> Optional[Endpoint]:
+        """The endpoint of a transport this side offered deferred and the server chose: probed and
+        opened now; None (and never offered deferred again) when it cannot run here."""
+        if not self._registry.probe(name).available:
+            self._unavailable.add(name)
+            return None
+        try:
+            return self.endpoint(name)
+        except (TransportError, OSError) as exc:
+            _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
+            self._unavailable.add(name)
+            return None
+
+    def _serve_link_descriptor(self, link: Link, args: dict) -> tuple[int, dict]:
+        """Server side: the descriptor of the client's endpoint for a transport it offered deferred."""
+        desc = args.get("descriptor")
+        if (link.is_client or link.state is not LinkState.LINKING or link.session is None
+                or args.get("name") != link.transport or not isinstance(desc, dict)
+                or not (link.setup_descriptor or {}).get(DEFERRED_KEY) or desc.get(DEFERRED_KEY)):
+            return S.LLM_PARAM_INVALID.value, {"error": "no deferred transport offer waits for a descriptor"}
+        link.setup_descriptor = desc
+        return 0, {}
 
     # ------------------------------------------------------------------ per-link capabilities
     def _mint(self) -> tuple[int, bytes]:
@@ -1172,7 +1214,7 @@ class LinkManager:
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=hello.cluster_id,
                             same_host=self.host.same_ipc_domain(hello.host),
                             forced=self.settings.forced_transport, peer_transports=tuple(offered))
-            candidates = self._registry.candidates(offered)
+            candidates = LazyCandidates(self._registry, offered)   # probed only as far as the policy looks
             name = self._hooks.select_transport(info, candidates)
             if name is None:
                 none_here = "" if self._registry.candidates() else f"; the server: {_NO_TRANSPORT}"
@@ -1242,6 +1284,8 @@ class LinkManager:
             if link.state is not LinkState.LINKING or sess is None or sess.done:
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             deadline = sess.accepted_at + self.settings.handshake_s
+            if (link.setup_descriptor or {}).get(DEFERRED_KEY):
+                raise ProtocolError(f"the peer chose {link.transport!r} from a deferred offer but sent no descriptor")
             self._connect_channel(link, link.setup_descriptor or {}, deadline)
             link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
             # LINKED before our tables leave: the peer is LINKED only once they arrive, so by the time its
@@ -1448,12 +1492,23 @@ class LinkManager:
         Runs in the caller's thread; the connection moves to the I/O loop once authenticated."""
         if self._io_error is not None:
             raise LLMException(f"the engine's I/O loop stopped ({self._io_error})", status_code=S.LLM_LINK_FAILED)
-        if not self._registry.candidates():
+        if not any(True for _ in LazyCandidates(self._registry)):   # probes until one transport can run
             raise LLMException(f"cannot link to {host}:{port}: {_NO_TRANSPORT}", status_code=S.LLM_LINK_FAILED)
         if self.settings.total_time_s is not None and comm_id is not None:
             deadline = min(deadline, time.monotonic() + self.settings.total_time_s)
         grant_id, capability = self._mint()
-        conn, peer = self._client_handshake(host, port, deadline, capability=capability)
+        while True:
+            conn, peer, offers = self._client_handshake(host, port, deadline, capability=capability)
+            deferred = next((o for o in offers if o.name == peer.transport.name and o.descriptor.get(DEFERRED_KEY)),
+                            None)
+            if deferred is None or self._open_deferred(deferred.name) is not None:
+                break
+            # the server chose a transport offered deferred that cannot run here: hand the server's
+            # half-made link back (it fails and goes) and offer again without it
+            conn.close()
+            if time.monotonic() >= deadline:
+                raise LLMException(f"link to {host}:{port} failed: no time left after {deferred.name!r} turned out "
+                                   f"unusable here", status_code=S.LLM_LINK_FAILED)
         link: Optional[Link] = None
         try:
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=peer.cluster_id,
@@ -1465,6 +1520,12 @@ class LinkManager:
             # the peer connects its data channel to us once our tables are in: grant before they leave
             link.grant_id, link.capability = grant_id, capability
             self._grant_link(link, ())
+            if deferred is not None:   # our endpoint's descriptor, before the tables the server waits for
+                desc = self.endpoint(link.transport).describe()
+                (offer,) = self._with_capability((m.TransportOffer(name=link.transport, descriptor=desc),),
+                                                 capability)
+                self.notify(link, m.TransferRequest(request_id=0, op="link_descriptor",
+                                                    args={"name": link.transport, "descriptor": offer.descriptor}))
             self._send_initial_tables(link)
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
             if not link.tables_ready.is_set():
@@ -1485,8 +1546,9 @@ class LinkManager:
             raise LLMException(f"link to {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
 
     def _client_handshake(self, host: str, port: int, deadline: float, *,
-                          capability: bytes) -> tuple[ControlConnection, Any]:
-        """Connect and authenticate; returns the (blocking, not yet attached) connection and the peer.
+                          capability: bytes) -> tuple[ControlConnection, Any, tuple]:
+        """Connect and authenticate; returns the (blocking, not yet attached) connection, the peer and
+        the transports offered.
 
         A server over its pending-connection caps closes a new connection at once, before any
         answer: that attempt is retried, with a growing jittered pause, while the deadline
@@ -1539,7 +1601,7 @@ class LinkManager:
                 if peer.frame_key is not None and self.settings.client_tls is None:
                     # a secret and no TLS: every frame after the Welcome carries a MAC with a sequence number
                     conn.codec.enable_frame_mac(peer.frame_key, client=True)
-                return conn, peer
+                return conn, peer, offers
             except HandshakeRefused as exc:
                 conn.close()
                 if exc.by_peer and exc.refusal.status_code == S.LLM_ALREADY_LINK.value \

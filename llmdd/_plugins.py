@@ -304,6 +304,68 @@ def _where(exc: BaseException) -> str:
     return f"{last.filename}:{last.lineno}"
 
 
+class LazyCandidates(Sequence):
+    """The candidates of a link (registered here, available, offered by the peer), most preferred
+    first, probed only as far as they are looked at.
+
+    A transport's ``probe()`` may be costly (the ucx transport loads NIXL: a quarter of a second
+    and ~18 MiB); the default policy stops at the first same-host or network transport, so a link
+    that ends on shm never probes what comes after it.  ``len()``, indexing from the end and
+    ``tuple()`` probe everything, as a policy that looks at every candidate must."""
+
+    def __init__(self, registry: TransportRegistry, offered: Optional[Iterable[str]] = None) -> None:
+        self._registry = registry
+        self._offered = None if offered is None else frozenset(offered)
+        self._names = [n for n in registry.names() if self._offered is None or n in self._offered]
+        self._seen: list[TransportCandidate] = []
+        self._next = 0   # index into _names of the next name to probe
+
+    def _candidate(self, name: str) -> Optional[TransportCandidate]:
+        info = self._registry.probe(name)
+        if not info.available:
+            return None
+        cls = self._registry.get(name)
+        return TransportCandidate(name=name, priority=int(cls.priority), same_host_only=bool(cls.same_host_only),
+                                  info=info)
+
+    def _more(self) -> bool:
+        while self._next < len(self._names):
+            cand = self._candidate(self._names[self._next])
+            self._next += 1
+            if cand is not None:
+                self._seen.append(cand)
+                return True
+        return False
+
+    def __iter__(self):
+        i = 0
+        while i < len(self._seen) or self._more():
+            yield self._seen[i]
+            i += 1
+
+    def __len__(self) -> int:
+        while self._more():
+            pass
+        return len(self._seen)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice) or index < 0:
+            len(self)
+            return tuple(self._seen)[index]
+        while index >= len(self._seen) and self._more():
+            pass
+        return self._seen[index]
+
+    def has(self, name: str) -> bool:
+        """Is ``name`` a candidate?  Probes that transport only."""
+        if name not in self._names:
+            return False
+        return any(c.name == name for c in self._seen) or self._candidate(name) is not None
+
+    def __repr__(self) -> str:
+        return f"<LazyCandidates {[c.name for c in self._seen]} probed, {self._names[self._next:]} not yet>"
+
+
 @final
 class Hooks:
     """Typed calls into one engine's plugins (one per ``LLMDataDist``).
@@ -493,9 +555,12 @@ class Hooks:
         then fails for want of a transport); in strict mode it raises
         :class:`ValueError`.  Exceptions raised by a policy propagate.
         """
-        candidates = tuple(candidates)
+        if not isinstance(candidates, LazyCandidates):
+            candidates = tuple(candidates)
         name = self._pm.hook.llmdd_select_transport(link=link, candidates=candidates)
-        if name is None or any(c.name == name for c in candidates):
+        if name is None:
+            return name
+        if candidates.has(name) if isinstance(candidates, LazyCandidates) else any(c.name == name for c in candidates):
             return name
         message = f"llmdd_select_transport chose {name!r}, not one of {[c.name for c in candidates]}"
         _log.error("llmdd.hook.invalid_result", hook="llmdd_select_transport", result=repr(name),
