@@ -37,6 +37,10 @@ _CHILD = textwrap.dedent('''
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    trace = int(os.environ.get("LLMDD_IDLE_TRACE", "0"))
+    if trace:   # Python-level allocations (the RSS is then larger: tracemalloc's own bookkeeping)
+        import tracemalloc
+        tracemalloc.start(1)
     start = rss()
     import llmdd
     imported = rss()
@@ -63,6 +67,10 @@ _CHILD = textwrap.dedent('''
            "structlog_loaded": "structlog" in sys.modules, "asyncio_loaded": "asyncio" in sys.modules,
            "numpy_loaded": "numpy" in sys.modules, "top_mappings": top,
            "plugins": sorted(n for n, _ in dd._pm.list_name_plugin()) if getattr(dd, "_pm", None) else None}
+    if trace:
+        stats = tracemalloc.take_snapshot().statistics("filename")
+        out["traced_bytes"] = sum(st.size for st in stats)
+        out["tracemalloc_top"] = [[str(st.traceback[0].filename), st.size, st.count] for st in stats[:trace]]
     dd.finalize()
     print(json.dumps(out))
 ''')
@@ -107,6 +115,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--links", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3, help="idle measurements (fresh interpreters)")
     ap.add_argument("--no-plugin-breakdown", action="store_true")
+    ap.add_argument("--trace-top", type=int, default=25, help="tracemalloc: the N largest files (0: skip)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     load_before = _load()
@@ -120,6 +129,7 @@ def main(argv: Optional[list] = None) -> int:
             breakdown[name] = {"rss_idle_without": without, "plugin_cost_bytes": median - without}
         breakdown["(no plugin autoload)"] = {
             "rss_idle_without": measure_idle({"LLMDD_DISABLE_PLUGIN_AUTOLOAD": "1"})["rss_idle"]}
+    traced = measure_idle({"LLMDD_IDLE_TRACE": str(args.trace_top)}) if args.trace_top else None
     link = measure_per_link(args.links) if args.links else None
     doc = {
         "bench": "idle_rss",
@@ -130,6 +140,7 @@ def main(argv: Optional[list] = None) -> int:
         "idle": {"runs": idle, "rss_idle_median": median, "target_max": IDLE_MAX_BYTES,
                  "met": median <= IDLE_MAX_BYTES},
         "plugins": breakdown,
+        "tracemalloc": None if traced is None else {k: traced[k] for k in ("traced_bytes", "tracemalloc_top")},
         "per_link": None if link is None else {**link, "target_max": PER_LINK_MAX_BYTES,
                                               "met": link["rss_per_link_bytes"] <= PER_LINK_MAX_BYTES},
     }
@@ -139,6 +150,8 @@ def main(argv: Optional[list] = None) -> int:
         cost = b.get("plugin_cost_bytes")
         print(f"  without {name}: {b['rss_idle_without'] / MiB:.1f} MiB"
               + ("" if cost is None else f" (plugin costs {cost / MiB:.1f} MiB)"))
+    if traced:
+        print(f"tracemalloc: {traced['traced_bytes'] / MiB:.1f} MiB of Python objects in an idle engine")
     if link:
         print(f"per link: {link['rss_per_link_bytes'] / KiB:.1f} KiB over {link['links_to'] - link['links_from']} "
               f"links (target <= {PER_LINK_MAX_BYTES / KiB:.0f})")
