@@ -172,12 +172,13 @@ def cmd_shm_data_path(self) -> dict:
 #: the engine's stages timed by :func:`cmd_small_profile` (inclusive wall time per call):
 #: (stage, object path from the worker's engine core, attribute)
 _STAGES = (
-    ("transport (hooks.run_transfer: channel read/write + wait)", "hooks", "run_transfer"),
-    ("planning (plan_blocks)", "_planner_mod", "plan_blocks"),
-    ("layouts (local_layout + remote_layout)", "transfers", "local_layout+remote_layout"),
+    ("transport (TransferEngine._move: channel read/write + wait)", "transfers", "_move"),
+    ("planning (plan_blocks, _QuickPlan.ops)", "_planner_mod", "plan_blocks+ops"),
+    ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers",
+     "_quick_plan+local_layout+remote_layout"),
     ("link lookup + lock (_link_for + _acquire)", "transfers", "_link_for+_acquire"),
     ("task lifecycle (tasks.create + every fire)", "tasks", "create"),
-    ("owner notices (notify / queue read_done)", "transfers", "_push_notice+_queue_read_done"),
+    ("owner notices (queue for the flusher)", "transfers", "_queue_notice"),
 )
 
 
@@ -234,8 +235,8 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
         acc[stage] = []
         for attr in attrs.split("+"):
             if where == "_planner_mod":
-                for mod in (_planner, _transfer):
-                    if hasattr(mod, attr):
+                for mod in (_planner, _transfer, _transfer._QuickPlan):
+                    if attr in vars(mod):
                         restore.append(wrap(mod, attr, stage))
             elif where == "hooks":
                 restore.append(wrap(core.hooks, attr, stage))
@@ -278,7 +279,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
         for obj, attr, orig in reversed(restore):
             if isinstance(obj, type):
                 setattr(obj, attr, orig)
-            elif obj in (_planner, _transfer):
+            elif obj is _planner or obj is _transfer:
                 setattr(obj, attr, orig)
             else:
                 obj.__dict__.pop(attr, None)
