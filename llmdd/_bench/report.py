@@ -325,6 +325,7 @@ def plots(runs: list, out_dir: str) -> dict:
 
     # scaling with decoders (categorical counts) and links (integer counts)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.8))
+    fig.subplots_adjust(wspace=0.3)
     counts = sorted({int(k) for r in runs for f in r.get("transports", {}).values()
                      for k in f.get("decoders", {}) if k.isdigit()})
     pos = np.arange(len(counts))
@@ -346,7 +347,7 @@ def plots(runs: list, out_dir: str) -> dict:
     ax1.set_xlabel("decoders pulling from one prompt at once")
     ax1.set_ylabel("GB/s (1e9 B/s)")
     ax1.set_title("scaling with decoders", fontsize=10)
-    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(3, max(1, nser)))
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     link_counts = sorted({p["links"] for r in runs for f in r.get("transports", {}).values()
                           for p in f.get("links", {}).get("points", [])})
     for ti, t in enumerate(transports):
@@ -364,7 +365,7 @@ def plots(runs: list, out_dir: str) -> dict:
     ax2.set_xlabel("links to one server (log scale)")
     ax2.set_ylabel("MiB")
     ax2.set_title("server memory vs links", fontsize=10)
-    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(3, max(1, len(transports))))
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1)
     if title_runs:
         fig.suptitle(title_runs.strip(" ()"), fontsize=10)
     fig.savefig(os.path.join(out_dir, "scaling.png"), dpi=100, bbox_inches="tight")
