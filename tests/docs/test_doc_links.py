@@ -26,7 +26,7 @@ _CODE_SPAN = re.compile(r"`([^`\s]+)`")
 
 #: documents that live beside the repository, not in it (the design notes a clone lacks)
 _OUTSIDE = re.compile(r"\.\./shared\b|\bshared/(?:spec|seeds|bench)\b|\bDESIGN\.md\b|\bSTYLE\.md\b"
-                      r"|\bllm_datadist_api\.md\b|/work/")
+                      r"|\bllm_datadist_api\.md\b|\bRESULTS\.md\b|/work/")
 
 
 def _targets(text: str) -> list[str]:
@@ -76,6 +76,11 @@ def reference_problems(text: str, root: Path = ROOT) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=[S._display(p) for p in PAGES])
 def test_links_stay_in_the_repository_and_resolve(page: Path):
     assert link_problems(page) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[S._display(p) for p in PAGES])
+def test_no_reference_to_files_a_clone_lacks(page: Path):
+    assert reference_problems(page.read_text(encoding="utf-8")) == []
 
 
 def test_checks_catch_bad_links_and_references(tmp_path):
