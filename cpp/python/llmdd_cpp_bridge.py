@@ -444,10 +444,7 @@ class Bridge:
         if write:
             te._push_notice(link, remote_id, remote_blocks, dst_tensors, failed=False)
         else:
-            from llmdd._transfer import _spans
-
-            spans = _spans(remote_blocks) if remote_blocks else ()
-            te._queue_read_done(link, _m.ReadDoneEntry(cache_id=remote_id, key=None, block_spans=spans))
+            te._queue_read_done(link, int(remote_id), tuple(remote_blocks) if remote_blocks else None)
 
     @_call
     def pull_cache(self, src: tuple, dst_id: int, batch_index: int, size: int, ext: tuple) -> None:
