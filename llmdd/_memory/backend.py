@@ -169,6 +169,9 @@ def _create_shm(size: int) -> shared_memory.SharedMemory:
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         except Exception:  # pragma: no cover - tracker unavailable
             pass
+    # exactly owner read/write whatever the umask: 0600 is the creation mode, but a umask such as
+    # 277 would leave 0400 and lock this user's own peers (the shm transport) out of the pool
+    os.fchmod(shm._fd, 0o600)  # type: ignore[attr-defined]
     return shm
 
 

@@ -5,8 +5,8 @@ from /dev/shm, in a child process whose umask the test sets.
   device backends) and the shm transport's control segment are exactly 0600, owned by our user.
   The control: a file the same child creates there with mode 0666 reads back 0666, so a 0600 is
   the creation mode's doing, not the test's.
-* umask 277 (takes the owner's write bit away): the shm transport's own segments are still
-  exactly 0600 (fchmod after creation; 0400 would lock its same-user peers out).
+* umask 277 (takes the owner's write bit away): the pool segments and the shm transport's own
+  segments are still exactly 0600 (fchmod after creation; 0400 would lock same-user peers out).
 """
 
 from __future__ import annotations
@@ -72,6 +72,5 @@ def test_segments_are_0600_under_a_permissive_umask():
 def test_shm_transport_segments_stay_0600_under_a_restrictive_umask():
     got = _modes("277")
     assert got["control_0666"]["mode"] == 0o400          # the umask took the write bit (the control)
-    for what in ("shm_control", "shm_create"):
+    for what in ("shm_control", "shm_create", "pool_host", "pool_device"):
         assert got[what]["mode"] == 0o600, (what, oct(got[what]["mode"]))
-    assert stat.S_IMODE(got["pool_host"]["mode"]) & 0o077 == 0   # pools: never more than the owner's bits
