@@ -2,8 +2,8 @@
 
 Run: python bench/results-committed/issue14/ucx_keys.py (output: ucx_keys.txt).  Two processes on one
 host: the owner registers a remote-accessible region, a region that is NOT remote-accessible, and keeps
-a buffer it never registers; the "attacker" connects with the owner's describe() only (what every
-linked peer receives) and then calls NIXL itself, going around the llmdd channel's checks.  Last, the
+a buffer it never registers; the "attacker" connects with what every linked peer receives (the owner's describe() and
+both regions' descriptors, their keys loaded into NIXL) and then calls NIXL itself, going around the llmdd channel's checks.  Last, the
 llmdd channel is asked for the non-accessible region (it must refuse).
 """
 import multiprocessing as mp, time, sys, os
@@ -31,9 +31,16 @@ def attacker(conn):
     ep = UcxTransport({}).open_endpoint()
     dst = np.zeros(SIZE, np.uint8)
     ep.register(MemRegion(region_id=9, addr=dst.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
-    ch = ep.connect(info["desc"], timeout=10)   # only the description: no region descriptor added
+    ch = ep.connect(info["desc"], timeout=10)
     agent, peer = ep._agent, ch._peer_name
-    out = {}
+    # everything a linked peer is sent: the description above and both regions' descriptors, whose
+    # remote keys (where present) are loaded into NIXL as the channel would
+    for d in (info["acc"], info["noacc"]):
+        if d.get("metadata"):
+            agent.add_remote_agent(bytes(d["metadata"]))
+    out_keys = {"key sent for the remote-accessible region": bool(info["acc"].get("metadata")),
+                "key sent for the region NOT remote-accessible": bool(info["noacc"].get("metadata"))}
+    out = dict(out_keys)
     for what, addr in (("remote-accessible region", info["acc"]["addr"]), ("region NOT remote-accessible", info["noacc"]["addr"]),
                        ("memory never registered", info["unreg_addr"])):
         dst[:] = 0

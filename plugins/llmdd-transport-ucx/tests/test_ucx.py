@@ -328,3 +328,23 @@ def endpoint_statistics(state: dict) -> dict:
         st["bytes_written"] = sum(c.get("bytes_written", 0) for c in chans)
         out[name] = {k: v for k, v in st.items() if isinstance(v, (int, float, str, bool, type(None)))}
     return out
+
+
+@needs_nixl
+@pytest.mark.timeout(180)
+def test_a_linked_peer_gets_no_key_for_a_region_that_is_not_remote_accessible():
+    """Two processes (the committed probe): a peer holding everything a link sends it (description
+    and both region descriptors, keys loaded into NIXL) and calling NIXL itself reads the
+    remote-accessible region's exact bytes (the control: the direct path works) but NIXL has no key
+    for the region that is not remote-accessible, and the llmdd channel refuses it too."""
+    probe = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "results-committed",
+                         "issue14", "ucx_keys.py")
+    proc = subprocess.run([sys.executable, os.path.abspath(probe)], capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": " in line)
+    assert got["key sent for the remote-accessible region"] == "True"
+    assert got["key sent for the region NOT remote-accessible"] == "False"
+    assert got["remote-accessible region"] == "state DONE, bytes match owner: True"
+    assert got["region NOT remote-accessible"].startswith("refused by NIXL"), got
+    assert got["memory never registered"].startswith("refused by NIXL"), got
+    assert got["llmdd channel, region NOT remote-accessible"].startswith("refused: Refused"), got

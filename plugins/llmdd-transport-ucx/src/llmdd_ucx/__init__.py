@@ -13,7 +13,7 @@ Shape
   descriptor a peer needs: ``addr``, ``size``, ``dev_id``, a generation, and the agent's
   *partial* metadata for that region (its remote key), so regions registered after a link
   exists reach the peer through llmdd's own descriptor updates.
-* ``describe()``: the agent name and its full metadata (bytes). ``connect(peer)`` loads it
+* ``describe()``: the agent name and its connection metadata (bytes, no region key). ``connect(peer)`` loads it
   (``add_remote_agent``) and says HELLO over a NIXL notification; the owner loads the
   initiator's metadata from it and answers WELCOME (see :mod:`llmdd_ucx._proto`). No etcd,
   no listener thread, no side channel.
@@ -35,11 +35,13 @@ Trust level: UCX enforces registrations through remote keys on RDMA hardware. Ov
 tcp it does not; there the owner's grants are enforced by the initiator (correct peers only):
 the channel refuses regions it was not given or that are not remote-accessible, and the owner's
 ``deregister``/``close`` ask every client over the notification channel to refuse and drain
-before they return (DRAIN/BYE, bounded by ``llmdd.ucx.control_timeout``).  ``describe()`` carries
-the agent's *full* metadata, with the remote key of every region registered here, remote-accessible
-or not: a linked peer that calls NIXL itself, going around this channel's checks, reads a region
-that is not remote-accessible (shown by ``bench/results-committed/issue14/ucx_keys.py``; memory
-never registered is refused by NIXL).  The keys travel only over the link's control connection.
+before they return (DRAIN/BYE, bounded by ``llmdd.ucx.control_timeout``).  ``describe()`` and the
+HELLO carry the agent's connection metadata only; a region's remote key is sent (in its descriptor)
+only when the region is remote-accessible, so a linked peer that calls NIXL itself, going around this
+channel's checks, cannot address a region that is not remote-accessible: NIXL has no key for it
+(``bench/results-committed/issue14/ucx_keys.py``).  Over cma/tcp UCX does not enforce keys between
+processes of one user, so this narrows what NIXL will do for a peer; it is not a memory boundary.
+The keys travel only over the link's control connection.
 """
 
 from __future__ import annotations
@@ -459,7 +461,10 @@ class UcxEndpoint(Endpoint):
         self._stranded: list = []
         self._stats = {"regions": 0, "registered_bytes": 0, "clients": 0, "notifs_in": 0, "notifs_out": 0,
                        "drains": 0, "control_timeouts": 0, "last_error": None}
-        self._metadata = agent.get_agent_metadata()
+        # what peers receive: the agent's connection info only (no region keys); a region's remote
+        # key travels in its own descriptor, and only when the region is remote-accessible
+        self._metadata = agent.get_partial_agent_metadata(
+            api.nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], np.empty((0, 3), np.uint64)), True)
         self._log = _log.bind(agent=self._name)
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the notification loop early (a request awaits a reply, close)
@@ -489,13 +494,13 @@ class UcxEndpoint(Endpoint):
                 try:
                     dlist = self._agent.register_memory(
                         np.array([[region.addr, region.size, 0]], dtype=np.uint64), "DRAM")
-                    partial = self._agent.get_partial_agent_metadata(dlist, False)
+                    if region.remote_accessible:   # a key for peers only where they may reach it
+                        partial = self._agent.get_partial_agent_metadata(dlist, False)
                 except Exception as exc:  # noqa: BLE001
                     raise _nixl_error(exc, f"registering region {region.region_id}") from None
             self._gen += 1
             self._regs[region.region_id] = _LocalReg(region, dlist, self._gen)
             self._rebuild()
-            self._metadata = self._agent.get_agent_metadata()
         return {"transport": "ucx", "agent": self._name, "region_id": region.region_id, "addr": region.addr,
                 "size": region.size, "dev_id": 0, "mem": "DRAM", "gen": self._gen,
                 "remote_accessible": region.remote_accessible, "metadata": partial}
@@ -519,7 +524,6 @@ class UcxEndpoint(Endpoint):
                     self._agent.deregister_memory(reg.dlist)
                 except Exception as exc:  # noqa: BLE001
                     self._log.warning("llmdd.transport.ucx.deregister_failed", region=region_id, error=repr(exc))
-                self._metadata = self._agent.get_agent_metadata()
 
     def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "UcxChannel":
         deadline = time.monotonic() + timeout
@@ -539,7 +543,7 @@ class UcxEndpoint(Endpoint):
             self._channels.add(ch)
             self._by_peer.setdefault(name, set()).add(ch)
         try:
-            ok = self._request(name, _proto.HELLO, self._agent.get_agent_metadata(),
+            ok = self._request(name, _proto.HELLO, self._metadata,
                                max(0.05, deadline - time.monotonic()))
         except TransportError:
             ok = False
