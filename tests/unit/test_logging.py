@@ -133,3 +133,29 @@ def test_no_line_per_event_of_the_hook_machinery(llmdd_hooks, llmdd_log_output):
         task.fire("layer_transferred")
     task.fire("transfer_succeeded")
     assert len(llmdd_log_output.entries) == len(llmdd_log_output.events("llmdd.task.transition")) == 102
+
+
+def test_binding_a_logger_does_not_load_structlog_and_keeps_its_fields():
+    """bind/new/unbind stay lazy (an endpoint binds at creation: loading structlog there cost each
+    side's first link ~0.2 s); the fields still reach the line when one is written."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys\n"
+        "from llmdd._log import get_logger\n"
+        "log = get_logger('llmdd.t', a=1).bind(b=2).new(c=3).bind(d=4).try_unbind('c')\n"
+        "log.info('quiet')\n"
+        "assert 'structlog' not in sys.modules, 'bind loaded structlog'\n"
+        "try:\n"
+        "    log.unbind('zz')\n"
+        "    raise SystemExit('unbind of a missing key must raise KeyError')\n"
+        "except KeyError:\n"
+        "    pass\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
+        "log.info('shown', e=5)\n"
+        "assert 'structlog' in sys.modules\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "shown d=4 e=5", out.stdout
