@@ -73,15 +73,20 @@ DEFAULTS: dict = {
     "cluster_id": None,         # the llmdd cluster id of this instance (default: from vLLM's engine_id)
     "transport": None,          # force "shm" or "tcp" (default: llmdd's automatic choice)
     "sync_kv_timeout_ms": 5000,  # deadline of one transfer step (llmdd sync_kv_timeout)
-    "link_timeout_ms": 5000,    # deadline of one link_clusters call
+    "link_timeout_ms": 30000,   # deadline of linking to a prefill instance (attempts of a third each)
     "free_timeout_s": 480,      # prefill side: free unread blocks after this (NixlConnector's
                                 # VLLM_NIXL_ABORT_REQUEST_TIMEOUT default)
-    "llmdd_options": {},        # further llmdd engine options, passed to init as given
+    "llmdd_options": {},        # further llmdd engine options, passed to init as given (over ENGINE_DEFAULTS)
 }
+#: llmdd engine options the connector sets unless llmdd_options overrides them: vLLM's workers are
+#: busy processes (and a loaded host may deschedule them for seconds), so a link is declared lost
+#: after 30 s of silence instead of llmdd's 5 s; a killed peer is still seen at once (its sockets close)
+ENGINE_DEFAULTS: dict = {"llmdd.peer_timeout_ms": "30000", "llmdd.keepalive_interval_ms": "2000"}
 #: the parameters a decode request needs from the prefill instance (all set by request_finished)
 _REQUIRED = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port", "remote_cluster_id",
              "llmdd_layout")
 _MODEL_ID = 0
+LINK_ATTEMPTS = 3
 _MAX_TAG = 256
 
 
@@ -128,6 +133,7 @@ class RecvJob:
     src: list
     dst: list
     layout: str
+    retried: bool = False
 
 
 @dataclasses.dataclass
@@ -358,7 +364,7 @@ class _WorkerSide:
         self.linked: dict = {}          # cluster id -> (host, port)
         self.stats = {"requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
                       "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
-                      "freed_after_failed_read": 0, "freed_by_timeout": 0, "pending_sends": 0,
+                      "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
                       "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
@@ -384,6 +390,7 @@ class _WorkerSide:
         options = dict(cfg.generate_options())
         if opts["transport"]:
             options["llmdd.transport"] = opts["transport"]
+        options.update(ENGINE_DEFAULTS)
         options.update({str(k): str(v) for k, v in dict(opts["llmdd_options"]).items()})
         role = LLMRole.MIX if (self.c._producer and self.c._consumer) else (
             LLMRole.PROMPT if self.c._producer else LLMRole.DECODER)
@@ -448,11 +455,15 @@ class _WorkerSide:
                     tag, ok = self.tags.get_nowait()
                 except queue.Empty:
                     break
-                self.read.setdefault(tag, (now, ok))
+                if ok:
+                    self.read.setdefault(tag, now)
+                else:
+                    # a failed read: the decoder may retry it, so the blocks stay (the timeout frees
+                    # them if it never reads them)
+                    self.stats["failed_reads_seen"] += 1
             for req_id in list(self.sending):
-                seen = self.read.pop(req_id, None)
-                if seen is not None:
-                    self.stats["freed_by_tag" if seen[1] else "freed_after_failed_read"] += 1
+                if self.read.pop(req_id, None) is not None:
+                    self.stats["freed_by_tag"] += 1
                 elif now >= self.sending[req_id]:
                     self.stats["freed_by_timeout"] += 1
                 else:
@@ -461,7 +472,7 @@ class _WorkerSide:
                 out.finished_sending.add(req_id)
             # a tag of no request of ours (a stale or foreign reader): forget it after the timeout
             horizon = float(self.c._opts["free_timeout_s"])
-            for tag in [t for t, (at, _) in self.read.items() if now - at > horizon]:
+            for tag in [t for t, at in self.read.items() if now - at > horizon]:
                 del self.read[tag]
             self.stats["pending_sends"] = len(self.sending)
         return out
@@ -485,14 +496,16 @@ class _WorkerSide:
             if have == (job.host, job.port) and state == "linked":
                 return
             self._unlink(job.cluster_id, *have)
-        # one link_clusters call may fail early (a loaded peer answering its handshake late): retry
-        # within link_timeout_ms, then give up (the request is recomputed)
+        # a first link_clusters call may fail (seen under load, early or by its deadline, while the
+        # next one succeeds): up to LINK_ATTEMPTS attempts of a third of link_timeout_ms each, then
+        # the request is recomputed (a peer that is gone refuses each attempt at once)
         budget_ms = int(self.c._opts["link_timeout_ms"])
+        attempt_ms = max(500, budget_ms // 3)
         deadline = time.monotonic() + budget_ms / 1000.0
         attempt = 0
         while True:
             attempt += 1
-            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            left_ms = max(1, min(attempt_ms, int((deadline - time.monotonic()) * 1000)))
             ret, rets = self.dd.link_clusters([_cluster_info(job.cluster_id, job.host, job.port, self.c._opts["local_host"])], left_ms)
             status = rets[0] if rets else ret
             if status == LLMStatusCode.LLM_SUCCESS:
@@ -500,12 +513,12 @@ class _WorkerSide:
             why = self.dd.statistics()["links"].get(job.cluster_id, {}).get("last_error")
             with self.lock:
                 self.stats["link_failures"] += 1
-            if time.monotonic() + 0.1 >= deadline or status == LLMStatusCode.LLM_PARAM_INVALID:
+            if (attempt >= LINK_ATTEMPTS or time.monotonic() + 0.1 >= deadline
+                    or status == LLMStatusCode.LLM_PARAM_INVALID):
                 raise LLMException(f"link to cluster {job.cluster_id} at {job.host}:{job.port}: {status.name} "
                                    f"after {attempt} attempt(s) ({why})", status_code=status)
             _log.info("llmdd_vllm: link to cluster %d: %s (%s), retrying", job.cluster_id, status.name, why)
             self._unlink(job.cluster_id, job.host, job.port)
-            time.sleep(min(0.1 * attempt, 0.5))       # back-off between attempts, bounded by the deadline
         self.linked[job.cluster_id] = (job.host, job.port)
         transport = self.dd.statistics()["links"].get(job.cluster_id, {}).get("transport")
         with self.lock:
@@ -530,6 +543,14 @@ class _WorkerSide:
 
         def done(status) -> None:
             ok = status == LLMStatusCode.LLM_SUCCESS
+            if not ok and not job.retried and status in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
+                # the link went down under this pull (queued or running): relink and pull once more
+                _log.info("llmdd_vllm: pull of %s ended %s: relinking, one retry", job.req_id, status.name)
+                job.retried = True
+                with self.lock:
+                    self.stats["pull_retries"] += 1
+                self.jobs.put(job)
+                return
             if not ok:
                 _log.warning("llmdd_vllm: pull of %s from cluster %d ended %s", job.req_id, job.cluster_id,
                              getattr(status, "name", status))

