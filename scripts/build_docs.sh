@@ -12,7 +12,8 @@ if ! .venv/bin/python -c "import mkdocs, material, mkdocstrings, mkdocstrings_ha
   mapfile -t reqs < <(.venv/bin/python - <<'PYEOF'
 import re
 text = open("pyproject.toml", encoding="utf-8").read()
-block = re.search(r"^docs\s*=\s*\[(.*?)\]", text, re.S | re.M).group(1)
+# the list ends at a "]" alone on its line (a requirement such as mkdocstrings[python] holds one too)
+block = re.search(r"^docs\s*=\s*\[(.*?)^\]", text, re.S | re.M).group(1)
 print("\n".join(re.findall(r'"([^"]+)"', block)))
 PYEOF
 )
