@@ -24,9 +24,11 @@ from ._abc import coalesce_ops as coalesce_ops
 from ._abc import make_ops as make_ops
 from ._abc import split_ops as split_ops
 from ._memory.segments import segment_name as segment_name
+from ._log import get_logger as get_logger
 from ._status import TransportError as TransportError
 
 __all__ = [
+    "get_logger",
     "segment_name",
     "OP_DTYPE",
     "MemRegion",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-from llmdd._log import get_logger
+from llmdd.lowlevel import get_logger
 from llmdd.plugin import LinkInfo, TransportCandidate, TransportRegistry, hookimpl
 
 from ._plan import Fault, FaultPlan, _set_current_peer

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import attrs
 
-from llmdd._log import get_logger
+from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout
 
 __all__ = [

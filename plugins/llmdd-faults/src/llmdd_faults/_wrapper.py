@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Mapping, Optional, Union
 
 import numpy as np
 
-from llmdd._log import get_logger
+from llmdd.lowlevel import get_logger
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
     Cancelled,

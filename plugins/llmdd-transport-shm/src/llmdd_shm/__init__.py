@@ -63,8 +63,9 @@ from typing import Any, Callable, Mapping as TMapping, Optional, Union
 import numpy as np
 import pluggy
 
-from llmdd._log import get_logger
-from llmdd._status import LLMStatusCode, TransportError
+from llmdd.lowlevel import get_logger
+from llmdd.lowlevel import TransportError
+from llmdd.status import LLMStatusCode
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
     Cancelled,

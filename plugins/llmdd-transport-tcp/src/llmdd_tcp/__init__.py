@@ -85,9 +85,10 @@ import numpy as np
 import pluggy
 
 from llmdd._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull
-from llmdd._log import get_logger
+from llmdd.lowlevel import get_logger
 from llmdd._options import TlsConfig, tls_config
-from llmdd._status import LLMStatusCode, TransportError
+from llmdd.lowlevel import TransportError
+from llmdd.status import LLMStatusCode
 from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
     Cancelled,

@@ -56,8 +56,8 @@ from typing import Any, Callable, Mapping, Optional, Union
 import numpy as np
 import pluggy
 
-from llmdd._log import get_logger
-from llmdd._status import TransportError
+from llmdd.lowlevel import get_logger
+from llmdd.lowlevel import TransportError
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import (
     Cancelled,
