@@ -85,7 +85,10 @@ class RankTable:
         raise _invalid(f"rank_table has no rank {rank_id}.")
 
 
-def _parse_devices(doc: dict, what: str, *, need_rank: bool) -> list[RankMember]:
+def _parse_devices(doc: dict, what: str, *, need_rank: bool, need_ip: bool = True) -> list[RankMember]:
+    """The members of ``server_list[*].device[*]``.  ``need_ip`` False (``local_comm_res``): a
+    device without ``device_ip`` is taken, with ``device_ip`` "" (upstream's comm-res reader
+    treats it as optional, as it does ``device_port``); a rank table needs it to reach a member."""
     servers = doc.get("server_list")
     if not isinstance(servers, list) or not servers:
         raise _invalid(f"{what}: server_list must be a non-empty list.")
@@ -101,8 +104,8 @@ def _parse_devices(doc: dict, what: str, *, need_rank: bool) -> list[RankMember]
             where = f"server_list[{s_index}].device[{d_index}]"
             if not isinstance(dev, dict):
                 raise _invalid(f"{what}: {where} must be an object.")
-            if "device_id" not in dev or "device_ip" not in dev:
-                raise _invalid(f"{what}: {where} needs device_id and device_ip.")
+            if "device_id" not in dev or (need_ip and "device_ip" not in dev):
+                raise _invalid(f"{what}: {where} needs device_id" + (" and device_ip." if need_ip else "."))
             if need_rank and "rank_id" not in dev:
                 raise _invalid(f"{what}: {where} needs rank_id.")
             rank = _digits(dev["rank_id"], f"{where}.rank_id", what) if need_rank else -1
@@ -110,7 +113,7 @@ def _parse_devices(doc: dict, what: str, *, need_rank: bool) -> list[RankMember]
             members.append(RankMember(
                 rank_id=rank,
                 device_id=_digits(dev["device_id"], f"{where}.device_id", what),
-                device_ip=_ip(dev["device_ip"], f"{where}.device_ip", what),
+                device_ip=_ip(dev["device_ip"], f"{where}.device_ip", what) if "device_ip" in dev else "",
                 server_id=server_id,
                 super_device_id=None if sdid is None else _digits(sdid, f"{where}.super_device_id", what),
             ))
@@ -163,9 +166,9 @@ def parse_local_comm_res(text: str) -> LocalCommRes:
     if version == "1.0":
         # upstream's 1.0 reader takes version and server_list[*].device[*] (device_id, optional
         # device_ip / device_port) and ignores every other key: server_count, status, rank_id
-        devices = _parse_devices(doc, what, need_rank=False)
+        devices = _parse_devices(doc, what, need_rank=False, need_ip=False)
     elif version == "1.2":
-        devices = _parse_devices(doc, what, need_rank=False)
+        devices = _parse_devices(doc, what, need_rank=False, need_ip=False)
         if "super_pod_list" in doc and not isinstance(doc["super_pod_list"], list):
             raise _invalid(f"{what}: super_pod_list must be a list.")
     else:  # 1.3: HixlCS endpoint description; llmdd reads only the version, endpoints come from listen info

@@ -62,7 +62,8 @@ def test_value_types_take_bools_as_ints():
     assert desc.num_tensors == 1 and desc.size == 8
 
 
-@pytest.mark.parametrize("prop", ["rdma_service_level", "rdma_traffic_class", "device_id", "sync_kv_timeout"])
+@pytest.mark.parametrize("prop", ["rdma_service_level", "rdma_traffic_class", "device_id", "sync_kv_timeout",
+                                  "link_total_time", "link_retry_count"])
 def test_a_bool_that_becomes_an_option_string_is_refused_at_init(prop):
     cfg = LLMConfig()
     cfg.enable_cache_manager = True

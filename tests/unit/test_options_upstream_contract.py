@@ -16,7 +16,7 @@ import pytest
 
 from llmdd import LlmConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from llmdd._options import EngineOptions, prepare_engine_options
-from llmdd._ranktable import parse_local_comm_res
+from llmdd._ranktable import parse_local_comm_res, parse_rank_table
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -111,6 +111,21 @@ def test_local_comm_res_1_0_ignores_keys_it_does_not_use():
     with_rank = json.loads(UPSTREAM_LOCAL_COMM_RES)
     with_rank["server_list"][0]["device"][0]["rank_id"] = "0"
     assert parse_local_comm_res(json.dumps(with_rank)).devices[0].device_id == 0
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.2"])
+def test_local_comm_res_device_ip_is_optional(version):
+    # upstream's comm-res reader requires device_id only; device_ip / device_port are optional
+    doc = {"version": version, "server_list": [{"device": [{"device_id": "0"}], "server_id": "127.0.0.1"}]}
+    res = parse_local_comm_res(json.dumps(doc))
+    assert [(d.device_id, d.device_ip) for d in res.devices] == [(0, "")]
+    assert _parse({"llm.LocalCommRes": json.dumps(doc)}).local_comm_res == json.dumps(doc)
+    # control: a rank table (which llmdd reaches members through) still needs device_ip
+    table = {"version": version, "server_count": "1", "status": "completed",
+             "server_list": [{"device": [{"device_id": "0", "rank_id": "0"}], "server_id": "127.0.0.1"}]}
+    with pytest.raises(LLMException) as info:
+        parse_rank_table(json.dumps(table))
+    assert info.value.status_code is PARAM and "device_ip" in str(info.value)
 
 
 @pytest.mark.parametrize("doc", [
