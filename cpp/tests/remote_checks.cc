@@ -1,6 +1,6 @@
 // A C++ decoder against a Python prompt (py_peer.py serve): pulls by cache and by blocks with
 // layer ranges and sizes, pushes and reads back, the remote error statuses (cache not exist, bad
-// indices, not linked), several C++ threads pulling at once, and the statuses after Finalize.
+// indices, not linked, already linked), several C++ threads pulling at once, and the statuses after Finalize.
 // Usage: remote_checks <prompt_port>
 #include <atomic>
 #include <cstdio>
@@ -123,6 +123,18 @@ int main(int argc, char **argv) {
   CHECK_EQ(dd.LinkLlmClusters(clusters, rets, 3000), LLM_SUCCESS);
   CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 77, 0}, {0}, {0}), LLM_KV_CACHE_NOT_EXIST);
   CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, {0}, {9}), LLM_PARAM_INVALID);
+  CHECK_EQ(dd.PushKvCache(d1, CacheIndex{PROMPT_CLUSTER_ID, 77, 0}), LLM_KV_CACHE_NOT_EXIST);
+  CHECK_EQ(dd.PushKvCache(d1, CacheIndex{PROMPT_CLUSTER_ID, 1, 8}), LLM_PARAM_INVALID);     // no slot 8 there
+  CHECK_EQ(dd.PushKvCache(d1, CacheIndex{PROMPT_CLUSTER_ID, 1, 0}, 8), LLM_PARAM_INVALID);  // no slot 8 here
+  CHECK_EQ(dd.PushKvCache(Cache{}, CacheIndex{PROMPT_CLUSTER_ID, 1, 0}), LLM_KV_CACHE_NOT_EXIST);
+  // none of the refused pushes landed: the prompt's cache 1 still holds its seed
+  CHECK_EQ(dd.PullKvCache(CacheIndex{PROMPT_CLUSTER_ID, 1, 0}, back, 0), LLM_SUCCESS);
+  for (uint32_t t = 0; t < NUM_TENSORS; ++t) {
+    CHECK(Same(back, t, 0, 10, 0, kBlockBytes));
+  }
+  // linking a cluster already linked: LLM_ALREADY_LINK for it, the link stays usable
+  CHECK_EQ(dd.LinkLlmClusters(clusters, rets, 3000), LLM_ALREADY_LINK);
+  CHECK(rets.size() == 1U && rets[0] == LLM_ALREADY_LINK);
 
   // push, then read back what landed on the prompt
   CHECK_EQ(dd.PushKvBlocks(d1, CacheIndex{PROMPT_CLUSTER_ID, 2, 0}, {1, 2}, {5, 6}), LLM_SUCCESS);
