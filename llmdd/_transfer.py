@@ -849,7 +849,9 @@ class TransferEngine:
         spans = None
         if tensors is not None:
             pair = peer_range(tensors, "consume_key tensors", U64_MAX)
-            spans = [tensors] if len(pair) else None
+            # never len(pair): a range past sys.maxsize raises OverflowError (an untyped LLM_FAILED
+            # that kept the link); the span is bounded by the cache's tensors in _consumed
+            spans = [tensors] if pair.stop > pair.start else None
         self._consumed(link, index, args.get("cache_id"), spans, "consume_key")
         return 0, {}
 

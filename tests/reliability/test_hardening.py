@@ -128,6 +128,18 @@ def _reserve(hostile, req_id: int) -> dict:
     return out
 
 
+def _assert_refused_link_failed(hostile, out: dict, violation: str) -> None:
+    """A refused request whose violation fails the link.  The owner sends its fatal Error, fails the
+    link, then answers; the peer sees one of two outcomes, checked for the one that happened: the
+    answer (LLM_PARAM_INVALID naming the violation) came in before the Error failed the link, or
+    the Error came first and the request ended LLM_LINK_FAILED.  Either way the link is failed."""
+    if out["status"] == LLMStatusCode.LLM_PARAM_INVALID.value:
+        assert violation in out["error"], out
+    else:
+        assert out["status"] == "LLM_LINK_FAILED", out
+    assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
+
+
 def _relink(hostile) -> None:
     hostile.peer.call(R.unlink, [(PROMPT, hostile.port)], True)
     hostile.warm()
@@ -142,8 +154,7 @@ def test_regression_consume_key_naming_a_billion_tensors_is_refused_without_work
     _reserve(hostile, 1)
     out = hostile.peer.call(H.request_raw, PROMPT, "consume_key",
                             {"id": 1, "model_id": 0, "cache_id": 2, "tensors": [0, 10**9]}, PROBE_S)
-    assert out["status"] in (LLMStatusCode.LLM_PARAM_INVALID.value, "LLM_LINK_FAILED"), out
-    assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
+    _assert_refused_link_failed(hostile, out, "consume_key tensors [0, 1000000000) is outside [0, 2)")
     after = hostile.owner.call(peer_snapshot)
     assert after.rss_bytes - before.rss_bytes < 8 << 20, (before.rss_bytes, after.rss_bytes)
     # the key the hostile peer reserved went back to the table with its link: a good pull still works
@@ -153,6 +164,25 @@ def test_regression_consume_key_naming_a_billion_tensors_is_refused_without_work
     got = hostile.peer.call(R.snapshot, "kvdst")
     want = R.pattern(PROMPT, 6, NT, 4 * 1024)
     np.testing.assert_array_equal(got[:, :1024], want[:, :1024])
+
+
+def test_regression_consume_key_with_a_tensor_range_past_sys_maxsize_is_refused_and_fails_the_link(hostile):
+    """A consume_key request for tensors [0, 2^64-1] made the owner take len() of a range past
+    sys.maxsize: an OverflowError, answered as an untyped LLM_FAILED, logged as a handler error on
+    every such message, the link kept.  Now: refused like any out-of-table range (LLM_PARAM_INVALID
+    naming the range, the link failed), and the reserved key goes back with the link (a good pull by
+    that key then gets the right bytes)."""
+    hostile.owner.call(R.allocate, "kv3", NT, [1, 1024], seed=7, keys=((PROMPT, 3, 0),))
+    cache_id = hostile.owner.call(H.cache_id_of, "kv3")
+    _relink(hostile)
+    _reserve(hostile, 3)
+    out = hostile.peer.call(H.request_raw, PROMPT, "consume_key",
+                            {"id": 3, "model_id": 0, "cache_id": cache_id, "tensors": [0, 2**64 - 1]}, PROBE_S)
+    _assert_refused_link_failed(hostile, out, f"consume_key tensors [0, {2**64 - 1}) is outside [0, {NT})")
+    _relink(hostile)
+    assert hostile.peer.call(R.allocate, "kvdst3", NT, [1, 1024]) > 0
+    assert hostile.peer.call(R.transfer, "pull_cache", ("key", PROMPT, 3, 0), "kvdst3", 0)[0] == "LLM_SUCCESS"
+    np.testing.assert_array_equal(hostile.peer.call(R.snapshot, "kvdst3"), R.pattern(PROMPT, 7, NT, 1024))
 
 
 def test_regression_key_consumed_notice_with_a_2_pow_40_span_is_refused_without_work(hostile):
@@ -201,6 +231,7 @@ class HostileRig:
         self.outcomes: dict = {}
         self.warm()
         self.baseline = self.owner.call(peer_snapshot)
+        self.baseline_segments = self.owner.call(H.own_segments)
 
     def warm(self) -> None:
         """Link, pull verified bytes, and leave the link up (the state the baseline is taken in)."""
@@ -262,13 +293,20 @@ def test_post_link_message_fuzz_owner_resources_back_to_baseline(hostile):
                 time.monotonic() >= deadline:
             break
         time.sleep(0.05)
+    # the owner's own /dev/shm segments (its pid in the name; a snapshot's ``shm`` lists every
+    # process's, so other processes' segments never hide one of the owner's): a relinked link's
+    # control segment has a new name, so the count is compared, and the pools by name
+    segments = hostile.owner.call(H.own_segments)
     print(f"hostile fuzz: {hostile.sent} messages, outcomes {hostile.outcomes}; owner RSS "
           f"{base.rss_bytes / 2**20:.1f} -> {after.rss_bytes / 2**20:.1f} MiB, threads {base.native_threads} -> "
-          f"{after.native_threads}, fds {len(base.fds)} -> {len(after.fds)}, shm {len(base.shm)} -> {len(after.shm)}")
+          f"{after.native_threads}, fds {len(base.fds)} -> {len(after.fds)}, own shm segments "
+          f"{len(hostile.baseline_segments)} -> {len(segments)}")
     assert after.native_threads <= base.native_threads, (base.native_threads, after.native_threads)
     assert len(after.fds) <= len(base.fds), (base.fds, after.fds)
     assert after.rss_bytes - base.rss_bytes <= RSS_BOUND, (base.rss_bytes, after.rss_bytes)
-    assert not (after.shm - base.shm - hostile.peer.call(peer_snapshot).shm), after.shm - base.shm
+    assert len(segments) <= len(hostile.baseline_segments), (hostile.baseline_segments, segments)
+    pools = [n for n in segments if "_pool_" in n]
+    assert pools == [n for n in hostile.baseline_segments if "_pool_" in n], (hostile.baseline_segments, segments)
 
 
 # ---------------------------------------------------------------------------- crash leftovers
