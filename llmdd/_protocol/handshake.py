@@ -459,6 +459,8 @@ def _unique(kind: str, items: Iterable) -> set:
 MAX_PEER_REGIONS = 1 << 17
 MAX_PEER_CACHES = 1 << 16
 MAX_PEER_KEYS = 1 << 18
+#: up to this many region changes in one update are applied to the address index one by one
+_INDEX_ONE_BY_ONE = 16
 
 
 class DescriptorTables:
@@ -557,14 +559,25 @@ class DescriptorTables:
             self._regions = {}
             self._by_addr = []
             self._max_size = 0
-        for rid in removed:
-            r = self._regions.pop(rid)
-            i = bisect.bisect_left(self._by_addr, (r.addr, rid))
-            del self._by_addr[i]
+        # the sorted address index: a few changes one by one (bisect), more by one pass (a filter,
+        # one sort of the table plus the sorted additions: two runs, merged in linear time); one by
+        # one for all of them cost a memmove of the index per entry, quadratic in a peer's snapshot
+        # (1.8 s of CPU for a 2.2 MB snapshot of 131,072 regions in descending address order)
+        gone = [self._regions.pop(rid) for rid in removed]
+        if len(gone) <= _INDEX_ONE_BY_ONE:
+            for r in gone:
+                del self._by_addr[bisect.bisect_left(self._by_addr, (r.addr, r.region_id))]
+        else:
+            self._by_addr = [e for e in self._by_addr if e[1] not in removed]
         for r in u.added:
             self._regions[r.region_id] = r
-            bisect.insort(self._by_addr, (r.addr, r.region_id))
             self._max_size = max(self._max_size, r.size)
+        if len(u.added) <= _INDEX_ONE_BY_ONE:
+            for r in u.added:
+                bisect.insort(self._by_addr, (r.addr, r.region_id))
+        else:
+            self._by_addr.extend(sorted((r.addr, r.region_id) for r in u.added))
+            self._by_addr.sort()
         if removed:  # the largest size may have gone (only a removal costs a scan)
             self._max_size = max((r.size for r in self._regions.values()), default=0)
         self._regions_version = u.version

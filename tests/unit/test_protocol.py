@@ -780,6 +780,49 @@ def test_find_region():
     assert t.find_region(2**64 - 1, 1) is None
 
 
+def test_regression_region_snapshot_in_descending_address_order_indexes_in_one_pass(monkeypatch):
+    """A peer's regions snapshot in descending address order made the owner insert each region into
+    its sorted address index one by one: a memmove of the index per region, quadratic (1.8 s of CPU
+    for the 131,072 regions one 2.2 MB frame may carry).  Large updates now index in one pass (no
+    per-entry insertion or deletion); small ones still bisect.  The index matches a reference sort
+    after every update (seeded random orders)."""
+    import bisect
+    import random
+
+    rnd = random.Random(12)
+    one_by_one = {"insort": 0}
+    real_insort = bisect.insort
+
+    def counting_insort(*a, **k):
+        one_by_one["insort"] += 1
+        return real_insort(*a, **k)
+
+    monkeypatch.setattr(bisect, "insort", counting_insort)
+    t = DescriptorTables()
+
+    def check(ids):
+        assert set(t.regions) == set(ids)
+        assert t._by_addr == sorted((t.region(rid).addr, rid) for rid in ids)
+        for rid in rnd.sample(sorted(ids), min(len(ids), 50)):
+            assert t.find_region(t.region(rid).addr, 0x100).region_id == rid
+
+    n = 4096
+    snapshot = tuple(region(i, (n - i) * 0x1000, 0x100) for i in range(n))   # descending addresses
+    t.apply(m.RegionsUpdate(version=1, full=True, added=snapshot))
+    assert one_by_one["insort"] == 0
+    check(range(n))
+    removed = rnd.sample(range(n), 1000)
+    added = tuple(region(n + i, rnd.randrange(1, 2**40) * 0x1000, 0x100) for i in range(1000))
+    t.apply(m.RegionsUpdate(version=2, removed=tuple(removed), added=added))
+    assert one_by_one["insort"] == 0
+    ids = (set(range(n)) - set(removed)) | {n + i for i in range(1000)}
+    check(ids)
+    t.apply(m.RegionsUpdate(version=3, removed=(n,), added=(region(10**6, 0x10, 0x100),
+                                                             region(10**6 + 1, 2**50, 0x100))))
+    assert one_by_one["insort"] == 2                                          # small: bisect
+    check((ids - {n}) | {10**6, 10**6 + 1})
+
+
 def test_cache_table_resolves_all_key_kinds():
     t = DescriptorTables()
     blocks = m.CacheEntry(cache_id=8, addrs=(0x2000,), tensor_size=4096, shape=(16, 256), is_blocks=True)
