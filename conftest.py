@@ -1,6 +1,7 @@
 """Root conftest: the hypothesis profiles of every test tree (tests/ and plugins/*/tests).
 
-* ``ci`` (selected when the ``CI`` environment variable is set, as .ci/run runs): derandomized
+* ``ci`` (selected when the ``CI`` environment variable is set, or by ``HYPOTHESIS_PROFILE=ci``,
+  which .ci/run exports): derandomized
   (a fixed seed per test, the same examples on every run) and no example database, so a run never
   replays examples another run found; a failing example is printed and becomes an explicit
   ``@example`` regression in its test.

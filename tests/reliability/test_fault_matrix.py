@@ -463,7 +463,7 @@ def test_f24_idle_link_peer_exits_cleanly(rig):
     # FAILED and stays so until unlinked (docs/links.md)
     state, waited = rig.d.call(R.wait_link_state, PROMPT, ("failed",), LIVENESS_S + 2.0, timeout=15)
     assert state == "failed", (state, waited)
-    assert time.monotonic() - t0 <= LIVENESS_S + EPS + 0.5
+    assert time.monotonic() - t0 <= LIVENESS_S + EPS, time.monotonic() - t0
     status, took, _ = rig.d.call(R.transfer, *PULL_ALL)
     assert status == "LLM_LINK_FAILED" and took < EPS, (status, took)
     rig.invariants(p_restarted=True)
