@@ -20,10 +20,9 @@ alone (plus the file's owner) another process decides, without asking anyone, th
 removes them with ``--reclaim-shm``.
 
 Modes: no other user may open a segment.  The shm transport creates its segments with mode 0600
-and sets exactly 0600 after creation, whatever the umask; the engine's pool segments
-(:mod:`llmdd._memory.backend`) are created 0600 by ``multiprocessing.shared_memory``, less any bit
-the umask takes away.  ``plugins/llmdd-transport-shm/tests/test_segment_mode.py`` reads the modes
-back from ``/dev/shm``.
+and sets exactly 0600 after creation, whatever the umask; so does the engine for its pool segments
+(:mod:`llmdd._memory.backend`, an ``fchmod`` after ``multiprocessing.shared_memory`` created them).
+``plugins/llmdd-transport-shm/tests/test_segment_mode.py`` reads the modes back from ``/dev/shm``.
 """
 
 from __future__ import annotations
