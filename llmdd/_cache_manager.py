@@ -33,20 +33,24 @@ _NUM_TENSORS_PER_LAYER = 2
 
 
 def _tensor_addrs(addrs: Any, cache_desc: CacheDesc) -> tuple:
-    """``addrs`` with CPU torch tensors (duck-typed: ``data_ptr``, ``device``) replaced by their
+    """``addrs`` with CPU torch tensors (duck-typed: ``data_ptr`` and ``device`` / ``is_cuda``) replaced by their
     addresses, and the tensors to keep alive while registered.  Other elements pass unchanged (the
     contract's checks judge them).  torch is never imported here."""
-    if not isinstance(addrs, list) or not any(hasattr(a, "data_ptr") and hasattr(a, "device") for a in addrs):
+    if not isinstance(addrs, list) or not any(_tensor_like(a) for a in addrs):
         return addrs, ()
     out: list = []
     held: list = []
     for i, a in enumerate(addrs):
-        if not (hasattr(a, "data_ptr") and hasattr(a, "device")):
+        if not _tensor_like(a):
             out.append(a)
             continue
-        device = getattr(a.device, "type", str(a.device))
+        device = getattr(a.device, "type", str(a.device)) if hasattr(a, "device") else "cpu"
+        if getattr(a, "is_cuda", False) is True:
+            device = "cuda"
         if device != "cpu":
-            raise LLMException(f"addrs[{i}] is a tensor on {a.device}: llmdd has no device-memory path yet "
+            # refused before data_ptr() is read: no device address is ever taken for host memory
+            raise LLMException(f"addrs[{i}] is a tensor on {getattr(a, 'device', device)}: llmdd has no "
+                               f"device-memory path yet "
                                f"(register host memory: a CPU tensor or an address)",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
         if not a.is_contiguous():
@@ -59,6 +63,11 @@ def _tensor_addrs(addrs: Any, cache_desc: CacheDesc) -> tuple:
         out.append(int(a.data_ptr()))
         held.append(a)
     return out, tuple(held)
+
+
+def _tensor_like(a: Any) -> bool:
+    """A torch tensor or an object with its interface: ``data_ptr`` and ``device`` or ``is_cuda``."""
+    return hasattr(a, "data_ptr") and (hasattr(a, "device") or getattr(a, "is_cuda", False) is True)
 
 
 class CacheManager(RemoteOperations):

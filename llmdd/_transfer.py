@@ -305,7 +305,13 @@ class TransferEngine:
                        S.LLM_LINK_BUSY)
         if link.state is not LinkState.LINKED:
             link.transfer_lock.release()
-            self._lm.require(link.peer_cluster_id)
+            if self._lm.get(link.peer_cluster_id) in (link, None):
+                # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
+                self._lm.require(link.peer_cluster_id)
+            # relinked while this call waited: it was planned on the link that went (and it never
+            # returns without holding that link's lock)
+            raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
+                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
 
     def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, task: Any = None,
                 nbytes: Optional[int] = None) -> None:
@@ -503,25 +509,33 @@ class TransferEngine:
         pulled = False
         src_tensors = None
         try:
-            src = self.remote_layout(link, cache_id)
-            self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="dst", kind=kind,
-                                   remote_is_blocks=src.is_blocks)
-            src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
-            dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
-            if kind == "pull_cache":
-                ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
-                                 src_unit=src_unit, dst_unit=batch_index, size=size, local="dst")
-            elif src.is_blocks:
-                if isinstance(key, BlocksCacheKey) or src_blocks:
-                    ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
-                                      src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
+            src = self.remote_layout(link, cache_id)   # unknown there: no cache to tell about it
+            spans: tuple = ()
+            try:
+                self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="dst", kind=kind,
+                                       remote_is_blocks=src.is_blocks)
+                src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
+                dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
+                if kind == "pull_cache":
+                    ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
+                                     src_unit=src_unit, dst_unit=batch_index, size=size, local="dst")
+                elif src.is_blocks:
+                    if isinstance(key, BlocksCacheKey) or src_blocks:
+                        ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+                                          src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
+                    else:
+                        raise _err("src_blocks must be given to pull from a blocks cache", S.LLM_PARAM_INVALID)
                 else:
-                    raise _err("src_blocks must be given to pull from a blocks cache", S.LLM_PARAM_INVALID)
-            else:
-                ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
-                                                src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
-            spans = _spans(src_blocks) if src_blocks else ()
-            self._acquire(link)
+                    ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
+                                                    src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
+                spans = _spans(src_blocks) if src_blocks else ()   # inside the owner's cache: planned
+                self._acquire(link)
+            except LLMException as exc:
+                # the owner's cache is known but nothing was read (a refused plan, a busy or lost
+                # link): a tagged pull still ends with one failure event for its tag (best effort)
+                if tag is not None:
+                    self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
+                raise
             try:
                 try:
                     self.run_ops(link, ops, write=False, kind=kind)
@@ -570,32 +584,40 @@ class TransferEngine:
         rec, src = self.local_layout(cache.cache_id)
         link = self._link_for(key.cluster_id)
         cache_id, dst_unit = self._resolve_remote(link, key)
-        dst = self.remote_layout(link, cache_id)
-        self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="src", kind=kind,
-                               remote_is_blocks=dst.is_blocks)
-        src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
-        dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
-        if kind == "push_cache":
-            ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
-                             src_unit=src_batch_index, dst_unit=dst_unit, size=-1, local="src")
-        else:
-            ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
-                              src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
-        self._acquire(link)
+        dst = self.remote_layout(link, cache_id)   # unknown there: no cache to tell about it
+        spans: tuple = ()
+        dst_tensors = None
+        try:
+            self._check_placements(link, remote_cache_id=cache_id, local_rec=rec, local_is="src", kind=kind,
+                                   remote_is_blocks=dst.is_blocks)
+            src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
+            dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
+            if kind == "push_cache":
+                ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors,
+                                 src_unit=src_batch_index, dst_unit=dst_unit, size=-1, local="src")
+            else:
+                ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
+                                  src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
+            spans = _spans(dst_blocks) if dst_blocks else ()   # inside the owner's cache: planned
+            self._acquire(link)
+        except LLMException as exc:
+            # the owner's cache is known but nothing was written (a refused plan, a busy or lost
+            # link): a tagged push still ends with one failure event for its tag (best effort)
+            if tag is not None:
+                self._tag_notice(link, "push_done", cache_id, spans, tag, exc, tensors=dst_tensors)
+            raise
         try:
             try:
                 self.run_ops(link, ops, write=True, kind=kind)
             except LLMException as exc:
                 err = self._local_outcome(rec, exc, kind)
                 if tag is not None:
-                    self._tag_notice(link, "push_done", cache_id, _spans(dst_blocks) if dst_blocks else (), tag, err,
-                                     tensors=dst_tensors)
+                    self._tag_notice(link, "push_done", cache_id, spans, tag, err, tensors=dst_tensors)
                 else:
                     self._push_notice(link, cache_id, dst_blocks, dst_tensors, failed=True)
                 raise err from None
             if tag is not None:
-                self._tag_notice(link, "push_done", cache_id, _spans(dst_blocks) if dst_blocks else (), tag, None,
-                                 tensors=dst_tensors)
+                self._tag_notice(link, "push_done", cache_id, spans, tag, None, tensors=dst_tensors)
         finally:
             link.transfer_lock.release()
         if tag is None:
@@ -1087,7 +1109,7 @@ class AsyncPull:
     Cancelled before it starts by an unlink or failure of its link (``LLM_LINK_FAILED``) or by
     finalize (``LLM_ENGINE_FINALIZED``); once started, it ends as the blocking call would (its steps
     have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
-    that link's status)."""
+    that link's status: ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot)."""
 
     def __init__(self, engine: "TransferEngine", link: Any, run: Any, callback: Any) -> None:
         self._engine = engine
@@ -1096,7 +1118,8 @@ class AsyncPull:
         self._callback = callback
         self._lock = threading.Lock()
         self._done = threading.Event()
-        self._started = False
+        self._claimed = False   # run by the worker, or cancelled: whoever claims it first ends it
+        self._link_went = False  # its link was unlinked or failed (while queued or running)
         self._status: Optional[LLMStatusCode] = None
 
     def wait(self, timeout_s: Optional[float]) -> bool:
@@ -1111,21 +1134,25 @@ class AsyncPull:
 
     def __call__(self) -> None:
         with self._lock:
-            if self._done.is_set():
+            if self._claimed:
                 return          # cancelled while queued
-            self._started = True
+            self._claimed = True
         try:
             self._run()
             status = S.LLM_SUCCESS
         except LLMException as exc:
             status = exc.status_code
+            if status is S.LLM_NOT_YET_LINK and self._link_went:
+                # it waited for the link's transfer slot while the link was unlinked: as a queued
+                # pull of that link, it ends with the link's typed status
+                status = S.LLM_LINK_FAILED
         except Exception as exc:  # noqa: BLE001 - a bug must end the task, not the worker
             _log.error("llmdd.transfer.async_pull_failed", error=repr(exc))
             status = S.LLM_FAILED
         self._finish(status)
 
     def _finish(self, status: LLMStatusCode) -> None:
-        self._status = status
+        self._status = status   # before _done: a waiter woken by it reads this status, never None
         self._done.set()
         self._engine._async_pull_ended(self)
         callback = self._callback
@@ -1137,13 +1164,14 @@ class AsyncPull:
 
     def _cancel_queued(self, status: LLMStatusCode) -> None:
         with self._lock:
-            if self._started or self._done.is_set():
+            if self._claimed:
                 return
-            self._done.set()  # the worker that picks it up later does nothing
+            self._claimed = True  # the worker that picks it up later does nothing
         self._finish(status)
 
     def link_down(self, link: Any) -> None:
         if link is self._link:
+            self._link_went = True
             self._cancel_queued(S.LLM_LINK_FAILED)
 
     def cancel(self) -> None:

@@ -110,6 +110,8 @@ def async_pulls(state: dict, remote: int, jobs: list, timeout_ms: int) -> dict:
     tasks = [cm.pull_blocks_async(BlocksCacheKey(remote, 0), state["caches"]["dst"], list(s), list(d), tag=tag,
                                   callback=callback_for(i)) for i, (s, d, tag) in enumerate(jobs)]
     submitted = time.monotonic() - t0
+    # how many were still in flight once every submit had returned (synchronize(0): not done yet)
+    in_flight = sum(t.synchronize(0).name == "LLM_TIMEOUT" for t in tasks)
     results = [t.synchronize(timeout_ms).name for t in tasks]
     again = [t.get_results(0)[0].name for t in tasks]
     deadline = time.monotonic() + 5.0
@@ -120,7 +122,7 @@ def async_pulls(state: dict, remote: int, jobs: list, timeout_ms: int) -> dict:
         time.sleep(0.01)
     with lock:
         return {"results": results, "again": again, "callbacks": {i: list(v) for i, v in calls.items()},
-                "submit_s": submitted}
+                "submit_s": submitted, "in_flight_after_submit": in_flight}
 
 
 def start_async_pulls(state: dict, remote: int, jobs: list) -> None:
@@ -212,3 +214,112 @@ def finalize_under_async_pulls(state: dict, remote: int, jobs: list, timeout_ms:
     tasks = state.pop("async_tasks")
     R.finalize(state)
     return [t.synchronize(timeout_ms).name for t in tasks]
+
+
+class _EventFile:
+    """Appends ``<tag> <error status or ok>`` per "peer finished reading" event to a file, line by
+    line as the owner fires them (written before the acknowledgement leaves, so it survives SIGKILL)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = open(path, "a", buffering=1)
+        self.lock = threading.Lock()
+
+    @llmdd.plugin.hookimpl
+    def llmdd_cache_transition(self, event) -> None:
+        if event.trigger == "peer_read" and event.info.get("tag") is not None:
+            err = "ok" if event.error is None else event.error.status_code.name
+            with self.lock:
+                self.file.write(f"{event.info['tag']} {err}\n")
+
+
+def record_events_to_file(state: dict, path: str) -> None:
+    state["dd"].add_plugin(_EventFile(path))
+
+
+def pull_cache_async_once(state: dict, key: tuple, dst: str, batch_index: int, tag, timeout_ms: int) -> dict:
+    """``pull_cache_async`` of ``key`` (``R._key`` spec) into slot ``batch_index`` of ``dst`` with a
+    callback; its status by ``synchronize``, ``get_results`` and the callback's calls."""
+    calls: list = []
+    done = threading.Event()
+
+    def cb(status) -> None:
+        calls.append(status.name)
+        done.set()
+
+    task = state["dd"].cache_manager.pull_cache_async(R._key(key), state["caches"][dst], batch_index, tag=tag,
+                                                      callback=cb)
+    status = task.synchronize(timeout_ms).name
+    again = [r.name for r in task.get_results(0)]
+    done.wait(timeout_ms / 1000.0)   # the callback runs on the worker, after the task's result is set
+    return {"status": status, "again": again, "callbacks": list(calls)}
+
+
+def unlink_relink_under_async_pulls(state: dict, remote: int, port: int, jobs: list, after: tuple,
+                                    timeout_ms: int) -> dict:
+    """Submit non-blocking pulls, force-unlink their link at once and relink, then submit ``after``
+    on the new link; every task's status (``synchronize``) and the unlink's and link's."""
+    start_async_pulls(state, remote, jobs)
+    tasks = state.pop("async_tasks")
+    unlinked = R.unlink(state, [(remote, port)], True)["status"]
+    linked = R.link(state, [(remote, port)])["status"]
+    s, d, tag = after
+    late = state["dd"].cache_manager.pull_blocks_async(BlocksCacheKey(remote, 0), state["caches"]["dst"], list(s),
+                                                       list(d), tag=tag)
+    return {"unlink": unlinked, "link": linked, "statuses": [t.synchronize(timeout_ms).name for t in tasks],
+            "after": late.synchronize(timeout_ms).name}
+
+
+class _DeviceStandIn:
+    type = "cuda"
+    index = 0
+
+    def __str__(self) -> str:
+        return "cuda:0"
+
+
+class _TensorStandIn:
+    """The part of a tensor's interface llmdd reads; records ``data_ptr`` calls."""
+
+    def __init__(self) -> None:
+        self.ptr_calls = 0
+
+    def data_ptr(self) -> int:
+        self.ptr_calls += 1
+        return 0x7F0000000000     # not mapped here: reading it would crash the process
+
+    def is_contiguous(self) -> bool:
+        return True
+
+
+class _CudaByDevice(_TensorStandIn):
+    """A CUDA tensor without torch: ``device.type == "cuda"``."""
+
+    device = _DeviceStandIn()
+
+
+class _CudaByFlag(_TensorStandIn):
+    """A tensor-like object that says ``is_cuda`` and has no ``device`` attribute."""
+
+    is_cuda = True
+
+
+def register_cuda_stand_ins(state: dict) -> list:
+    """Register stand-ins for CUDA tensors (alone, and after a valid host address) as a blocks cache:
+    (status, message, data_ptr calls, caches registered before == after) per attempt."""
+    desc = CacheDesc(2, [4, 256], DataType.DT_UINT8, Placement.DEVICE)
+    host = np.zeros(1024, np.uint8)
+    state.setdefault("keep", []).append(host)
+    out = []
+    for make in (_CudaByDevice, _CudaByFlag):
+        for mixed in (False, True):
+            t = make()
+            addrs = [host.ctypes.data, t] if mixed else [t, t]
+            before = state["dd"].statistics()["memory"]["caches"]
+            try:
+                state["dd"].cache_manager.register_blocks_cache(desc, addrs)
+                res = ("registered", "")
+            except LLMException as exc:
+                res = (exc.status_code.name, str(exc))
+            out.append((make.__name__, mixed, res[0], res[1], t.ptr_calls,
+                        state["dd"].statistics()["memory"]["caches"] == before))
+    return out

@@ -8,6 +8,7 @@ import collections
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -120,6 +121,11 @@ def test_a_failed_tagged_pull_delivers_one_failure_event_with_its_tag():
             == "LLM_SUCCESS"
         events = owner.call(C.peer_events)
         assert [e[0] for e in events] == ["will-fail", "ok"] and events[1][2] is None
+        # refused before any byte moved (a block past the owner's cache): one failure event, no blocks
+        assert puller.call(R.transfer, "pull_blocks", ("blocks", PROMPT, 0), "dst", [NB + 3], [2],
+                           tag="refused")[0] == "LLM_PARAM_INVALID"
+        events = owner.call(C.peer_events)
+        assert [e[:3] for e in events[2:]] == [("refused", [], "LLM_PARAM_INVALID")], events
 
 
 @pytest.mark.timeout(120)
@@ -147,12 +153,84 @@ def test_puller_killed_mid_way_leaves_no_duplicate_and_no_unread_tag(tmp_path):
         assert len(tags) - len(done) <= 8                           # at most one in flight per thread
 
 
-# --------------------------------------------------------------------------- non-blocking pulls
-def test_non_blocking_pulls_overlap_and_call_back_once_each():
+def test_pull_cache_and_pull_cache_async_deliver_their_tags_once():
+    """pull_cache by CacheKey (reserve, read, consume) and pull_cache_async by id, both tagged: the owner
+    gets each tag once with its "peer finished reading"; a second pull of the consumed key reads
+    nothing and delivers no tag."""
+    with Cluster(env=ENV) as cluster:
+        owner, puller = cluster.spawn("pc_owner", "pc_puller")
+        port = owner.call(R.setup, "PROMPT", PROMPT, listen=True, mem_pool=1 << 20)
+        cid = owner.call(R.allocate, "kv", NT, [2, BS], seed=SEED, keys=((PROMPT, 1, 0), (PROMPT, 2, 0)))
+        owner.call(C.record_events)
+        puller.call(R.setup, "DECODER", DECODER, mem_pool=1 << 20)
+        puller.call(R.allocate, "dst", NT, [2, BS])
+        assert puller.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
+        assert puller.call(R.transfer, "pull_cache", ("key", PROMPT, 1, 0), "dst", 0, tag="pc-key")[0] \
+            == "LLM_SUCCESS"
+        out = puller.call(C.pull_cache_async_once, ("id", PROMPT, cid, 1), "dst", 1, b"pc-async", 10_000)
+        assert out == {"status": "LLM_SUCCESS", "again": ["LLM_SUCCESS"], "callbacks": ["LLM_SUCCESS"]}, out
+        assert puller.call(R.transfer, "pull_cache", ("key", PROMPT, 1, 0), "dst", 0, tag="gone")[0] \
+            == "LLM_KV_CACHE_NOT_EXIST"
+        assert owner.call(C.peer_events) == [("pc-key", [], None, DECODER), (b"pc-async", [], None, DECODER)]
+        np.testing.assert_array_equal(puller.call(R.snapshot, "dst"), owner.call(R.snapshot, "kv"))
+
+
+def test_push_cache_tag_arrives_with_peer_finished_writing():
+    with Cluster(env=ENV) as cluster:
+        pusher, owner = cluster.spawn("pcache_src", "pcache_dst")
+        port = owner.call(R.setup, "PROMPT", PROMPT, listen=True, remote_accessible=True, mem_pool=1 << 20)
+        cid = owner.call(R.allocate, "dst", NT, [2, BS])
+        owner.call(C.record_events)
+        pusher.call(R.setup, "DECODER", DECODER, remote_accessible=True, mem_pool=1 << 20)
+        pusher.call(R.allocate, "src", NT, [2, BS], seed=SEED)
+        assert pusher.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
+        assert pusher.call(R.transfer, "push_cache", ("id", PROMPT, cid, 1), "src", 0, tag="pcache-1")[0] \
+            == "LLM_SUCCESS"
+        assert owner.call(C.peer_events, "peer_written") == [("pcache-1", [], None, DECODER)]
+        got = owner.call(R.snapshot, "dst").reshape(NT, 2, BS)
+        want = R.pattern(DECODER, SEED, NT, 2 * BS).reshape(NT, 2, BS)
+        np.testing.assert_array_equal(got[:, 1], want[:, 0])
+        assert (got[:, 0] == R.POISON).all()
+
+
+@pytest.mark.timeout(150)
+def test_owner_killed_mid_way_fails_the_pulls_typed_without_duplicate_or_unacknowledged_tags(tmp_path):
+    """The owner of the blocks is SIGKILLed while a decoder pulls tagged blocks from 8 threads: every
+    later pull fails with a typed status (none hangs, none reports bytes it did not get), the owner
+    fired each tag at most once, and every pull the decoder saw succeed had its tag fired first."""
+    owner_log, done_log = tmp_path / "owner.txt", tmp_path / "done.txt"
     with Cluster(env=ENV) as cluster:
         owner, puller, _ = _pair(cluster)
+        owner.call(C.record_events_to_file, str(owner_log))
+        fut = puller.call_async(C.tagged_pulls_in_threads, PROMPT, 8, 2000, NB, SEED, str(done_log))
+        deadline = time.monotonic() + 60     # a bounded wait for progress (the owner's own record)
+        while (not owner_log.exists() or sum(1 for _ in open(owner_log)) < 200) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        owner.kill()
+        out = fut.result(timeout=120)
+        fired = [line.split() for line in open(owner_log)]
+        done = [line.split()[0] for line in open(done_log)]
+        assert out["wrong"] == 0 and out["ok"] == len(done) >= 200, out
+        assert out["failed"] and set(out["failed"]) <= {"LLM_LINK_FAILED", "LLM_TIMEOUT"}, out["failed"]
+        assert out["ok"] + sum(out["failed"].values()) == 8 * 2000
+        tags = [t for t, _ in fired]
+        assert len(tags) == len(set(tags))                          # no duplicate
+        assert all(st == "ok" for _, st in fired)                    # no failure was ever reported as read
+        assert set(done) <= set(tags)                               # acknowledged before success returned
+
+
+# --------------------------------------------------------------------------- non-blocking pulls
+def test_non_blocking_pulls_overlap_and_call_back_once_each():
+    # the first read is held 1.5 s (one transfer per link at a time), so every pull submitted before
+    # it ends is in flight at once on that link
+    hold = json.dumps({"faults": [{"op": "read", "action": "delay", "delay": 1.5, "peer": PROMPT, "nth": 1,
+                                   "count": 1}]})
+    with Cluster(env=ENV) as cluster:
+        owner, puller, _ = _pair(cluster, d_kw={"faults": hold, "sync_ms": 6000})
         jobs = [([i % NB], [i % NB], f"a{i}") for i in range(32)]
-        out = puller.call(C.async_pulls, PROMPT, jobs, 10_000, timeout=60)
+        out = puller.call(C.async_pulls, PROMPT, jobs, 20_000, timeout=60)
+        assert out["submit_s"] < 1.5, out["submit_s"]                 # submitting never waited for a pull
+        assert out["in_flight_after_submit"] == 32, out               # 32 pulls in flight on one link
         assert out["results"] == ["LLM_SUCCESS"] * 32 and out["again"] == ["LLM_SUCCESS"] * 32, out
         assert out["callbacks"] == {i: ["LLM_SUCCESS"] for i in range(32)}, out["callbacks"]
         got = puller.call(R.snapshot, "dst")
@@ -184,6 +262,40 @@ def test_non_blocking_pulls_queued_behind_an_unlink_end_link_failed_and_a_slow_o
         assert puller.call(R.link, [(PROMPT, port)])["status"] == "LLM_SUCCESS"
         out = puller.call(C.async_pulls, PROMPT, [([5], [5], "after")], 10_000, timeout=30)
         assert out["results"] == ["LLM_SUCCESS"] and out["callbacks"] == {0: ["LLM_SUCCESS"]}, out
+
+
+def test_non_blocking_pulls_cut_by_a_force_unlink_end_link_failed_and_the_relinked_link_serves_new_ones():
+    """12 tagged non-blocking pulls, the first held 2 s by a delayed read: a force unlink cancels the
+    queued ones and cuts the running one (LLM_LINK_FAILED each, none succeeds, nothing lands, no tag
+    reaches the owner); a relink right away serves a new pull (its tag alone arrives)."""
+    hold = json.dumps({"faults": [{"op": "read", "action": "delay", "delay": 2.0, "peer": PROMPT, "nth": 1,
+                                   "count": 1}]})
+    with Cluster(env=ENV) as cluster:
+        owner, puller, port = _pair(cluster, d_kw={"faults": hold, "sync_ms": 6000})
+        jobs = [([i % NB], [i % NB], f"u{i}") for i in range(12)]
+        out = puller.call(C.unlink_relink_under_async_pulls, PROMPT, port, jobs, ([5], [5], "after"), 20_000,
+                          timeout=60)
+        assert out["unlink"] == "LLM_SUCCESS" and out["link"] == "LLM_SUCCESS", out
+        assert out["statuses"] == ["LLM_LINK_FAILED"] * 12, out["statuses"]
+        assert out["after"] == "LLM_SUCCESS", out
+        assert [e[0] for e in owner.call(C.peer_events) if e[2] is None] == ["after"]
+        got = puller.call(R.snapshot, "dst").reshape(NT, NB, BS)
+        want = R.pattern(PROMPT, SEED, NT, NB * BS).reshape(NT, NB, BS)
+        np.testing.assert_array_equal(got[:, 5], want[:, 5])
+        assert (got[:, [0, 1, 2, 3, 4, 6, 7]] == R.POISON).all()
+
+
+def test_cuda_tensor_stand_ins_are_refused_at_registration_without_reading_their_address():
+    """Without torch: objects with a CUDA tensor's interface (device.type 'cuda', or is_cuda) are
+    refused with LLM_PARAM_INVALID naming cuda, before data_ptr() is read; nothing is registered."""
+    with Cluster(env=ENV) as cluster:
+        (peer,) = cluster.spawn("cuda_standin")
+        peer.call(R.setup, "DECODER", DECODER)
+        results = peer.call(C.register_cuda_stand_ins)
+        assert len(results) == 4
+        for kind, mixed, status, message, ptr_calls, unchanged in results:
+            assert status == "LLM_PARAM_INVALID" and "cuda" in message, (kind, mixed, status, message)
+            assert ptr_calls == 0 and unchanged, (kind, mixed, ptr_calls, unchanged)
 
 
 def test_non_blocking_pull_with_bad_arguments_raises_at_once():
