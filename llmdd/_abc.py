@@ -563,6 +563,14 @@ class Endpoint(abc.ABC):
         """End the grant of ``link_id``: its capability opens nothing more, its data connections are
         closed, and when this returns no request of theirs touches memory any more. Idempotent."""
 
+    # -------------------------------------------------------------- a listener that cannot continue
+    def on_listener_failed(self, callback: Callable[[str], None]) -> None:
+        """Have ``callback(error)`` called once if this endpoint's own listener (a data port) cannot
+        continue: it then accepts nothing more.  The call comes from the endpoint's own thread and
+        must not block.  The link manager then records it (engine trigger ``listener_failed``,
+        ``llmdd doctor``), fails the links over this endpoint typed and opens a fresh one for the
+        next link.  Default: never called (an endpoint without a listener of its own)."""
+
 
 #: the key under which a descriptor exchanged in the link handshake carries the capability that its
 #: owner granted to that link (see :attr:`Endpoint.capabilities`)

@@ -606,6 +606,20 @@ class _Listener:
                 "accept_errors": self.accept_errors, "comm_id": self.comm_id}
 
 
+class _FailedListener:
+    """A transport endpoint's data port that could not continue (recorded for statistics and doctor)."""
+
+    def __init__(self, kind: str, address: tuple, error: str) -> None:
+        self.kind = kind
+        self.address = address
+        self.error = error
+        self.state = ListenerState.FAILED
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "address": f"{self.address[0]}:{self.address[1]}", "state": self.state.value,
+                "error": self.error, "accepted": 0, "refused": 0, "accept_errors": 0, "comm_id": None}
+
+
 class _ServerSession:
     """One accepted control connection until its link is LINKED (or it is dropped).
 
@@ -713,7 +727,7 @@ class LinkManager:
         self._listener: Optional[_Listener] = None
         self._listen_addr: Optional[tuple[str, int]] = None
         self._group_listeners: dict[socket.socket, _Listener] = {}
-        self._failed_listeners: list[_Listener] = []
+        self._failed_listeners: list = []          # _Listener or _FailedListener (a data port)
         self._pending: dict[_ServerSession, None] = {}            # pre-authentication sessions (loop thread)
         self._pending_by_ip: collections.Counter = collections.Counter()
         self._counters = collections.Counter()
@@ -821,7 +835,48 @@ class LinkManager:
                 pass
             raise
         self._endpoints[name] = ep
+        ep.on_listener_failed(lambda error, ep=ep, name=name: self._data_listener_failed(name, ep, error))
         return ep
+
+    def _data_listener_failed(self, name: str, ep: Endpoint, error: str) -> None:
+        """An endpoint's data port cannot continue (on the endpoint's thread; never blocks): the
+        registrar records it, fails the links over it typed and drops it, so the next link opens a
+        fresh endpoint (a new data port)."""
+
+        def retire() -> None:
+            self._on_registrar_thread.active = True
+            try:
+                self._retire_endpoint(name, ep, error)
+            finally:
+                self._on_registrar_thread.active = False
+
+        try:
+            self._registrar.submit(retire)
+        except PoolFull:   # finalizing (the endpoint closes with the engine) or no thread to be had
+            if not self._closed:
+                self._retire_endpoint(name, ep, error)
+
+    def _retire_endpoint(self, name: str, ep: Endpoint, error: str) -> None:
+        try:
+            desc = ep.describe()
+            address = (str(desc.get("host", "?")), desc.get("port", "?"))
+        except Exception:  # noqa: BLE001 - recorded without its address
+            address = ("?", "?")
+        if self._endpoints.get(name) is ep:
+            del self._endpoints[name]
+        record = _FailedListener(f"{name}-data", address, error)
+        self._failed_listeners.append(record)
+        self._fire_listener_failed(record.kind, record.address, error)
+        err = LLMException(f"the {name} data port of this engine cannot continue: {error}",
+                           status_code=S.LLM_LINK_FAILED)
+        for link in self.links():
+            if link.transport == name:
+                self._fail(link, err, trigger="peer_lost")
+                link.control.close()
+        try:
+            ep.close()
+        except TransportError:
+            pass
 
     def offers(self) -> tuple[m.TransportOffer, ...]:
         """The transports this engine offers in a handshake (only the forced one when forced, so a
@@ -1140,10 +1195,13 @@ class LinkManager:
         return None
 
     def _record_listener_failure(self, listener: _Listener) -> None:
+        self._fire_listener_failed(listener.kind, listener.address, listener.error or "")
+
+    def _fire_listener_failed(self, kind: str, address: tuple, error: str) -> None:
         fsm = self._engine_fsm()
         if fsm is not None and fsm.can("listener_failed"):
-            fsm.fire("listener_failed", error=RuntimeError(listener.error), listener=listener.kind,
-                     address=f"{listener.address[0]}:{listener.address[1]}", reason=listener.error)
+            fsm.fire("listener_failed", error=RuntimeError(error), listener=kind,
+                     address=f"{address[0]}:{address[1]}", reason=error)
 
     def _on_loop_dead(self, exc: BaseException) -> None:
         """The I/O loop cannot continue (on its dying thread): every listener and link fails."""

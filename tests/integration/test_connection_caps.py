@@ -10,6 +10,7 @@ loopback source addresses (127.0.0.x: all of 127/8 is local on Linux).
 from __future__ import annotations
 
 import errno
+import multiprocessing.resource_tracker
 import os
 import socket
 import sys
@@ -65,6 +66,9 @@ class EngineEvents:
 @pytest.fixture
 def server():
     """An in-process server engine with the patterned cache of ``_peers.start`` (cluster id 1)."""
+    # the first spawned peer of a process starts multiprocessing's resource tracker, whose pipe stays
+    # open for the process's life: start it now, so that a test run alone has the same fd baseline
+    multiprocessing.resource_tracker.ensure_running()
     state: dict = {}
     made = []
 
@@ -198,6 +202,7 @@ def test_worker_start_failing_refuses_links_then_they_succeed(server, monkeypatc
 
     with peers("d", env=ENV) as (d,):
         d.call(P.start, "DECODER", 2, key=False)
+        fds0, threads0 = _fds(), _threads()
         monkeypatch.setattr(Pool, "_start_worker", start_worker)
         for _ in range(3):
             started = time.monotonic()
@@ -209,6 +214,9 @@ def test_worker_start_failing_refuses_links_then_they_succeed(server, monkeypatc
         failing["on"] = False
         _good_link(d, port)
         assert lm.io_statistics()["listeners"][0]["state"] == "listening"
+        # the refused attempts left nothing behind; the pools' workers end after a second without work
+        _wait(lambda: _threads() <= threads0, 10.0, f"threads back to {threads0} (now {_threads()})")
+        _wait(lambda: _fds() <= fds0, 10.0, f"descriptors back to {fds0} (now {_fds()})")
 
 
 class _FlakyAccept:
@@ -315,6 +323,74 @@ def test_idle_tcp_data_connections_are_cut_by_their_deadline(server):
         _wait(lambda: _threads() <= threads0 + 1, 10.0, f"threads back to {threads0} (now {_threads()})")
     _wait(lambda: ep.statistics()["open_connections"] == 0, 10.0, "data connections to close")
     _wait(lambda: _fds() <= fds0, 10.0, f"descriptors back to {fds0} (now {_fds()})")
+
+
+def test_a_full_tcp_data_port_still_takes_a_links_stream(server):
+    """64 idle data connections from 8 addresses fill every pending slot of the data port (and would
+    hold them 10 s at a time): a link's own data stream, from another address, takes the place of the
+    busiest address's oldest instead of being refused, so the link and its pulls still work."""
+    extra = {"llmdd.transport": "tcp"}
+    dd, lm, port, _ = server(extra)
+    ep = lm.endpoint("tcp")
+    data_port = ep.describe()["port"]
+    fds0 = _fds()
+    with peers("d", env=ENV) as (d,):
+        d.call(P.start, "DECODER", 2, key=False, extra=extra)
+        threads0 = _threads()
+        idle = _flood(data_port, 64, 8)   # 127.0.0.2-9, 8 each: every slot taken
+        try:
+            _wait(lambda: ep.statistics()["connections"] >= 64, 20.0, "64 data connections")
+            assert ep.statistics()["pending_connections"] == 64
+            _good_link(d, port)   # its data stream comes from 127.0.0.1
+            stats = ep.statistics()
+            assert stats["evicted"] >= 1 and stats["pending_connections"] <= 64, stats
+        finally:
+            for s in idle:
+                s.close()
+        _wait(lambda: _threads() <= threads0 + 1, 10.0, f"threads back to {threads0} (now {_threads()})")
+    _wait(lambda: ep.statistics()["open_connections"] == 0, 10.0, "data connections to close")
+    _wait(lambda: _fds() <= fds0, 10.0, f"descriptors back to {fds0} (now {_fds()})")
+
+
+class _BrokenListeningSocket(socket.socket):
+    """A listening socket whose ``accept`` fails as on a descriptor closed under it."""
+
+    __slots__ = ()
+
+    def accept(self):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+
+def test_a_tcp_data_port_that_cannot_continue_is_recorded_and_the_next_link_gets_a_fresh_one(server, caplog):
+    from llmdd._doctor import check_engine
+
+    extra = {"llmdd.transport": "tcp"}
+    dd, lm, port, rec = server(extra)
+    with peers("d", env=ENV) as (d,):
+        d.call(P.start, "DECODER", 2, key=False, extra=extra)
+        assert d.call(P.link, [(1, HOST, port)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        ep = lm.endpoint("tcp")
+        old_port = ep.describe()["port"]
+        ep._lsock.__class__ = _BrokenListeningSocket   # its next accept fails; closing it still works
+        with caplog.at_level("ERROR", logger="llmdd"):
+            socket.create_connection((HOST, old_port), timeout=5.0).close()
+            _wait(lambda: [e for e in rec.events if e.trigger == "listener_failed"], 5.0, "the engine event")
+            _wait(lambda: lm.links() and all(lk.state.value == "failed" for lk in lm.links()), 5.0,
+                  "the tcp link to fail")
+        failed = [r for r in caplog.records if "listener_failed" in r.getMessage()]
+        assert len(failed) == 1, [r.getMessage() for r in caplog.records]
+        (event,) = [e for e in rec.events if e.trigger == "listener_failed"]
+        assert event.info["listener"] == "tcp-data" and "Bad file descriptor" in str(event.error)
+        (link,) = lm.links()
+        assert link.failure_status is S.LLM_LINK_FAILED
+        checks = check_engine(dd)
+        assert any(c.name == "listener" and c.status == "fail" and "tcp-data" in c.message for c in checks), checks
+        # the peer learns at once (its control connection was closed) and links again: a fresh data port
+        state, _ = d.call(P.wait_link_state, 1, ("failed", None), 5.0)
+        assert state in ("failed", None), state
+        d.call(P.unlink, [(1, HOST, port)])
+        _good_link(d, port)
+        assert lm.endpoint("tcp").describe()["port"] != old_port
 
 
 def test_an_io_loop_that_cannot_continue_fails_links_typed_and_is_reported(server):

@@ -101,6 +101,41 @@ def test_chunking_bounds_bytes_and_descriptors():
 # ------------------------------------------------------------------------------ process exit
 
 
+def test_a_broadcast_to_many_clients_starts_no_thread_per_client():
+    """DRAIN/BYE to every client: all requests leave, then one deadline covers every answer (the
+    notification loop sets the waiters; here the stand-in for ``send_notif`` answers at once), with
+    no thread per client; a client that does not answer is dropped and counted."""
+    import threading
+
+    from llmdd_ucx import OPT_CONTROL_TIMEOUT, UcxEndpoint, _proto
+
+    ep = object.__new__(UcxEndpoint)   # the bookkeeping of an endpoint, without NIXL
+    ep._lock = threading.RLock()
+    ep._clients = {f"peer-{i}": 1 for i in range(200)}
+    ep._cfg = {OPT_CONTROL_TIMEOUT: 0.2}
+    ep._waiters = {}
+    ep._kick = threading.Event()
+    ep._stats = {"control_timeouts": 0}
+    ep._log = llmdd_ucx._log
+    threads0 = threading.active_count()
+    sent = []
+
+    def send(peer, kind, token, payload=b""):
+        assert threading.active_count() <= threads0
+        sent.append(peer)
+        if peer == "peer-7":
+            return False                    # a gone peer cannot be told anything
+        if peer != "peer-9":                # peer-9 never answers
+            ep._waiters[token].set()
+        return True
+
+    ep._send = send
+    ep._broadcast(_proto.DRAIN, b"")
+    assert sorted(sent) == sorted(f"peer-{i}" for i in range(200))
+    assert set(ep._clients) == {f"peer-{i}" for i in range(200)} - {"peer-7", "peer-9"}
+    assert ep._stats["control_timeouts"] == 2 and ep._waiters == {}
+
+
 @needs_nixl
 def test_process_using_the_plugin_exits_cleanly():
     r = _run_py("""

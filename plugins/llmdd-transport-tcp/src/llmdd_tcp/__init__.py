@@ -52,8 +52,9 @@ by one of a bounded pool of workers (``llmdd.tcp.server_workers``), which keeps 
 follow each other closely (``llmdd.tcp.linger_ms``) and then hands it back to the loop.  No thread
 waits on an idle stream.  A stream that has not proven it belongs to a link (a valid OPEN for a live
 grant) within ``llmdd.tcp.pending_timeout_ms`` (10 s) is closed; at most ``llmdd.max_pending_connections`` (64)
-such streams per endpoint and ``llmdd.max_pending_per_address`` (8) per source address are held,
-the next one is closed at once.
+such streams per endpoint and ``llmdd.max_pending_per_address`` (8) per source address are held;
+past the per-address cap the next one is closed at once, and with every slot taken a newcomer from
+an address holding fewer takes the place of the busiest address's oldest (else it is closed at once).
 
 Grants (the trust boundary): the engine's link manager calls :meth:`TcpEndpoint.serve_links_only`
 right after opening the endpoint, then :meth:`~TcpEndpoint.grant` once per link and incarnation with
@@ -527,7 +528,7 @@ class TcpEndpoint(Endpoint):
         self._install(_DIRECT, self._direct, None)
         self._stats = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
                        "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
-                       "pending_expired": 0, "accept_errors": 0, "listener_failed": None,
+                       "pending_expired": 0, "evicted": 0, "accept_errors": 0, "listener_failed": None,
                        "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0}
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.bind((host, 0))
@@ -538,7 +539,9 @@ class TcpEndpoint(Endpoint):
         self._linger = max(0.0, float(self._cfg[OPT_LINGER]) / 1000.0)
         self._pending_s = max(1, int(self._cfg[OPT_PENDING_TIMEOUT])) / 1000.0
         self._last_accept_warning = 0.0
+        self._on_listener_failed: list = []
         self._io = IoLoop(f"tcp-{self._port}", workers=max(1, int(self._cfg[OPT_SERVER_WORKERS])))
+        self._io.on_dead(lambda exc: self._listener_dead(f"the endpoint's I/O loop stopped: {exc!r}"))
         self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
 
     # ------------------------------------------------------------------ public API
@@ -729,10 +732,8 @@ class TcpEndpoint(Endpoint):
                     return
                 if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
                     # the listening socket itself is gone: logged once, counted, never silent
-                    with self._lock:
-                        self._stats["listener_failed"] = str(exc)
-                    self._log.error("llmdd.transport.tcp.listener_failed", error=str(exc))
                     self._io.forget(self._lsock)
+                    self._listener_dead(str(exc))
                     return
                 self._accept_trouble(exc)
                 return
@@ -740,6 +741,29 @@ class TcpEndpoint(Endpoint):
                 self._accept_trouble(exc)
                 return
             self._admit(sock, addr)
+
+    def on_listener_failed(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            failed = self._stats["listener_failed"]
+            if failed is None:
+                self._on_listener_failed.append(callback)
+        if failed is not None:
+            callback(failed)
+
+    def _listener_dead(self, error: str) -> None:
+        """The data port cannot continue (its socket is broken, or its loop stopped): logged once,
+        recorded in the statistics, and the owner told (:meth:`on_listener_failed`)."""
+        with self._lock:
+            if self._closed or self._stats["listener_failed"] is not None:
+                return
+            self._stats["listener_failed"] = error
+            callbacks, self._on_listener_failed = self._on_listener_failed, []
+        self._log.error("llmdd.transport.tcp.listener_failed", error=error)
+        for cb in callbacks:
+            try:
+                cb(error)
+            except Exception as exc:  # noqa: BLE001 - the owner's bug never hides the failure
+                self._log.error("llmdd.transport.tcp.listener_failed_callback", error=repr(exc))
 
     def _accept_trouble(self, exc: BaseException) -> None:
         with self._lock:
@@ -765,7 +789,13 @@ class TcpEndpoint(Endpoint):
             if self._pending_by_ip.get(ip, 0) >= int(self._cfg[OPT_MAX_PENDING_PER_ADDRESS]):
                 raise Refused(f"{ip} has too many connections that did not prove themselves yet")
             if len(self._pending) >= int(self._cfg[OPT_MAX_PENDING]):
-                raise Refused("too many connections that did not prove themselves yet")
+                victim = self._eviction_victim(ip)
+                if victim is None:
+                    raise Refused("too many connections that did not prove themselves yet")
+                with self._lock:
+                    self._stats["evicted"] += 1
+                self._proven(victim)   # its slot is the newcomer's from now on
+                victim.finish(None)
             sock.setblocking(False)
             _tune(sock)
             if self._tls is not None:
@@ -784,6 +814,21 @@ class TcpEndpoint(Endpoint):
         self._pending[conn] = None
         self._pending_by_ip[ip] = self._pending_by_ip.get(ip, 0) + 1
         conn.start()
+
+    def _eviction_victim(self, ip: str) -> Union["_ServerConn", None]:
+        """With every pending slot taken (loop thread): the oldest pending stream of the address holding
+        the most slots makes room, unless ``ip`` already holds as many (as on the control port: a flood
+        from some addresses never locks another address's links out of the data port)."""
+        busiest, count = None, self._pending_by_ip.get(ip, 0)
+        for addr, n in self._pending_by_ip.items():
+            if n > count:
+                busiest, count = addr, n
+        if busiest is None:
+            return None
+        for conn in self._pending:   # insertion order: the oldest first
+            if conn.ip == busiest:
+                return conn
+        return None
 
     def _proven(self, conn: "_ServerConn") -> None:
         """``conn`` authenticated (or served its first request): it no longer counts as pending."""

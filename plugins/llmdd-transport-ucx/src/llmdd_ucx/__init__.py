@@ -46,6 +46,7 @@ The keys travel only over the link's control connection.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import socket
 import threading
@@ -101,6 +102,8 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 _INIT_AGENT = "NIXL_INIT_AGENT"
+#: threads that serve owners' DRAIN/BYE requests per endpoint (bounded: not one per peer)
+_OWNER_WORKERS = 8
 
 
 def _nixl_error(exc: BaseException, what: str) -> TransportError:
@@ -468,6 +471,10 @@ class UcxEndpoint(Endpoint):
         self._log = _log.bind(agent=self._name)
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the notification loop early (a request awaits a reply, close)
+        # owners' DRAIN/BYE are served off the notification loop by at most _OWNER_WORKERS threads
+        # (started on demand), however many peers ask at once
+        self._owner_requests = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_OWNER_WORKERS, thread_name_prefix="llmdd-ucx-drain")
         self._notif_thread = threading.Thread(target=self._notif_loop, name=f"llmdd-ucx-ctl-{self._name[-6:]}",
                                               daemon=True)
         self._notif_thread.start()
@@ -566,6 +573,7 @@ class UcxEndpoint(Endpoint):
         self._kick.set()
         if self._notif_thread is not threading.current_thread():
             self._notif_thread.join(5.0)
+        self._owner_requests.shutdown(wait=False)
         with self._lock:
             for reg in self._regs.values():
                 if reg.dlist is not None:
@@ -618,23 +626,33 @@ class UcxEndpoint(Endpoint):
                 self._waiters.pop(token, None)
 
     def _broadcast(self, kind: int, payload: bytes) -> None:
-        """Send ``kind`` to every client and wait (bounded) for each one's acknowledgement."""
+        """Send ``kind`` to every client and wait (bounded) for each one's acknowledgement.
+
+        Every request leaves first, then one deadline covers every answer (the notification loop
+        sets each waiter): no thread per client, however many peers are linked."""
         with self._lock:
             clients = list(self._clients)
         if not clients:
             return
         timeout = float(self._cfg[OPT_CONTROL_TIMEOUT])
-        results = {}
-
-        def ask(peer: str) -> None:
-            results[peer] = self._request(peer, kind, payload, timeout)
-
-        threads = [threading.Thread(target=ask, args=(p,), daemon=True) for p in clients[1:]]
-        for t in threads:
-            t.start()
-        ask(clients[0])
-        for t in threads:
-            t.join()
+        waits = {peer: (int.from_bytes(os.urandom(8), "little"), threading.Event()) for peer in clients}
+        with self._lock:
+            for token, ev in waits.values():
+                self._waiters[token] = ev
+        self._kick.set()  # poll fast until the replies are in
+        results: dict[str, bool] = {}
+        try:
+            for peer, (token, _ev) in waits.items():
+                if not self._send(peer, kind, token, payload):
+                    results[peer] = False
+            deadline = time.monotonic() + timeout
+            for peer, (_token, ev) in waits.items():
+                if peer not in results:
+                    results[peer] = ev.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            with self._lock:
+                for token, _ev in waits.values():
+                    self._waiters.pop(token, None)
         silent = [p for p, ok in results.items() if not ok]
         if silent:
             with self._lock:
@@ -709,9 +727,11 @@ class UcxEndpoint(Endpoint):
                 self._stats["clients"] = len(self._clients)
             self._send(sender, _proto.GOODBYE_ACK, token)
         elif kind in (_proto.DRAIN, _proto.BYE):
-            # served in its own thread: draining polls NIXL and must not hold up the loop
-            threading.Thread(target=self._serve_owner_request, args=(sender, kind, token, payload),
-                             name="llmdd-ucx-drain", daemon=True).start()
+            # served off the loop (draining polls NIXL and must not hold it up), on a bounded pool
+            try:
+                self._owner_requests.submit(self._serve_owner_request, sender, kind, token, payload)
+            except RuntimeError as exc:  # closing, or no thread to be had: the owner counts us silent
+                self._log.warning("llmdd.transport.ucx.owner_request_dropped", peer=sender, error=repr(exc))
 
     def _serve_owner_request(self, sender: str, kind: int, token: int, payload: bytes) -> None:
         with self._lock:
