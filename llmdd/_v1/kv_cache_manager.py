@@ -28,7 +28,7 @@ from .._enums import LLMRole, Placement
 from .._log import get_logger
 from .._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from .._types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, CacheTask, KvCache,
-                      LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig, cache_key_index,
+                      LayerSynchronizer, TransferConfig, cache_key_index,
                       check_cache_key, _timeout_seconds)
 from .._validation import INVALID_ID, check_dict, check_int32, check_int64, check_isinstance, check_uint32, \
     check_uint64
@@ -68,12 +68,14 @@ def _check_kwargs(kwargs: dict, allowed: tuple) -> None:
 
 
 def _check_offset(name: str, value) -> int:
-    """``None`` -> -1 (not given); else an int >= 0."""
+    """``None`` -> -1 (not given); else an int64 >= 0.  A negative one is ``ValueError``, as upstream's
+    v1 check raises it (not an ``LLMException``)."""
     if value is None:
         return -1
     check_isinstance(name, value, int, allow_none=False)
     check_int64(name, value)
-    raise_if_false(value >= 0, "{0} must be >= 0, but got {1}.", name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, but got {value}.")
     return value
 
 
@@ -362,35 +364,41 @@ class KvCacheManager:
 
     # ------------------------------------------------------------------ layer-wise transfer (PROMPT)
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
-                             transfer_configs: Union[List[Union[TransferConfig, TransferWithCacheKeyConfig]],
-                                                     Tuple[Union[TransferConfig, TransferWithCacheKeyConfig]]],
+                             transfer_configs: Union[List[TransferConfig], Tuple[TransferConfig]],
                              src_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
                              dst_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
                              dst_block_memory_size: Optional[int] = None) -> CacheTask:
-        """PROMPT: send ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer."""
+        """PROMPT: send ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer.
+
+        As upstream's v1 path: ``TransferConfig`` (raw destination addresses) only (anything else,
+        ``TransferWithCacheKeyConfig`` included, is ``TypeError``); a cache source with
+        ``dst_block_indices`` given (cache to blocks) and a blocks source without destination blocks
+        are ``LLM_PARAM_INVALID``."""
         self._check_is_inited()
         self._check_role("[transfer_cache_async]", LLMRole.PROMPT)
         check_isinstance("src_cache", src_cache, KvCache, allow_none=False)
+        src_blocks = self._block_list("src_block_indices", src_block_indices)
+        dst_blocks = self._block_list("dst_block_indices", dst_block_indices)
+        if dst_block_memory_size is not None:
+            check_uint64("dst_block_memory_size", dst_block_memory_size)
+        if src_blocks:
+            raise_if_false(dst_blocks, "transfer from blocks to cache is not supported")
+            raise_if_false(len(src_blocks) == len(dst_blocks),
+                           "num_block_indices mismatches, src_num = {0}, dst_num = {1}",
+                           len(src_blocks), len(dst_blocks))
+        else:
+            raise_if_true(dst_blocks is not None, "transfer from cache to blocks is not supported")
         check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)
-        check_isinstance("transfer_configs", transfer_configs, (list, tuple),
-                         inner_class=(TransferConfig, TransferWithCacheKeyConfig), allow_none=False)
+        check_isinstance("transfer_configs", transfer_configs, (list, tuple), inner_class=TransferConfig,
+                         allow_none=False)
+        raise_if_false(dst_blocks or dst_block_memory_size in (None, 0),
+                       "dst_block_memory_size ({0}) is neither None nor 0 while dst is not blocks",
+                       dst_block_memory_size)
         raise_if_false(len(transfer_configs) > 0, "transfer_configs can not be empty.")
         raise_if_true(self._is_cpu_cache(src_cache), "Only support device cache")
         desc = src_cache.cache_desc
         raise_if_false(desc.num_tensors % 2 == 0, "cache_desc.num_tensors ({0}) is not even", desc.num_tensors)
         layers = desc.num_tensors // _NUM_TENSORS_PER_LAYER
-        src_blocks = self._block_list("src_block_indices", src_block_indices)
-        dst_blocks = self._block_list("dst_block_indices", dst_block_indices)
-        if dst_block_memory_size is not None:
-            check_uint64("dst_block_memory_size", dst_block_memory_size)
-        raise_if_true(src_blocks is not None and dst_blocks is None,
-                      "transfer from a blocks cache to a non-blocks cache is not supported.")
-        if src_blocks is not None:
-            raise_if_false(len(src_blocks) == len(dst_blocks),
-                           "src_block_indices and dst_block_indices must have the same length.")
-        elif dst_blocks is not None:
-            raise_if_false(bool(dst_block_memory_size),
-                           "dst_block_memory_size is required to transfer a cache into blocks.")
         for config in transfer_configs:
             if config.src_layer_range is None:
                 config.src_layer_range = range(0, layers)  # as upstream: the config is completed in place
@@ -401,15 +409,14 @@ class KvCacheManager:
                                config.src_batch_index)
             raise_if_false(0 <= rng.start < rng.stop <= layers, "src_layer_range: {0} out of range, src_layer_num = {1}",
                            rng, layers)
-            if isinstance(config, TransferConfig):
-                raise_if_false(len(config.dst_addrs) == len(rng) * _NUM_TENSORS_PER_LAYER,
-                               "expect {0} dst_addrs, but len(dst_addrs) = {1}, range = {2}",
-                               len(rng) * _NUM_TENSORS_PER_LAYER, len(config.dst_addrs), rng)
+            raise_if_false(len(config.dst_addrs) == len(rng) * _NUM_TENSORS_PER_LAYER,
+                           "expect {0} dst_addrs, but len(dst_addrs) = {1}, range = {2}",
+                           len(rng) * _NUM_TENSORS_PER_LAYER, len(config.dst_addrs), rng)
         rec = self._live(src_cache)
-        raise_if_false(src_blocks is None or rec.is_blocks,
-                       "src_block_indices need a blocks cache as the source.")
+        raise_if_false(not src_blocks or rec.is_blocks, "src_block_indices need a blocks cache as the source.")
         task = self._transfers().transfer_async(src_cache, layer_synchronizer, list(transfer_configs),
-                                                src_block_indices=src_blocks, dst_block_indices=dst_blocks,
+                                                src_block_indices=src_blocks or None,
+                                                dst_block_indices=dst_blocks or None,
                                                 dst_block_memory_size=dst_block_memory_size)
         return _V1CacheTask(task)
 

@@ -288,8 +288,8 @@ def link_count(state: dict) -> int:
 def start_gated_transfer(state: dict, src: str, configs: list) -> None:
     """``transfer_cache_async`` whose synchronizer holds every layer until :func:`open_gate` (bounded wait).
 
-    ``configs`` items: ``("addrs", dst_cluster, [addr...])`` for a TransferConfig, or
-    ``("key", key, src_range, dst_range)`` for a TransferWithCacheKeyConfig."""
+    ``configs`` items: ``("addrs", dst_cluster, [addr...])``, one TransferConfig each (upstream's v1
+    takes no other config)."""
     import threading
 
     ld = _ld()
@@ -299,12 +299,7 @@ def start_gated_transfer(state: dict, src: str, configs: list) -> None:
         def synchronize_layer(self, layer_index, timeout_in_millis):
             return gate.wait(30.0)  # released by the test; bounded so a broken test cannot hang
 
-    built = []
-    for item in configs:
-        if item[0] == "addrs":
-            built.append(ld.TransferConfig(item[1], item[2]))
-        else:
-            built.append(ld.TransferWithCacheKeyConfig(item[1], item[2], item[3]))
+    built = [ld.TransferConfig(cluster, addrs) for _, cluster, addrs in configs]
     task = state["kv"].transfer_cache_async(state["bufs"][src], Gate(), built)
     state["gated"] = (task, gate)
 

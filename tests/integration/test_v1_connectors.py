@@ -298,14 +298,15 @@ def test_transfer_cache_async_pushes_every_layer_to_the_decoders_addresses(pair)
     assert np.array_equal(d.call(V.snapshot, "dst"), p.call(V.snapshot, "src"))
 
 
-def test_v1_cache_task_reports_wait_process_timeout_until_done_and_pushes_by_key(pair):
+def test_v1_cache_task_reports_wait_process_timeout_until_done(pair):
     p, d, port = pair
     p.call(V.allocate, "src", 4, [2, 128], seed=51)
-    d.call(V.allocate, "dst", 4, [3, 128], seed=52)  # cache id 1 on the decoder
+    dst = d.call(V.allocate, "dst", 4, [3, 128], seed=52)
     info = d.call(V.allocate, "raw", 4, [1, 128], seed=53)
     _linked(d, port)
-    p.call(V.start_gated_transfer, "src", [("key", CacheKeyByIdAndIndex(DECODER, 1, 2), range(0, 2), range(0, 2)),
-                                          ("addrs", DECODER, info["addrs"])])
+    # two TransferConfigs (upstream's v1 takes no other kind): slot 2 of the decoder's "dst", and "raw"
+    slot2 = [a + 2 * 128 for a in dst["addrs"]]
+    p.call(V.start_gated_transfer, "src", [("addrs", DECODER, slot2), ("addrs", DECODER, info["addrs"])])
     # the layers are held: v1's code for an unfinished task (v2 answers LLM_TIMEOUT)
     assert p.call(V.gated_status, 50) == {"sync": "LLM_WAIT_PROCESS_TIMEOUT",
                                           "results": ["LLM_WAIT_PROCESS_TIMEOUT"] * 2}
@@ -313,10 +314,10 @@ def test_v1_cache_task_reports_wait_process_timeout_until_done_and_pushes_by_key
     p.call(V.open_gate)
     assert p.call(V.gated_status, 10000) == {"sync": "LLM_SUCCESS", "results": ["LLM_SUCCESS"] * 2}
     src = p.call(V.snapshot, "src").reshape(4, 2, 128)
-    dst = d.call(V.snapshot, "dst").reshape(4, 3, 128)
-    assert np.array_equal(dst[:, 2], src[:, 0])  # src batch 0 -> dst slot 2 (TransferWithCacheKeyConfig)
-    assert np.array_equal(dst[:, :2], before[:, :2])  # the other slots untouched (control)
-    assert np.array_equal(d.call(V.snapshot, "raw").reshape(4, 128), src[:, 0])  # TransferConfig: raw addrs
+    got = d.call(V.snapshot, "dst").reshape(4, 3, 128)
+    assert np.array_equal(got[:, 2], src[:, 0])  # src batch 0 -> dst slot 2's addresses
+    assert np.array_equal(got[:, :2], before[:, :2])  # the other slots untouched (control)
+    assert np.array_equal(d.call(V.snapshot, "raw").reshape(4, 128), src[:, 0])
 
 
 def test_pull_cache_with_offsets_moves_exactly_the_named_byte_range(pair):

@@ -14,7 +14,7 @@ import pytest
 import llmdd
 from llmdd import (BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType, KvCache, LayerSynchronizer,
                    LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode, Placement,
-                   TransferConfig)
+                   TransferConfig, TransferWithCacheKeyConfig)
 from llmdd._v1 import KvCacheManager, Tensor, TensorDesc
 from llmdd._v1.options import DEFAULT_FLOW_GRAPH_MEM_MAX_SIZE, V1_PAGE_SHIFT
 
@@ -367,6 +367,40 @@ def test_prompt_role_rules_for_pulls_and_decoder_rule_for_transfer():
     assert str(info.value) == f"[transfer_cache_async] is not supported by {LLMRole.DECODER}"
 
 
+def test_transfer_cache_async_takes_transfer_configs_only_and_no_cache_to_blocks():
+    """As upstream's v1 path (no remote-cache mode there): a TransferWithCacheKeyConfig is TypeError,
+    a cache source with dst_block_indices (even empty) and a blocks source without destination
+    blocks are LLM_PARAM_INVALID; all before anything starts."""
+    km = v1_engine(LLMRole.PROMPT).kv_cache_manager
+    cache = km.allocate_cache(CacheDesc(2, [2, 4], DataType.DT_UINT8))
+    blocks = km.allocate_blocks_cache(CacheDesc(2, [4, 4], DataType.DT_UINT8))
+    raw = TransferConfig(2, [1, 2])
+    by_key = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, 1, 0), range(0, 1), range(0, 1))
+    cases = [
+        (lambda: km.transfer_cache_async(cache, _Sync(), [by_key]), TypeError, "transfer_configs"),
+        (lambda: km.transfer_cache_async(cache, _Sync(), (raw, by_key)), TypeError, "transfer_configs"),
+        (lambda: km.transfer_cache_async(cache, _Sync(), [raw], None, [0], 4), LLMException,
+         "transfer from cache to blocks is not supported"),
+        (lambda: km.transfer_cache_async(cache, _Sync(), [raw], [], []), LLMException,
+         "transfer from cache to blocks is not supported"),
+        (lambda: km.transfer_cache_async(blocks, _Sync(), [raw], [0, 1], None), LLMException,
+         "transfer from blocks to cache is not supported"),
+        (lambda: km.transfer_cache_async(blocks, _Sync(), [raw], [0, 1], [2]), LLMException,
+         "num_block_indices mismatches, src_num = 2, dst_num = 1"),
+        (lambda: km.transfer_cache_async(cache, _Sync(), [raw], None, None, 4), LLMException,
+         "dst_block_memory_size (4) is neither None nor 0 while dst is not blocks"),
+        (lambda: km.transfer_cache_async(cache, _Sync(), [raw], (0, -1), None), ValueError, "src_block_indices"),
+        (lambda: km.transfer_cache_async(cache, None, [raw]), TypeError, "layer_synchronizer"),
+    ]
+    for i, (call, exc, needle) in enumerate(cases):
+        with pytest.raises(exc) as info:
+            call()
+        assert needle in str(info.value), (i, str(info.value))
+        if exc is LLMException:
+            assert info.value.status_code is PARAM, (i, info.value)
+    assert raw.src_layer_range is None   # refused before the configs were completed
+
+
 def test_deferred_free_until_the_last_key_is_removed():
     dd = v1_engine()
     km = dd.kv_cache_manager
@@ -514,7 +548,9 @@ def test_pull_argument_errors_on_a_decoder():
         (lambda: km.pull_cache(key, cache, tensor_num_per_layer=0), LLMException, PARAM),
         (lambda: km.pull_cache(key, cache, src_layer_range=[0]), TypeError, None),
         (lambda: km.pull_cache(key, cache, bogus=1), LLMException, PARAM),
-        (lambda: km.pull_cache(key, cache, src_cache_offset=-1), LLMException, PARAM),
+        (lambda: km.pull_cache(key, cache, src_cache_offset=-1), ValueError, None),   # upstream: ValueError
+        (lambda: km.pull_cache(key, cache, dst_cache_offset=-5), ValueError, None),
+        (lambda: km.pull_cache(key, cache, dst_cache_offset="8"), TypeError, None),
         (lambda: km.pull_cache(key, blocks), LLMException, PARAM),
         (lambda: km.pull_cache(CacheKey(1, req_id=2**64 - 1), cache), LLMException, PARAM),
         (lambda: km.pull_cache(key, cache), LLMException, S.LLM_NOT_YET_LINK),
