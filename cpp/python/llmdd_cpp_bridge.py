@@ -30,6 +30,7 @@ from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMExcep
 from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
 from llmdd._planner import plan_blocks, plan_cache, tensor_range
 from llmdd._protocol import messages as _m
+from llmdd._transfer import _QuickPlan
 
 S = LLMStatusCode
 OK = 0
@@ -177,6 +178,7 @@ class Bridge:
         self.dd: Optional[llmdd.LLMDataDist] = None
         self._caches: dict[int, Any] = {}  # cache id -> llmdd Cache (allocated ones)
         self._flipped: dict[int, tuple] = {}
+        self._plans: dict[tuple, _QuickPlan] = {}  # kept per-shape plans of block transfers (_move)
         self._lock = threading.Lock()
         self._starting = False
         self._switch_role = False
@@ -416,25 +418,53 @@ class Bridge:
         kind = ("push_blocks" if write else "pull_blocks") if blocks else ("push_cache" if write else "pull_cache")
         rec, local = te.local_layout(local_id)
         link = te._link_for(remote_cluster)
-        remote = self._remote_layout(core, te, link, remote_id)
-        te._check_placements(link, remote_cache_id=remote_id, local_rec=rec, local_is="src" if write else "dst",
-                             kind=kind, remote_is_blocks=True if blocks else remote.is_blocks)
-        local, remote = self._as(local, blocks), self._as(remote, blocks)
-        src, dst = (local, remote) if write else (remote, local)
-        src_tensors = tensor_range(src_range, src.num_tensors, tnpl)
-        dst_tensors = tensor_range(dst_range, dst.num_tensors, tnpl)
-        side = "src" if write else "dst"
+        # Block transfers keep what depends only on their shape (the engine's small-transfer plan:
+        # layouts, placement rules, tensor ranges, regions) per (direction, link, local cache, remote
+        # cache, layer ranges, tnpl), valid while the peer's tables, the local record and its regions
+        # are the same objects and versions, the conditions under which the engine keeps its own.
+        plan = pk = None
         if blocks:
-            sb, db = (local_blocks, remote_blocks) if write else (remote_blocks, local_blocks)
-            ops = plan_blocks(src=src, dst=dst, src_blocks=sb, dst_blocks=db, src_tensors=src_tensors,
-                              dst_tensors=dst_tensors, local=side)
+            pk = (write, id(link), local_id, remote_id,
+                  None if src_range is None else (src_range.start, src_range.stop),
+                  None if dst_range is None else (dst_range.start, dst_range.stop), tnpl)
+            plan = self._plans.get(pk)
+            tables = link.tables
+            if plan is not None and not (plan.link is link and plan.tables is tables and plan.rec is rec
+                                         and plan.regions is rec.regions
+                                         and plan.cv == tables.cache_table_version
+                                         and plan.rv == tables.regions_version):
+                plan = None
+        sb, db = (local_blocks, remote_blocks) if write else (remote_blocks, local_blocks)
+        if plan is not None:
+            ops, nbytes = plan.ops(sb, db)
+            dst_tensors = plan.dst_tensors
         else:
-            su, du = (local_unit, remote_unit) if write else (remote_unit, local_unit)
-            ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors, src_unit=su,
-                             dst_unit=du, size=size, local=side)
+            nbytes = None
+            tables = link.tables  # the versions a kept plan is valid for: read before the layouts
+            cv, rv = tables.cache_table_version, tables.regions_version
+            remote = self._remote_layout(core, te, link, remote_id)
+            te._check_placements(link, remote_cache_id=remote_id, local_rec=rec, local_is="src" if write else "dst",
+                                 kind=kind, remote_is_blocks=True if blocks else remote.is_blocks)
+            local, remote = self._as(local, blocks), self._as(remote, blocks)
+            src, dst = (local, remote) if write else (remote, local)
+            src_tensors = tensor_range(src_range, src.num_tensors, tnpl)
+            dst_tensors = tensor_range(dst_range, dst.num_tensors, tnpl)
+            side = "src" if write else "dst"
+            if blocks:
+                ops = plan_blocks(src=src, dst=dst, src_blocks=sb, dst_blocks=db, src_tensors=src_tensors,
+                                  dst_tensors=dst_tensors, local=side)
+                if len(self._plans) > 4096:
+                    self._plans.clear()
+                kept = _QuickPlan(link, tables, rec, remote_id, src, dst, src_tensors, dst_tensors, write)
+                kept.cv, kept.rv = cv, rv
+                self._plans[pk] = kept
+            else:
+                su, du = (local_unit, remote_unit) if write else (remote_unit, local_unit)
+                ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors, src_unit=su,
+                                 dst_unit=du, size=size, local=side)
         te._acquire(link)
         try:
-            te.run_ops(link, ops, write=write, kind=kind)
+            te.run_ops(link, ops, write=write, kind=kind, nbytes=nbytes)
         except LLMException:
             if write:
                 te._push_notice(link, remote_id, remote_blocks, dst_tensors, failed=True)

@@ -230,5 +230,13 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "row":  # the row alone: python -m llmdd._bench.cpp row [--quick] [rounds]
+        args = sys.argv[2:]
+        quick = "--quick" in args
+        rounds = [int(a) for a in args if a != "--quick"]
+        result = run_cpp(quick, progress=lambda s: print(s, file=sys.stderr, flush=True),
+                         rounds=rounds[0] if rounds else (1 if quick else 3))
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+        sys.exit(0 if result.get("verified", True) else 1)
     cmd, rest = sys.argv[1], [int(a) for a in sys.argv[2:]]
     {"serve": serve, "pydecoder": pydecoder}[cmd](*rest)
