@@ -230,13 +230,33 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "row":  # the row alone: python -m llmdd._bench.cpp row [--quick] [rounds]
+    if sys.argv[1] == "row":  # the row alone: python -m llmdd._bench.cpp row [--quick] [--out FILE] [rounds]
         args = sys.argv[2:]
+        out_path = None
+        if "--out" in args:  # the full result (every round, load, UTC times, git HEAD) as JSON in FILE
+            i = args.index("--out")
+            out_path = args[i + 1]
+            del args[i:i + 2]
         quick = "--quick" in args
         rounds = [int(a) for a in args if a != "--quick"]
+        load0, utc0 = os.getloadavg(), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         result = run_cpp(quick, progress=lambda s: print(s, file=sys.stderr, flush=True),
                          rounds=rounds[0] if rounds else (1 if quick else 3))
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+        if out_path:
+            def _git(*a):
+                r = subprocess.run(["git", "-C", _REPO] + list(a), capture_output=True, text=True)
+                return r.stdout.strip() if r.returncode == 0 else None
+
+            result = dict(result, command=" ".join(["python", "-m", "llmdd._bench.cpp"] + sys.argv[1:]),
+                          quick=quick, load_before=list(load0), load_after=list(os.getloadavg()),
+                          utc_start=utc0, utc_end=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                          git_head=_git("rev-parse", "HEAD"), cpus=os.cpu_count(),
+                          git_status=(_git("status", "--porcelain", "--untracked-files=no") or "").splitlines())
+            os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+            with open(out_path, "w") as f:
+                json.dump(result, f, indent=1)
+                f.write("\n")
         sys.exit(0 if result.get("verified", True) else 1)
     cmd, rest = sys.argv[1], [int(a) for a in sys.argv[2:]]
     {"serve": serve, "pydecoder": pydecoder}[cmd](*rest)
