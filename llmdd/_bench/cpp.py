@@ -246,7 +246,7 @@ if __name__ == "__main__":
         if out_path:
             def _git(*a):
                 r = subprocess.run(["git", "-C", _REPO] + list(a), capture_output=True, text=True)
-                return r.stdout.strip() if r.returncode == 0 else None
+                return r.stdout.rstrip("\n") if r.returncode == 0 else None
 
             result = dict(result, command=" ".join(["python", "-m", "llmdd._bench.cpp"] + sys.argv[1:]),
                           quick=quick, load_before=list(load0), load_after=list(os.getloadavg()),
