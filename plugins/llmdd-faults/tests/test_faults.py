@@ -307,6 +307,51 @@ def test_partition_until_heal():
         assert len(p.plan.fired) == 1
 
 
+class _OnFired:
+    """Stands in for the plan's logger: runs ``action`` the instant a fault's record is published,
+    which is when a test that waits on the fired record acts (heals, unlinks), before the wrapper
+    has built, tracked or partitioned the batch the fault fired on."""
+
+    def __init__(self, action):
+        self.action = action
+
+    def warning(self, event, **_kw):
+        if event == "llmdd.faults.fired":
+            self.action()
+
+    def __getattr__(self, _name):
+        return lambda *_a, **_k: None
+
+
+def test_regression_heal_right_after_a_partition_fired_releases_its_batch(monkeypatch):
+    """The batch's worker partitioned its channel at the heal generation it read when it got there:
+    a heal that came after the fault was recorded but before the worker ran (a fault-matrix test
+    waits for the record, then heals) left the batch held until its deadline (F8: LLM_TIMEOUT
+    instead of the original bytes).  The generation is now read before the fault fires."""
+    from llmdd_faults import _plan
+
+    with pair(Fault("read", "partition", count=1)) as p:
+        monkeypatch.setattr(_plan, "_log", _OnFired(p.plan.heal))
+        err, _ = p.read(timeout=2.0)
+        assert err is None and np.array_equal(p.local, p.src)
+        assert not p.ch.statistics()["partitioned"]
+        assert len(p.plan.fired) == 1
+
+
+def test_regression_channel_closed_right_after_a_fault_fired_fails_its_batch_at_once(monkeypatch):
+    """A channel closed after a fault was recorded but before the batch joined the channel's set did
+    not fail that batch: it held its partition until its deadline (F19: a force unlink left the held
+    pull to time out).  Now the batch fails with ``Cancelled`` before ``read`` returns, and nothing
+    lands in local memory."""
+    from llmdd_faults import _plan
+
+    with pair(Fault("read", "partition", count=1)) as p:
+        monkeypatch.setattr(_plan, "_log", _OnFired(p.ch.close))
+        c = p.ch.read(make_ops(1, 0, 10, 0, SIZE), deadline=time.monotonic() + 5.0)
+        assert c.done() and isinstance(c.error, Cancelled), c.error
+        assert p.untouched()
+
+
 def test_deregister_drains_a_faulty_batch():
     with pair(Fault("read", "delay", delay=0.3), Fault("read", "corrupt")) as p:
         c = p.ch.read(make_ops(1, 0, 10, 0, SIZE), deadline=time.monotonic() + 5)

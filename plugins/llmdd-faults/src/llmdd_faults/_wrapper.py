@@ -227,6 +227,7 @@ class FaultyChannel(Channel):
         self._lock = threading.Lock()
         self._partition_gen: Optional[int] = None
         self._batches: set[_Batch] = set()
+        self._closed = False
         self._fired = 0
 
     def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
@@ -243,6 +244,7 @@ class FaultyChannel(Channel):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             batches = list(self._batches)
         for b in batches:
             b.completion.fail(Cancelled("channel closed"))
@@ -260,23 +262,37 @@ class FaultyChannel(Channel):
         with self._lock:
             return self._partition_gen is not None and self._partition_gen == self.plan.heal_generation
 
-    def partition(self) -> None:
+    def partition(self, generation: Optional[int] = None) -> None:
+        """Partition the channel until the heal that follows heal generation ``generation`` (default:
+        the current one).  A batch passes the generation it read before its fault fired, so a heal
+        that came after the fault was recorded (a test waits for the record, then heals) releases it
+        even when the batch's worker reaches this line only after the heal; a newer partition of the
+        channel is never undone by an older one."""
+        gen = self.plan.heal_generation if generation is None else generation
         with self._lock:
-            self._partition_gen = self.plan.heal_generation
+            if self._partition_gen is None or gen > self._partition_gen:
+                self._partition_gen = gen
 
     # ------------------------------------------------------------------ batches
     def _submit(self, kind: str, ops: np.ndarray, deadline: float) -> Completion:
         ops = as_ops(ops)
+        heal_gen = self.plan.heal_generation   # read before the faults fire (and are recorded)
         faults = self.plan.match(kind, self.peer) + self.plan.match("complete", self.peer)
         if not faults and not self.partitioned:
             return getattr(self.inner, kind)(ops, deadline=deadline)
         self._fired += len(faults)
-        batch = _Batch(self, kind, ops, deadline, faults)
+        batch = _Batch(self, kind, ops, deadline, faults, heal_gen)
         batch.completion = ThreadCompletion([batch.run], deadline=deadline, abort=batch.abort,
                                             on_done=lambda _c: batch.forget(), name=f"llmdd-faults-{kind}")
+        # a close that ran between this batch's planning (its fault already in the fired record a
+        # test waits on) and this line did not see it: fail it as close would have, instead of letting
+        # it hold a partition until its deadline after its channel is gone
         with self._lock:
-            if not batch.completion.done():
+            closed = self._closed
+            if not closed and not batch.completion.done():
                 self._batches.add(batch)
+        if closed:
+            batch.completion.fail(Cancelled("channel closed"))
         self.endpoint._track(batch)
         if batch.completion.done():
             batch.forget()
@@ -289,13 +305,14 @@ class _Batch:
     completion: ThreadCompletion
 
     def __init__(self, channel: FaultyChannel, kind: str, ops: np.ndarray, deadline: float,
-                 faults: list[Fault]) -> None:
+                 faults: list[Fault], heal_gen: int) -> None:
         self.channel = channel
         self.plan = channel.plan
         self.kind = kind
         self.ops = ops
         self.deadline = deadline
         self.faults = faults
+        self.heal_gen = heal_gen
         self.local_regions = frozenset(int(r) for r in np.unique(ops["local_region"]))
         self._lock = threading.Lock()
         self._aborted = False
@@ -384,7 +401,7 @@ class _Batch:
             if f.action == "delay":
                 self._delay(f)
             elif f.action == "partition":
-                self.channel.partition()
+                self.channel.partition(self.heal_gen)
             elif f.action == "drop":
                 self._hold(f"dropped (fault {f.label})")
             elif f.action == "fail":
@@ -423,7 +440,7 @@ class _Batch:
             if f.action == "delay":
                 self._delay(f)
             elif f.action == "partition":
-                self.channel.partition()
+                self.channel.partition(self.heal_gen)
                 self._hold_partition()
             elif f.action == "drop":
                 self._hold(f"completion dropped (fault {f.label})")
