@@ -375,6 +375,7 @@ class LLMDataDist:
             "cluster_id": self._cluster_id,
             "role": self._role.name,
             "links": core.link_manager.statistics(),
+            "link_failures": core.link_manager.link_failures(),
             "memory": core.memory.statistics(),
             "lifecycles": {lc.machine.value: lc.statistics() for lc in
                            (core.links, core.comm_groups, core.caches, core.tasks)},

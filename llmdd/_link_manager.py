@@ -721,6 +721,9 @@ class LinkManager:
         self._aliases: dict[int, int] = {}          # remote_cluster_id given by the user -> peer id
         self._linking: set[int] = set()             # remote_cluster_ids with a link_clusters in progress
         self._accepting: dict[int, threading.Event] = {}   # peers whose incoming link is being accepted
+        # remote_cluster_id -> why its last link_clusters attempt failed (dropped when one succeeds);
+        # a failed link is never made, so it has no Link.last_error (LLMDataDist.statistics()["link_failures"])
+        self._link_failures: dict[int, dict] = {}
         self._request_ids = itertools.count(1)
         self._grant_ids = itertools.count(1)
         self._closed = False
@@ -1445,14 +1448,29 @@ class LinkManager:
         return overall, codes
 
     def _link_one_safe(self, cluster, deadline: float) -> LLMStatusCode:
+        remote = cluster.remote_cluster_id
         try:
-            return self._link_one(cluster, deadline)
+            code = self._link_one(cluster, deadline)
+            error = None if code in (S.LLM_SUCCESS, S.LLM_ALREADY_LINK) else code.name
         except LLMException as exc:
-            _log.warning("llmdd.link.failed", remote=cluster.remote_cluster_id, error=str(exc))
-            return exc.status_code if exc.status_code is not S.LLM_SUCCESS else S.LLM_LINK_FAILED
+            _log.warning("llmdd.link.failed", remote=remote, error=str(exc))
+            code = exc.status_code if exc.status_code is not S.LLM_SUCCESS else S.LLM_LINK_FAILED
+            error = str(exc)
         except Exception as exc:  # never raise out of link_clusters
-            _log.warning("llmdd.link.failed", remote=cluster.remote_cluster_id, error=repr(exc))
-            return S.LLM_LINK_FAILED
+            _log.warning("llmdd.link.failed", remote=remote, error=repr(exc))
+            code, error = S.LLM_LINK_FAILED, repr(exc)
+        with self._lock:
+            if error is None:
+                self._link_failures.pop(remote, None)
+            else:
+                self._link_failures[remote] = {"status": code.name, "error": error, "time": time.time()}
+        return code
+
+    def link_failures(self) -> dict:
+        """remote_cluster_id -> {"status", "error", "time"} of its last failed link_clusters attempt
+        (kept until a later attempt succeeds)."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._link_failures.items()}
 
     def _link_limit_reached(self) -> bool:
         limit = self._core.profile.max_links

