@@ -30,13 +30,14 @@ from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMExcep
 from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
 from llmdd._planner import plan_blocks, plan_cache, tensor_range
 from llmdd._protocol import messages as _m
-from llmdd._transfer import _QuickPlan
+from llmdd._transfer import _READ, _QuickPlan
 
 S = LLMStatusCode
 OK = 0
 FAILED = 0xFFFFFFFF
 PARAM_INVALID = S.LLM_PARAM_INVALID.value
 NOT_INITIALIZED = "LlmDataDist is not initialized"
+_DONE = (OK, "", None)  # a successful call's answer without a value (one object, not one per call)
 
 # C++ option key -> Python engine key (the rest pass through unchanged)
 _KEY_MAP = {
@@ -81,7 +82,7 @@ def _call(fn):
             out = fn(self, *args)
             if isinstance(out, _Partial):
                 return out.status, out.message, out.value
-            return OK, "", out
+            return _DONE if out is None else (OK, "", out)
         except BaseException as exc:  # every failure becomes a status; nothing escapes into C++
             return _code(exc), f"{type(exc).__name__}: {exc}", None
     wrapper.__name__ = fn.__name__
@@ -179,6 +180,10 @@ class Bridge:
         self._caches: dict[int, Any] = {}  # cache id -> llmdd Cache (allocated ones)
         self._flipped: dict[int, tuple] = {}
         self._plans: dict[tuple, _QuickPlan] = {}  # kept per-shape plans of block transfers (_move)
+        # the last ext of pull_blocks that passed _check_ext: (ext, src_range, dst_range, the ranges
+        # as the plan key holds them); C++ passes the same tuple object while the ext is the same
+        # (a tuple of ints: its check cannot change), and this reference keeps that object alive
+        self._pull_ext: Optional[tuple] = None
         self._lock = threading.Lock()
         self._starting = False
         self._switch_role = False
@@ -488,23 +493,61 @@ class Bridge:
                    local_unit=batch_index, remote_unit=src_batch, size=size, src_range=src_range,
                    dst_range=dst_range, tnpl=ext[2])
 
-    @_call
-    def pull_blocks(self, src: tuple, dst_id: int, src_blocks: list, dst_blocks: list, ext: tuple) -> None:
-        _, core = self._engine()
-        self._check_role(_PULLERS, "PullKvBlocks")
-        cluster_id, cache_id, src_batch = src
-        if src_batch != 0:
-            raise _invalid(f"invalid src_cache_index.batch_index ({src_batch}), only 0 is supported in pull block")
-        src_range, dst_range = _check_ext(ext[0], ext[1], ext[2], False)
-        if not src_blocks:
-            raise _invalid("src_blocks is empty, pull from non-block cache is not supported yet")
-        if len(src_blocks) != len(dst_blocks):
-            raise _invalid(f"number of src_blocks ({len(src_blocks)}) mismatches that of dst_blocks "
-                           f"({len(dst_blocks)})")
-        self._move(core, write=False, blocks=True, local_id=dst_id, remote_cluster=cluster_id, remote_id=cache_id,
-                   local_blocks=_check_blocks("dst_blocks", dst_blocks),
-                   remote_blocks=_check_blocks("src_blocks", src_blocks),
-                   src_range=src_range, dst_range=dst_range, tnpl=ext[2])
+    def pull_blocks(self, src: tuple, dst_id: int, src_blocks: list, dst_blocks: list, ext: tuple) -> tuple:
+        """PullKvBlocks.  Not wrapped by ``_call`` (one Python frame less per call) but answering as
+        it does: the same checks in the same order, every failure a status.  A pull whose kept
+        plan is valid (the conditions of ``_move``) runs the steps of ``_move`` inline, as the
+        engine's own small-transfer path does; anything else goes through ``_move``."""
+        try:
+            dd = self.dd
+            core = None if dd is None else dd._core
+            if core is None:
+                raise _Fail(FAILED, NOT_INITIALIZED)
+            if self.role not in _PULLERS:
+                self._check_role(_PULLERS, "PullKvBlocks")
+            cluster_id, cache_id, src_batch = src
+            if src_batch != 0:
+                raise _invalid(f"invalid src_cache_index.batch_index ({src_batch}), only 0 is supported in pull "
+                               f"block")
+            hit = self._pull_ext
+            if hit is None or hit[0] is not ext:  # identity: an equal tuple of other types is checked anew
+                src_range, dst_range = _check_ext(ext[0], ext[1], ext[2], False)
+                hit = (ext, src_range, dst_range,
+                       None if src_range is None else (src_range.start, src_range.stop),
+                       None if dst_range is None else (dst_range.start, dst_range.stop))
+                self._pull_ext = hit
+            _, src_range, dst_range, src_key, dst_key = hit
+            tnpl = ext[2]
+            if not src_blocks:
+                raise _invalid("src_blocks is empty, pull from non-block cache is not supported yet")
+            if len(src_blocks) != len(dst_blocks):
+                raise _invalid(f"number of src_blocks ({len(src_blocks)}) mismatches that of dst_blocks "
+                               f"({len(dst_blocks)})")
+            _check_blocks("dst_blocks", dst_blocks)
+            _check_blocks("src_blocks", src_blocks)
+            te = core.transfers
+            rec = core.memory.get(dst_id) if te is not None and cluster_id != self.cluster_id else None
+            if rec is not None and rec.live:
+                link = te._link_for(cluster_id)
+                plan = self._plans.get((False, id(link), dst_id, cache_id, src_key, dst_key, tnpl))
+                tables = link.tables
+                if (plan is not None and plan.link is link and plan.tables is tables and plan.rec is rec
+                        and plan.regions is rec.regions and plan.cv == tables.cache_table_version
+                        and plan.rv == tables.regions_version):
+                    ops, nbytes = plan.ops(src_blocks, dst_blocks)
+                    te._acquire(link)
+                    try:
+                        te.run_ops(link, ops, write=False, kind="pull_blocks", nbytes=nbytes)
+                    finally:
+                        link.transfer_lock.release()
+                    te._queue_notice(link, (_READ, int(cache_id), tuple(src_blocks)))
+                    return _DONE
+            self._move(core, write=False, blocks=True, local_id=dst_id, remote_cluster=cluster_id,
+                       remote_id=cache_id, local_blocks=dst_blocks, remote_blocks=src_blocks,
+                       src_range=src_range, dst_range=dst_range, tnpl=tnpl)
+            return _DONE
+        except BaseException as exc:  # as _call: every failure becomes a status
+            return _code(exc), f"{type(exc).__name__}: {exc}", None
 
     @staticmethod
     def _check_push_src(core, src_id: int, ext: tuple):

@@ -11,8 +11,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -49,7 +51,13 @@ bool PythonUsable() { return !g_exiting.load() && Py_IsInitialized() != 0; }
 class Gil {
  public:
   Gil() : state_(PyGILState_Ensure()) {}
-  ~Gil() { PyGILState_Release(state_); }
+  // While the interpreter finalizes, a thread that waits for the GIL inside a call is ended by
+  // Python (pthread_exit), and the unwinding runs this destructor without the GIL: nothing to give back.
+  ~Gil() {
+    if (!g_exiting.load(std::memory_order_relaxed) || PyGILState_Check() != 0) {
+      PyGILState_Release(state_);
+    }
+  }
   Gil(const Gil &) = delete;
   Gil &operator=(const Gil &) = delete;
 
@@ -315,9 +323,32 @@ PyObject *Desc(const CacheDesc &d) {
                        static_cast<int>(d.data_type), shape);
 }
 
+// A tuple of the given new references (consumed; null when one is null or the tuple cannot be made).
+PyObject *TupleOf(std::initializer_list<PyObject *> items) {
+  PyObject *t = PyTuple_New(static_cast<Py_ssize_t>(items.size()));
+  Py_ssize_t i = 0;
+  bool ok = t != nullptr;
+  for (PyObject *item : items) {
+    if (item == nullptr) {
+      ok = false;
+    } else if (t != nullptr) {
+      PyTuple_SET_ITEM(t, i, item);
+    } else {
+      Py_DECREF(item);
+    }
+    ++i;
+  }
+  if (!ok) {
+    Py_XDECREF(t);
+    return nullptr;
+  }
+  return t;
+}
+
 PyObject *Index(const CacheIndex &i) {
-  return Py_BuildValue("(KLI)", static_cast<unsigned long long>(i.cluster_id), static_cast<long long>(i.cache_id),
-                       static_cast<unsigned int>(i.batch_index));
+  return TupleOf({PyLong_FromUnsignedLongLong(static_cast<unsigned long long>(i.cluster_id)),
+                  PyLong_FromLongLong(static_cast<long long>(i.cache_id)),
+                  PyLong_FromUnsignedLong(static_cast<unsigned long>(i.batch_index))});
 }
 
 PyObject *Ext(const KvCacheExtParam &e) {
@@ -372,27 +403,53 @@ struct Answer {
   ~Answer() { Py_XDECREF(value); }
 };
 
-// Call bridge.method(*args) (args: a new reference, consumed). Under the GIL.
-void Invoke(PyObject *bridge, const char *method, PyObject *args, Answer &out) {
-  if (args == nullptr) {
-    out.status = Fail(LLM_PARAM_INVALID, std::string(method) + ": bad argument: " + TakePythonError());
+// The bridge methods the C++ calls use, looked up once per bridge (bound methods).
+enum Method {
+  kInitialize, kFinalize, kSetRole, kLink, kUnlink, kAllocate, kDeallocate, kPullCache, kPullBlocks,
+  kCopyCache, kCopyBlocks, kPushCache, kPushBlocks, kRegister, kUnregister, kMethodCount
+};
+const char *const kMethodNames[kMethodCount] = {
+  "initialize", "finalize", "set_role", "link", "unlink", "allocate", "deallocate", "pull_cache", "pull_blocks",
+  "copy_cache", "copy_blocks", "push_cache", "push_blocks", "register", "unregister"};
+
+// Call fn(*args) (args: new references, consumed; a null one is a bad argument) with vectorcall:
+// no argument tuple, and slot 0 is left free for the bound method's self. Under the GIL.
+void Invoke(PyObject *fn, Method method, std::initializer_list<PyObject *> args, Answer &out) {
+  constexpr size_t kMaxArgs = 7;
+  PyObject *stack[kMaxArgs + 1] = {};
+  size_t n = 0;
+  bool bad = args.size() > kMaxArgs;
+  for (PyObject *arg : args) {
+    if (arg == nullptr || n >= kMaxArgs) {
+      bad = true;
+      Py_XDECREF(arg);
+    } else {
+      stack[1 + n++] = arg;
+    }
+  }
+  const char *name = kMethodNames[method];
+  if (bad) {
+    for (size_t i = 1; i <= n; ++i) {
+      Py_DECREF(stack[i]);
+    }
+    out.status = Fail(LLM_PARAM_INVALID, std::string(name) + ": bad argument: " + TakePythonError());
     return;
   }
-  PyObject *fn = PyObject_GetAttrString(bridge, method);
-  PyObject *result = fn != nullptr ? PyObject_CallObject(fn, args) : nullptr;
-  Py_XDECREF(fn);
-  Py_DECREF(args);
+  PyObject *result = PyObject_Vectorcall(fn, stack + 1, n | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
+  for (size_t i = 1; i <= n; ++i) {
+    Py_DECREF(stack[i]);
+  }
   if (result == nullptr || !PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 3) {
     const std::string why = result == nullptr ? TakePythonError() : "malformed bridge answer";
     Py_XDECREF(result);
-    out.status = Fail(LLM_FAILED, std::string(method) + ": " + why);
+    out.status = Fail(LLM_FAILED, std::string(name) + ": " + why);
     return;
   }
   const unsigned long code = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(result, 0));
   if (PyErr_Occurred() != nullptr) {
     const std::string why = TakePythonError();
     Py_DECREF(result);
-    out.status = Fail(LLM_FAILED, std::string(method) + ": bad status: " + why);
+    out.status = Fail(LLM_FAILED, std::string(name) + ": bad status: " + why);
     return;
   }
   out.status = static_cast<Status>(code);
@@ -435,7 +492,11 @@ class LlmDataDist::LlmDataDistImpl {
     }
     Gil gil;
     Answer a;
-    Invoke(bridge_, "finalize", PyTuple_New(0), a);
+    Invoke(fn_[kFinalize], kFinalize, {}, a);
+    for (PyObject *&fn : fn_) {
+      Py_CLEAR(fn);
+    }
+    Py_CLEAR(ext_);
     Py_CLEAR(bridge_);
   }
 
@@ -446,14 +507,36 @@ class LlmDataDist::LlmDataDistImpl {
     }
     Gil gil;
     if (bridge_ == nullptr) {
-      bridge_ = PyObject_CallMethod(g_bridge, "make", "Ki", static_cast<unsigned long long>(cluster_id_),
-                                    static_cast<int>(role_));
-      if (bridge_ == nullptr) {
+      PyObject *bridge = PyObject_CallMethod(g_bridge, "make", "Ki", static_cast<unsigned long long>(cluster_id_),
+                                             static_cast<int>(role_));
+      if (bridge == nullptr) {
         return Fail(LLM_FAILED, "cannot create the engine bridge: " + TakePythonError());
+      }
+      // the bound methods once, here: a call then neither looks a name up nor makes a method object
+      PyObject *fns[kMethodCount] = {};
+      for (int m = 0; m < kMethodCount; ++m) {
+        fns[m] = PyObject_GetAttrString(bridge, kMethodNames[m]);
+        if (fns[m] == nullptr) {
+          const std::string why = TakePythonError();
+          for (PyObject *&fn : fns) {
+            Py_CLEAR(fn);
+          }
+          Py_DECREF(bridge);
+          return Fail(LLM_FAILED, "cannot create the engine bridge: " + why);
+        }
+      }
+      if (bridge_ == nullptr) {  // making the bridge ran Python code: another Initialize may have won
+        std::copy(fns, fns + kMethodCount, fn_);
+        bridge_ = bridge;  // last: a call that finds the bridge finds its methods (both under the GIL)
+      } else {
+        for (PyObject *&fn : fns) {
+          Py_CLEAR(fn);
+        }
+        Py_DECREF(bridge);
       }
     }
     Answer a;
-    Invoke(bridge_, "initialize", Py_BuildValue("(N)", StrMap(options)), a);
+    Invoke(fn_[kInitialize], kInitialize, {StrMap(options)}, a);
     ArmExitHandler();
     return a.status;
   }
@@ -464,22 +547,49 @@ class LlmDataDist::LlmDataDistImpl {
     }
     Gil gil;
     Answer a;
-    Invoke(bridge_, "finalize", PyTuple_New(0), a);
+    Invoke(fn_[kFinalize], kFinalize, {}, a);
   }
 
-  // Runs body(bridge) under the GIL once the engine exists; LLM_FAILED before Initialize.
+  // Runs body(*this) under the GIL once the engine exists; LLM_FAILED before Initialize.
   template <typename Body>
   Status Call(Body body) {
     if (bridge_ == nullptr || !PythonUsable()) {
       return Fail(LLM_FAILED, "LlmDataDist is not initialized");
     }
     Gil gil;
-    return body(bridge_);
+    return body(*this);
+  }
+
+  // bridge.<method>(*args) (new references, consumed). Under the GIL (in Call's body).
+  void Run(Method method, std::initializer_list<PyObject *> args, Answer &out) {
+    Invoke(fn_[method], method, args, out);
+  }
+
+  // The ext argument as a new reference: the same tuple object while the ext is the same (the
+  // bridge then reuses its check of it). Under the GIL.
+  PyObject *ExtArg(const KvCacheExtParam &e) {
+    if (ext_ == nullptr || e.src_layer_range != ext_value_.src_layer_range ||
+        e.dst_layer_range != ext_value_.dst_layer_range ||
+        e.tensor_num_per_layer != ext_value_.tensor_num_per_layer) {
+      PyObject *made = Ext(e);
+      if (made == nullptr) {
+        return nullptr;
+      }
+      PyObject *old = ext_;
+      ext_ = made;
+      ext_value_ = e;
+      Py_XDECREF(old);
+    }
+    Py_INCREF(ext_);
+    return ext_;
   }
 
   uint64_t cluster_id_;
   LlmRole role_;
   PyObject *bridge_ = nullptr;
+  PyObject *fn_[kMethodCount] = {};
+  PyObject *ext_ = nullptr;  // the last ext argument made, for ext_value_
+  KvCacheExtParam ext_value_;
 };
 
 LlmDataDist::LlmDataDist(uint64_t cluster_id, LlmRole role) : impl_(new LlmDataDistImpl(cluster_id, role)) {}
@@ -493,9 +603,9 @@ Status LlmDataDist::Initialize(const std::map<AscendString, AscendString> &optio
 void LlmDataDist::Finalize() { impl_->Finalize(); }
 
 Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendString> &options) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "set_role", Py_BuildValue("(iN)", static_cast<int>(role), StrMap(options)), a);
+    d.Run(kSetRole, {PyLong_FromLong(static_cast<long>(role)), StrMap(options)}, a);
     if (a.status == LLM_SUCCESS) {
       impl_->role_ = role;
     }
@@ -505,9 +615,9 @@ Status LlmDataDist::SetRole(LlmRole role, const std::map<AscendString, AscendStr
 
 Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                                     int32_t timeout_in_millis) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "link", Py_BuildValue("(Ni)", Clusters(clusters), timeout_in_millis), a);
+    d.Run(kLink, {Clusters(clusters), PyLong_FromLong(timeout_in_millis)}, a);
     (void)StatusList(a.value, rets);
     ArmExitHandler();
     return a.status;
@@ -516,19 +626,18 @@ Status LlmDataDist::LinkLlmClusters(const std::vector<ClusterInfo> &clusters, st
 
 Status LlmDataDist::UnlinkLlmClusters(const std::vector<ClusterInfo> &clusters, std::vector<Status> &rets,
                                       int32_t timeout_in_millis, bool force_flag) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "unlink", Py_BuildValue("(NiO)", Clusters(clusters), timeout_in_millis, force_flag ? Py_True : Py_False),
-           a);
+    d.Run(kUnlink, {Clusters(clusters), PyLong_FromLong(timeout_in_millis), PyBool_FromLong(force_flag ? 1 : 0)}, a);
     (void)StatusList(a.value, rets);
     return a.status;
   });
 }
 
 Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "allocate", Py_BuildValue("(N)", Desc(cache_desc)), a);
+    d.Run(kAllocate, {Desc(cache_desc)}, a);
     if (a.status != LLM_SUCCESS) {
       return a.status;
     }
@@ -548,21 +657,21 @@ Status LlmDataDist::AllocateCache(const CacheDesc &cache_desc, Cache &cache) {
 }
 
 Status LlmDataDist::DeallocateCache(int64_t cache_id) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "deallocate", Py_BuildValue("(L)", static_cast<long long>(cache_id)), a);
+    d.Run(kDeallocate, {PyLong_FromLongLong(static_cast<long long>(cache_id))}, a);
     return a.status;
   });
 }
 
 Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &dst_cache, uint32_t batch_index,
                                 int64_t size, const KvCacheExtParam &ext_param) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "pull_cache",
-           Py_BuildValue("(NLILN)", Index(src_cache_index), static_cast<long long>(dst_cache.cache_id),
-                         static_cast<unsigned int>(batch_index), static_cast<long long>(size), Ext(ext_param)),
-           a);
+    d.Run(kPullCache,
+          {Index(src_cache_index), PyLong_FromLongLong(static_cast<long long>(dst_cache.cache_id)),
+           PyLong_FromUnsignedLong(batch_index), PyLong_FromLongLong(static_cast<long long>(size)), Ext(ext_param)},
+          a);
     return a.status;
   });
 }
@@ -570,26 +679,26 @@ Status LlmDataDist::PullKvCache(const CacheIndex &src_cache_index, const Cache &
 Status LlmDataDist::PullKvBlocks(const CacheIndex &src_cache_index, const Cache &dst_cache,
                                  const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
                                  const KvCacheExtParam &ext_param) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "pull_blocks",
-           Py_BuildValue("(NLNNN)", Index(src_cache_index), static_cast<long long>(dst_cache.cache_id),
-                         UintList(src_blocks), UintList(dst_blocks), Ext(ext_param)),
-           a);
+    d.Run(kPullBlocks,
+          {Index(src_cache_index), PyLong_FromLongLong(static_cast<long long>(dst_cache.cache_id)),
+           UintList(src_blocks), UintList(dst_blocks), d.ExtArg(ext_param)},
+          a);
     return a.status;
   });
 }
 
 Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache, uint32_t src_batch_index,
                                 uint32_t dst_batch_index, uint64_t offset, int64_t size) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "copy_cache",
-           Py_BuildValue("(LLIIKL)", static_cast<long long>(src_cache.cache_id),
-                         static_cast<long long>(dst_cache.cache_id), static_cast<unsigned int>(src_batch_index),
-                         static_cast<unsigned int>(dst_batch_index), static_cast<unsigned long long>(offset),
-                         static_cast<long long>(size)),
-           a);
+    d.Run(kCopyCache,
+          {PyLong_FromLongLong(static_cast<long long>(src_cache.cache_id)),
+           PyLong_FromLongLong(static_cast<long long>(dst_cache.cache_id)), PyLong_FromUnsignedLong(src_batch_index),
+           PyLong_FromUnsignedLong(dst_batch_index), PyLong_FromUnsignedLongLong(offset),
+           PyLong_FromLongLong(static_cast<long long>(size))},
+          a);
     return a.status;
   });
 }
@@ -597,7 +706,7 @@ Status LlmDataDist::CopyKvCache(const Cache &src_cache, const Cache &dst_cache, 
 Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
                                  const std::vector<uint64_t> &src_blocks,
                                  const std::vector<std::vector<uint64_t>> &dst_blocks_list) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     PyObject *lists = PyList_New(static_cast<Py_ssize_t>(dst_blocks_list.size()));
     for (size_t i = 0; lists != nullptr && i < dst_blocks_list.size(); ++i) {
       PyObject *one = UintList(dst_blocks_list[i]);
@@ -608,23 +717,23 @@ Status LlmDataDist::CopyKvBlocks(const Cache &src_cache, const Cache &dst_cache,
       PyList_SET_ITEM(lists, static_cast<Py_ssize_t>(i), one);
     }
     Answer a;
-    Invoke(b, "copy_blocks",
-           lists == nullptr ? nullptr
-                            : Py_BuildValue("(LLNN)", static_cast<long long>(src_cache.cache_id),
-                                            static_cast<long long>(dst_cache.cache_id), UintList(src_blocks), lists),
-           a);
+    d.Run(kCopyBlocks,
+          {PyLong_FromLongLong(static_cast<long long>(src_cache.cache_id)),
+           PyLong_FromLongLong(static_cast<long long>(dst_cache.cache_id)), UintList(src_blocks), lists},
+          a);
     return a.status;
   });
 }
 
 Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_cache_index, uint32_t src_batch_index,
                                 int64_t size, const KvCacheExtParam &ext_param) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "push_cache",
-           Py_BuildValue("(LNILN)", static_cast<long long>(src_cache.cache_id), Index(dst_cache_index),
-                         static_cast<unsigned int>(src_batch_index), static_cast<long long>(size), Ext(ext_param)),
-           a);
+    d.Run(kPushCache,
+          {PyLong_FromLongLong(static_cast<long long>(src_cache.cache_id)), Index(dst_cache_index),
+           PyLong_FromUnsignedLong(src_batch_index), PyLong_FromLongLong(static_cast<long long>(size)),
+           Ext(ext_param)},
+          a);
     return a.status;
   });
 }
@@ -632,12 +741,12 @@ Status LlmDataDist::PushKvCache(const Cache &src_cache, const CacheIndex &dst_ca
 Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_cache_index,
                                  const std::vector<uint64_t> &src_blocks, const std::vector<uint64_t> &dst_blocks,
                                  const KvCacheExtParam &ext_param) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "push_blocks",
-           Py_BuildValue("(LNNNN)", static_cast<long long>(src_cache.cache_id), Index(dst_cache_index),
-                         UintList(src_blocks), UintList(dst_blocks), Ext(ext_param)),
-           a);
+    d.Run(kPushBlocks,
+          {PyLong_FromLongLong(static_cast<long long>(src_cache.cache_id)), Index(dst_cache_index),
+           UintList(src_blocks), UintList(dst_blocks), Ext(ext_param)},
+          a);
     return a.status;
   });
 }
@@ -645,9 +754,9 @@ Status LlmDataDist::PushKvBlocks(const Cache &src_cache, const CacheIndex &dst_c
 Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vector<uint64_t> &addrs,
                                     const RegisterCfg &cfg, int64_t &cache_id) {
   (void)cfg;  // reserved bytes only
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "register", Py_BuildValue("(NN)", Desc(cache_desc), UintList(addrs)), a);
+    d.Run(kRegister, {Desc(cache_desc), UintList(addrs)}, a);
     if (a.status == LLM_SUCCESS) {
       cache_id = static_cast<int64_t>(PyLong_AsLongLong(a.value));
       PyErr_Clear();
@@ -657,9 +766,9 @@ Status LlmDataDist::RegisterKvCache(const CacheDesc &cache_desc, const std::vect
 }
 
 Status LlmDataDist::UnregisterKvCache(int64_t cache_id) {
-  return impl_->Call([&](PyObject *b) {
+  return impl_->Call([&](LlmDataDistImpl &d) {
     Answer a;
-    Invoke(b, "unregister", Py_BuildValue("(L)", static_cast<long long>(cache_id)), a);
+    d.Run(kUnregister, {PyLong_FromLongLong(static_cast<long long>(cache_id))}, a);
     return a.status;
   });
 }

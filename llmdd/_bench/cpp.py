@@ -186,18 +186,23 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
     server = subprocess.Popen([sys.executable, "-m", "llmdd._bench.cpp", "serve", str(port), str(tensors),
                                str(blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     runs: dict = {"cpp": [], "python": []}
+    orders: list = []  # per round, the side that ran first and the one that ran second
     try:
         line = server.stdout.readline()
         if line.strip() != "READY":
             raise RuntimeError(f"the bench prompt did not start (rc={server.poll()})")
         args = [str(port), str(lat_n), str(lat_warmup), str(tensors), str(blocks), str(reps)]
-        for r in range(rounds):  # interleaved, the order alternating per round
+        for r in range(rounds):
+            # interleaved ABBA: C++ first in odd rounds (1, 3, ...), Python first in even ones, so that
+            # what running first or second costs does not fall on one side only (with an odd number
+            # of rounds C++ runs first once more; "orders" records it)
             order = ("cpp", "python") if r % 2 == 0 else ("python", "cpp")
+            orders.append(list(order))
             for side in order:
                 argv = [binary] + args if side == "cpp" else [sys.executable, "-m", "llmdd._bench.cpp",
                                                                "pydecoder"] + args
                 runs[side].append(_run_json(argv, timeout=300))
-            note(f"cpp: round {r + 1}/{rounds}: C++ p50 {runs['cpp'][-1]['p50_us']:.1f} us, "
+            note(f"cpp: round {r + 1}/{rounds} ({order[0]} first): C++ p50 {runs['cpp'][-1]['p50_us']:.1f} us, "
                  f"Python p50 {runs['python'][-1]['p50_us']:.1f} us")
     finally:
         if server.poll() is None:
@@ -213,7 +218,7 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
     bw_ratio = med["cpp"]["gbps"] / med["python"]["gbps"]
     rss_delta = med["cpp"]["rss_bytes"] - med["python"]["rss_bytes"]
     row = {
-        "cpp": med["cpp"], "python": med["python"], "runs": runs, "rounds": rounds,
+        "cpp": med["cpp"], "python": med["python"], "runs": runs, "rounds": rounds, "orders": orders,
         "sizes": {"latency_n": lat_n, "latency_warmup": lat_warmup, "tensors": tensors, "blocks": blocks,
                   "block_bytes": BLOCK, "bw_reps": reps},
         "latency_ratio": lat_ratio, "latency_met": lat_ratio <= 1.2,
