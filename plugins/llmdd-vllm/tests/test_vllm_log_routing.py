@@ -4,6 +4,7 @@ logger, so a failed link's ``llmdd.link.failed`` reason reaches vLLM's log.  Wit
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -45,3 +46,32 @@ def test_a_failed_links_reason_comes_from_llmdds_record_else_the_links_last_erro
     assert _link_failure(stats, 4) == "cannot connect"
     assert _link_failure(stats, 5) == "peer gone"
     assert _link_failure({"links": {}}, 6) == "no reason recorded"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity and two CPUs")
+def test_threads_started_for_llmdd_may_use_every_cpu_of_the_worker_not_only_its_pinned_one():
+    import threading
+
+    from llmdd_vllm.connector import _threads_started_on, _worker_cpus
+
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    seen: dict = {}
+
+    def pinned_worker():     # as vLLM's CPU worker: its main thread pinned to one core
+        os.sched_setaffinity(0, {first})
+        cpus = _worker_cpus()
+        seen["union"] = cpus
+        with _threads_started_on(cpus):
+            t = threading.Thread(target=lambda: seen.setdefault("child", os.sched_getaffinity(0)))
+            t.start()
+            t.join(30)
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=pinned_worker)
+    t.start()
+    t.join(30)
+    assert seen["union"] == allowed        # this thread and the test's other threads may use them all
+    assert seen["child"] == allowed
+    assert seen["after"] == {first}        # the pinned thread keeps its own

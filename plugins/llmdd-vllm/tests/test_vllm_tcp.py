@@ -99,9 +99,13 @@ def test_tcp_prefill_stalled_then_killed_mid_transfer_decode_recomputes_and_keep
     t0 = time.monotonic()
     # the two remote-prefill requests and a local one (64 tokens) in one batch
     d.submit(op="generate", prompts=ps + other, max_tokens=[E.MAX_TOKENS] * len(ps) + [64],
-             params=kv + [None], timeout_s=120)
+             params=kv + [None], timeout_s=120, events=True)
     E.wait_for(lambda: _state(worker_pid) == "T" or None, "prefill worker stopped by the faults plugin", timeout=60,
                every=0.05)
+    # the local request decodes all its 64 tokens while the remote-prefill requests' pulls hang on
+    # the stopped prefill worker (the scheduler loop is not blocked by them); only then the kill
+    local = d.wait_event(lambda ev: ev["event"] == "finished" and ev["index"] == len(ps), timeout=60)
+    assert _state(worker_pid) == "T"
     doomed.kill()
     out = d.result(timeout=90)
     took = time.monotonic() - t0
@@ -116,9 +120,9 @@ def test_tcp_prefill_stalled_then_killed_mid_transfer_decode_recomputes_and_keep
     assert c1["requests_pulled"] == c0["requests_pulled"]
     n = sum(len(x) for x in ps) + len(other[0])
     assert E.delta(src1, src0)["local_compute"] == n               # every prompt token computed by the decoder
-    # the scheduler was not blocked by the hanging pull: the local request's 64 tokens were all
-    # decoded while the remote-prefill requests still waited for their KV (the pull's deadline)
+    # the scheduler was not blocked by the hanging pulls: the local request's 64 tokens were all
+    # decoded while the remote-prefill requests still waited for their KV (they got their first
+    # token, recomputed, only after the kill that followed the local request's end)
     first_remote = min(r["first_token_s"] for r in res[:len(ps)])
-    assert res[-1]["finished_s"] < first_remote, res
-    assert first_remote >= SYNC_MS / 1000 * 0.8, res
+    assert res[-1]["finished_s"] == local["s"] < first_remote, res
     assert len(res[-1]["tokens"]) == 64

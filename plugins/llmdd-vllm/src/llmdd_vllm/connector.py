@@ -26,6 +26,7 @@ registration of vLLM's KV tensors.  They talk through vLLM's metadata objects on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import hashlib
@@ -111,6 +112,53 @@ _REQUIRED = ("remote_block_ids", "remote_request_id", "remote_host", "remote_por
 _MODEL_ID = 0
 LINK_ATTEMPTS = 3
 _MAX_TAG = 256
+
+
+def _worker_cpus() -> Optional[set]:
+    """Every CPU some thread of this process may run on (``/proc/self/task``), or None where that
+    cannot be read.  vLLM's CPU worker binds its OpenMP threads one core each
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``), the main thread included: the union is the set of cores
+    vLLM gave this worker."""
+    if not hasattr(os, "sched_getaffinity") or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus: set = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except (OSError, ValueError):
+            continue                    # a thread that ended meanwhile
+    return cpus or None
+
+
+@contextlib.contextmanager
+def _threads_started_on(cpus: Optional[set]):
+    """Threads started inside this block (llmdd's I/O loop, its transfer and registrar threads, the
+    connector's pull thread; they start theirs in turn) may run on ``cpus``; the calling thread's
+    own affinity is restored after.  vLLM pins the worker's main thread to one core (the first
+    OpenMP thread's), and a thread inherits its creator's affinity: without this every llmdd
+    thread of every instance on a host shares that one core with the main threads, which spin
+    between engine steps while a request waits for a transfer or holds blocks for one (issue 20:
+    a starved prefill worker did not answer a link handshake or a read_done in time)."""
+    mine = None
+    if cpus:
+        try:
+            mine = os.sched_getaffinity(0)
+            if cpus <= mine:
+                mine = None
+            else:
+                os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            _log.info("llmdd_vllm: llmdd threads keep the worker thread's CPUs: %s", exc)
+            mine = None
+    try:
+        yield
+    finally:
+        if mine is not None:
+            os.sched_setaffinity(0, mine)
 
 
 def _options(vllm_config: "VllmConfig") -> dict:
@@ -390,7 +438,7 @@ class _WorkerSide:
                       "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
                       "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
                       "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
-                      "last_link_error": None}
+                      "last_link_error": None, "llmdd_cpus": None}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
@@ -419,6 +467,17 @@ class _WorkerSide:
         options.update({str(k): str(v) for k, v in dict(opts["llmdd_options"]).items()})
         role = LLMRole.MIX if (self.c._producer and self.c._consumer) else (
             LLMRole.PROMPT if self.c._producer else LLMRole.DECODER)
+        cpus = _worker_cpus()
+        with _threads_started_on(cpus):
+            self._start_engine(role, options, num_blocks, per_block, tensors)
+        self.stats["llmdd_cpus"] = sorted(cpus) if cpus else None
+        _log.info("llmdd_vllm: registered %d KV layers x %d blocks (%s), cluster %d, listen %s, llmdd threads on CPUs %s "
+                  "(the worker thread's: %s)", len(tensors), num_blocks, self.layout, opts["cluster_id"],
+                  self.stats["listen"], self.stats["llmdd_cpus"],
+                  sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
+
+    def _start_engine(self, role, options: dict, num_blocks: int, per_block: int, tensors: list) -> None:
+        opts = self.c._opts
         dd = LLMDataDist(role, int(opts["cluster_id"]))
         if self.c._producer:
             dd.add_plugin(_TagFrees(self.tags), name="llmdd_vllm_tag_frees")
@@ -441,8 +500,6 @@ class _WorkerSide:
         if self.c._consumer:
             self.thread = threading.Thread(target=self._run, name="llmdd-vllm-pulls", daemon=True)
             self.thread.start()
-        _log.info("llmdd_vllm: registered %d KV layers x %d blocks (%s), cluster %d, listen %s",
-                  len(views), num_blocks, self.layout, opts["cluster_id"], self.stats["listen"])
 
     # ------------------------------------------------------------ per step (vLLM's model-runner thread)
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
@@ -536,6 +593,8 @@ class _WorkerSide:
             took = time.monotonic() - t0
             status = rets[0] if rets else ret
             if status == LLMStatusCode.LLM_SUCCESS:
+                _log.info("llmdd_vllm: linked to cluster %d at %s:%d in %.3f s (attempt %d)", job.cluster_id,
+                          job.host, job.port, took, attempt)
                 break
             why = _link_failure(self.dd.statistics(), job.cluster_id)
             with self.lock:

@@ -7,7 +7,9 @@ command line read on stdin.  Commands (``{"op": ...}``):
 * ``generate``: ``prompts`` (token id lists), ``max_tokens`` (one or one per prompt), optional ``params`` (one
   ``kv_transfer_params`` dict or null per prompt) and ``hold`` (request indices added only after
   the first request produced a token); answers per request its tokens, ``kv_transfer_params``,
-  first-token and finish times (seconds after the batch started) and the batch's wall time;
+  first-token and finish times (seconds after the batch started) and the batch's wall time; with
+  ``events`` true it also writes one ``{"event": "finished", "index", "s"}`` line per request as it
+  finishes (:meth:`Instance.wait_event`);
 * ``metrics``: vLLM's own counters (``llm.get_metrics()``): prompt tokens by source and others;
 * ``counters``: the worker-side connector's counters (through ``LLM.collective_rpc``);
 * ``quit``.
@@ -91,6 +93,8 @@ def _generate(llm, cmd: dict) -> dict:
                     for k in pending:
                         add(k)
                     pending = []
+            if out.finished and cmd.get("events") and i not in res:
+                _say({"event": "finished", "index": i, "s": now})
             if out.finished:
                 res[i] = {"tokens": list(out.outputs[0].token_ids), "kv_transfer_params": out.kv_transfer_params,
                           "first_token_s": first.get(i), "finished_s": now}
@@ -112,6 +116,13 @@ def main(argv: Optional[list] = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_space_gib)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")     # collective_rpc(worker_counters)
+    # vLLM's CPU worker binds its OpenMP threads, one core each, by default ("auto"): every instance
+    # on a host takes the same cores, its main thread the first one. Two or three instances here
+    # (prefill, decode, a control) then run all their worker main threads, and the llmdd threads
+    # they start, on one core, where an instance holding blocks for a transfer spins between
+    # engine steps (issue 20). Several instances on one host need disjoint core lists
+    # (VLLM_CPU_OMP_THREADS_BIND="0-3", "4-7", ...) or none; set one in the environment to override.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
     kw: dict[str, Any] = dict(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -181,6 +192,7 @@ class Instance:
                                      stderr=self._log or subprocess.DEVNULL, text=True, env=full_env,
                                      start_new_session=True)
         self._lines: list = []
+        self._events: list = []
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -201,8 +213,9 @@ class Instance:
     def _read(self) -> None:
         for line in self.proc.stdout:
             if line.startswith(PREFIX):
+                obj = json.loads(line[len(PREFIX):])
                 with self._cv:
-                    self._lines.append(json.loads(line[len(PREFIX):]))
+                    (self._events if "event" in obj else self._lines).append(obj)
                     self._cv.notify_all()
             elif self._log is not None:
                 self._log.write(line)
@@ -221,6 +234,22 @@ class Instance:
                                        + self.log_tail())
                 self._cv.wait(left)
             return self._lines.pop(0)
+
+    def wait_event(self, match, timeout: float) -> dict:
+        """The first event line (of a command submitted with ``events``) for which ``match(event)``
+        is true, waiting up to ``timeout`` s; an instance that exits or answers first raises."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for ev in self._events:
+                    if match(ev):
+                        return ev
+                if self._lines:
+                    raise RuntimeError(f"the instance answered before the event: {self._lines[0]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no matching event within {timeout} s; its log ends:\n" + self.log_tail())
+                self._cv.wait(left)
 
     def call(self, timeout: float = 300, **cmd: Any) -> dict:
         """Send one command and wait (``timeout`` s) for its answer; an error answer raises."""
