@@ -66,6 +66,15 @@ def markdown(runs: list) -> list:
         out.append(f"- {label}: one-block p50 per round {min(rounds):.1f}-{max(rounds):.1f} us, {high} of "
                    f"{len(rounds)} rounds above 20 us; a call that moves nothing (unregister an unknown id) "
                    f"p50 {call:.1f} us (median of the runs).")
+    if all("orders" in r for _, r in runs):  # runs that record which side ran first in each round
+        parts = []
+        for side, label in (("cpp", "C++"), ("python", "Python")):
+            first = [x["p50_us"] for _, r in runs for x, o in zip(r["runs"][side], r["orders"]) if o[0] == side]
+            second = [x["p50_us"] for _, r in runs for x, o in zip(r["runs"][side], r["orders"]) if o[0] != side]
+            parts.append(f"{label} rounds above 20 us: {sum(v > 20 for v in first)} of {len(first)} when it ran "
+                         f"first, {sum(v > 20 for v in second)} of {len(second)} when it ran second")
+        out.append(f"- Order (C++ first in odd rounds, Python first in even ones, as each run records): "
+                   f"{'; '.join(parts)}.")
     out.append("")
     out.append("Ratios in the median row are the medians of the per-run ratios. "
                f"Bytes verified in every round of every run: {'yes' if verified else 'NO'}; "
