@@ -13,17 +13,20 @@ Remote operations (pull/push/transfer) delegate to the data plane (``_transfer.p
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from ._enums import Memtype, Placement
 from ._cache_manager_remote import RemoteOperations
 from ._log import get_logger
-from ._profiles import PROFILES, check_registration
+from ._profiles import PROFILES, ChipProfile, check_registration
 from ._memory.copy import Bounds, as_index_array, block_copy_ops, execute, slot_copy_ops
 from ._memory.manager import CacheRecord, MemoryManager
 from ._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from ._types import BlocksCacheKey, Cache, CacheDesc, CacheKey, MemInfo, cache_key_index, check_cache_key
 from ._validation import check_dict, check_int64, check_isinstance, check_uint32, check_uint64
+
+if TYPE_CHECKING:
+    from ._transfer import TransferEngine
 
 __all__ = ["CacheManager"]
 
@@ -73,18 +76,24 @@ def _tensor_like(a: Any) -> bool:
 class CacheManager(RemoteOperations):
     """Obtained through ``LLMDataDist.cache_manager``; not built by users."""
 
-    def __init__(self, memory: MemoryManager, options: Mapping[str, str]) -> None:
+    def __init__(self, memory: MemoryManager, options: Mapping[str, str], *,
+                 profile: ChipProfile = PROFILES["generic"], transfers: Optional["TransferEngine"] = None) -> None:
         self._memory = memory
+        self._transfers = transfers   # the data plane (None: a local-only manager refuses remote calls)
         self._initialized = True
         self._is_call_linked = False
         self._enabled_mem_pool = len(options.get("llm.MemPoolConfig", "") or "") > 0
         self._enable_host_mem_pool = len(options.get("llm.HostMemPoolConfig", "") or "") > 0
         self._enable_remote_cache_accessible = options.get("llm.EnableRemoteCacheAccessible", "0") == "1"
         self._enable_local_comm_res = "llm.LocalCommRes" in options
-        self._profile = PROFILES["generic"]  # the engine sets the selected chip-family profile
+        self._profile = profile   # the engine's chip-family profile
         self._held_tensors: dict = {}  # cache id -> the torch tensors registered in place (kept alive)
 
     # ------------------------------------------------------------------ helpers
+    def _mark_finalized(self) -> None:
+        """The engine that made this manager was finalized: every later call raises LLM_ENGINE_FINALIZED."""
+        self._initialized = False
+
     def _check_is_inited(self) -> None:
         # A manager lives as long as the engine that made it: once that engine is finalized the
         # manager stays dead, also after the same object is initialized again (which makes a new

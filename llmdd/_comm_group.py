@@ -17,7 +17,7 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ._enums import RegisterMemStatus
 from ._lifecycle.tables import CommGroupState
@@ -25,6 +25,10 @@ from ._log import get_logger
 from ._options import is_local_address
 from ._ranktable import RankMember, RankTable
 from ._status import LLMException, LLMStatusCode
+
+if TYPE_CHECKING:
+    from ._lifecycle.machines import Lifecycle
+    from ._link_manager import LinkManager
 
 __all__ = ["CommGroups", "rendezvous_dir"]
 
@@ -66,16 +70,16 @@ class _Group:
 class CommGroups:
     """The comm groups of one engine (comm ids from 1)."""
 
-    def __init__(self, core: Any) -> None:
-        self._core = core
-        self._lm = core.link_manager
-        self._lc = core.comm_groups
+    def __init__(self, *, cluster_id: int, links: "LinkManager", lifecycle: "Lifecycle") -> None:
+        self._cluster_id = cluster_id
+        self._lm = links
+        self._lc = lifecycle
         self._ids = itertools.count(1)
         self._groups: dict[int, _Group] = {}
         self._lock = threading.Lock()
 
     def link(self, comm_name: str, cluster_rank_info: dict, table: RankTable) -> int:
-        my_id = self._core.cluster_id
+        my_id = self._cluster_id
         if my_id not in cluster_rank_info:
             raise LLMException(f"this engine's cluster id {my_id} is not in cluster_rank_info",
                                status_code=S.LLM_PARAM_INVALID)

@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import atexit
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from typing import List, Tuple, Union
-
-from ._config import LLMClusterInfo
-from ._enums import LLMRole, RegisterMemStatus
+from ._cache_manager import CacheManager
+from ._comm_group import CommGroups
+from ._config import LLMClusterInfo, parse_mem_pool_cfg
+from ._enums import ROLE_TO_STR, LLMRole, RegisterMemStatus
 from ._ranktable import parse_rank_table
 from ._lifecycle.machines import Lifecycle
 from ._lifecycle.tables import Machine
+from ._link_manager import LinkManager
+from ._memory.manager import MemoryManager
+from ._profiles import check_pool_options, profile_from_options
+from ._transfer import TransferEngine
 from ._log import get_logger
 from ._options import EngineOptions, parse_listen_ip_info, prepare_engine_options
+from ._plugins import Hooks, make_plugin_manager
 from ._status import LLMException, LLMStatusCode, raise_if_false
+from ._v1 import KvCacheManager
+from ._v1.datadist import not_in_v1, not_in_v2, v1_check_link_status, v1_link_clusters, v1_switch_role
+from ._v1.options import prepare_v1_options
 from ._validation import check_int32, check_isinstance, check_uint32, check_uint64
+from .plugin import EngineConfig
 
 __all__ = ["LLMDataDist"]
 
@@ -36,22 +45,20 @@ def _not_initialized() -> RuntimeError:
 
 
 class _EngineCore:
-    """Everything an initialized engine owns; built by ``init``, torn down by ``finalize``."""
+    """The composition root: everything an initialized engine owns, built by ``init`` with each part
+    given its typed collaborators through its constructor, torn down by ``finalize``.
+
+    Build order (each part depends only on the ones before it): chip profile, lifecycles, memory,
+    control plane (:class:`LinkManager`), data plane (:class:`TransferEngine`, given the control plane
+    as its :class:`~llmdd._port.ControlPort`; the control plane is then bound to it as its
+    :class:`~llmdd._port.DataService`), rank-table comm groups, and the ``CacheManager`` facade."""
 
     def __init__(self, owner: "LLMDataDist", options: EngineOptions) -> None:
-        from ._cache_manager import CacheManager
-        from ._memory.manager import MemoryManager
-
         self.options = options
         self.cluster_id = owner._cluster_id
-        self.role = owner._role
+        self._role = owner._role
         self.hooks = owner._hooks
-        from ._profiles import profile_from_options
-
         self.profile = profile_from_options(options.raw)
-        from ._config import parse_mem_pool_cfg
-        from ._profiles import check_pool_options
-
         host_pool = options.raw.get("llm.HostMemPoolConfig")
         check_pool_options(self.profile, parse_mem_pool_cfg(host_pool)[0] if host_pool else None)
         # events are built only while someone listens, decided per event (Hooks.live_emitter): a
@@ -61,35 +68,44 @@ class _EngineCore:
         self.links = self._lifecycle(Machine.LINK)
         self.comm_groups = self._lifecycle(Machine.COMM_GROUP)
         self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
-        self.link_manager = None
-        self.transfers = None
-        self.comm_group_set = None
+        self.link_manager: Optional[LinkManager] = None
+        self.transfers: Optional[TransferEngine] = None
+        self.comm_group_set: Optional[CommGroups] = None
+        self.cache_manager: Optional[CacheManager] = None
+        self.kv_cache_manager: Any = None   # the legacy v1 mode's KvCacheManager (llmdd/_v1), set by init
         try:
-            self.cache_manager = CacheManager(self.memory, options.raw)
-            self.cache_manager._profile = self.profile
-            from ._link_manager import LinkManager
-
-            self.link_manager = LinkManager(self)
-            from ._transfer import TransferEngine
-
-            self.transfers = TransferEngine(self)
-            self.cache_manager._transfers = self.transfers
-            from ._comm_group import CommGroups
-
-            self.comm_group_set = CommGroups(self)
+            self.link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
+                                            hooks=self.hooks, links=self.links, memory=self.memory,
+                                            profile=self.profile)
+            self.transfers = TransferEngine(port=self.link_manager, memory=self.memory, tasks=self.tasks,
+                                            hooks=self.hooks, options=options, profile=self.profile)
+            self.link_manager.bind_data_service(self.transfers)
+            self.comm_group_set = CommGroups(cluster_id=self.cluster_id, links=self.link_manager,
+                                             lifecycle=self.comm_groups)
+            self.cache_manager = CacheManager(self.memory, options.raw, profile=self.profile,
+                                              transfers=self.transfers)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def role(self) -> LLMRole:
+        return self._role
+
+    def set_role(self, role: LLMRole) -> None:
+        """``switch_role``: the role later handshakes offer."""
+        self._role = role
+        if self.link_manager is not None:
+            self.link_manager.set_role(role)
 
     def _lifecycle(self, machine: Machine) -> Lifecycle:
         emit, wants = self.hooks.live_emitter(machine)
         return Lifecycle(machine, emit, wants=wants)
 
     def close(self) -> None:
-        for name in ("cache_manager", "kv_cache_manager"):
-            cm = getattr(self, name, None)
+        for cm in (self.cache_manager, self.kv_cache_manager):
             if cm is not None:
-                cm._initialized = False
+                cm._mark_finalized()
         # every part is closed even when an earlier one fails (memory must never leak a segment)
         first_error: BaseException | None = None
         for part in (self.comm_group_set, self.transfers, self.link_manager, self.memory):
@@ -137,8 +153,6 @@ class LLMDataDist:
         if core is None:
             raise _not_initialized()
         if self._v1 is not None:
-            from ._v1.datadist import not_in_v1
-
             raise not_in_v1("cache_manager")
         return core.cache_manager
 
@@ -149,23 +163,17 @@ class LLMDataDist:
         if core is None:
             raise _not_initialized()
         if self._v1 is None:
-            from ._v1.datadist import not_in_v2
-
             raise not_in_v2("kv_cache_manager")
         return core.kv_cache_manager
 
     @staticmethod
     def _role_to_str(role: LLMRole) -> str:
-        from ._enums import ROLE_TO_STR
-
         return ROLE_TO_STR[role]
 
     # -- lifecycle ----------------------------------------------------------------
     def _ensure_plugins(self) -> None:
         if self._pm is not None:
             return
-        from ._plugins import Hooks, make_plugin_manager
-
         self._pm = make_plugin_manager()
         self._hooks = Hooks(self._pm)
         self._engine_fsm = Lifecycle(Machine.ENGINE, self._hooks.emitter(Machine.ENGINE)).create(
@@ -195,20 +203,14 @@ class LLMDataDist:
             engine_options = prepare_engine_options(options, self._role)
             v1 = None
             if engine_options.get("llm.EnableCacheManager") != "1":  # legacy v1 mode (llmdd/_v1)
-                from ._v1.options import prepare_v1_options
-
                 engine_options, v1 = prepare_v1_options(engine_options, self._role, self._cluster_id)
             parsed = EngineOptions.parse(engine_options, self._role)
             self._ensure_plugins()
-            from .plugin import EngineConfig
-
             self._hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role,
                                                options=engine_options))
             self._core = _EngineCore(self, parsed)
             self._v1 = v1
             if v1 is not None:
-                from ._v1 import KvCacheManager
-
                 self._core.kv_cache_manager = KvCacheManager(self._core, self._role)
             self._engine_options = engine_options
             LLMDataDist.llm_engine_instance = self
@@ -252,8 +254,6 @@ class LLMDataDist:
         core = self._require_core()
         self._check_clusters(clusters, timeout)
         if self._v1 is not None:
-            from ._v1.datadist import v1_link_clusters
-
             for cluster in clusters:
                 check_uint64("remote_cluster_id", cluster.remote_cluster_id)
             return v1_link_clusters(core, self._role, clusters, timeout)
@@ -282,8 +282,6 @@ class LLMDataDist:
         """Change role; ``llm.listenIpInfo`` in the options starts/moves listening, its absence stops it."""
         core = self._require_core()
         if self._v1 is not None:
-            from ._v1.datadist import v1_switch_role
-
             v1_switch_role(self, core, role, switch_options, self._v1.enable_switch_role)
             self._engine_options["llm.Role"] = self._role_to_str(role)
             addr = core.link_manager.listen_address
@@ -308,7 +306,7 @@ class LLMDataDist:
         elif lm.listen_address != listen:
             lm.listen(*listen)
         self._role = role
-        core.role = role
+        core.set_role(role)
         self._engine_options["llm.Role"] = self._role_to_str(role)
         self._engine_fsm.fire("switch_role", role=role.name, listen=f"{listen[0]}:{listen[1]}" if listen else None)
 
@@ -355,15 +353,11 @@ class LLMDataDist:
 
     def _refuse_in_v1(self, func_name: str) -> None:
         if self._v1 is not None:
-            from ._v1.datadist import not_in_v1
-
             raise not_in_v1(func_name)
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         """Legacy v1 mode, DECODER: the link to ``remote_cluster_id`` answers in time, else LLMException."""
         core = self._require_core()
-        from ._v1.datadist import not_in_v2, v1_check_link_status
-
         if self._v1 is None:
             raise not_in_v2("check_link_status")
         v1_check_link_status(core, self._role, remote_cluster_id)

@@ -34,9 +34,10 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import attrs
+from msgspec.structs import replace as msgspec_replace
 
 from ._abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Endpoint, MemRegion, TransportError
 from ._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, Pool, PoolFull, Strand
@@ -45,7 +46,10 @@ from ._lifecycle.tables import LinkState
 from ._log import get_logger
 from ._options import K_TLS_CA, K_TLS_CERT, K_TLS_INSECURE, K_TLS_KEY, K_TLS_SERVER_NAME, is_local_address
 from ._options import tls_config
-from ._plugins import LazyCandidates
+from ._enums import LLMRole
+from ._options import EngineOptions
+from ._plugins import Hooks, LazyCandidates
+from ._port import DataService, RequestOp, request_op
 from ._protocol import messages as m
 from ._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 from ._protocol.handshake import (
@@ -62,6 +66,13 @@ from ._protocol.handshake import (
 from ._status import InvalidStateError, LLMException, LLMStatusCode
 from .plugin import LinkInfo
 
+if TYPE_CHECKING:
+    from ._lifecycle.machines import Lifecycle
+    from ._memory.manager import MemoryManager
+    from ._profiles import ChipProfile
+
+#: the control plane's own request op: a client's data descriptor for a transport offered by name only
+LINK_DESCRIPTOR_OP = "link_descriptor"
 #: the descriptor of a transport offered by name only (not probed, endpoint not opened; see offers())
 DEFERRED_KEY = "deferred"
 
@@ -635,7 +646,7 @@ class _ServerSession:
         self.addr = addr
         self.ip = addr[0]
         self.listener = listener
-        self.hs = ServerHandshake(lm._handshake_config(lm._core.role, offers=()))
+        self.hs = ServerHandshake(lm._handshake_config(lm.role, offers=()))
         self.timer = lm.loop.call_later(lm.settings.handshake_s, self.expire)
         self.pending = True
         self.link: Optional[Link] = None
@@ -707,13 +718,17 @@ class _ServerSession:
 class LinkManager:
     """Links of one engine, server side and client side."""
 
-    def __init__(self, core: Any) -> None:
-        self._core = core
-        self._options = core.options
-        self._hooks = core.hooks
-        self._lc = core.links
-        self.settings = LinkSettings.from_options(core.options)
-        self.cluster_id = core.cluster_id
+    def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
+                 links: "Lifecycle", memory: "MemoryManager", profile: "ChipProfile") -> None:
+        self._options = options
+        self._hooks = hooks
+        self._lc = links
+        self._memory = memory
+        self._profile = profile
+        self.role = role
+        self._data: Optional[DataService] = None   # bound once by the composition root (bind_data_service)
+        self.settings = LinkSettings.from_options(options)
+        self.cluster_id = cluster_id
         self.incarnation = new_incarnation()
         self.host = m.HostIdentity.local()
         self._lock = threading.RLock()
@@ -752,26 +767,37 @@ class LinkManager:
             m.UnlinkAck: self._on_reply,
             m.TransferReply: self._on_reply,
             m.TransferRequest: self._on_transfer_request,
-            m.ReadDone: self._on_read_done,
-            m.KeyConsumed: self._on_key_consumed,
+            m.ReadDone: self._on_data_notice,
+            m.KeyConsumed: self._on_data_notice,
+            m.ReleaseKey: self._on_data_notice,
+            m.PushDone: self._on_data_notice,
+            m.TaggedDone: self._on_tagged_done,
             m.Error: self._on_error,
             m.Refuse: self._on_refuse,
         }
-        self.request_handlers: dict[str, Callable[[Link, dict], tuple[int, dict]]] = {
-            "link_descriptor": self._serve_link_descriptor}
         self._unavailable: set[str] = set()   # transports found unusable here after a deferred offer
         self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
         self.loop.on_dead(self._on_loop_dead)
         self._keepalive_seq = itertools.count(1)
         self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
-        core.memory.regions.add_listener(self._on_regions_changed)
-        core.memory.add_change_listener(self.announce_all)
-        if core.options.listen is not None:
+        memory.regions.add_listener(self._on_regions_changed)
+        memory.add_change_listener(self.announce_all)
+        if options.listen is not None:
             try:
-                self.listen(*core.options.listen)
+                self.listen(*options.listen)
             except BaseException:
                 self.close()
                 raise
+
+    def bind_data_service(self, service: DataService) -> None:
+        """The data plane that serves this engine's data requests and notices (once, by the engine)."""
+        if self._data is not None:
+            raise RuntimeError("a data service is bound already")
+        self._data = service
+
+    def set_role(self, role: LLMRole) -> None:
+        """The engine's role after ``switch_role`` (offered in later handshakes)."""
+        self.role = role
 
     # ------------------------------------------------------------------ transports and endpoints
     @property
@@ -829,7 +855,7 @@ class LinkManager:
         try:
             # before any region is registered: the data port serves linked peers' grants only
             ep.serve_links_only()
-            for region in self._core.memory.regions.regions():
+            for region in self._memory.regions.regions():
                 self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self._mem_region(region))
         except BaseException:
             try:
@@ -1007,7 +1033,7 @@ class LinkManager:
     # ------------------------------------------------------------------ table announcements
     def _local_tables(self) -> tuple[dict, dict, dict]:
         """Current regions, caches and keys of this engine, in wire form."""
-        memory = self._core.memory
+        memory = self._memory
         # memory peers may not access is not announced at all: they cannot even learn it exists
         regions = {r.region_id: self._region_descriptor(r) for r in memory.regions.regions() if self._granted(r)}
         caches: dict[int, m.CacheEntry] = {}
@@ -1268,7 +1294,7 @@ class LinkManager:
                 return
             if over:
                 conn.send(hs.refuse(S.LLM_CLUSTER_NUM_EXCEED_LIMIT.value,
-                                    f"this engine has reached its link limit ({self._core.profile.max_links})"))
+                                    f"this engine has reached its link limit ({self._profile.max_links})"))
                 sess.drop()
                 return
             offered = {o.name: o for o in hello.transports}
@@ -1473,7 +1499,7 @@ class LinkManager:
             return {k: dict(v) for k, v in self._link_failures.items()}
 
     def _link_limit_reached(self) -> bool:
-        limit = self._core.profile.max_links
+        limit = self._profile.max_links
         return limit is not None and sum(1 for lk in self._links.values() if not lk.fsm.is_final) >= limit
 
     def _link_one(self, cluster, deadline: float) -> LLMStatusCode:
@@ -1600,7 +1626,7 @@ class LinkManager:
                 desc = self.endpoint(link.transport).describe()
                 (offer,) = self._with_capability((m.TransportOffer(name=link.transport, descriptor=desc),),
                                                  capability)
-                self.notify(link, m.TransferRequest(request_id=0, op="link_descriptor",
+                self.notify(link, m.TransferRequest(request_id=0, op=LINK_DESCRIPTOR_OP,
                                                     args={"name": link.transport, "descriptor": offer.descriptor}))
             self._send_initial_tables(link)
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
@@ -1665,7 +1691,7 @@ class LinkManager:
                 raise LLMException(f"TLS with {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
             conn = ControlConnection(self.loop, sock, name=f"{host}:{port}")
             try:
-                hs = ClientHandshake(self._handshake_config(self._core.role, offers=offers))
+                hs = ClientHandshake(self._handshake_config(self.role, offers=offers))
                 conn.send(hs.start())
                 while hs.state not in (HandshakeState.ESTABLISHED, HandshakeState.REFUSED):
                     msg = conn.recv_message(deadline)
@@ -1742,8 +1768,16 @@ class LinkManager:
         with self._lock:
             return any(not lk.fsm.is_final for lk in self._links.values())
 
-    def request(self, link: Link, op: str, args: dict, *, deadline: float) -> tuple[int, dict]:
-        """Send a TransferRequest and wait for its reply until ``deadline``."""
+    def request(self, link: Link, op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
+        """Send a data-plane request (a TransferRequest) and wait for its reply until ``deadline``."""
+        return self._exchange(link, op.value, lambda rid: m.TransferRequest(request_id=rid, op=op.value, args=args),
+                              deadline)
+
+    def ask(self, link: Link, message: m.TaggedDone, *, deadline: float) -> tuple[int, dict]:
+        """Send an acknowledged notice (its request id is this side's) and wait for the reply."""
+        return self._exchange(link, "tagged_done", lambda rid: msgspec_replace(message, request_id=rid), deadline)
+
+    def _exchange(self, link: Link, op: str, build: Callable[[int], Any], deadline: float) -> tuple[int, dict]:
         rid = next(self._request_ids)
         pending = _Pending()
         link.pending[rid] = pending
@@ -1753,7 +1787,7 @@ class LinkManager:
             if link.state in (LinkState.FAILED, LinkState.CLOSED):
                 raise LLMException(f"link to {link.peer_cluster_id} is {link.state.value}",
                                    status_code=link.failure_status or S.LLM_LINK_FAILED)
-            link.control.send(m.TransferRequest(request_id=rid, op=op, args=args))
+            link.control.send(build(rid))
             if not pending.event.wait(max(0.0, deadline - time.monotonic())):
                 raise LLMException(f"peer {link.peer_cluster_id} did not answer {op!r} in time",
                                    status_code=S.LLM_TIMEOUT)
@@ -1841,28 +1875,35 @@ class LinkManager:
         self._close_link(link, trigger="peer_unlinked", reason=msg.reason or "peer unlinked")
 
     def _on_transfer_request(self, link: Link, msg: m.TransferRequest) -> None:
-        handler = self.request_handlers.get(msg.op)
-        if handler is None:
-            status, result = S.LLM_PARAM_INVALID.value, {"error": f"unknown op {msg.op!r}"}
-        else:
-            try:
-                status, result = handler(link, dict(msg.args))
-            except LLMException as exc:
-                status, result = exc.status_code.value, {"error": str(exc)}
-            except Exception as exc:
-                _log.error("llmdd.link.request_failed", op=msg.op, error=repr(exc))
-                status, result = S.LLM_FAILED.value, {"error": repr(exc)}
-        self.notify(link, m.TransferReply(request_id=msg.request_id, status_code=status, result=result))
+        if msg.op == LINK_DESCRIPTOR_OP:   # the control plane's own request (deferred transport offers)
+            self._reply(link, msg.request_id, msg.op, self._serve_link_descriptor, link, dict(msg.args))
+            return
+        op = request_op(msg.op)
+        if op is None or self._data is None:
+            self.notify(link, m.TransferReply(request_id=msg.request_id, status_code=S.LLM_PARAM_INVALID.value,
+                                              result={"error": f"unknown op {msg.op!r}"}))
+            return
+        self._reply(link, msg.request_id, msg.op, self._data.serve, link, op, dict(msg.args))
 
-    def _on_read_done(self, link: Link, msg: m.ReadDone) -> None:
-        handler = self.request_handlers.get("__read_done__")
-        if handler is not None:
-            handler(link, {"msg": msg})
+    def _on_tagged_done(self, link: Link, msg: m.TaggedDone) -> None:
+        if self._data is not None:
+            self._reply(link, msg.request_id, "tagged_done", self._data.serve_tagged, link, msg)
 
-    def _on_key_consumed(self, link: Link, msg: m.KeyConsumed) -> None:
-        handler = self.request_handlers.get("__key_consumed__")
-        if handler is not None:
-            handler(link, {"msg": msg})
+    def _reply(self, link: Link, request_id: int, op: str, serve: Callable[..., tuple[int, dict]],
+               *args: Any) -> None:
+        """Run a request's server and send its TransferReply (an exception answers its status)."""
+        try:
+            status, result = serve(*args)
+        except LLMException as exc:
+            status, result = exc.status_code.value, {"error": str(exc)}
+        except Exception as exc:
+            _log.error("llmdd.link.request_failed", op=op, error=repr(exc))
+            status, result = S.LLM_FAILED.value, {"error": repr(exc)}
+        self.notify(link, m.TransferReply(request_id=request_id, status_code=status, result=result))
+
+    def _on_data_notice(self, link: Link, msg: Any) -> None:
+        if self._data is not None:
+            self._data.on_notice(link, msg)
 
     def _on_refuse(self, link: Link, msg: m.Refuse) -> None:
         """The client refused our Welcome (e.g. it requires a secret this side does not use)."""
@@ -1899,6 +1940,21 @@ class LinkManager:
                                       fatal=True))
 
     # ------------------------------------------------------------------ failure and teardown
+    def fail_link(self, link: Link, error: BaseException, *, status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
+        """The link can no longer be trusted (its data channel broke, its peer sent out-of-table
+        numbers): FAILED, its waiters released and its transfers cancelled; a link already down
+        stays as it is."""
+        self._fail(link, error, trigger="peer_lost", status=status)
+
+    def record_transfer(self, link: Link, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
+        """Count one transfer on the link's statistics: bytes read or written, or a failure."""
+        if failed:
+            link.failures += 1
+            return
+        link.bytes_read += read
+        link.bytes_written += written
+        link.transfers += 1
+
     def _fail(self, link: Link, error: BaseException, *, trigger: str,
               status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
         """Move a link to FAILED (if legal), release waiters, cancel its transfers (no lock held)."""
@@ -1916,9 +1972,8 @@ class LinkManager:
             pending.event.set()
         link.tables_ready.set()
         link.settled.set()
-        hook = self.request_handlers.get("__link_failed__")
-        if hook is not None:
-            hook(link, {"error": error})
+        if self._data is not None:
+            self._data.on_link_down(link)
 
     def transfer_timed_out(self, link: Link, error: BaseException) -> None:
         """A transfer exceeded ``sync_kv_timeout``: the link is unusable until relinked (contract)."""
@@ -1945,9 +2000,8 @@ class LinkManager:
             pending.event.set()
         link.tables_ready.set()
         link.settled.set()
-        hook = self.request_handlers.get("__link_closed__")
-        if hook is not None:
-            hook(link, {})
+        if self._data is not None:
+            self._data.on_link_down(link)
         self._revoke(link.transport, link.grant_id)
         channel, link.channel = link.channel, None
         if channel is not None:
@@ -2049,10 +2103,10 @@ class LinkManager:
         for sess in list(self._pending):
             sess.drop()
         try:
-            self._core.memory.regions.remove_listener(self._on_regions_changed)
+            self._memory.regions.remove_listener(self._on_regions_changed)
         except (KeyError, ValueError):
             pass
-        self._core.memory.remove_change_listener(self.announce_all)
+        self._memory.remove_change_listener(self.announce_all)
         self._registrar_pool.close()
         endpoints, self._endpoints = self._endpoints, {}
         for ep in endpoints.values():

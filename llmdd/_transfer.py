@@ -18,7 +18,7 @@ import itertools
 import struct
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -26,11 +26,19 @@ from ._abc import OP_DTYPE, Cancelled, PeerGone, Refused, TransportError, Transp
 from ._lifecycle.tables import LinkState
 from ._enums import Placement
 from ._log import get_logger
-from ._peer_input import U64_MAX, PeerInputError, covered, peer_bool, peer_int, peer_key_index, peer_range, peer_spans
+from ._peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_range, peer_spans
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
+from ._options import EngineOptions
+from ._plugins import Hooks
+from ._port import ControlPort, DataNotice, RequestOp
 from ._protocol import messages as m
 from ._status import LLMException, LLMStatusCode
 from ._types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, cache_key_index
+
+if TYPE_CHECKING:
+    from ._lifecycle.machines import Lifecycle
+    from ._memory.manager import MemoryManager
+    from ._profiles import ChipProfile
 
 __all__ = ["TransferEngine", "AsyncTransfer"]
 
@@ -40,7 +48,7 @@ S = LLMStatusCode
 _READ_DONE_FLUSH_S = 0.002
 
 #: the longest transfer tag (bytes, or str in UTF-8) an engine sends or accepts
-MAX_TAG_BYTES = 256
+MAX_TAG_BYTES = m.MAX_TAG_BYTES
 #: a tag as it travels: its bytes, and whether it was given as str
 Tag = tuple
 #: workers running non-blocking pulls (per engine), and how many may be waiting or running at once
@@ -74,12 +82,12 @@ def _spans(blocks: Any) -> tuple:
 
 #: the kinds of queued owner notices, and the most of one kind sent in one message
 _READ, _PUSH = 0, 1
-MAX_NOTICE_BATCH = 1024
+MAX_NOTICE_BATCH = m.MAX_NOTICE_BATCH
 
 
-def _push_args(cache_id: int, dst_blocks: Any, start: int, stop: int, failed: bool) -> dict:
-    spans = [[s.start, s.stop] for s in _spans(dst_blocks)] if dst_blocks else []
-    return {"cache_id": cache_id, "blocks": spans, "tensors": [start, stop], "failed": failed}
+def _push_done(cache_id: int, dst_blocks: Any, start: int, stop: int, failed: bool) -> m.TransferDone:
+    return m.TransferDone(cache_id=cache_id, block_spans=_spans(dst_blocks) if dst_blocks else (),
+                          tensors=m.Span(start=start, stop=stop), failed=failed)
 
 
 def _one_slot(layout: CacheLayout, *, whole: bool) -> CacheLayout:
@@ -189,13 +197,15 @@ class _QuickPlan:
 class TransferEngine:
     """Pulls and pushes of one engine."""
 
-    def __init__(self, core: Any) -> None:
-        self._core = core
-        self._lm = core.link_manager
-        self._memory = core.memory
-        self._tasks = core.tasks
-        self._hooks = core.hooks
-        self.timeout_s = core.options.sync_kv_timeout_ms / 1000.0
+    def __init__(self, *, port: ControlPort, memory: "MemoryManager", tasks: "Lifecycle", hooks: Hooks,
+                 options: EngineOptions, profile: "ChipProfile") -> None:
+        self._lm = port
+        self._memory = memory
+        self._tasks = tasks
+        self._hooks = hooks
+        self._options = options
+        self._profile = profile
+        self.timeout_s = options.sync_kv_timeout_ms / 1000.0
         self._ids = itertools.count(1)
         self._layouts: dict[tuple[int, int], tuple[int, CacheLayout]] = {}
         self._local_layouts: dict[int, tuple[Any, tuple, CacheLayout]] = {}
@@ -213,18 +223,28 @@ class TransferEngine:
         self._async: set = set()
         self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _read_done_lock)
-        handlers = self._lm.request_handlers
-        for op, handler in (("reserve_key", self._serve_reserve_key), ("release_key", self._serve_release_key),
-                            ("push_done", self._serve_push_done), ("consume_key", self._serve_consume_key),
-                            ("read_done", self._serve_tagged_read_done)):
-            handlers[op] = functools.partial(self._guard, what=op, handler=handler)
-        handlers["engine_info"] = self._serve_engine_info
-        handlers["__read_done__"] = lambda link, args: self._guard(
-            link, args["msg"], what="read_done", handler=self._serve_read_done, notice=True)
-        handlers["__key_consumed__"] = lambda link, args: self._guard(
-            link, args["msg"], what="key_consumed", handler=self._serve_key_consumed, notice=True)
-        handlers["__link_failed__"] = self._on_link_down
-        handlers["__link_closed__"] = self._on_link_down
+        self._servers = {RequestOp.RESERVE_KEY: self._serve_reserve_key, RequestOp.CONSUME_KEY: self._serve_consume_key,
+                         RequestOp.ENGINE_INFO: self._serve_engine_info}
+        self._notices = {m.ReadDone: ("read_done", self._serve_read_done),
+                         m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
+                         m.ReleaseKey: ("release_key", self._serve_release_key),
+                         m.PushDone: ("push_done", self._serve_push_done)}
+
+    # ------------------------------------------------------------------ the DataService side of the port
+    def serve(self, link: Any, op: RequestOp, args: dict) -> tuple[int, dict]:
+        """A peer's data request (llmdd._port.DataService)."""
+        return self._guard(link, args, what=op.value, handler=self._servers[op])
+
+    def serve_tagged(self, link: Any, message: m.TaggedDone) -> tuple[int, dict]:
+        """A peer's tagged transfer on one of this engine's caches ended (acknowledged by the reply)."""
+        what = "push_done" if message.push else "read_done"
+        return self._guard(link, message.entry, what=what,
+                           handler=functools.partial(self._serve_transfer_done, what=what))
+
+    def on_notice(self, link: Any, message: DataNotice) -> None:
+        """A one-way notice of the peer's data plane (refused ones answered with an Error message)."""
+        what, handler = self._notices[type(message)]
+        self._guard(link, message, what=what, handler=handler, notice=True)
 
     # ------------------------------------------------------------------ layouts
     def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
@@ -331,16 +351,16 @@ class TransferEngine:
                 else:
                     self._hooks.run_transfer(task, functools.partial(self._move, link, ops, write))
         except TransportTimeout as exc:
-            link.failures += 1
+            self._lm.record_transfer(link, failed=True)
             task.fire("deadline_expired", error=exc)
             self._lm.transfer_timed_out(link, exc)
             raise _err(f"{kind} to cluster {link.peer_cluster_id} timed out: {exc}; the link must be relinked",
                        S.LLM_TIMEOUT) from None
         except (PeerGone, Cancelled) as exc:
-            link.failures += 1
+            self._lm.record_transfer(link, failed=True)
             task.fire("transfer_failed", error=exc)
             if isinstance(exc, PeerGone):
-                self._lm._fail(link, exc, trigger="peer_lost")
+                self._lm.fail_link(link, exc)
                 code = S.LLM_LINK_FAILED
             elif link.state is not LinkState.LINKED:
                 # cancelled because the link went down under it (peer lost, force unlink, finalize):
@@ -350,13 +370,13 @@ class TransferEngine:
                 code = exc.status_code
             raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code) from None
         except Refused as exc:
-            link.failures += 1
+            self._lm.record_transfer(link, failed=True)
             task.fire("transfer_failed", error=exc)
             raise _err(f"{kind} refused by cluster {link.peer_cluster_id}: {exc}", exc.status_code) from None
         except TransportError as exc:  # Corrupt & co: the data channel can no longer be trusted
-            link.failures += 1
+            self._lm.record_transfer(link, failed=True)
             task.fire("transfer_failed", error=exc)
-            self._lm._fail(link, exc, trigger="peer_lost", status=exc.status_code)
+            self._lm.fail_link(link, exc, status=exc.status_code)
             raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
                        exc.status_code) from None
         except BaseException as exc:
@@ -364,10 +384,9 @@ class TransferEngine:
                 task.fire("transfer_failed", error=exc)
             raise
         if write:
-            link.bytes_written += nbytes
+            self._lm.record_transfer(link, written=nbytes)
         else:
-            link.bytes_read += nbytes
-        link.transfers += 1
+            self._lm.record_transfer(link, read=nbytes)
         if own_task:
             task.fire("transfer_succeeded", bytes=nbytes)
 
@@ -488,15 +507,14 @@ class TransferEngine:
         if isinstance(key, CacheKey):
             index = cache_key_index(key)
             try:
-                status, result = self._lm.request(link, "reserve_key",
+                status, result = self._lm.request(link, RequestOp.RESERVE_KEY,
                                                   {"id": int(index[0]), "model_id": int(index[1])},
                                                   deadline=time.monotonic() + self.timeout_s)
             except LLMException as exc:
                 # the owner may still reserve the key after we gave up: tell it to put the key back
-                self._lm.notify(link, m.TransferRequest(request_id=0, op="release_key", args={
-                    "id": int(index[0]), "model_id": int(index[1])}))
+                self._lm.notify(link, m.ReleaseKey(id=int(index[0]), model_id=int(index[1])))
                 if exc.status_code is S.LLM_TIMEOUT:  # the owner did not answer within sync_kv_timeout:
-                    link.failures += 1                # the link is unusable until relinked (contract)
+                    self._lm.record_transfer(link, failed=True)   # the link is unusable until relinked
                     self._lm.transfer_timed_out(link, exc)
                 raise
             if status != 0:
@@ -562,7 +580,7 @@ class TransferEngine:
                     # acknowledged, so that when pull_cache returns the owner's key table is final
                     # (a layer-wise pull leaves the key for the remaining layers, a full one removes it)
                     try:
-                        self._lm.request(link, "consume_key", {
+                        self._lm.request(link, RequestOp.CONSUME_KEY, {
                             "id": int(reserved[0]), "model_id": int(reserved[1]), "cache_id": int(cache_id),
                             "tensors": [src_tensors.start, src_tensors.stop]},
                             deadline=time.monotonic() + self.timeout_s)
@@ -570,9 +588,7 @@ class TransferEngine:
                         _log.warning("llmdd.transfer.consume_key_failed", peer=link.peer_cluster_id,
                                      error=str(exc))
                 else:
-                    self._lm.notify(link, m.TransferRequest(request_id=0, op="release_key",
-                                                            args={"id": int(reserved[0]),
-                                                                  "model_id": int(reserved[1])}))
+                    self._lm.notify(link, m.ReleaseKey(id=int(reserved[0]), model_id=int(reserved[1])))
         if pulled and tag is None:   # a tagged pull's notice was delivered (acknowledged) above
             self._queue_read_done(link, cache_id, tuple(src_blocks) if src_blocks else None)
 
@@ -647,18 +663,18 @@ class TransferEngine:
         (as any timed-out step) and a successful transfer reports ``LLM_TIMEOUT``, since the owner
         may not have learnt it; a failure's notice is best effort (the link may be what failed)."""
         self._flush_link(link)   # the untagged transfers' notices before this one (the owner sees them first)
-        args: dict = {"cache_id": int(cache_id), "blocks": [[sp.start, sp.stop] for sp in spans],
-                      "tag": tag[0], "tag_str": tag[1], "failed": error is not None,
-                      "status": int(error.status_code.value) if error is not None else 0}
-        if tensors is not None:
-            args["tensors"] = [tensors.start, tensors.stop]
+        entry = m.TransferDone(cache_id=int(cache_id), block_spans=tuple(spans),
+                               tensors=None if tensors is None else m.Span(start=tensors.start, stop=tensors.stop),
+                               failed=error is not None, status=int(error.status_code.value) if error is not None else 0,
+                               tag=tag[0], tag_str=tag[1])
         try:
-            status, result = self._lm.request(link, op, args, deadline=time.monotonic() + self.timeout_s)
+            status, result = self._lm.ask(link, m.TaggedDone(request_id=0, push=op == "push_done", entry=entry),
+                                          deadline=time.monotonic() + self.timeout_s)
         except LLMException as exc:
             if error is not None:
                 return
             if exc.status_code is S.LLM_TIMEOUT:
-                link.failures += 1
+                self._lm.record_transfer(link, failed=True)
                 self._lm.transfer_timed_out(link, exc)
             raise _err(f"the transfer completed but cluster {link.peer_cluster_id} did not acknowledge its tag: "
                        f"{exc}", exc.status_code) from None
@@ -724,7 +740,7 @@ class TransferEngine:
     MIN_HOST_SIDE_DEVICE_POOL = 100 * 1024 * 1024
 
     def _device_pool_bytes(self) -> int:
-        text = self._core.options.raw.get("llm.MemPoolConfig") or ""
+        text = self._options.raw.get("llm.MemPoolConfig") or ""
         if not text:
             return 0
         from ._config import parse_mem_pool_cfg
@@ -734,7 +750,8 @@ class TransferEngine:
     def _peer_device_pool_bytes(self, link: Any) -> int:
         info = getattr(link, "engine_info", None)
         if info is None:
-            status, info = self._lm.request(link, "engine_info", {}, deadline=time.monotonic() + self.timeout_s)
+            status, info = self._lm.request(link, RequestOp.ENGINE_INFO, {},
+                                            deadline=time.monotonic() + self.timeout_s)
             if status != 0:
                 raise _err(f"cluster {link.peer_cluster_id} did not describe its memory pools", S.LLM_FAILED)
             link.engine_info = info
@@ -769,7 +786,7 @@ class TransferEngine:
                        S.LLM_PARAM_INVALID)
 
     def _serve_engine_info(self, link: Any, args: dict) -> tuple[int, dict]:
-        return 0, {"device_pool_bytes": self._device_pool_bytes(), "profile": self._core.profile.name}
+        return 0, {"device_pool_bytes": self._device_pool_bytes(), "profile": self._profile.name}
 
     # ------------------------------------------------------------------ owner side handlers
     # Every number a peer sends is checked against this engine's tables before any work proportional
@@ -789,7 +806,7 @@ class TransferEngine:
             self._lm.notify(link, m.Error(status_code=exc.status_code.value,
                                           message=f"{what} refused: {exc}", fatal=exc.fail_link))
         if exc.fail_link:
-            self._lm._fail(link, exc, trigger="peer_lost", status=S.LLM_LINK_FAILED)
+            self._lm.fail_link(link, exc, status=S.LLM_LINK_FAILED)
 
     def _guard(self, link: Any, args: Any, *, what: str, handler: Any, notice: bool = False) -> tuple[int, dict]:
         try:
@@ -808,7 +825,7 @@ class TransferEngine:
         rec = self._memory.get(cache_id)
         if rec is None:
             return None
-        if not (rec.remote_accessible or not self._core.options.remote_cache_accessible):
+        if not (rec.remote_accessible or not self._options.remote_cache_accessible):
             raise PeerInputError(f"{what}: cache {cache_id} is not served to this peer")
         return rec
 
@@ -837,8 +854,8 @@ class TransferEngine:
                 del self._reservations[id(link)]
             return True
 
-    def _serve_release_key(self, link: Any, args: Any) -> tuple[int, dict]:
-        index = peer_key_index(args)
+    def _serve_release_key(self, link: Any, msg: m.ReleaseKey) -> tuple[int, dict]:
+        index = (msg.id, msg.model_id)
         # a release of a key this link does not hold is benign (a puller that gave up on a reserve
         # the owner never granted) and must never touch another link's reservation
         if self._end_reservation(link, index):
@@ -895,66 +912,53 @@ class TransferEngine:
             self._cache_event(rec, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
         return 0, {}
 
-    def _serve_push_done(self, link: Any, args: Any) -> tuple[int, dict]:
-        if isinstance(args, dict) and "batch" in args:
-            # several untagged pushes' notices in one message (queued by the pusher, in order):
-            # the whole batch is validated before any of its events fires
-            batch = args["batch"]
-            if not isinstance(batch, list) or not 0 < len(batch) <= MAX_NOTICE_BATCH or len(args) != 1:
-                raise PeerInputError(f"push_done batch must be a list of 1 to {MAX_NOTICE_BATCH} notices")
-            checked = [self._check_transfer_done(link, item, "push_done") for item in batch]
-            for item in checked:
-                if item is not None:
-                    self._cache_event(item[0], "peer_written", error=item[1], **item[2])
-            return 0, {}
-        return self._serve_transfer_done(link, args, "push_done")
+    def _serve_push_done(self, link: Any, msg: m.PushDone) -> tuple[int, dict]:
+        # several untagged pushes' notices in one message (queued by the pusher, in order): the
+        # whole batch is validated before any of its events fires
+        if not msg.entries:
+            raise PeerInputError(f"push_done batch must hold 1 to {MAX_NOTICE_BATCH} notices")
+        checked = [self._check_transfer_done(link, entry, "push_done") for entry in msg.entries]
+        for item in checked:
+            if item is not None:
+                self._cache_event(item[0], "peer_written", error=item[1], **item[2])
+        return 0, {}
 
-    def _serve_tagged_read_done(self, link: Any, args: Any) -> tuple[int, dict]:
-        return self._serve_transfer_done(link, args, "read_done")
-
-    def _serve_transfer_done(self, link: Any, args: Any, what: str) -> tuple[int, dict]:
+    def _serve_transfer_done(self, link: Any, entry: m.TransferDone, what: str) -> tuple[int, dict]:
         """A peer's transfer on one of this engine's caches ended (``read_done``: it read, ``push_done``:
         it wrote): one "peer finished reading/writing" event, with the transfer's tag when it has one."""
-        checked = self._check_transfer_done(link, args, what)
+        checked = self._check_transfer_done(link, entry, what)
         if checked is not None:
             self._cache_event(checked[0], "peer_written" if what == "push_done" else "peer_read", error=checked[1],
                               **checked[2])
         return 0, {}
 
-    def _check_transfer_done(self, link: Any, args: Any, what: str) -> Optional[tuple]:
+    def _check_transfer_done(self, link: Any, entry: m.TransferDone, what: str) -> Optional[tuple]:
         """A transfer-done notice checked against this engine's tables: ``(record, error, event info)``,
-        or None when its cache is gone (a benign race); a violation raises PeerInputError."""
-        if not isinstance(args, dict):
-            raise PeerInputError(f"{what} arguments must be a map")
-        failed = peer_bool(args.get("failed", False), f"{what} failed")
-        tag = args.get("tag")
-        if tag is not None:
-            if not isinstance(tag, bytes) or len(tag) > MAX_TAG_BYTES:
-                raise PeerInputError(f"{what} tag must be at most {MAX_TAG_BYTES} bytes")
-            if peer_bool(args.get("tag_str", False), f"{what} tag_str"):
-                try:
-                    tag = tag.decode("utf-8")
-                except UnicodeDecodeError:
-                    raise PeerInputError(f"{what} tag is not UTF-8 text") from None
-        status = peer_int(args.get("status", 0), f"{what} status", 0, 2**32 - 1)
-        rec = self._served_record(link, args.get("cache_id"), what)
+        or None when its cache is gone (a benign race); a violation raises PeerInputError.  The
+        message's types and sizes were checked by the codec; its numbers are checked here."""
+        tag: Any = entry.tag
+        if tag is not None and entry.tag_str:
+            try:
+                tag = tag.decode("utf-8")
+            except UnicodeDecodeError:
+                raise PeerInputError(f"{what} tag is not UTF-8 text") from None
+        rec = self._served_record(link, entry.cache_id, what)
         if rec is None:
             return None
-        blocks = self._block_spans(rec, args.get("blocks", []), f"{what} blocks")
+        blocks = self._block_spans(rec, entry.block_spans, f"{what} blocks")
         info: dict = {"peer": link.peer_cluster_id, "blocks": blocks}
-        tensors = args.get("tensors")
-        if tensors is not None:
-            r = peer_range(tensors, f"{what} tensors", len(rec.addrs))
+        if entry.tensors is not None:
+            r = peer_range(entry.tensors, f"{what} tensors", len(rec.addrs))
             info["tensors"] = [r.start, r.stop]
         elif what == "push_done":
             info["tensors"] = None
         if tag is not None:
             info["tag"] = tag
         error = None
-        if failed:
+        if entry.failed:
             code = S.LLM_FAILED
             try:
-                code = S(status) if status else S.LLM_FAILED
+                code = S(entry.status) if entry.status else S.LLM_FAILED
             except ValueError:
                 pass
             verb = "push to" if what == "push_done" else "pull from"
@@ -963,7 +967,9 @@ class TransferEngine:
                                  status_code=code)
         return rec, error, info
 
-    def _on_link_down(self, link: Any, args: dict) -> tuple[int, dict]:
+    def on_link_down(self, link: Any) -> None:
+        """The link failed or closed (llmdd._port.DataService): forget what its peer reserved,
+        queued or was refused; its async tasks end."""
         for pk in [pk for pk, plan in list(self._plans.items()) if plan.link is link]:
             self._plans.pop(pk, None)
         for task in list(self._async):
@@ -974,13 +980,12 @@ class TransferEngine:
             self._refused = {k for k in self._refused if k[0] != id(link)}
         for index in orphaned:  # a puller that is gone will never consume or release these keys
             self._memory.finish_reserved(index, None, pulled=False)
-        return 0, {}
 
     # ------------------------------------------------------------------ batched owner notices
     # A successful untagged pull's "read done" and an untagged push's "push done" are queued per link
     # as plain tuples, and the flusher thread builds and sends them every _READ_DONE_FLUSH_S, in
     # queue order: consecutive read-done entries as one ReadDone message, consecutive push notices as
-    # one push_done request carrying a batch (the owner fires one event per pull or push either way).
+    # one PushDone message (the owner fires one event per pull or push either way).
     def _queue_read_done(self, link: Any, cache_id: int, src_blocks: Any) -> None:
         self._queue_notice(link, (_READ, cache_id, src_blocks))
 
@@ -1057,9 +1062,7 @@ class TransferEngine:
                     m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=_spans(blocks) if blocks else ())
                     for _, cache_id, blocks in run)))
             else:
-                args = [_push_args(*item[1:]) for item in run]
-                self._lm.notify(link, m.TransferRequest(request_id=0, op="push_done", args=args[0] if len(args) == 1
-                                                        else {"batch": args}))
+                self._lm.notify(link, m.PushDone(entries=tuple(_push_done(*item[1:]) for item in run)))
             i = j
 
     # ------------------------------------------------------------------ non-blocking pulls

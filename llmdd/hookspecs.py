@@ -151,7 +151,7 @@ def llmdd_control_message(peer_cluster_id: int, message: str, direction: str) ->
 
     :param peer_cluster_id: the link's peer.
     :param message: the message's type name, with the request's operation for a
-        ``TransferRequest`` (``"TransferRequest:read_done"``, ``"TransferReply"``, ``"Keepalive"``...).
+        ``TransferRequest`` and ``TaggedDone`` (``"TaggedDone:read_done"``, ``"TransferReply"``, ``"Keepalive"``...).
     :param direction: ``"received"``.
     :return: ``True`` to drop the message (it is never handled, as if the network lost it);
         ``None`` to let it through.

@@ -29,6 +29,7 @@ from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMExcep
                    LLMRole, LLMStatusCode, Placement)
 from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
 from llmdd._planner import plan_blocks, plan_cache, tensor_range
+from llmdd._port import RequestOp
 from llmdd._protocol import messages as _m
 from llmdd._transfer import _READ, _QuickPlan
 
@@ -411,7 +412,7 @@ class Bridge:
         except LLMException as exc:
             if exc.status_code is not S.LLM_KV_CACHE_NOT_EXIST:
                 raise
-        core.link_manager.request(link, "engine_info", {}, deadline=time.monotonic() + te.timeout_s)
+        core.link_manager.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + te.timeout_s)
         return te.remote_layout(link, cache_id)
 
     def _move(self, core, *, write: bool, blocks: bool, local_id: int, remote_cluster: int, remote_id: int,

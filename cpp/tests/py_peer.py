@@ -18,6 +18,7 @@ import sys
 import time
 
 import llmdd
+from llmdd._port import RequestOp
 from llmdd import (BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMClusterInfo, LLMConfig, LLMRole,
                    LLMStatusCode)
 
@@ -88,7 +89,7 @@ def see_peer_tables(dd, peer: int) -> None:
     them visible here. (Internal API: llmdd's public API has no such barrier.)"""
     core = dd._core
     link = core.link_manager.require(peer)
-    core.link_manager.request(link, "engine_info", {}, deadline=time.monotonic() + 5.0)
+    core.link_manager.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + 5.0)
 
 
 def check(ok: bool, what: str) -> None:

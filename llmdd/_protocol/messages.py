@@ -26,7 +26,9 @@ Message families
 * liveness: :class:`Keepalive` / :class:`KeepaliveAck`;
 * link teardown: :class:`UnlinkRequest` / :class:`UnlinkAck`;
 * owner notifications: :class:`ReadDone` (batched "I finished reading these blocks"),
-  :class:`KeyConsumed` (a pulled ``CacheKey`` the owner must remove);
+  :class:`KeyConsumed` (a pulled ``CacheKey`` the owner must remove), :class:`ReleaseKey` (a reserved
+  ``CacheKey`` the puller gave up on), :class:`PushDone` (batched untagged pushes ended) and
+  :class:`TaggedDone` (a tagged transfer ended, acknowledged), each carrying :class:`TransferDone`;
 * generic request/response: :class:`TransferRequest` / :class:`TransferReply`, and :class:`Error`.
 
 Descriptor dicts (``TransportOffer.descriptor``, ``RegionDescriptor.transports``, request bodies)
@@ -65,6 +67,8 @@ __all__ = [
     "MAX_NAME",
     "MAX_TEXT",
     "MAX_DESCRIPTOR_DEPTH",
+    "MAX_TAG_BYTES",
+    "MAX_NOTICE_BATCH",
     "KeyKind",
     "HostIdentity",
     "TransportOffer",
@@ -87,6 +91,10 @@ __all__ = [
     "UnlinkAck",
     "ReadDone",
     "KeyConsumed",
+    "ReleaseKey",
+    "TransferDone",
+    "PushDone",
+    "TaggedDone",
     "TransferRequest",
     "TransferReply",
     "Error",
@@ -110,6 +118,8 @@ MAX_COUNT = 1 << 20          # elements in any one list / dict
 MAX_NAME = 4096              # characters in a name (host ids, transport names, request ops)
 MAX_TEXT = 64 * 1024         # characters in a reason / error message
 MAX_DESCRIPTOR_DEPTH = 16    # nesting of a descriptor dict (the top-level dict counts as 1)
+MAX_TAG_BYTES = 256          # a transfer's tag (the connector extensions' opaque request id)
+MAX_NOTICE_BATCH = 1024      # transfer-done notices in one PushDone
 
 
 # --------------------------------------------------------------------------- wire field types
@@ -684,6 +694,61 @@ class KeyConsumed(_Checked, kw_only=True):
     tensor_spans: _tuple_type(Span) = ()
 
 
+class ReleaseKey(_Checked, kw_only=True):
+    """A puller gave up on a ``CacheKey`` it reserved: the owner puts the key back (one-way).
+
+    ``id`` and ``model_id`` are the key's lookup index on the owner (``req_id`` or ``prefix_id``,
+    and ``model_id``); a release of a key this link does not hold is benign and changes nothing."""
+
+    id: U64
+    model_id: U64
+
+
+class TransferDone(_Checked, kw_only=True):
+    """One transfer of a peer on one of the owner's caches ended: the owner's "peer finished
+    reading" (pull) or "peer finished writing" (push) cache event, once per transfer.
+
+    ``block_spans`` and ``tensors`` are checked by the owner against that cache's own table before
+    any work (``llmdd._peer_input``); ``tag`` is the transfer's opaque tag (``tag_str``: it was given
+    as text), absent for an untagged transfer."""
+
+    cache_id: I64
+    block_spans: _tuple_type(Span) = ()
+    tensors: Optional[Span] = None
+    failed: bool = False
+    status: U32 = 0
+    tag: Optional[Annotated[bytes, Meta(max_length=MAX_TAG_BYTES)]] = None
+    tag_str: bool = False
+
+    def _check(self) -> None:
+        if self.tag is None and self.tag_str:
+            raise InvalidMessage("tag_str without a tag")
+
+
+class PushDone(_Checked, kw_only=True):
+    """Untagged pushes ended (one-way, batched in push order): one "peer finished writing" event each."""
+
+    entries: _tuple_type(TransferDone, MAX_NOTICE_BATCH)
+
+
+class TaggedDone(_Checked, kw_only=True):
+    """A tagged transfer ended (acknowledged by a :class:`TransferReply` with the same ``request_id``):
+    the owner fires its cache event with the tag once; ``push`` tells a push from a pull."""
+
+    request_id: U64
+    push: bool
+    entry: TransferDone
+
+    def _check(self) -> None:
+        if self.entry.tag is None:
+            raise InvalidMessage("a TaggedDone needs a tagged entry")
+
+    @property
+    def op(self) -> str:
+        """``"push_done"`` or ``"read_done"`` (how hooks and fault plans name it: ``TaggedDone:read_done``)."""
+        return "push_done" if self.push else "read_done"
+
+
 # --------------------------------------------------------------------------- generic envelope
 
 class TransferRequest(_Checked, kw_only=True):
@@ -710,12 +775,12 @@ class Error(_Checked, kw_only=True):
 
 Message = Union[
     Hello, AuthChallenge, AuthResponse, Welcome, Refuse, RegionsUpdate, CacheTableUpdate,
-    Keepalive, KeepaliveAck, UnlinkRequest, UnlinkAck, ReadDone, KeyConsumed,
-    TransferRequest, TransferReply, Error,
+    Keepalive, KeepaliveAck, UnlinkRequest, UnlinkAck, ReadDone, KeyConsumed, ReleaseKey, PushDone,
+    TaggedDone, TransferRequest, TransferReply, Error,
 ]
 
 MESSAGE_CLASSES = (
     Hello, AuthChallenge, AuthResponse, Welcome, Refuse, RegionsUpdate, CacheTableUpdate,
-    Keepalive, KeepaliveAck, UnlinkRequest, UnlinkAck, ReadDone, KeyConsumed,
-    TransferRequest, TransferReply, Error,
+    Keepalive, KeepaliveAck, UnlinkRequest, UnlinkAck, ReadDone, KeyConsumed, ReleaseKey, PushDone,
+    TaggedDone, TransferRequest, TransferReply, Error,
 )

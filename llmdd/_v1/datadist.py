@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 from .._enums import LLMRole
 from .._log import get_logger
 from .._status import LLMException, LLMStatusCode, raise_if_false
+from .._port import RequestOp
 from .._validation import check_isinstance, check_uint64
 from .options import parse_v1_listen_ip_info
 
@@ -76,7 +77,7 @@ def v1_switch_role(dd: Any, core: Any, role: LLMRole, switch_options: Optional[D
         lm.listen(*listen)
     old = dd._role
     dd._role = role
-    core.role = role
+    core.set_role(role)
     core.kv_cache_manager._switch_role(role)
     _log.info("llmdd.v1.role_switched", old=old.name, new=role.name)
 
@@ -88,7 +89,7 @@ def v1_check_link_status(core: Any, role: LLMRole, remote_cluster_id: int) -> No
     lm = core.link_manager
     link = lm.require(remote_cluster_id)  # LLM_NOT_YET_LINK / LLM_LINK_FAILED / LLM_PROCESSING_LINK
     deadline = time.monotonic() + core.options.sync_kv_timeout_ms / 1000.0
-    status, _ = lm.request(link, "engine_info", {}, deadline=deadline)  # LLM_TIMEOUT / LLM_LINK_FAILED
+    status, _ = lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=deadline)  # LLM_TIMEOUT / LLM_LINK_FAILED
     if status != 0:
         raise LLMException(f"[check_link_status] cluster {remote_cluster_id} answered status {status}",
                            status_code=LLMStatusCode.LLM_LINK_FAILED)

@@ -95,6 +95,10 @@ class KvCacheManager:
         self._initialized = True
 
     # ------------------------------------------------------------------ state
+    def _mark_finalized(self) -> None:
+        """The engine that made this manager was finalized: later calls raise LLM_ENGINE_FINALIZED."""
+        self._initialized = False
+
     def is_initialized(self) -> bool:
         """False once the owning ``LLMDataDist`` was finalized."""
         return self._initialized

@@ -8,6 +8,7 @@ from typing import Optional
 from llmdd import LLMConfig, LLMDataDist, LLMRole
 from llmdd.abc import Endpoint, Transport, TransportInfo
 from llmdd.plugin import hookimpl
+from llmdd._protocol import messages as m
 
 HOST = "127.0.0.1"
 
@@ -132,6 +133,8 @@ def descriptor_request(state: dict, remote: int) -> int:
     """A ``link_descriptor`` request on an established link (nothing waits for one): its status."""
     lm = state["dd"]._core.link_manager
     link = lm.require(remote)
-    status, _ = lm.request(link, "link_descriptor", {"name": link.transport, "descriptor": {"x": 1}},
-                           deadline=time.monotonic() + 3)
+    args = {"name": link.transport, "descriptor": {"x": 1}}
+    status, _ = lm._exchange(link, "link_descriptor",
+                             lambda rid: m.TransferRequest(request_id=rid, op="link_descriptor", args=args),
+                             time.monotonic() + 3)
     return status

@@ -353,7 +353,7 @@ def test_a_dropped_tag_notice_fails_the_pull_typed_and_the_owner_never_sees_that
     """The faults plugin on the owner drops the 3rd tagged "finished reading" notice as if the network
     lost it: that pull ends LLM_TIMEOUT by its deadline (the owner never acknowledged), the link fails,
     the owner has no event for that tag; after a relink every tag arrives once, in order."""
-    drop = json.dumps({"faults": [{"op": "control", "action": "drop", "message": "TransferRequest:read_done",
+    drop = json.dumps({"faults": [{"op": "control", "action": "drop", "message": "TaggedDone:read_done",
                                    "nth": 3, "peer": DECODER}]})
     with Cluster(env=ENV) as cluster:
         owner, puller, port = _pair(cluster, p_kw={"faults": drop}, d_kw={"sync_ms": 800})

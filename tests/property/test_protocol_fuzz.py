@@ -56,6 +56,16 @@ keyrefs = st.one_of(
 spans = st.tuples(u64, u64).map(sorted).map(lambda se: m.Span(start=se[0], stop=se[1]))
 caches = st.builds(m.CacheEntry, cache_id=i64, addrs=st.lists(u64, **small), tensor_size=u64,
                    shape=st.lists(i64, max_size=4), data_type=u16, placement=placements, is_blocks=st.booleans())
+
+
+@st.composite
+def transfer_done(draw, tagged=False):
+    tag = draw(st.binary(max_size=m.MAX_TAG_BYTES) if tagged else st.none() | st.binary(max_size=m.MAX_TAG_BYTES))
+    return m.TransferDone(cache_id=draw(i64), block_spans=draw(st.lists(spans, **small).map(tuple)),
+                          tensors=draw(st.none() | spans), failed=draw(st.booleans()), status=draw(u32),
+                          tag=tag, tag_str=tag is not None and draw(st.booleans()))
+
+
 version_pairs = st.tuples(u16, u16).map(sorted)
 
 MESSAGES = {
@@ -84,6 +94,9 @@ MESSAGES = {
         m.ReadDoneEntry, cache_id=i64, key=st.none() | keyrefs,
         block_spans=st.lists(spans, **small).map(tuple)), **small).map(tuple)),
     m.KeyConsumed: st.builds(m.KeyConsumed, key=keyrefs, cache_id=i64, tensor_spans=st.lists(spans, **small)),
+    m.ReleaseKey: st.builds(m.ReleaseKey, id=u64, model_id=u64),
+    m.PushDone: st.builds(m.PushDone, entries=st.lists(transfer_done(), **small)),
+    m.TaggedDone: st.builds(m.TaggedDone, request_id=u64, push=st.booleans(), entry=transfer_done(tagged=True)),
     m.TransferRequest: st.builds(m.TransferRequest, request_id=u64, op=text, args=descriptors),
     m.TransferReply: st.builds(m.TransferReply, request_id=u64, status_code=i64, result=descriptors),
     m.Error: st.builds(m.Error, status_code=i64, message=text, fatal=st.booleans()),

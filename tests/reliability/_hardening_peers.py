@@ -17,6 +17,8 @@ if HERE not in sys.path:
 import _rel_peers as R  # noqa: E402
 
 from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException, Placement  # noqa: E402
+from llmdd._port import RequestOp  # noqa: E402
+from llmdd._protocol import messages as m  # noqa: E402
 
 #: scheduling slack allowed past a call's own deadline: the time a descheduled thread of a loaded
 #: 2-core machine may need to notice the deadline and return (not a widened contract bound)
@@ -142,7 +144,7 @@ def hostile_send(state: dict, remote: int, port: int, msgs: list, deadline_s: fl
 
 def _probe(lm, link, deadline_s: float) -> str:
     try:
-        status, _ = lm.request(link, "engine_info", {}, deadline=time.monotonic() + deadline_s)
+        status, _ = lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + deadline_s)
         return "answered" if status == 0 else f"status {status}"
     except LLMException as exc:
         return exc.status_code.name
@@ -153,7 +155,10 @@ def request_raw(state: dict, remote: int, op: str, args: dict, deadline_s: float
     state after it."""
     lm = state["dd"]._core.link_manager
     try:
-        status, result = lm.request(_link_to(state, remote), op, args, deadline=time.monotonic() + deadline_s)
+        # any op string, as a hostile peer would send it (the engine's own calls take a RequestOp)
+        status, result = lm._exchange(_link_to(state, remote), op,
+                                      lambda rid: m.TransferRequest(request_id=rid, op=op, args=args),
+                                      time.monotonic() + deadline_s)
         out = {"status": status, "error": result.get("error", "")}
     except LLMException as exc:
         out = {"status": exc.status_code.name, "error": str(exc)}
@@ -190,6 +195,24 @@ def record_cache_events(state: dict) -> None:
 
 def cache_events(state: dict, trigger: str) -> list:
     return [(e.id, e.info.get("blocks")) for e in state["cache_events"].events if e.trigger == trigger]
+
+
+def cache_event_tags(state: dict, trigger: str) -> list:
+    return [(e.id, e.info.get("tag"), e.info.get("tensors")) for e in state["cache_events"].events
+            if e.trigger == trigger]
+
+
+def ask_raw(state: dict, remote: int, msg, deadline_s: float) -> dict:
+    """One acknowledged notice (a TaggedDone) over the real link: the owner's reply status and the link
+    state after it."""
+    lm = state["dd"]._core.link_manager
+    try:
+        status, result = lm.ask(_link_to(state, remote), msg, deadline=time.monotonic() + deadline_s)
+        out = {"status": status, "error": result.get("error", "")}
+    except LLMException as exc:
+        out = {"status": exc.status_code.name, "error": str(exc)}
+    out["state"] = R.link_states(state).get(remote)
+    return out
 
 
 def cache_id_of(state: dict, name: str) -> int:

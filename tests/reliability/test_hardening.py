@@ -83,13 +83,22 @@ def spans(draw, max_size=8):
     return tuple(out)
 
 
+@st.composite
+def transfer_done(draw, tagged=False):
+    tag = draw(st.binary(max_size=m.MAX_TAG_BYTES) if tagged else st.none() | st.binary(max_size=m.MAX_TAG_BYTES))
+    return m.TransferDone(cache_id=draw(small_ids | i64), block_spans=draw(spans()),
+                          tensors=draw(st.none() | spans(max_size=1).map(lambda t: t[0] if t else None)),
+                          failed=draw(st.booleans()), status=draw(st.integers(0, 2**32 - 1)), tag=tag,
+                          tag_str=tag is not None and draw(st.booleans()))
+
+
 junk = st.recursive(st.none() | st.booleans() | u64 | i64 | st.text(max_size=8) | st.binary(max_size=8),
                     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
                     max_leaves=12)
 arg_values = (junk | st.lists(u64, min_size=2, max_size=2) | st.sampled_from([[0, 10**9], [0, 2**40], [5, 2],
                                                                                [[0, 2**40]] * 3]))
 ARG_NAMES = ["id", "model_id", "cache_id", "tensors", "blocks", "failed", "batch_index"]
-OPS = ["reserve_key", "release_key", "consume_key", "push_done", "engine_info", "no_such_op"]
+OPS = ["reserve_key", "consume_key", "engine_info", "link_descriptor", "release_key", "push_done", "no_such_op"]
 key_refs = st.one_of(st.builds(m.KeyRef.for_req, u64, i64), st.builds(m.KeyRef.for_prefix, u64, i64),
                      st.builds(m.KeyRef.for_blocks, i64))
 
@@ -98,6 +107,10 @@ post_link_messages = st.one_of(
               st.sampled_from(OPS) | st.text(max_size=12),
               st.dictionaries(st.sampled_from(ARG_NAMES) | st.text(max_size=6), arg_values, max_size=6), u64),
     st.builds(lambda k, c, s: m.KeyConsumed(key=k, cache_id=c, tensor_spans=s), key_refs, small_ids | i64, spans()),
+    st.builds(lambda i, mid: m.ReleaseKey(id=i, model_id=mid), u64, u64),
+    st.builds(lambda entries: m.PushDone(entries=entries), st.lists(transfer_done(), max_size=6).map(tuple)),
+    st.builds(lambda rid, push, e: m.TaggedDone(request_id=rid, push=push, entry=e), u64, st.booleans(),
+              transfer_done(tagged=True)),
     st.builds(lambda entries: m.ReadDone(entries=entries), st.lists(st.builds(
         lambda c, s: m.ReadDoneEntry(cache_id=c, block_spans=s), small_ids | i64, spans()), max_size=6).map(tuple)),
     st.builds(lambda v, f, rem: m.RegionsUpdate(version=v, full=f, removed=rem), u64, st.booleans(),
@@ -248,6 +261,46 @@ def hostile():
     rig = HostileRig()
     yield rig
     rig.close()
+
+
+def test_push_done_notice_outside_the_cache_fails_the_link_and_fires_no_event(hostile):
+    """A batch of untagged push notices (PushDone) is checked whole against the owner's table: one
+    naming blocks past the cache's end fires no event (not even for its good entry) and fails the
+    link; an all-good batch fires one "peer finished writing" event per entry (control)."""
+    _relink(hostile)
+    src_id = hostile.owner.call(H.cache_id_of, "src")
+    hostile.owner.call(H.record_cache_events)
+    entry = m.TransferDone(cache_id=src_id, block_spans=(m.Span(start=2, stop=4),), tensors=m.Span(start=0, stop=NT))
+    hostile.peer.call(H.notify_raw, PROMPT, m.PushDone(entries=(entry, entry)))
+    assert hostile.peer.call(H.request_raw, PROMPT, "engine_info", {}, PROBE_S)["status"] == 0
+    assert hostile.owner.call(H.cache_events, "peer_written") == [(src_id, [[2, 4]])] * 2
+    past = m.TransferDone(cache_id=src_id, block_spans=(m.Span(start=0, stop=NB + 1),))
+    hostile.peer.call(H.notify_raw, PROMPT, m.PushDone(entries=(entry, past)))
+    assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
+    assert hostile.owner.call(H.cache_events, "peer_written") == [(src_id, [[2, 4]])] * 2
+
+
+def test_tagged_notice_is_answered_once_and_one_with_tensors_outside_the_cache_fails_the_link(hostile):
+    """An acknowledged tagged notice (TaggedDone) fires the owner's event with its tag and answers 0;
+    one whose tensor span passes the cache's tensors fires nothing and fails the link.  The owner sends
+    its fatal Error, then the refusal's reply; the peer handles the reply on its loop thread and the
+    Error on the link's strand, so its wait ends with whichever it handles first: the refusal
+    (LLM_PARAM_INVALID, naming the span) or the failed link (LLM_LINK_FAILED)."""
+    _relink(hostile)
+    src_id = hostile.owner.call(H.cache_id_of, "src")
+    hostile.owner.call(H.record_cache_events)
+    good = m.TransferDone(cache_id=src_id, block_spans=(m.Span(start=1, stop=2),), tag="req-7".encode(), tag_str=True)
+    out = hostile.peer.call(H.ask_raw, PROMPT, m.TaggedDone(request_id=0, push=False, entry=good), PROBE_S)
+    assert out["status"] == 0, out
+    assert hostile.owner.call(H.cache_event_tags, "peer_read") == [(src_id, "req-7", None)]
+    bad = m.TransferDone(cache_id=src_id, tensors=m.Span(start=0, stop=NT + 1), tag=b"req-8")
+    out = hostile.peer.call(H.ask_raw, PROMPT, m.TaggedDone(request_id=0, push=True, entry=bad), PROBE_S)
+    assert out["state"] == "failed", out
+    if out["status"] == LLMStatusCode.LLM_PARAM_INVALID.value:
+        assert out["error"] == f"push_done tensors [0, {NT + 1}) is outside [0, {NT})", out
+    else:
+        assert out["status"] == "LLM_LINK_FAILED" and "went down" in out["error"], out
+    assert hostile.owner.call(H.cache_event_tags, "peer_written") == []
 
 
 @pytest.mark.timeout(300)

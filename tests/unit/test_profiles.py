@@ -140,9 +140,13 @@ def test_unknown_profile_is_refused():
 def test_link_limit_is_enforced_by_profile(engine, monkeypatch):
     import attrs
 
+    import llmdd._datadist as datadist
+
+    real = datadist.profile_from_options
+    # the engine's profile allows no link (the composition root hands it to the link manager)
+    monkeypatch.setattr(datadist, "profile_from_options", lambda raw: attrs.evolve(real(raw), max_links=0))
     dd = engine("generic")
-    core = dd._core
-    core.profile = attrs.evolve(core.profile, max_links=0)
+    assert dd._core.profile.max_links == 0
     from llmdd import LLMClusterInfo
 
     info = LLMClusterInfo()

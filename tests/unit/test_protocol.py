@@ -79,6 +79,13 @@ SAMPLES = {
         m.ReadDoneEntry(cache_id=4, block_spans=(m.Span(start=0, stop=4), m.Span(start=10, stop=11))),
     )),
     m.KeyConsumed: m.KeyConsumed(key=KEY_REQ, cache_id=3, tensor_spans=(m.Span(start=0, stop=8),)),
+    m.ReleaseKey: m.ReleaseKey(id=2**64 - 1, model_id=7),
+    m.PushDone: m.PushDone(entries=(
+        m.TransferDone(cache_id=3, block_spans=(m.Span(start=0, stop=4),), tensors=m.Span(start=0, stop=2)),
+        m.TransferDone(cache_id=4, failed=True, status=LLMStatusCode.LLM_TIMEOUT.value),
+    )),
+    m.TaggedDone: m.TaggedDone(request_id=9, push=False, entry=m.TransferDone(
+        cache_id=3, block_spans=(m.Span(start=1, stop=2),), tag="req-1".encode(), tag_str=True)),
     m.TransferRequest: m.TransferRequest(request_id=77, op="pull", args={"ops": [[1, 2, 3], [4, 5, 6]], "x": 1.5}),
     m.TransferReply: m.TransferReply(request_id=77, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.value,
                                      result={"missing": [3], "ok": False, "none": None}),

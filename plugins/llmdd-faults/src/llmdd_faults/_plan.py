@@ -105,7 +105,7 @@ class Fault:
     :ivar pid: the process to signal; ``None``: the ``pid`` the peer endpoint's ``describe()`` gives.
     :ivar name: a label for ``fired`` records and logs.
     :ivar message: for ``"control"``: which messages it matches: a type name (``"TransferReply"``)
-        or ``type:op`` (``"TransferRequest:read_done"``); empty: every message.
+        or ``type:op`` (``"TransferRequest:reserve_key"``, ``"TaggedDone:read_done"``); empty: every message.
     """
 
     op: str = attrs.field(validator=attrs.validators.in_(OPS))
