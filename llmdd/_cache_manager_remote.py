@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple, Union
 
 from ._enums import Placement
+from ._protocol.messages import MAX_TAG_BYTES
 from ._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from ._types import (BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, CacheTask, LayerSynchronizer,
                      TransferConfig, TransferWithCacheKeyConfig, check_cache_key, check_layer_range)
@@ -84,8 +85,6 @@ def _quick_engine(self, key, cache):
 def _check_tag(tag) -> Optional[tuple]:
     """An llmdd extension: the opaque tag of a transfer (bytes or str, at most 256 bytes in UTF-8),
     delivered to the owner with that transfer's "peer finished reading/writing" event."""
-    from ._transfer import MAX_TAG_BYTES
-
     if tag is None:
         return None
     if isinstance(tag, str):

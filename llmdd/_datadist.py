@@ -76,7 +76,7 @@ class _EngineCore:
         try:
             self.link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
                                             hooks=self.hooks, links=self.links, memory=self.memory,
-                                            profile=self.profile)
+                                            profile=self.profile, engine=owner._engine_fsm)
             self.transfers = TransferEngine(port=self.link_manager, memory=self.memory, tasks=self.tasks,
                                             hooks=self.hooks, options=options, profile=self.profile)
             self.link_manager.bind_data_service(self.transfers)

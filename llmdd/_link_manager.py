@@ -467,8 +467,7 @@ class Link:
     transport_reason: str = ""
     channel: Optional[Channel] = None
     tables_ready: threading.Event = attrs.field(factory=threading.Event)
-    transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)
-    async_busy: int = 0
+    transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
     last_rx: float = attrs.field(factory=time.monotonic)
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
@@ -719,8 +718,10 @@ class LinkManager:
     """Links of one engine, server side and client side."""
 
     def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
-                 links: "Lifecycle", memory: "MemoryManager", profile: "ChipProfile") -> None:
+                 links: "Lifecycle", memory: "MemoryManager", profile: "ChipProfile",
+                 engine: Optional[Tracked] = None) -> None:
         self._options = options
+        self._engine = engine   # the engine's lifecycle: a listener that cannot continue is recorded there
         self._hooks = hooks
         self._lc = links
         self._memory = memory
@@ -1215,19 +1216,11 @@ class LinkManager:
         except PoolFull:
             self._record_listener_failure(listener)
 
-    def _engine_fsm(self) -> Optional[Tracked]:
-        from ._datadist import LLMDataDist   # one engine per process: the owner of this core
-
-        owner = LLMDataDist.llm_engine_instance
-        if owner is not None and owner._core is self._core:
-            return owner._engine_fsm
-        return None
-
     def _record_listener_failure(self, listener: _Listener) -> None:
         self._fire_listener_failed(listener.kind, listener.address, listener.error or "")
 
     def _fire_listener_failed(self, kind: str, address: tuple, error: str) -> None:
-        fsm = self._engine_fsm()
+        fsm = self._engine
         if fsm is not None and fsm.can("listener_failed"):
             fsm.fire("listener_failed", error=RuntimeError(error), listener=kind,
                      address=f"{address[0]}:{address[1]}", reason=error)
@@ -2041,12 +2034,9 @@ class LinkManager:
             # the peer cannot be told: tear down here; the other side must unlink too
             self._close_link(link, trigger="force_unlink", reason="unlink of a failed link")
             return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
-        if link.async_busy or not link.transfer_lock.acquire(timeout=0):
+        if self._data is not None and not self._data.quiesce(link):
             return S.LLM_LINK_BUSY
-        try:
-            link.fsm.fire("unlink")
-        finally:
-            link.transfer_lock.release()
+        link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
         rid = next(self._request_ids)
         pending = _Pending()
         link.pending[rid] = pending

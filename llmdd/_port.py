@@ -28,7 +28,7 @@ from ._status import LLMStatusCode
 if TYPE_CHECKING:  # the link record is the control plane's; the data plane only passes it back
     from ._link_manager import Link
 
-__all__ = ["RequestOp", "DataNotice", "ControlPort", "DataService"]
+__all__ = ["RequestOp", "DataNotice", "ControlPort", "DataService", "request_op"]
 
 
 class RequestOp(str, enum.Enum):
@@ -89,6 +89,11 @@ class DataService(Protocol):
 
     def on_notice(self, link: "Link", message: DataNotice) -> None:
         """A one-way notice of the peer's data plane arrived (in arrival order per link)."""
+        ...
+
+    def quiesce(self, link: "Link") -> bool:
+        """Before an unlink: True when no transfer runs on ``link`` and none will start on it from now
+        on; False while one runs (the unlink answers ``LLM_LINK_BUSY``)."""
         ...
 
     def on_link_down(self, link: "Link") -> None:

@@ -28,6 +28,7 @@ from ._enums import Placement
 from ._log import get_logger
 from ._peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_range, peer_spans
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
+from ._config import parse_mem_pool_cfg
 from ._options import EngineOptions
 from ._plugins import Hooks
 from ._port import ControlPort, DataNotice, RequestOp
@@ -221,6 +222,9 @@ class TransferEngine:
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
         self._async: set = set()
+        self._busy_lock = threading.Lock()
+        self._async_busy: dict[int, int] = {}   # id(link) -> layer-wise async tasks holding it
+        self._closing: set[int] = set()         # id(link) of links quiesced for an unlink
         self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _read_done_lock)
         self._servers = {RequestOp.RESERVE_KEY: self._serve_reserve_key, RequestOp.CONSUME_KEY: self._serve_consume_key,
@@ -316,13 +320,51 @@ class TransferEngine:
             raise _err(f"link to cluster {cluster_id} has no data channel", S.LLM_NOT_YET_LINK)
         return link
 
+    # ------------------------------------------------------------------ a link's transfers
+    # A link carries one blocking transfer at a time (its transfer_lock) and none while a layer-wise
+    # async task holds it.  Which async tasks hold which link, and which links are being unlinked,
+    # is this engine's table (under _busy_lock), so that "busy" is decided in one place: an async
+    # task claims all its links at once or none, and once an unlink has quiesced a link no transfer
+    # starts on it.
+    def claim_links(self, links: list) -> None:
+        """An async task takes ``links`` (all or none): LLM_LINK_BUSY while another task or an unlink has one."""
+        with self._busy_lock:
+            for link in links:
+                if self._async_busy.get(id(link)) or id(link) in self._closing:
+                    raise _err(f"an async transfer is already running on the link to cluster "
+                               f"{link.peer_cluster_id}", S.LLM_LINK_BUSY)
+            for link in links:
+                self._async_busy[id(link)] = self._async_busy.get(id(link), 0) + 1
+
+    def release_links(self, links: list) -> None:
+        with self._busy_lock:
+            for link in links:
+                left = self._async_busy.get(id(link), 0) - 1
+                if left > 0:
+                    self._async_busy[id(link)] = left
+                else:
+                    self._async_busy.pop(id(link), None)
+
+    def quiesce(self, link: Any) -> bool:
+        """llmdd._port.DataService: True when no transfer runs on ``link``, and from then on none starts
+        on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
+        with self._busy_lock:
+            if self._async_busy.get(id(link)) or not link.transfer_lock.acquire(timeout=0):
+                return False
+            self._closing.add(id(link))
+        link.transfer_lock.release()
+        return True
+
     def _acquire(self, link: Any) -> None:
-        if link.async_busy:
+        if self._async_busy.get(id(link)):
             raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
                        S.LLM_LINK_BUSY)
         if not link.transfer_lock.acquire(timeout=self.timeout_s):
             raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {self.timeout_s:.3f} s",
                        S.LLM_LINK_BUSY)
+        if id(link) in self._closing and link.state is LinkState.LINKED:
+            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
+            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
         if link.state is not LinkState.LINKED:
             link.transfer_lock.release()
             if self._lm.get(link.peer_cluster_id) in (link, None):
@@ -743,8 +785,6 @@ class TransferEngine:
         text = self._options.raw.get("llm.MemPoolConfig") or ""
         if not text:
             return 0
-        from ._config import parse_mem_pool_cfg
-
         return parse_mem_pool_cfg(text)[0]
 
     def _peer_device_pool_bytes(self, link: Any) -> int:
@@ -974,6 +1014,8 @@ class TransferEngine:
             self._plans.pop(pk, None)
         for task in list(self._async):
             task.link_down(link)
+        with self._busy_lock:
+            self._closing.discard(id(link))
         with self._read_done_lock:
             self._read_done.pop(id(link), None)
             orphaned = self._reservations.pop(id(link), {})
@@ -1214,16 +1256,11 @@ class AsyncTransfer:
     def start(self) -> None:
         try:
             for config in self._configs:
-                link = self._engine._link_for(config.dst_cluster_id)
-                if link.async_busy:
-                    raise _err(f"an async transfer is already running on the link to cluster "
-                               f"{link.peer_cluster_id}", S.LLM_LINK_BUSY)
-                self._links.append(link)
+                self._links.append(self._engine._link_for(config.dst_cluster_id))
+            self._engine.claim_links(self._distinct_links())
         except LLMException:
             self._engine._async.discard(self)
             raise
-        for link in self._distinct_links():
-            link.async_busy += 1
         self._thread.start()
 
     # -- the CacheTask protocol -------------------------------------------------------
@@ -1322,8 +1359,7 @@ class AsyncTransfer:
             if task.can("transfer_failed"):
                 task.fire("transfer_failed", error=exc)
         finally:
-            for link in self._distinct_links():
-                link.async_busy -= 1
+            engine.release_links(self._distinct_links())
             engine._async.discard(self)
             self._done.set()
 
