@@ -85,9 +85,7 @@ from typing import Any, Callable, Mapping, Union
 import numpy as np
 import pluggy
 
-from llmdd._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull
-from llmdd.lowlevel import get_logger
-from llmdd._options import TlsConfig, tls_config
+from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull, TlsConfig, get_logger, tls_config
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
 from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
