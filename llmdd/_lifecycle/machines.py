@@ -1,17 +1,14 @@
 """Builds the lifecycle machines from ``tables.py`` and drives them under a lock.
 
-Two drivers share one definition:
+``transitions`` builds every machine from its table (``build_transitions_machine``, also used
+for the docs diagrams) and is the definition of what a trigger does: :func:`compile_table`
+reads the built machine into a ``(state, trigger) -> dest`` dict, and that dict is the one
+driver of every machine kind (a few microseconds per trigger, where a ``transitions`` model
+costs ~100 us and a registration per resource).  A test fires every (state, trigger) pair on a
+``transitions`` model and on the compiled driver and requires the same outcome.
 
-* engine, link, comm-group and cache machines are ``transitions.Machine``
-  objects (one per machine kind and engine, with resources added as models),
-  built with ``auto_transitions=False`` and ``ignore_invalid_triggers=False``;
-* the task machine runs once per transfer, so it uses a plain dict of
-  ``(state, trigger) -> dest`` *compiled from a transitions machine built from
-  the same table* (DESIGN.md section 3: a few microseconds, not ~100 us);
-  a test checks that both drivers agree on every pair.
-
-``Tracked.fire`` is the single place where a state changes and where the
-one event of that change is built and handed to ``emit``.
+``Tracked.fire`` is the single place where a state changes and where the one event of that
+change is built and handed to ``emit``; an illegal trigger raises :class:`InvalidStateError`.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ from typing import Any, Callable, Mapping
 
 import attrs
 from transitions import Machine as _TMachine
-from transitions import MachineError
 
 from .._events import TransitionEvent
 from .._status import InvalidStateError, LLMStatusCode
@@ -73,16 +69,13 @@ class LifecycleStatistics:
 class Tracked:
     """One resource's state, driven only through :meth:`fire`."""
 
-    __slots__ = ("machine", "id", "info", "_lifecycle", "_lock", "state", "__dict__")
+    __slots__ = ("machine", "id", "info", "_lifecycle", "state", "__dict__")
 
     def __init__(self, lifecycle: "Lifecycle", resource_id: Any, info: dict[str, Any]) -> None:
         self.machine = lifecycle.machine
         self.id = resource_id
         self.info = info
         self._lifecycle = lifecycle
-        # a machine driven by the compiled table alone (tasks) changes state under its lifecycle's
-        # statistics lock (one lock per transition); transitions-driven ones under their own
-        self._lock = threading.Lock() if lifecycle._tmachine is not None else None
         self.state = lifecycle._initial
 
     @property
@@ -102,60 +95,28 @@ class Tracked:
         holds a lock records it in its outbox and delivers once the lock is released).
         """
         lc = self._lifecycle
-        tmachine = lc._tmachine
-        if tmachine is None:
-            with lc._stats_lock:   # the state and the statistics together
-                source = self.state
-                hit = lc._fast.get((source, trigger))
-                if hit is not None:
-                    dest, final = hit
-                    self.state = dest
-                    lc._triggers[trigger] += 1
-                    if source is not dest:
-                        live = lc._live
-                        live[source] -= 1
-                        if not final:
-                            live[dest] += 1
-                    if error is not None:
-                        lc._last_error = f"{type(error).__name__}: {error}"
-                else:
-                    lc._refused += 1
-            if hit is None:
-                raise InvalidStateError(
-                    f"{self.machine.value} {self.id!r}: trigger {trigger!r} is not allowed in state "
-                    f"{source.value!r}", status_code=LLMStatusCode.LLM_FAILED)
-            wants = lc._wants
-            if lc._emit is None or (wants is not None and not wants(error)):
-                return None  # nobody listens now: no event is built (a later subscriber gets later ones)
-            return self._emit(lc, source, dest, trigger, error, defer, info)
-        with self._lock:
+        with lc._stats_lock:   # the state and the statistics together (one lock per transition)
             source = self.state
-            dest = lc._table.get((source, trigger))
-            if dest is None:
-                lc._refused += 1
-                raise InvalidStateError(
-                    f"{self.machine.value} {self.id!r}: trigger {trigger!r} is not allowed in state "
-                    f"{source.value!r}", status_code=LLMStatusCode.LLM_FAILED)
-            if tmachine is not None:
-                try:
-                    getattr(self, "trigger")(trigger)
-                except MachineError as exc:  # the compiled table and transitions disagree: a bug
-                    raise InvalidStateError(str(exc), status_code=LLMStatusCode.LLM_FAILED) from exc
-            else:
+            hit = lc._fast.get((source, trigger))
+            if hit is not None:
+                dest, final = hit
                 self.state = dest
-            # the statistics (Lifecycle._account, inlined: this runs several times per transfer)
-            final = dest in lc._final
-            with lc._stats_lock:
                 lc._triggers[trigger] += 1
                 if source is not dest:
-                    lc._live[source] -= 1
+                    live = lc._live
+                    live[source] -= 1
                     if not final:
-                        lc._live[dest] += 1
+                        live[dest] += 1
                 if error is not None:
                     lc._last_error = f"{type(error).__name__}: {error}"
-        if final and tmachine is not None:
-            tmachine.remove_model(self)
-        if lc._emit is None or (lc._wants is not None and not lc._wants(error)):
+            else:
+                lc._refused += 1
+        if hit is None:
+            raise InvalidStateError(
+                f"{self.machine.value} {self.id!r}: trigger {trigger!r} is not allowed in state "
+                f"{source.value!r}", status_code=LLMStatusCode.LLM_FAILED)
+        wants = lc._wants
+        if lc._emit is None or (wants is not None and not wants(error)):
             return None  # nobody listens now: no event is built (a later subscriber gets later ones)
         return self._emit(lc, source, dest, trigger, error, defer, info)
 
@@ -178,7 +139,7 @@ class Tracked:
 class Lifecycle:
     """All resources of one machine kind in one engine."""
 
-    def __init__(self, machine: Machine, emit: Emit | None = None, *, use_transitions: bool | None = None,
+    def __init__(self, machine: Machine, emit: Emit | None = None, *,
                  wants: Callable[[BaseException | None], bool] | None = None) -> None:
         self.machine = machine
         self._emit = emit
@@ -186,9 +147,6 @@ class Lifecycle:
         self._wants = wants
         self._final = FINAL[machine]
         self._table = compile_table(machine)
-        if use_transitions is None:
-            use_transitions = machine is not Machine.TASK
-        self._tmachine = build_transitions_machine(machine, model=[]) if use_transitions else None
         self._initial = INITIAL[machine]
         #: (state, trigger) -> (dest, dest is final): the table as the hot path reads it
         self._fast = {k: (dest, dest in self._final) for k, dest in self._table.items()}
@@ -200,21 +158,9 @@ class Lifecycle:
 
     def create(self, resource_id: Any, **info: Any) -> Tracked:
         tracked = Tracked(self, resource_id, info)
-        if self._tmachine is not None:
-            self._tmachine.add_model(tracked, initial=INITIAL[self.machine])
         with self._stats_lock:
             self._live[tracked.state] += 1
         return tracked
-
-    def _account(self, source: enum.Enum, dest: enum.Enum, trigger: str, error: BaseException | None) -> None:
-        with self._stats_lock:
-            self._triggers[trigger] += 1
-            if source is not dest:
-                self._live[source] -= 1
-                if dest not in FINAL[self.machine]:
-                    self._live[dest] += 1
-            if error is not None:
-                self._last_error = f"{type(error).__name__}: {error}"
 
     def statistics(self) -> LifecycleStatistics:
         with self._stats_lock:

@@ -156,14 +156,17 @@ TASK_TRANSITIONS = [
     _t("synchronizer_refused", T.WAITING, T.FAILED),
     _t("deadline_expired", [T.RUNNING, T.CREATED], T.TIMED_OUT),
     _t("cancel", _OPEN_TASK, T.CANCELLED),
+    # per-layer progress of a task is an event on the task machine, not a state
+    _t("layer_transferred", T.RUNNING, "="),
 ]
 
+#: every machine's transitions, fixed once built (tuples: nothing adds a row later)
 TABLES = {
-    Machine.ENGINE: ENGINE_TRANSITIONS,
-    Machine.LINK: LINK_TRANSITIONS,
-    Machine.COMM_GROUP: COMM_GROUP_TRANSITIONS,
-    Machine.CACHE: CACHE_TRANSITIONS,
-    Machine.TASK: TASK_TRANSITIONS,
+    Machine.ENGINE: tuple(ENGINE_TRANSITIONS),
+    Machine.LINK: tuple(LINK_TRANSITIONS),
+    Machine.COMM_GROUP: tuple(COMM_GROUP_TRANSITIONS),
+    Machine.CACHE: tuple(CACHE_TRANSITIONS),
+    Machine.TASK: tuple(TASK_TRANSITIONS),
 }
 
 STATES = {
@@ -190,5 +193,3 @@ FINAL = {
     Machine.TASK: frozenset({T.COMPLETED, T.FAILED, T.TIMED_OUT, T.CANCELLED}),
 }
 
-# Per-layer progress of a task is an event on the task machine, not a state:
-TASK_TRANSITIONS.append(_t("layer_transferred", T.RUNNING, "="))

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from llmdd._events import TransitionEvent
-from llmdd._lifecycle.machines import Lifecycle, compile_table
+from transitions import MachineError
+
+from llmdd._lifecycle.machines import Lifecycle, build_transitions_machine, compile_table
 from llmdd._lifecycle.tables import FINAL, INITIAL, STATES, TABLES, Machine, TaskState
 from llmdd._status import InvalidStateError
 
@@ -59,12 +61,9 @@ PAIRS = [
     for m in Machine for s in STATES[m] for trig in _triggers(m)
 ]
 
-DRIVERS = [pytest.param(True, id="transitions"), pytest.param(False, id="dict")]
-
-
-def _tracked_in(machine, state, use_transitions):
+def _tracked_in(machine, state):
     events: list[TransitionEvent] = []
-    lifecycle = Lifecycle(machine, events.append, use_transitions=use_transitions)
+    lifecycle = Lifecycle(machine, events.append)
     tracked = lifecycle.create("r1", origin="test")
     for trigger in PATHS[machine][state]:
         tracked.fire(trigger)
@@ -83,10 +82,27 @@ def test_compiled_table_is_the_table(machine):
     assert compile_table(machine) == EXPECTED[machine]
 
 
-@pytest.mark.parametrize("use_transitions", DRIVERS)
 @pytest.mark.parametrize(("machine", "state", "trigger"), PAIRS)
-def test_pair(machine, state, trigger, use_transitions):
-    lifecycle, tracked, events = _tracked_in(machine, state, use_transitions)
+def test_transitions_and_the_compiled_driver_agree_on_every_pair(machine, state, trigger):
+    """The one driver (the compiled dict) does what the transitions machine built from the same
+    table does: the same destination, or both refuse."""
+    model = type("Model", (), {})()
+    build_transitions_machine(machine, model=model)
+    for step in PATHS[machine][state]:
+        model.trigger(step)
+    assert model.state is state
+    try:
+        model.trigger(trigger)
+    except MachineError:
+        assert (state, trigger) not in compile_table(machine)
+        assert model.state is state
+        return
+    assert model.state is compile_table(machine)[(state, trigger)]
+
+
+@pytest.mark.parametrize(("machine", "state", "trigger"), PAIRS)
+def test_pair(machine, state, trigger):
+    lifecycle, tracked, events = _tracked_in(machine, state)
     dest = EXPECTED[machine].get((state, trigger))
     if dest is None:
         refused = lifecycle.statistics().refused
@@ -109,23 +125,21 @@ def test_pair(machine, state, trigger, use_transitions):
     assert tracked.is_final is (dest in FINAL[machine])
 
 
-@pytest.mark.parametrize("use_transitions", DRIVERS)
 @pytest.mark.parametrize("machine", list(Machine), ids=lambda m: m.value)
-def test_error_travels_in_the_event(machine, use_transitions):
+def test_error_travels_in_the_event(machine):
     (source, trigger), dest = next(iter(EXPECTED[machine].items()))
-    _, tracked, events = _tracked_in(machine, source, use_transitions)
+    _, tracked, events = _tracked_in(machine, source)
     error = TimeoutError("peer silent")
     tracked.fire(trigger, error=error)
     assert events[0].error is error
     assert events[0].as_log_fields()["error"] == "TimeoutError: peer silent"
 
 
-@pytest.mark.parametrize("use_transitions", DRIVERS)
 @pytest.mark.parametrize(
     ("machine", "state"),
     [pytest.param(m, s, id=f"{m.value}-{s.value}") for m in Machine for s in sorted(FINAL[m], key=str)])
-def test_final_states_are_sticky(machine, state, use_transitions):
-    _, tracked, events = _tracked_in(machine, state, use_transitions)
+def test_final_states_are_sticky(machine, state):
+    _, tracked, events = _tracked_in(machine, state)
     for trigger in _triggers(machine):
         with pytest.raises(InvalidStateError):
             tracked.fire(trigger)
@@ -141,37 +155,18 @@ def test_engine_has_no_final_state_and_reinitializes():
     assert FINAL[Machine.ENGINE] == frozenset()
 
 
-@pytest.mark.parametrize(("machine", "state", "trigger"), PAIRS)
-def test_drivers_agree(machine, state, trigger):
-    outcomes = []
-    for use_transitions in (True, False):
-        _, tracked, events = _tracked_in(machine, state, use_transitions)
-        try:
-            tracked.fire(trigger)
-        except InvalidStateError:
-            outcomes.append(("refused", tracked.state, len(events)))
-        else:
-            outcomes.append(("moved", tracked.state, len(events)))
-    assert outcomes[0] == outcomes[1]
-
-
-def test_task_machine_runs_on_the_dict_driver():
-    assert Lifecycle(Machine.TASK)._tmachine is None
-    for machine in (Machine.ENGINE, Machine.LINK, Machine.COMM_GROUP, Machine.CACHE):
-        assert Lifecycle(machine)._tmachine is not None
+def test_every_machine_runs_on_the_one_compiled_driver():
+    """One driver per machine: no transitions machine runs beside the compiled table."""
+    for machine in Machine:
+        lifecycle = Lifecycle(machine)
+        assert not hasattr(lifecycle, "_tmachine")
+        assert lifecycle._table == compile_table(machine)
 
 
 def test_without_subscriber_no_event_is_built():
     tracked = Lifecycle(Machine.TASK, None).create(1)
     assert tracked.fire("start") is None
     assert tracked.state is TaskState.RUNNING
-
-
-def test_final_models_leave_the_transitions_machine():
-    lifecycle = Lifecycle(Machine.LINK)
-    link = lifecycle.create(1)
-    link.fire("force_unlink")
-    assert link not in lifecycle._tmachine.models
 
 
 def test_lifecycle_doc_is_current():
