@@ -1768,7 +1768,7 @@ class LinkManager:
 
     def ask(self, link: Link, message: m.TaggedDone, *, deadline: float) -> tuple[int, dict]:
         """Send an acknowledged notice (its request id is this side's) and wait for the reply."""
-        return self._exchange(link, "tagged_done", lambda rid: msgspec_replace(message, request_id=rid), deadline)
+        return self._exchange(link, message.op, lambda rid: msgspec_replace(message, request_id=rid), deadline)
 
     def _exchange(self, link: Link, op: str, build: Callable[[int], Any], deadline: float) -> tuple[int, dict]:
         rid = next(self._request_ids)
