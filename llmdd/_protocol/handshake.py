@@ -459,6 +459,15 @@ def _unique(kind: str, items: Iterable) -> set:
 MAX_PEER_REGIONS = 1 << 17
 MAX_PEER_CACHES = 1 << 16
 MAX_PEER_KEYS = 1 << 18
+#: tensor addresses over all of a peer's caches (each is one of its tensor regions, so a correct
+#: peer never announces more than it has regions): one cache of 2**20 addresses per update used to
+#: make this side hold ~40 MiB more each time, without end
+MAX_PEER_CACHE_ADDRS = MAX_PEER_REGIONS
+#: a region's per-transport descriptor, MessagePack-encoded, and all of a peer's together (the
+#: built-in transports describe a region in well under 1 KiB)
+MAX_REGION_DESCRIPTOR_BYTES = 16 * 1024
+MAX_PEER_DESCRIPTOR_BYTES = 16 * 1024 * 1024   # what one full snapshot frame (the default frame limit) carries
+_encode_descriptor = msgspec.msgpack.Encoder().encode
 #: up to this many region changes in one update are applied to the address index one by one
 _INDEX_ONE_BY_ONE = 16
 
@@ -480,6 +489,9 @@ class DescriptorTables:
         self._by_addr: list[tuple[int, int]] = []  # sorted (addr, region_id)
         self._max_size = 0
         self._keys_of: dict[int, set] = {}  # cache id -> its keys
+        self._addr_total = 0                      # tensor addresses over all caches (MAX_PEER_CACHE_ADDRS)
+        self._desc_bytes: dict[int, int] = {}     # region id -> encoded size of its transports descriptor
+        self._desc_total = 0                      # their sum (MAX_PEER_DESCRIPTOR_BYTES)
 
     # -- state
     @property
@@ -555,10 +567,23 @@ class DescriptorTables:
                     raise TableUpdateError(f"region {rid} is already announced")
             if len(self._regions) - len(removed) + len(added_ids) > MAX_PEER_REGIONS:
                 raise TableUpdateError(f"the update would exceed the {MAX_PEER_REGIONS} regions a peer may announce")
+        # what the regions' descriptors weigh, checked before anything changes
+        sizes = {}
+        for r in u.added:
+            size = len(_encode_descriptor(r.transports)) if r.transports else 0
+            if size > MAX_REGION_DESCRIPTOR_BYTES:
+                raise TableUpdateError(f"region {r.region_id}'s transport descriptor takes {size} bytes, more than the "
+                                       f"{MAX_REGION_DESCRIPTOR_BYTES} a peer may announce per region")
+            sizes[r.region_id] = size
+        kept = 0 if u.full else self._desc_total - sum(self._desc_bytes.get(rid, 0) for rid in removed)
+        if kept + sum(sizes.values()) > MAX_PEER_DESCRIPTOR_BYTES:
+            raise TableUpdateError(f"the update would exceed the {MAX_PEER_DESCRIPTOR_BYTES} bytes of region "
+                                   f"descriptors a peer may announce")
         if u.full:
             self._regions = {}
             self._by_addr = []
             self._max_size = 0
+            self._desc_bytes = {}
         # the sorted address index: a few changes one by one (bisect), more by one pass (a filter,
         # one sort of the table plus the sorted additions: two runs, merged in linear time); one by
         # one for all of them cost a memmove of the index per entry, quadratic in a peer's snapshot
@@ -569,9 +594,13 @@ class DescriptorTables:
                 del self._by_addr[bisect.bisect_left(self._by_addr, (r.addr, r.region_id))]
         else:
             self._by_addr = [e for e in self._by_addr if e[1] not in removed]
+        for rid in removed:
+            self._desc_bytes.pop(rid, None)
         for r in u.added:
             self._regions[r.region_id] = r
             self._max_size = max(self._max_size, r.size)
+        self._desc_bytes.update(sizes)
+        self._desc_total = kept + sum(sizes.values())
         if len(u.added) <= _INDEX_ONE_BY_ONE:
             for r in u.added:
                 bisect.insort(self._by_addr, (r.addr, r.region_id))
@@ -605,6 +634,11 @@ class DescriptorTables:
                     raise TableUpdateError(f"removed key {key} is unknown")
         if len(caches) - len(removed_caches) + len(added_caches) > MAX_PEER_CACHES:
             raise TableUpdateError(f"the update would exceed the {MAX_PEER_CACHES} caches a peer may announce")
+        addr_total = ((0 if u.full else self._addr_total - sum(len(caches[cid].addrs) for cid in removed_caches))
+                      + sum(len(c.addrs) for c in u.caches_added))
+        if addr_total > MAX_PEER_CACHE_ADDRS:
+            raise TableUpdateError(f"the update would exceed the {MAX_PEER_CACHE_ADDRS} tensor addresses a peer's "
+                                   f"caches may hold")
         # keys of a removed cache go with it: found through the cache-to-keys index, never by a scan
         dropped = set(removed_keys)
         for cid in removed_caches:
@@ -633,6 +667,7 @@ class DescriptorTables:
         for e in u.keys_added:
             self._keys[e.key] = e
             self._keys_of.setdefault(e.cache_id, set()).add(e.key)
+        self._addr_total = addr_total
         self._cache_version = u.version
 
 

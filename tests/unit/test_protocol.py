@@ -883,3 +883,56 @@ def test_announcer_numbers_versions_and_refuses_bad_updates():
     # a duplicated frame (replay) is rejected
     with pytest.raises(TableUpdateError):
         peer.apply(u2)
+
+
+def _cache(cid, first, n):
+    return m.CacheEntry(cache_id=cid, addrs=tuple(range(2**40 + first, 2**40 + first + n)), tensor_size=1, shape=(1,))
+
+
+def test_regression_cache_table_deltas_of_2_pow_20_addresses_are_refused_before_they_are_held():
+    """Each CacheTableUpdate delta adding one cache of 2**20 tensor addresses (a 9.4 MB frame) made the
+    owner hold ~40 MiB more, without end (+200 MiB after 5).  A peer's caches may hold at most
+    MAX_PEER_CACHE_ADDRS addresses in all (each is one of its tensor regions): such an update is a
+    TableUpdateError (the link fails) and changes nothing; up to the cap is accepted (control), and
+    removing a cache gives its addresses back."""
+    t = DescriptorTables()
+    with pytest.raises(TableUpdateError, match="tensor addresses"):
+        t.apply(m.CacheTableUpdate(version=1, caches_added=(_cache(1, 0, 1 << 20),)))
+    assert t.cache_table_version == 0 and t.cache(1) is None
+    half = hs.MAX_PEER_CACHE_ADDRS // 2
+    t.apply(m.CacheTableUpdate(version=1, caches_added=(_cache(1, 0, half),)))
+    t.apply(m.CacheTableUpdate(version=2, caches_added=(_cache(2, half, half),)))       # exactly at the cap
+    with pytest.raises(TableUpdateError, match="tensor addresses"):
+        t.apply(m.CacheTableUpdate(version=3, caches_added=(_cache(3, 2 * half, 1),)))
+    assert t.cache(3) is None and t.cache_table_version == 2
+    t.apply(m.CacheTableUpdate(version=3, caches_removed=(1,), caches_added=(_cache(3, 2 * half, half),)))
+    assert t.cache(1) is None and len(t.cache(3).addrs) == half
+    t.apply(m.CacheTableUpdate(version=4, full=True, caches_added=(_cache(9, 0, hs.MAX_PEER_CACHE_ADDRS),)))
+    assert [c for c in (1, 2, 3, 9) if t.cache(c) is not None] == [9]
+
+
+def test_region_descriptors_are_held_within_a_per_region_and_a_per_peer_byte_budget():
+    """A region's transport descriptor may not pass MAX_REGION_DESCRIPTOR_BYTES (encoded), nor a peer's
+    descriptors together MAX_PEER_DESCRIPTOR_BYTES; a refused update changes nothing, a removal gives
+    its bytes back, a snapshot starts the count again."""
+    t = DescriptorTables()
+    big = {"x": b"d" * hs.MAX_REGION_DESCRIPTOR_BYTES}
+    with pytest.raises(TableUpdateError, match="per region"):
+        t.apply(m.RegionsUpdate(version=1, added=(m.RegionDescriptor(region_id=1, cache_id=-1, addr=0x1000, size=16,
+                                                                      transports=big),)))
+    assert t.regions_version == 0 and t.regions == {}
+    per = hs.MAX_REGION_DESCRIPTOR_BYTES - 64
+    n = hs.MAX_PEER_DESCRIPTOR_BYTES // (per + 8)
+    full = tuple(m.RegionDescriptor(region_id=i, cache_id=-1, addr=0x1000 * (i + 1), size=16,
+                                    transports={"x": b"d" * per}) for i in range(n))
+    t.apply(m.RegionsUpdate(version=1, full=True, added=full))
+    one_more = m.RegionDescriptor(region_id=n, cache_id=-1, addr=0x1000 * (n + 1), size=16,
+                                  transports={"x": b"d" * per})
+    with pytest.raises(TableUpdateError, match="bytes of region descriptors"):
+        t.apply(m.RegionsUpdate(version=2, added=(one_more,)))
+    assert len(t.regions) == n and t.regions_version == 1
+    t.apply(m.RegionsUpdate(version=2, removed=(0,), added=(one_more,)))                 # a removal frees its bytes
+    assert 0 not in t.regions and n in t.regions
+    t.apply(m.RegionsUpdate(version=3, full=True, added=(one_more,)))                    # a snapshot counts anew
+    t.apply(m.RegionsUpdate(version=4, added=full[1:]))
+    assert len(t.regions) == n
