@@ -50,6 +50,10 @@ class ControlPort(Protocol):
         """The LINKED link to ``cluster_id``; raises the contract's status otherwise."""
         ...
 
+    def get(self, cluster_id: int) -> Optional["Link"]:
+        """The current link to ``cluster_id`` whatever its state, or None."""
+        ...
+
     def request(self, link: "Link", op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
         """Send ``op`` and wait for the peer's reply until ``deadline`` (monotonic seconds)."""
         ...

@@ -14,6 +14,7 @@ for layer-wise transfers).
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 import itertools
 import struct
 import threading
@@ -26,14 +27,14 @@ from ._abc import OP_DTYPE, Cancelled, PeerGone, Refused, TransportError, Transp
 from ._lifecycle.tables import LinkState
 from ._enums import Placement
 from ._log import get_logger
-from ._peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_range, peer_spans
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
-from ._config import parse_mem_pool_cfg
 from ._options import EngineOptions
 from ._plugins import Hooks
 from ._port import ControlPort, DataNotice, RequestOp
 from ._protocol import messages as m
 from ._status import LLMException, LLMStatusCode
+from ._owner import OwnerSide, device_pool_bytes
+from ._tasks import AsyncPull, AsyncTransfer
 from ._types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, cache_key_index
 
 if TYPE_CHECKING:
@@ -215,9 +216,6 @@ class TransferEngine:
         self._read_done: dict[int, list] = {}   # id(link) -> [link, queued notice, ...]
         self._sending: dict[int, int] = {}       # id(link) -> batches of its notices the flusher is sending
         self._read_done_lock = threading.Condition()
-        # id(link) -> {key index a peer reserved and still holds: its cache id}
-        self._reservations: dict[int, dict[tuple, int]] = {}
-        self._refused: set = set()  # (id(link), message type) already logged
         self._closed = False
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
@@ -227,28 +225,21 @@ class TransferEngine:
         self._closing: set[int] = set()         # id(link) of links quiesced for an unlink
         self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _read_done_lock)
-        self._servers = {RequestOp.RESERVE_KEY: self._serve_reserve_key, RequestOp.CONSUME_KEY: self._serve_consume_key,
-                         RequestOp.ENGINE_INFO: self._serve_engine_info}
-        self._notices = {m.ReadDone: ("read_done", self._serve_read_done),
-                         m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
-                         m.ReleaseKey: ("release_key", self._serve_release_key),
-                         m.PushDone: ("push_done", self._serve_push_done)}
+        self.owner = OwnerSide(port=port, memory=memory, options=options, profile=profile)
 
     # ------------------------------------------------------------------ the DataService side of the port
+    # what peers ask of this engine as the owner of its caches is llmdd._owner's
     def serve(self, link: Any, op: RequestOp, args: dict) -> tuple[int, dict]:
         """A peer's data request (llmdd._port.DataService)."""
-        return self._guard(link, args, what=op.value, handler=self._servers[op])
+        return self.owner.serve(link, op, args)
 
     def serve_tagged(self, link: Any, message: m.TaggedDone) -> tuple[int, dict]:
         """A peer's tagged transfer on one of this engine's caches ended (acknowledged by the reply)."""
-        what = "push_done" if message.push else "read_done"
-        return self._guard(link, message.entry, what=what,
-                           handler=functools.partial(self._serve_transfer_done, what=what))
+        return self.owner.serve_tagged(link, message)
 
     def on_notice(self, link: Any, message: DataNotice) -> None:
         """A one-way notice of the peer's data plane (refused ones answered with an Error message)."""
-        what, handler = self._notices[type(message)]
-        self._guard(link, message, what=what, handler=handler, notice=True)
+        self.owner.on_notice(link, message)
 
     # ------------------------------------------------------------------ layouts
     def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
@@ -781,12 +772,6 @@ class TransferEngine:
     # ------------------------------------------------------------------ device memory rules
     MIN_HOST_SIDE_DEVICE_POOL = 100 * 1024 * 1024
 
-    def _device_pool_bytes(self) -> int:
-        text = self._options.raw.get("llm.MemPoolConfig") or ""
-        if not text:
-            return 0
-        return parse_mem_pool_cfg(text)[0]
-
     def _peer_device_pool_bytes(self, link: Any) -> int:
         info = getattr(link, "engine_info", None)
         if info is None:
@@ -818,194 +803,12 @@ class TransferEngine:
             raise _err("pull_blocks from a host cache into a device cache needs both to be blocks caches",
                        S.LLM_PARAM_INVALID)
         host_is_local = local_place == Placement.HOST
-        pool = self._device_pool_bytes() if host_is_local else self._peer_device_pool_bytes(link)
+        pool = device_pool_bytes(self._options) if host_is_local else self._peer_device_pool_bytes(link)
         if pool < self.MIN_HOST_SIDE_DEVICE_POOL:
             where = "this engine" if host_is_local else f"cluster {link.peer_cluster_id}"
             raise _err(f"{'D2H' if dst_place == Placement.HOST else 'H2D'} transfer: {where} holds the host cache "
                        f"and needs a device memory pool (mem_pool_cfg) of at least 100 MB, it has {pool} bytes",
                        S.LLM_PARAM_INVALID)
-
-    def _serve_engine_info(self, link: Any, args: dict) -> tuple[int, dict]:
-        return 0, {"device_pool_bytes": self._device_pool_bytes(), "profile": self._profile.name}
-
-    # ------------------------------------------------------------------ owner side handlers
-    # Every number a peer sends is checked against this engine's tables before any work proportional
-    # to it (llmdd._peer_input); docs/reliability.md lists what each violation does to the link.
-    def _refuse_peer(self, link: Any, what: str, exc: PeerInputError, *, notice: bool) -> None:
-        """Log a violating message once per link and message type; fail the link when it says so.
-        A refused *notice* (no reply travels back) is answered with a fatal Error message."""
-        key = (id(link), what)
-        with self._read_done_lock:
-            first = key not in self._refused
-            if first:
-                self._refused.add(key)
-        if first:
-            _log.warning("llmdd.transfer.peer_input_refused", peer=link.peer_cluster_id, message=what,
-                         error=str(exc), fails_link=exc.fail_link)
-        if notice or exc.fail_link:
-            self._lm.notify(link, m.Error(status_code=exc.status_code.value,
-                                          message=f"{what} refused: {exc}", fatal=exc.fail_link))
-        if exc.fail_link:
-            self._lm.fail_link(link, exc, status=S.LLM_LINK_FAILED)
-
-    def _guard(self, link: Any, args: Any, *, what: str, handler: Any, notice: bool = False) -> tuple[int, dict]:
-        try:
-            return handler(link, args)
-        except PeerInputError as exc:
-            self._refuse_peer(link, what, exc, notice=notice)
-            if notice:
-                return exc.status_code.value, {}
-            raise
-
-    def _served_record(self, link: Any, cache_id: Any, what: str) -> Any:
-        """The live record of a cache id a peer named, if this engine announces it to that peer.
-        None when unknown (a benign race: the cache went after the peer read it); a cache the peer
-        was never told about is a violation."""
-        cache_id = peer_int(cache_id, f"{what} cache_id", 0, 2**63 - 1)
-        rec = self._memory.get(cache_id)
-        if rec is None:
-            return None
-        if not (rec.remote_accessible or not self._options.remote_cache_accessible):
-            raise PeerInputError(f"{what}: cache {cache_id} is not served to this peer")
-        return rec
-
-    def _held(self, link: Any, index: tuple) -> Optional[int]:
-        """The cache id of ``index`` if this link reserved it and holds it still."""
-        with self._read_done_lock:
-            return self._reservations.get(id(link), {}).get(index)
-
-    def _serve_reserve_key(self, link: Any, args: Any) -> tuple[int, dict]:
-        index = peer_key_index(args)
-        hit = self._memory.reserve_key(index)
-        if hit is None:
-            return S.LLM_KV_CACHE_NOT_EXIST.value, {}
-        with self._read_done_lock:
-            self._reservations.setdefault(id(link), {})[index] = int(hit[0])
-        return 0, {"cache_id": int(hit[0]), "batch_index": int(hit[1])}
-
-    def _end_reservation(self, link: Any, index: tuple) -> bool:
-        """Forget ``index`` among the link's reservations; False when the link did not hold it."""
-        with self._read_done_lock:
-            held = self._reservations.get(id(link))
-            if held is None or index not in held:
-                return False
-            del held[index]
-            if not held:
-                del self._reservations[id(link)]
-            return True
-
-    def _serve_release_key(self, link: Any, msg: m.ReleaseKey) -> tuple[int, dict]:
-        index = (msg.id, msg.model_id)
-        # a release of a key this link does not hold is benign (a puller that gave up on a reserve
-        # the owner never granted) and must never touch another link's reservation
-        if self._end_reservation(link, index):
-            self._memory.finish_reserved(index, None, pulled=False)
-        return 0, {}
-
-    def _consumed(self, link: Any, index: tuple, cache_id: Any, spans: Optional[list], what: str) -> None:
-        """A pull of ``index`` ended: check it against the link's reservation and the cache's tensors,
-        then consume (``spans`` None or empty = every tensor)."""
-        held = self._held(link, index)
-        if held is None:
-            raise PeerInputError(f"{what}: key {index} is not reserved by this peer", fail_link=False)
-        if peer_int(cache_id, f"{what} cache_id", 0, 2**63 - 1) != held:
-            raise PeerInputError(f"{what}: key {index} was reserved for cache {held}, not {cache_id}")
-        rec = self._memory.get(held)
-        tensors = None
-        if spans and rec is not None:
-            ranges = peer_spans(spans, f"{what} tensors", len(rec.addrs))
-            tensors = covered(ranges)
-        self._end_reservation(link, index)
-        self._memory.finish_reserved(index, tensors, pulled=True)
-
-    def _serve_key_consumed(self, link: Any, msg: Any) -> tuple[int, dict]:
-        self._consumed(link, (msg.key.id, msg.key.model_id), msg.cache_id, list(msg.tensor_spans), "key_consumed")
-        return 0, {}
-
-    def _serve_consume_key(self, link: Any, args: Any) -> tuple[int, dict]:
-        index = peer_key_index(args)
-        tensors = args.get("tensors")
-        spans = None
-        if tensors is not None:
-            pair = peer_range(tensors, "consume_key tensors", U64_MAX)
-            # never len(pair): a range past sys.maxsize raises OverflowError (an untyped LLM_FAILED
-            # that kept the link); the span is bounded by the cache's tensors in _consumed
-            spans = [tensors] if pair.stop > pair.start else None
-        self._consumed(link, index, args.get("cache_id"), spans, "consume_key")
-        return 0, {}
-
-    def _cache_event(self, rec: Any, trigger: str, **info: Any) -> None:
-        if rec.tracked.can(trigger):
-            rec.tracked.fire(trigger, **info)
-
-    def _block_spans(self, rec: Any, spans: Any, what: str) -> list:
-        """Block (or batch) spans of a notice, inside the cache's rows."""
-        return [[r.start, r.stop] for r in peer_spans(list(spans), what, rec.rows)]
-
-    def _serve_read_done(self, link: Any, msg: Any) -> tuple[int, dict]:
-        checked = []
-        for entry in msg.entries:   # validate the whole notice before any event fires
-            rec = self._served_record(link, entry.cache_id, "read_done")
-            if rec is not None:
-                checked.append((rec, self._block_spans(rec, entry.block_spans, "read_done blocks")))
-        for rec, blocks in checked:
-            self._cache_event(rec, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
-        return 0, {}
-
-    def _serve_push_done(self, link: Any, msg: m.PushDone) -> tuple[int, dict]:
-        # several untagged pushes' notices in one message (queued by the pusher, in order): the
-        # whole batch is validated before any of its events fires
-        if not msg.entries:
-            raise PeerInputError(f"push_done batch must hold 1 to {MAX_NOTICE_BATCH} notices")
-        checked = [self._check_transfer_done(link, entry, "push_done") for entry in msg.entries]
-        for item in checked:
-            if item is not None:
-                self._cache_event(item[0], "peer_written", error=item[1], **item[2])
-        return 0, {}
-
-    def _serve_transfer_done(self, link: Any, entry: m.TransferDone, what: str) -> tuple[int, dict]:
-        """A peer's transfer on one of this engine's caches ended (``read_done``: it read, ``push_done``:
-        it wrote): one "peer finished reading/writing" event, with the transfer's tag when it has one."""
-        checked = self._check_transfer_done(link, entry, what)
-        if checked is not None:
-            self._cache_event(checked[0], "peer_written" if what == "push_done" else "peer_read", error=checked[1],
-                              **checked[2])
-        return 0, {}
-
-    def _check_transfer_done(self, link: Any, entry: m.TransferDone, what: str) -> Optional[tuple]:
-        """A transfer-done notice checked against this engine's tables: ``(record, error, event info)``,
-        or None when its cache is gone (a benign race); a violation raises PeerInputError.  The
-        message's types and sizes were checked by the codec; its numbers are checked here."""
-        tag: Any = entry.tag
-        if tag is not None and entry.tag_str:
-            try:
-                tag = tag.decode("utf-8")
-            except UnicodeDecodeError:
-                raise PeerInputError(f"{what} tag is not UTF-8 text") from None
-        rec = self._served_record(link, entry.cache_id, what)
-        if rec is None:
-            return None
-        blocks = self._block_spans(rec, entry.block_spans, f"{what} blocks")
-        info: dict = {"peer": link.peer_cluster_id, "blocks": blocks}
-        if entry.tensors is not None:
-            r = peer_range(entry.tensors, f"{what} tensors", len(rec.addrs))
-            info["tensors"] = [r.start, r.stop]
-        elif what == "push_done":
-            info["tensors"] = None
-        if tag is not None:
-            info["tag"] = tag
-        error = None
-        if entry.failed:
-            code = S.LLM_FAILED
-            try:
-                code = S(entry.status) if entry.status else S.LLM_FAILED
-            except ValueError:
-                pass
-            verb = "push to" if what == "push_done" else "pull from"
-            error = LLMException(f"a {verb} this cache by cluster {link.peer_cluster_id} failed"
-                                 + ("; these blocks may be partially written" if what == "push_done" else ""),
-                                 status_code=code)
-        return rec, error, info
 
     def on_link_down(self, link: Any) -> None:
         """The link failed or closed (llmdd._port.DataService): forget what its peer reserved,
@@ -1018,10 +821,7 @@ class TransferEngine:
             self._closing.discard(id(link))
         with self._read_done_lock:
             self._read_done.pop(id(link), None)
-            orphaned = self._reservations.pop(id(link), {})
-            self._refused = {k for k in self._refused if k[0] != id(link)}
-        for index in orphaned:  # a puller that is gone will never consume or release these keys
-            self._memory.finish_reserved(index, None, pulled=False)
+        self.owner.link_down(link)
 
     # ------------------------------------------------------------------ batched owner notices
     # A successful untagged pull's "read done" and an untagged push's "push done" are queued per link
@@ -1119,8 +919,6 @@ class TransferEngine:
             if pending >= MAX_ASYNC_PULLS:
                 raise _err(f"{pending} non-blocking pulls are in flight (at most {MAX_ASYNC_PULLS})", S.LLM_LINK_BUSY)
             if self._pull_pool is None:
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pull_pool = ThreadPoolExecutor(max_workers=ASYNC_PULL_WORKERS, thread_name_prefix="llmdd-pull")
             task = AsyncPull(self, link, run, callback)
             self._async.add(task)
@@ -1144,240 +942,3 @@ class TransferEngine:
             self._closed = True
             self._read_done_lock.notify_all()
         self._flusher.join(timeout=2.0)
-
-
-class AsyncPull:
-    """One non-blocking pull (``pull_blocks_async`` / ``pull_cache_async``): the blocking pull run by
-    one of the engine's pull workers; ``CacheTask``'s interface (``wait`` / ``results``) and an
-    optional ``callback(status)`` called once, in the worker, when it ends.
-
-    Cancelled before it starts by an unlink or failure of its link (``LLM_LINK_FAILED``) or by
-    finalize (``LLM_ENGINE_FINALIZED``); once started, it ends as the blocking call would (its steps
-    have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
-    that link's status: ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot)."""
-
-    def __init__(self, engine: "TransferEngine", link: Any, run: Any, callback: Any) -> None:
-        self._engine = engine
-        self._link = link
-        self._run = run
-        self._callback = callback
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._claimed = False   # run by the worker, or cancelled: whoever claims it first ends it
-        self._link_went = False  # its link was unlinked or failed (while queued or running)
-        self._status: Optional[LLMStatusCode] = None
-
-    def wait(self, timeout_s: Optional[float]) -> bool:
-        return self._done.wait(timeout_s)
-
-    def results(self) -> list:
-        return [self._status]
-
-    @property
-    def status(self) -> Optional[LLMStatusCode]:
-        return self._status
-
-    def __call__(self) -> None:
-        with self._lock:
-            if self._claimed:
-                return          # cancelled while queued
-            self._claimed = True
-        try:
-            self._run()
-            status = S.LLM_SUCCESS
-        except LLMException as exc:
-            status = exc.status_code
-            if status is S.LLM_NOT_YET_LINK and self._link_went:
-                # it waited for the link's transfer slot while the link was unlinked: as a queued
-                # pull of that link, it ends with the link's typed status
-                status = S.LLM_LINK_FAILED
-        except Exception as exc:  # noqa: BLE001 - a bug must end the task, not the worker
-            _log.error("llmdd.transfer.async_pull_failed", error=repr(exc))
-            status = S.LLM_FAILED
-        self._finish(status)
-
-    def _finish(self, status: LLMStatusCode) -> None:
-        self._status = status   # before _done: a waiter woken by it reads this status, never None
-        self._done.set()
-        self._engine._async_pull_ended(self)
-        callback = self._callback
-        if callback is not None:
-            try:
-                callback(status)
-            except Exception as exc:  # noqa: BLE001 - a caller's callback cannot break the engine
-                _log.warning("llmdd.transfer.async_pull_callback_failed", error=repr(exc))
-
-    def _cancel_queued(self, status: LLMStatusCode) -> None:
-        with self._lock:
-            if self._claimed:
-                return
-            self._claimed = True  # the worker that picks it up later does nothing
-        self._finish(status)
-
-    def link_down(self, link: Any) -> None:
-        if link is self._link:
-            self._link_went = True
-            self._cancel_queued(S.LLM_LINK_FAILED)
-
-    def cancel(self) -> None:
-        self._cancel_queued(S.LLM_ENGINE_FINALIZED)
-
-    def __repr__(self) -> str:
-        return f"<AsyncPull peer={getattr(self._link, 'peer_cluster_id', None)} status={self._status}>"
-
-
-class AsyncTransfer:
-    """One ``transfer_cache_async`` call: a thread walking the layers as the synchronizer releases them."""
-
-    def __init__(self, engine: TransferEngine, rec: Any, src: CacheLayout, synchronizer: Any, configs: list,
-                 src_blocks, dst_blocks, dst_block_size) -> None:
-        self._engine = engine
-        self._rec = rec
-        self._src = src
-        self._sync = synchronizer
-        self._configs = configs
-        self._src_blocks = src_blocks
-        self._dst_blocks = dst_blocks
-        self._dst_block_size = dst_block_size
-        self._results: list[Optional[LLMStatusCode]] = [None] * len(configs)
-        self._done = threading.Event()
-        self._cancelled = threading.Event()
-        self._lock = threading.Lock()
-        self._links: list = []
-        self.layer_times: list[tuple[int, float, float]] = []  # (layer, released_at, transferred_at)
-        self.task = engine._tasks.create(next(engine._ids), kind="transfer_cache_async",
-                                         configs=len(configs))
-        self._thread = threading.Thread(target=self._run, name="llmdd-async", daemon=True)
-
-    def _distinct_links(self) -> list:
-        """Each link once, however many configs target it (Link objects compare by identity)."""
-        return list({id(lk): lk for lk in self._links}.values())
-
-    def start(self) -> None:
-        try:
-            for config in self._configs:
-                self._links.append(self._engine._link_for(config.dst_cluster_id))
-            self._engine.claim_links(self._distinct_links())
-        except LLMException:
-            self._engine._async.discard(self)
-            raise
-        self._thread.start()
-
-    # -- the CacheTask protocol -------------------------------------------------------
-    def wait(self, timeout_s: Optional[float]) -> bool:
-        return self._done.wait(timeout_s)
-
-    def results(self) -> list:
-        with self._lock:
-            return list(self._results)
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-        self._done.wait(5.0)
-
-    def link_down(self, link: Any) -> None:
-        if any(lk is link for lk in self._links):
-            self._cancelled.set()
-
-    # -- the worker -----------------------------------------------------------------------
-    def _config_layers(self, config: Any) -> range:
-        if config.src_layer_range is not None:
-            return config.src_layer_range
-        return range(0, self._src.num_tensors // 2)
-
-    def _layers(self) -> list:
-        """Every layer some config transfers, in ascending order (configs may cover different ranges)."""
-        return sorted({layer for config in self._configs for layer in self._config_layers(config)})
-
-    def _set(self, i: int, code: LLMStatusCode) -> None:
-        with self._lock:
-            if self._results[i] in (None, S.LLM_SUCCESS):
-                self._results[i] = code
-
-    def _run(self) -> None:
-        engine = self._engine
-        task = self.task
-        failed = [False] * len(self._configs)
-        final_error: Optional[BaseException] = None
-        timed_out = False
-        try:
-            for layer in self._layers():
-                if self._cancelled.is_set():
-                    raise LLMException("the async transfer was cancelled (link down or finalize)",
-                                       status_code=S.LLM_LINK_FAILED)
-                task.fire("wait_layer", layer=layer)
-                released_at = time.monotonic()
-                ok = bool(self._sync.synchronize_layer(layer, None))
-                if not ok:
-                    # the configs that transfer this layer fail; configs whose layers never started keep None
-                    for i, config in enumerate(self._configs):
-                        if not failed[i] and layer in self._config_layers(config):
-                            failed[i] = True
-                            self._set(i, S.LLM_PARAM_INVALID)
-                    final_error = LLMException(f"synchronize_layer({layer}) returned False",
-                                               status_code=S.LLM_PARAM_INVALID)
-                    task.fire("synchronizer_refused", error=final_error, layer=layer)
-                    return
-                task.fire("start", layer=layer)
-                for i, config in enumerate(self._configs):
-                    if failed[i]:
-                        continue
-                    if layer not in self._config_layers(config):
-                        continue
-                    link = self._links[i]
-                    try:
-                        ops = engine.plan_async_config(link, self._src, config, layer,
-                                                       src_blocks=self._src_blocks, dst_blocks=self._dst_blocks,
-                                                       dst_block_size=self._dst_block_size)
-                        step = _StepTask(task)
-                        try:
-                            engine.run_ops(link, ops, write=True, kind="transfer_cache_async", task=step)
-                        finally:
-                            timed_out = timed_out or step.timed_out
-                        self._set(i, S.LLM_SUCCESS)
-                    except LLMException as exc:
-                        failed[i] = True
-                        self._set(i, exc.status_code)
-                        final_error = exc
-                self.layer_times.append((layer, released_at, time.monotonic()))
-                task.fire("layer_transferred", layer=layer)
-            if final_error is not None:
-                task.fire("deadline_expired" if timed_out else "transfer_failed", error=final_error)
-            else:
-                task.fire("transfer_succeeded")
-        except LLMException as exc:
-            for i in range(len(self._configs)):
-                if self._results[i] is not None and not failed[i]:
-                    self._set(i, exc.status_code)
-            if task.can("cancel"):
-                task.fire("cancel", error=exc)
-        except BaseException as exc:  # a synchronizer that raises fails the task, never the engine
-            _log.warning("llmdd.transfer.async_failed", error=repr(exc))
-            for i in range(len(self._configs)):
-                if self._results[i] is not None:
-                    self._set(i, S.LLM_FAILED)
-            if task.can("transfer_failed"):
-                task.fire("transfer_failed", error=exc)
-        finally:
-            engine.release_links(self._distinct_links())
-            engine._async.discard(self)
-            self._done.set()
-
-
-class _StepTask:
-    """A per-layer step of an async task: ``start`` on the real task is already fired per layer."""
-
-    __slots__ = ("_task", "timed_out")
-
-    def __init__(self, task: Any) -> None:
-        self._task = task
-        self.timed_out = False
-
-    def fire(self, trigger: str, **info: Any) -> None:
-        """A step's own outcome is recorded per config by ``AsyncTransfer``; the task machine gets
-        one terminal transition when every layer was handled (a timed-out step makes it TIMED_OUT)."""
-        if trigger == "deadline_expired":
-            self.timed_out = True
-
-    def can(self, trigger: str) -> bool:
-        return self._task.can(trigger)

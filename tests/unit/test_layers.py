@@ -30,6 +30,8 @@ LAYERS = [
     ("_planner", "data"),
     ("_transfer", "data"),
     ("_peer_input", "data"),
+    ("_tasks", "data"),
+    ("_owner", "data"),
     ("_port", "port"),
     ("_abc", "seam"),
     ("_datadist", "facade"),

@@ -35,6 +35,9 @@ class RecordingPort:
     def require(self, cluster_id: int) -> Any:
         raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
 
+    def get(self, cluster_id: int) -> Any:
+        return None
+
     def request(self, link: Any, op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
         self.calls.append(("request", op, args))
         return 0, {}
@@ -83,7 +86,7 @@ def test_the_recording_port_and_the_engine_satisfy_the_port_protocols(engine):
     te, port = engine
     port_api = [n for n in vars(ControlPort) if not n.startswith("_")]
     service_api = [n for n in vars(DataService) if not n.startswith("_")]
-    assert sorted(port_api) == ["ask", "fail_link", "notify", "record_transfer", "request", "require",
+    assert sorted(port_api) == ["ask", "fail_link", "get", "notify", "record_transfer", "request", "require",
                                 "transfer_timed_out"]
     assert all(callable(getattr(port, n)) for n in port_api)
     assert sorted(service_api) == ["on_link_down", "on_notice", "quiesce", "serve", "serve_tagged"]
