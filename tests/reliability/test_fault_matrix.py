@@ -132,6 +132,7 @@ def test_f5_concurrent_link_and_unlink_of_one_cluster_keep_the_table_consistent(
     if state == "linked":
         rig.check_p_data()                        # a live link moves correct bytes
     else:
+        d.call(R.fill, "dst", R.POISON)           # the earlier check left real bytes there
         status, took, _ = d.call(R.transfer, *PULL_ALL)
         want = {None: "LLM_NOT_YET_LINK", "failed": "LLM_LINK_FAILED"}
         assert state in want, f"the race left the link in state {state!r}"
