@@ -1482,11 +1482,11 @@ class LinkManager:
             if error is None:
                 self._link_failures.pop(remote, None)
             else:
-                self._link_failures[remote] = {"status": code.name, "error": error, "time": time.time()}
+                self._link_failures[remote] = {"status": code.name, "error": error, "at": time.time()}
         return code
 
     def link_failures(self) -> dict:
-        """remote_cluster_id -> {"status", "error", "time"} of its last failed link_clusters attempt
+        """remote_cluster_id -> {"status", "error", "at"} of its last failed link_clusters attempt
         (kept until a later attempt succeeds)."""
         with self._lock:
             return {k: dict(v) for k, v in self._link_failures.items()}
