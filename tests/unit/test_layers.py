@@ -172,3 +172,19 @@ def test_the_plugin_checker_tells_private_from_public(tmp_path, monkeypatch, lin
     finally:
         src.unlink()
     assert any("_zz_probe.py" in f for f in found) is expected
+
+
+def _own_hook_markers() -> list[str]:
+    """Plugin sources that build their own pluggy markers instead of using llmdd.plugin.hookimpl."""
+    out = []
+    for path in sorted((ROOT / "plugins").glob("*/src/**/*.py")):
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            if "HookimplMarker(" in line or "HookspecMarker(" in line:
+                out.append(f"{path.relative_to(ROOT)}:{no}")
+    return out
+
+
+def test_plugins_use_llmdd_plugin_hookimpl():
+    """One marker for every plugin (llmdd.plugin.hookimpl): a copy would silently register under
+    another project name if one were mistyped."""
+    assert _own_hook_markers() == []

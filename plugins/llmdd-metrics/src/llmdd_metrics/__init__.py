@@ -33,12 +33,11 @@ import threading
 import time
 from typing import Any, Optional
 
-import pluggy
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = ["MetricsSubscriber", "REGISTRY"]
+from llmdd.plugin import hookimpl
 
-hookimpl = pluggy.HookimplMarker("llmdd")
+__all__ = ["MetricsSubscriber", "REGISTRY"]
 
 _TERMINAL = {"completed": "ok", "failed": "failed", "timed_out": "timeout", "cancelled": "cancelled"}
 

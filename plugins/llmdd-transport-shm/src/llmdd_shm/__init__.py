@@ -61,8 +61,8 @@ import time
 from typing import Any, Callable, Mapping as TMapping, Optional, Union
 
 import numpy as np
-import pluggy
 
+from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
@@ -121,7 +121,6 @@ def data_path() -> dict:
 __all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
            "host_identity", "data_path"]
 
-hookimpl = pluggy.HookimplMarker("llmdd")
 
 _log = get_logger("llmdd.transport.shm")
 

@@ -83,8 +83,8 @@ import time
 from typing import Any, Callable, Mapping, Union
 
 import numpy as np
-import pluggy
 
+from llmdd.plugin import hookimpl
 from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull, TlsConfig, get_logger, tls_config
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
@@ -106,7 +106,6 @@ from llmdd.lowlevel import (
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
 
-hookimpl = pluggy.HookimplMarker("llmdd")
 
 _log = get_logger("llmdd.transport.tcp")
 

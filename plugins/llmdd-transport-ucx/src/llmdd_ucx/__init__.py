@@ -55,8 +55,8 @@ import uuid
 from typing import Any, Callable, Mapping, Optional, Union
 
 import numpy as np
-import pluggy
 
+from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
@@ -77,7 +77,6 @@ from . import _nixl, _proto
 
 __all__ = ["UcxTransport", "UcxEndpoint", "UcxChannel", "hookimpl", "llmdd_register_transports"]
 
-hookimpl = pluggy.HookimplMarker("llmdd")
 
 _log = get_logger("llmdd.transport.ucx")
 
