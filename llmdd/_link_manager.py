@@ -1711,8 +1711,13 @@ class LinkManager:
             except (ProtocolError, OSError, TimeoutError) as exc:
                 conn.close()
                 raise LLMException(f"link to {host}:{port} failed: {exc}", status_code=S.LLM_LINK_FAILED) from None
-        raise LLMException(f"link to {host}:{port} failed: the server kept refusing new connections ({last})",
-                           status_code=S.LLM_LINK_FAILED)
+        if busy:
+            reason = f"the server kept refusing new connections ({busy} refused; last: {last})"
+        elif failures:
+            reason = f"the link timeout passed while connecting ({failures} failed attempts; last: {last})"
+        else:   # the deadline passed before this thread tried once: it did not get to run in time
+            reason = "the link timeout passed before a connection could be tried (this process did not run in time)"
+        raise LLMException(f"link to {host}:{port} failed: {reason}", status_code=S.LLM_LINK_FAILED)
 
     def _wrap_client_tls(self, sock: socket.socket, host: str) -> socket.socket:
         """TLS on a client socket: the server's certificate must name ``llmdd.tls_server_name`` when it

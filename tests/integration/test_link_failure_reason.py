@@ -73,3 +73,26 @@ def test_a_failed_link_keeps_its_reason_until_a_link_to_that_cluster_succeeds():
         dec.finalize()
         prompt.stdin.close()
         prompt.wait(30)
+
+
+def test_a_handshake_whose_deadline_passed_before_any_attempt_says_so():
+    """A client that did not get to run before its link deadline (a starved process) is told that the
+    deadline passed before a connection was tried, not that the server refused connections; with time
+    left, the same closed port gives the connection's own error (control)."""
+    import time
+
+    dec = _engine(LLMRole.DECODER, 83)
+    try:
+        lm = dec._core.link_manager
+        with pytest.raises(Exception) as err:
+            lm._client_handshake("127.0.0.1", _closed_port(), time.monotonic() - 1.0, capability=b"")
+        assert err.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert "before a connection could be tried" in str(err.value), str(err.value)
+        assert "refusing" not in str(err.value)
+        with pytest.raises(Exception) as err:
+            lm._client_handshake("127.0.0.1", _closed_port(), time.monotonic() + 2.0, capability=b"")
+        assert err.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert str(err.value).startswith("cannot connect to 127.0.0.1:"), str(err.value)
+        assert "Connection refused" in str(err.value), str(err.value)
+    finally:
+        dec.finalize()
