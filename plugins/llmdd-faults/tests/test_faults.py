@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from llmdd._plugins import Hooks, make_plugin_manager
-from llmdd.lowlevel import Cancelled, Corrupt, MemRegion, PeerGone, TransportTimeout, make_ops
+from llmdd.lowlevel import Cancelled, Corrupt, MemRegion, PeerGone, Refused, TransportTimeout, make_ops
 from llmdd.plugin import LinkInfo
 from llmdd.testing import CONFORMANCE_CHECKS
 from llmdd.testing._conformance import check_deadline
@@ -703,3 +703,41 @@ if __name__ == "__main__":
         _decoder_main(int(sys.argv[2]))
     else:
         raise SystemExit(f"unknown role {_role!r}")
+
+
+def test_a_wrapped_tcp_endpoint_keeps_its_per_link_capabilities():
+    """The wrapper passes the inner endpoint's trust boundary through: it has capabilities when the
+    inner one does, serve_links_only/grant/revoke reach it, so under fault injection a data
+    connection without a granted capability is still refused; a granted one reads the right bytes
+    (control), and a revoked one opens nothing more."""
+    import secrets
+
+    from llmdd.abc import CAPABILITY_KEY
+
+    cls = wrap(TcpTransport, FaultPlan([]))
+    t = cls({})
+    a, b = t.open_endpoint(), t.open_endpoint()
+    try:
+        assert a.capabilities is True and b.capabilities is TcpTransport({}).open_endpoint().capabilities
+        src = np.random.default_rng(77).integers(0, 256, SIZE, dtype=np.uint8)
+        dst = np.zeros(SIZE, np.uint8)
+        b.serve_links_only()
+        d10 = b.register(MemRegion(region_id=10, addr=src.ctypes.data, size=SIZE, remote_accessible=True,
+                                   placement=0))
+        a.register(MemRegion(region_id=1, addr=dst.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
+        with pytest.raises(Refused):                          # no capability: refused, as unwrapped
+            a.connect(b.describe(), timeout=5.0)
+        cap = secrets.token_bytes(32)
+        b.grant(3, cap, [10])
+        ch = a.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5.0)
+        ch.add_remote_region(10, SIZE, d10)
+        c = ch.read(make_ops(1, 0, 10, 0, 4096), deadline=time.monotonic() + 5.0)
+        assert c.wait(10.0) and c.error is None
+        assert np.array_equal(dst[:4096], src[:4096])
+        ch.close()
+        b.revoke(3)
+        with pytest.raises(Refused):
+            a.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5.0)
+    finally:
+        a.close()
+        b.close()

@@ -130,6 +130,23 @@ class FaultyEndpoint(Endpoint):
     def describe(self) -> dict:
         return self.inner.describe()
 
+    # the inner endpoint's trust boundary is kept whole: its per-link capabilities and its listener
+    @property
+    def capabilities(self) -> bool:  # type: ignore[override]  # the inner endpoint's ClassVar, read through
+        return self.inner.capabilities
+
+    def serve_links_only(self) -> None:
+        self.inner.serve_links_only()
+
+    def grant(self, link_id: int, capability: bytes, regions) -> None:
+        self.inner.grant(link_id, capability, regions)
+
+    def revoke(self, link_id: int) -> None:
+        self.inner.revoke(link_id)
+
+    def on_listener_failed(self, callback) -> None:
+        self.inner.on_listener_failed(callback)
+
     def register(self, region: MemRegion) -> dict:
         desc = self.inner.register(region)
         with self._lock:
