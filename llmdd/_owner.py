@@ -1,6 +1,6 @@
 """This engine as the owner of caches that linked peers read and write.
 
-A peer's data plane asks the owner to reserve and consume ``CacheKey``\ s, to describe its memory pools,
+A peer's data plane asks the owner to reserve and consume its ``CacheKey`` entries, to describe its memory pools,
 and tells it which of its caches it finished reading or writing (one-way notices, or acknowledged ones
 with a transfer's tag).  :class:`OwnerSide` serves all of that for :class:`~llmdd._transfer.TransferEngine`
 (the engine's :class:`~llmdd._port.DataService`).  Every number a peer sends is checked against this
