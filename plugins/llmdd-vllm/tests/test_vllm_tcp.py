@@ -1,7 +1,8 @@
 """Two real vLLM instances linked through llmdd over tcp (forced by kv_connector_extra_config):
 tokens equal a single-instance run and came by transfer; a prefill instance stalled by the faults plugin mid-transfer and then killed makes
 the decode instance recompute (correct tokens within 60 s) while its scheduler keeps decoding
-other requests.  Runs in a venv with vLLM (scripts/test_vllm.sh)."""
+other requests; the prefill instance frees each read request's blocks by the read's tag, an unread one's
+only by free_timeout_s, again after the link sat idle.  Runs in a venv with vLLM (scripts/test_vllm.sh)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,61 @@ def test_tcp_prefill_stalled_then_killed_mid_transfer_decode_recomputes_and_keep
     first_remote = min(r["first_token_s"] for r in res[:len(ps)])
     assert res[-1]["finished_s"] == local["s"] < first_remote, res
     assert len(res[-1]["tokens"]) == 64
+
+
+def _freed(p) -> dict:
+    c = E.counters(p)
+    return {k: c[k] for k in ("freed_by_tag", "freed_by_timeout", "pending_sends")}
+
+
+def _decode_round(p, d, ps: list, kv: list) -> None:
+    """Decode ``ps`` with the prefill's ``kv``; its tokens equal the decoder's own run, by transfer."""
+    src0 = E.by_source(d)
+    got = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS, params=kv)["results"]]
+    src1 = E.by_source(d)
+    ref = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
+    assert got == ref
+    assert E.delta(src1, src0)["external_kv_transfer"] == sum(len(x) for x in ps)
+    assert E.delta(src1, src0)["local_compute"] == 0
+
+
+def test_tcp_prefill_frees_read_blocks_by_the_tag_and_unread_ones_only_by_the_timeout_also_after_an_idle_link(tcp_pd):
+    """Runs last: the link to ``p`` sat idle during the previous test, and sits idle again (at
+    least ``FREE_TIMEOUT_S``, as long as llmdd's peer timeout) before the second round."""
+    p, d = tcp_pd["p"], tcp_pd["d"]
+    # whatever earlier tests left on p was freed by the tag, none by the timeout
+    base = E.wait_for(lambda: (lambda f: f if f["pending_sends"] == 0 else None)(_freed(p)),
+                      "earlier requests' blocks freed", timeout=FREE_TIMEOUT_S)
+    assert base["freed_by_timeout"] == 0, base
+    # round 1: 8 prompts read by the decoder, one (the last) never read
+    ps1 = E.prompts(8, (33, 47, 61, 70, 95, 101, 130, 201))
+    unread = E.prompts(9, (75,))
+    t_prefill = time.monotonic()
+    kv1 = E.prefill(p, ps1 + unread)
+    _decode_round(p, d, ps1, kv1[:len(ps1)])
+    # the prefill worker frees each read request's blocks when the read's tag arrives: within
+    # seconds, long before the timeout; the unread request's blocks stay held
+    f1 = E.wait_for(lambda: (lambda f: f if f["freed_by_tag"] - base["freed_by_tag"] >= len(ps1) else None)(_freed(p)),
+                    "round 1 blocks freed by the tag", timeout=FREE_TIMEOUT_S / 2)
+    assert time.monotonic() - t_prefill < FREE_TIMEOUT_S
+    assert f1["freed_by_tag"] - base["freed_by_tag"] == len(ps1), f1
+    assert f1["freed_by_timeout"] == 0, f1
+    assert f1["pending_sends"] == 1, f1
+    # the unread request's blocks: freed by free_timeout_s only (the link to p sits idle meanwhile)
+    f2 = E.wait_for(lambda: (lambda f: f if f["pending_sends"] == 0 else None)(_freed(p)),
+                    "the unread request's blocks freed by the timeout", timeout=FREE_TIMEOUT_S + 30)
+    assert time.monotonic() - t_prefill >= FREE_TIMEOUT_S
+    assert f2["freed_by_timeout"] == 1 and f2["freed_by_tag"] == f1["freed_by_tag"], f2
+    # round 2, over the link that sat idle for at least FREE_TIMEOUT_S (llmdd's peer timeout is 30 s,
+    # its keepalive 2 s): the same link serves the pulls, and the tag frees the blocks again
+    links0 = E.counters(d)["links"]
+    ps2 = E.prompts(10, (40, 66, 99, 150))
+    t_prefill = time.monotonic()
+    kv2 = E.prefill(p, ps2)
+    _decode_round(p, d, ps2, kv2)
+    f3 = E.wait_for(lambda: (lambda f: f if f["pending_sends"] == 0 else None)(_freed(p)),
+                    "round 2 blocks freed by the tag", timeout=FREE_TIMEOUT_S / 2)
+    assert time.monotonic() - t_prefill < FREE_TIMEOUT_S
+    assert f3["freed_by_tag"] - f2["freed_by_tag"] == len(ps2), f3
+    assert f3["freed_by_timeout"] == 1, f3
+    assert E.counters(d)["links"] == links0            # no relink was needed after the idle time
