@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--overhead-len", type=int, default=100)
     ap.add_argument("--overhead-reps", type=int, default=5)
+    ap.add_argument("--overhead-alternate", action="store_true",
+                    help="alternate which instance runs the overhead prompt first (default: the decode instance)")
     ap.add_argument("--transport", default=None, help="force shm or tcp (default: llmdd's choice)")
     ap.add_argument("--nice", type=int, default=0)
     args = ap.parse_args()
@@ -112,7 +114,10 @@ def main() -> int:
                 print(json.dumps(rows[-1]), flush=True)
         for rep in range(args.overhead_reps):
             prompt = rng.integers(3, 500, args.overhead_len).tolist()
-            a, b = _ttft(d, prompt), _ttft(n, prompt)
+            if args.overhead_alternate and rep % 2:
+                b, a = _ttft(n, prompt), _ttft(d, prompt)
+            else:
+                a, b = _ttft(d, prompt), _ttft(n, prompt)
             overhead.append({"rep": rep, "prompt_tokens": args.overhead_len, "with_connector_ttft_s": a["ttft_s"],
                              "without_connector_ttft_s": b["ttft_s"]})
             print(json.dumps(overhead[-1]), flush=True)
