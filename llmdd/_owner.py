@@ -30,7 +30,6 @@ __all__ = ["OwnerSide", "device_pool_bytes"]
 
 _log = get_logger("llmdd.transfer")
 S = LLMStatusCode
-MAX_NOTICE_BATCH = m.MAX_NOTICE_BATCH
 
 
 def device_pool_bytes(options: EngineOptions) -> int:
@@ -211,7 +210,7 @@ class OwnerSide:
         # several untagged pushes' notices in one message (queued by the pusher, in order): the
         # whole batch is validated before any of its events fires
         if not msg.entries:
-            raise PeerInputError(f"push_done batch must hold 1 to {MAX_NOTICE_BATCH} notices")
+            raise PeerInputError(f"push_done batch must hold 1 to {m.MAX_NOTICE_BATCH} notices")
         checked = [self._check_transfer_done(link, entry, "push_done") for entry in msg.entries]
         for item in checked:
             if item is not None:

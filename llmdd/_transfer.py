@@ -49,9 +49,7 @@ S = LLMStatusCode
 
 _READ_DONE_FLUSH_S = 0.002
 
-#: the longest transfer tag (bytes, or str in UTF-8) an engine sends or accepts
-MAX_TAG_BYTES = m.MAX_TAG_BYTES
-#: a tag as it travels: its bytes, and whether it was given as str
+#: a tag as it travels (at most messages.MAX_TAG_BYTES): its bytes, and whether it was given as str
 Tag = tuple
 #: workers running non-blocking pulls (per engine), and how many may be waiting or running at once
 ASYNC_PULL_WORKERS = 4
