@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from ._enums import RegisterMemStatus
-from ._lifecycle.tables import CommGroupState
+from ._lifecycle.tables import GROUP_OK, GROUP_PREPARING
 from ._log import get_logger
 from ._options import is_local_address
 from ._ranktable import RankMember, RankTable
@@ -28,7 +28,7 @@ from ._status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from ._lifecycle.machines import Lifecycle
-    from ._link_manager import LinkManager
+    from ._control.manager import LinkManager
 
 __all__ = ["CommGroups", "rendezvous_dir"]
 
@@ -162,8 +162,7 @@ class CommGroups:
         except Exception as exc:  # the failure is the group's state, read by query_register_mem_status
             group.error = str(exc)
             _log.warning("llmdd.comm_group.failed", comm_id=group.comm_id, error=str(exc))
-            if group.fsm.can("prepare_failed"):
-                group.fsm.fire("prepare_failed", error=exc, reason=str(exc))
+            group.fsm.offer("prepare_failed", error=exc, reason=str(exc))
 
     # ------------------------------------------------------------------ queries and teardown
     def _get(self, comm_id: int) -> _Group:
@@ -175,10 +174,9 @@ class CommGroups:
 
     def status(self, comm_id: int) -> RegisterMemStatus:
         group = self._get(comm_id)
-        state = group.fsm.state
-        if state is CommGroupState.PREPARING:
+        if group.fsm.in_(GROUP_PREPARING):
             return RegisterMemStatus.PREPARING
-        if state is CommGroupState.OK:
+        if group.fsm.in_(GROUP_OK):
             for cid in group.peers:
                 link = self._lm.get(cid)
                 if link is None or not link.linked:
@@ -217,8 +215,7 @@ class CommGroups:
             except OSError:
                 pass
             group.published = None
-        if group.fsm.can(trigger):
-            group.fsm.fire(trigger)
+        group.fsm.offer(trigger)
 
     def close(self) -> None:
         with self._lock:

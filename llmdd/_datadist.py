@@ -17,8 +17,8 @@ from ._config import LLMClusterInfo, parse_mem_pool_cfg
 from ._enums import ROLE_TO_STR, LLMRole, RegisterMemStatus
 from ._ranktable import parse_rank_table
 from ._lifecycle.machines import Lifecycle
-from ._lifecycle.tables import Machine
-from ._link_manager import LinkManager
+from ._lifecycle.tables import ENGINE_UP, Machine
+from ._control.manager import LinkManager
 from ._memory.manager import MemoryManager
 from ._profiles import check_pool_options, profile_from_options
 from ._transfer import TransferEngine
@@ -67,6 +67,7 @@ class _EngineCore:
         self.tasks = self._lifecycle(Machine.TASK)
         self.links = self._lifecycle(Machine.LINK)
         self.comm_groups = self._lifecycle(Machine.COMM_GROUP)
+        self.listeners = self._lifecycle(Machine.LISTENER)
         self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
         self.link_manager: Optional[LinkManager] = None
         self.transfers: Optional[TransferEngine] = None
@@ -76,7 +77,8 @@ class _EngineCore:
         try:
             self.link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
                                             hooks=self.hooks, links=self.links, memory=self.memory,
-                                            profile=self.profile, engine=owner._engine_fsm)
+                                            profile=self.profile, engine=owner._engine_fsm,
+                                            listeners=self.listeners)
             self.transfers = TransferEngine(port=self.link_manager, memory=self.memory, tasks=self.tasks,
                                             hooks=self.hooks, options=options, profile=self.profile)
             self.link_manager.bind_data_service(self.transfers)
@@ -149,9 +151,7 @@ class LLMDataDist:
     @property
     def cache_manager(self):
         """The engine's ``CacheManager`` (RuntimeError before ``init`` / after ``finalize``)."""
-        core = self._core
-        if core is None:
-            raise _not_initialized()
+        core = self._require_core()
         if self._v1 is not None:
             raise not_in_v1("cache_manager")
         return core.cache_manager
@@ -159,9 +159,7 @@ class LLMDataDist:
     @property
     def kv_cache_manager(self):
         """The legacy v1 ``KvCacheManager`` (engines initialized without cache-manager mode; docs/v1.md)."""
-        core = self._core
-        if core is None:
-            raise _not_initialized()
+        core = self._require_core()
         if self._v1 is None:
             raise not_in_v2("kv_cache_manager")
         return core.kv_cache_manager
@@ -193,8 +191,9 @@ class LLMDataDist:
         object), lifecycles, memory, cache manager, control and data planes, and listens when
         ``llm.listenIpInfo`` is set.  A no-op when already initialized; one engine per process.
         """
+        deliver: list = []   # the engine's events, handed to subscribers once the locks are released
         with LLMDataDist._instance_lock, self._lock:
-            if self._core is not None:
+            if self._initialized():
                 return
             live = LLMDataDist.llm_engine_instance
             if live is not None and live is not self:
@@ -208,38 +207,56 @@ class LLMDataDist:
             self._ensure_plugins()
             self._hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role,
                                                options=engine_options))
-            self._core = _EngineCore(self, parsed)
+            core = _EngineCore(self, parsed)
+            try:
+                if v1 is not None:
+                    core.kv_cache_manager = KvCacheManager(core, self._role)
+            except BaseException:
+                core.close()
+                raise
+            self._core = core
             self._v1 = v1
-            if v1 is not None:
-                self._core.kv_cache_manager = KvCacheManager(self._core, self._role)
             self._engine_options = engine_options
             LLMDataDist.llm_engine_instance = self
             # atexit is LIFO: modules imported while building the engine (memory backend, transport
             # plugins) registered exit handlers that unlink their segments; finalize must run before them
             atexit.unregister(_shutdown_handler)
             atexit.register(_shutdown_handler)
-            self._engine_fsm.fire("init", role=self._role.name)
+            self._engine_fsm.fire("init", role=self._role.name, defer=deliver.append)
             _log.info("llmdd.engine.init", cluster_id=self._cluster_id, role=self._role.name)
+        for emit in deliver:
+            emit()
 
     def finalize(self) -> None:
         """Tear everything down silently (links included); the object may be initialized again."""
-        with LLMDataDist._instance_lock, self._lock:
-            core = self._core
-            if core is None:
-                return
-            self._core = None
-            try:
-                core.close()
-            finally:
-                if LLMDataDist.llm_engine_instance is self:
-                    LLMDataDist.llm_engine_instance = None
-                self._engine_fsm.fire("finalize")
+        deliver: list = []
+        try:
+            with LLMDataDist._instance_lock, self._lock:
+                if not self._initialized():
+                    return
+                # the machine moves first: every call from now on finds the engine finalized
+                self._engine_fsm.fire("finalize", defer=deliver.append)
+                core, self._core = self._core, None
+                try:
+                    core.close()
+                finally:
+                    if LLMDataDist.llm_engine_instance is self:
+                        LLMDataDist.llm_engine_instance = None
+        finally:
+            for emit in deliver:
+                emit()
 
 
     # -- links --------------------------------------------------------------------
+    def _initialized(self) -> bool:
+        """The engine machine says INITIALIZED (between ``init`` and ``finalize``)."""
+        fsm = self._engine_fsm
+        return fsm is not None and fsm.in_(ENGINE_UP)
+
     def _require_core(self) -> _EngineCore:
+        """The engine's parts, while the engine machine says INITIALIZED; else the contract's error."""
         core = self._core
-        if core is None:
+        if core is None or not self._initialized():
             raise _not_initialized()
         return core
 
@@ -372,7 +389,7 @@ class LLMDataDist:
             "link_failures": core.link_manager.link_failures(),
             "memory": core.memory.statistics(),
             "lifecycles": {lc.machine.value: lc.statistics() for lc in
-                           (core.links, core.comm_groups, core.caches, core.tasks)},
+                           (core.links, core.comm_groups, core.caches, core.tasks, core.listeners)},
             "hooks": self._hooks.statistics(),
             "listen": core.link_manager.listen_address,
         }

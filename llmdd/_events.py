@@ -18,6 +18,7 @@ __all__ = [
     "EVENT_COMM_GROUP_TRANSITION",
     "EVENT_CACHE_TRANSITION",
     "EVENT_TASK_TRANSITION",
+    "EVENT_LISTENER_TRANSITION",
 ]
 
 EVENT_ENGINE_TRANSITION = "llmdd.engine.transition"
@@ -25,6 +26,7 @@ EVENT_LINK_TRANSITION = "llmdd.link.transition"
 EVENT_COMM_GROUP_TRANSITION = "llmdd.comm_group.transition"
 EVENT_CACHE_TRANSITION = "llmdd.cache.transition"
 EVENT_TASK_TRANSITION = "llmdd.task.transition"
+EVENT_LISTENER_TRANSITION = "llmdd.listener.transition"
 
 EVENT_NAMES = {
     Machine.ENGINE: EVENT_ENGINE_TRANSITION,
@@ -32,6 +34,7 @@ EVENT_NAMES = {
     Machine.COMM_GROUP: EVENT_COMM_GROUP_TRANSITION,
     Machine.CACHE: EVENT_CACHE_TRANSITION,
     Machine.TASK: EVENT_TASK_TRANSITION,
+    Machine.LISTENER: EVENT_LISTENER_TRANSITION,
 }
 
 _EMPTY: Mapping[str, Any] = types.MappingProxyType({})

@@ -189,8 +189,7 @@ class OwnerSide:
         return 0, {}
 
     def _cache_event(self, rec: Any, trigger: str, **info: Any) -> None:
-        if rec.tracked.can(trigger):
-            rec.tracked.fire(trigger, **info)
+        rec.tracked.offer(trigger, **info)   # a cache released meanwhile absorbs a late notice
 
     def _block_spans(self, rec: Any, spans: Any, what: str) -> list:
         """Block (or batch) spans of a notice, inside the cache's rows."""

@@ -78,6 +78,7 @@ TRANSITION_HOOKS: Mapping[Machine, str] = {
     Machine.COMM_GROUP: "llmdd_comm_group_transition",
     Machine.CACHE: "llmdd_cache_transition",
     Machine.TASK: "llmdd_task_transition",
+    Machine.LISTENER: "llmdd_listener_transition",
 }
 
 #: Hooks whose implementations are contained (a raising one is logged, the others still run).
@@ -458,6 +459,9 @@ class Hooks:
 
     def task_transition(self, event: TransitionEvent) -> None:
         self._emitters[Machine.TASK](event)
+
+    def listener_transition(self, event: TransitionEvent) -> None:
+        self._emitters[Machine.LISTENER](event)
 
     def _make_emitter(self, machine: Machine) -> Callable[[TransitionEvent], None]:
         hook = self._transition_hooks[machine]

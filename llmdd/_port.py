@@ -1,6 +1,6 @@
 """The typed port between the control plane and the data plane.
 
-The control plane (``llmdd._link_manager.LinkManager``) owns links: their sockets, their lifecycle
+The control plane (``llmdd._control.manager.LinkManager``) owns links: their sockets, their lifecycle
 and the messages that cross them.  The data plane (``llmdd._transfer.TransferEngine``) moves bytes
 over a link's channel and keeps the owner-side tables of what peers reserved and read.  Each sees
 the other only through one of the two protocols below, built by the composition root
@@ -26,7 +26,7 @@ from ._protocol import messages as m
 from ._status import LLMStatusCode
 
 if TYPE_CHECKING:  # the link record is the control plane's; the data plane only passes it back
-    from ._link_manager import Link
+    from ._control.link import Link
 
 __all__ = ["RequestOp", "DataNotice", "ControlPort", "DataService", "request_op"]
 

@@ -18,7 +18,12 @@ if TYPE_CHECKING:
     from ._planner import CacheLayout
     from ._transfer import TransferEngine
 
-__all__ = ["AsyncPull", "AsyncTransfer"]
+__all__ = ["AsyncPull", "AsyncTransfer", "TransferTimedOut"]
+
+
+class TransferTimedOut(LLMException):
+    """``TransferEngine.run_ops``: the transfer passed its sync_kv_timeout deadline (LLM_TIMEOUT; the
+    link failed).  An async task's step tells it apart from other failures by this type."""
 
 _log = get_logger("llmdd.transfer")
 S = LLMStatusCode
@@ -211,11 +216,11 @@ class AsyncTransfer:
                         ops = engine.plan_async_config(link, self._src, config, layer,
                                                        src_blocks=self._src_blocks, dst_blocks=self._dst_blocks,
                                                        dst_block_size=self._dst_block_size)
-                        step = _StepTask(task)
                         try:
-                            engine.run_ops(link, ops, write=True, kind="transfer_cache_async", task=step)
-                        finally:
-                            timed_out = timed_out or step.timed_out
+                            engine.run_ops(link, ops, write=True, kind="transfer_cache_async", step_of=task)
+                        except TransferTimedOut:
+                            timed_out = True
+                            raise
                         self._set(i, S.LLM_SUCCESS)
                     except LLMException as exc:
                         failed[i] = True
@@ -231,35 +236,14 @@ class AsyncTransfer:
             for i in range(len(self._configs)):
                 if self._results[i] is not None and not failed[i]:
                     self._set(i, exc.status_code)
-            if task.can("cancel"):
-                task.fire("cancel", error=exc)
+            task.offer("cancel", error=exc)
         except BaseException as exc:  # a synchronizer that raises fails the task, never the engine
             _log.warning("llmdd.transfer.async_failed", error=repr(exc))
             for i in range(len(self._configs)):
                 if self._results[i] is not None:
                     self._set(i, S.LLM_FAILED)
-            if task.can("transfer_failed"):
-                task.fire("transfer_failed", error=exc)
+            task.offer("transfer_failed", error=exc)
         finally:
             engine.release_links(self._distinct_links())
             engine._async.discard(self)
             self._done.set()
-
-
-class _StepTask:
-    """A per-layer step of an async task: ``start`` on the real task is already fired per layer."""
-
-    __slots__ = ("_task", "timed_out")
-
-    def __init__(self, task: Any) -> None:
-        self._task = task
-        self.timed_out = False
-
-    def fire(self, trigger: str, **info: Any) -> None:
-        """A step's own outcome is recorded per config by ``AsyncTransfer``; the task machine gets
-        one terminal transition when every layer was handled (a timed-out step makes it TIMED_OUT)."""
-        if trigger == "deadline_expired":
-            self.timed_out = True
-
-    def can(self, trigger: str) -> bool:
-        return self._task.can(trigger)

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from ._abc import OP_DTYPE, Cancelled, PeerGone, Refused, TransportError, TransportTimeout
-from ._lifecycle.tables import LinkState
 from ._enums import Placement
 from ._log import get_logger
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
@@ -34,7 +33,7 @@ from ._port import ControlPort, DataNotice, RequestOp
 from ._protocol import messages as m
 from ._status import LLMException, LLMStatusCode
 from ._owner import OwnerSide, device_pool_bytes
-from ._tasks import AsyncPull, AsyncTransfer
+from ._tasks import AsyncPull, AsyncTransfer, TransferTimedOut
 from ._types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, cache_key_index
 
 if TYPE_CHECKING:
@@ -351,10 +350,10 @@ class TransferEngine:
         if not link.transfer_lock.acquire(timeout=self.timeout_s):
             raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {self.timeout_s:.3f} s",
                        S.LLM_LINK_BUSY)
-        if id(link) in self._closing and link.state is LinkState.LINKED:
+        if id(link) in self._closing and link.linked:
             link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
             raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
-        if link.state is not LinkState.LINKED:
+        if not link.linked:
             link.transfer_lock.release()
             if self._lm.get(link.peer_cluster_id) in (link, None):
                 # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
@@ -364,17 +363,21 @@ class TransferEngine:
             raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
                        getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
 
-    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, task: Any = None,
+    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, step_of: Any = None,
                 nbytes: Optional[int] = None) -> None:
-        """Move ``ops`` over ``link`` as one task step with the sync_kv_timeout deadline (``nbytes``:
-        the ops' total length when the caller knows it)."""
+        """Move ``ops`` over ``link`` as one task with the sync_kv_timeout deadline (``nbytes``: the
+        ops' total length when the caller knows it).  With ``step_of`` the ops are one step of that
+        running task: its owner fires the task's transitions, this only raises (a timeout as
+        :class:`TransferTimedOut`)."""
         if nbytes is None:
             n_ops = len(ops)
             nbytes = (sum(ops["length"].tolist()) if n_ops <= 8 else int(ops["length"].sum())) if n_ops else 0
-        own_task = task is None
+        own_task = step_of is None
         if own_task:
             task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
-        task.fire("start", bytes=nbytes)
+            task.fire("start", bytes=nbytes)
+        else:
+            task = step_of
         try:
             if len(ops):
                 if self._hooks.runs_transfers_directly():
@@ -383,17 +386,19 @@ class TransferEngine:
                     self._hooks.run_transfer(task, functools.partial(self._move, link, ops, write))
         except TransportTimeout as exc:
             self._lm.record_transfer(link, failed=True)
-            task.fire("deadline_expired", error=exc)
+            if own_task:
+                task.fire("deadline_expired", error=exc)
             self._lm.transfer_timed_out(link, exc)
-            raise _err(f"{kind} to cluster {link.peer_cluster_id} timed out: {exc}; the link must be relinked",
-                       S.LLM_TIMEOUT) from None
+            raise TransferTimedOut(f"{kind} to cluster {link.peer_cluster_id} timed out: {exc}; the link must be "
+                                   "relinked", status_code=S.LLM_TIMEOUT) from None
         except (PeerGone, Cancelled) as exc:
             self._lm.record_transfer(link, failed=True)
-            task.fire("transfer_failed", error=exc)
+            if own_task:
+                task.fire("transfer_failed", error=exc)
             if isinstance(exc, PeerGone):
                 self._lm.fail_link(link, exc)
                 code = S.LLM_LINK_FAILED
-            elif link.state is not LinkState.LINKED:
+            elif not link.linked:
                 # cancelled because the link went down under it (peer lost, force unlink, finalize):
                 # report why the link is gone, not a generic failure
                 code = getattr(link, "failure_status", None) or S.LLM_LINK_FAILED
@@ -402,17 +407,19 @@ class TransferEngine:
             raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code) from None
         except Refused as exc:
             self._lm.record_transfer(link, failed=True)
-            task.fire("transfer_failed", error=exc)
+            if own_task:
+                task.fire("transfer_failed", error=exc)
             raise _err(f"{kind} refused by cluster {link.peer_cluster_id}: {exc}", exc.status_code) from None
         except TransportError as exc:  # Corrupt & co: the data channel can no longer be trusted
             self._lm.record_transfer(link, failed=True)
-            task.fire("transfer_failed", error=exc)
+            if own_task:
+                task.fire("transfer_failed", error=exc)
             self._lm.fail_link(link, exc, status=exc.status_code)
             raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
                        exc.status_code) from None
         except BaseException as exc:
-            if task.can("transfer_failed"):
-                task.fire("transfer_failed", error=exc)
+            if own_task:   # a hook that raised after the task ended: the table absorbs it
+                task.offer("transfer_failed", error=exc)
             raise
         if write:
             self._lm.record_transfer(link, written=nbytes)

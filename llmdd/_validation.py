@@ -6,7 +6,7 @@
 * semantic checks live with their callers and raise ``LLMException(LLM_PARAM_INVALID)``.
 
 The functions upstream's ``llm_datadist.utils.utils`` defines behave as there (return values,
-what they refuse, messages); ``check_int`` and ``check_list_of`` are llmdd's own helpers.
+what they refuse, messages); ``check_int`` is llmdd's own helper.
 
 ``bool`` is an ``int`` subclass and passes the integer checks, as upstream.
 """
@@ -26,7 +26,6 @@ __all__ = [
     "check_uint16",
     "check_uint8",
     "check_dict",
-    "check_list_of",
     "check_list_uint64",
     "check_list_int64",
     "check_list_int32",
@@ -122,14 +121,6 @@ def check_dict(arg_name: str, arg_value: Any, k_class: Any, v_class: Any, v_inne
             raise TypeError(f"{arg_name} dict value only support {v_class}, but got {type(v)}.")
         if v_inner_class is not None:
             check_inner("dict value", v, v_inner_class)
-
-
-def check_list_of(name: str, values: Any, kind: str, containers: tuple = (list, tuple)) -> None:
-    """TypeError unless a list/tuple; each element checked as integer ``kind``."""
-    if not isinstance(values, containers):
-        raise TypeError(f"{name} only support {_names(list(containers))}, but got {type(values)}.")
-    for i, v in enumerate(values):
-        check_int(f"{name}[{i}]", v, kind)
 
 
 def check_list_uint64(name: str, values: Iterable[int]) -> None:

@@ -6,6 +6,7 @@ from ._events import (
     EVENT_ENGINE_TRANSITION as EVENT_ENGINE_TRANSITION,
     EVENT_LINK_TRANSITION as EVENT_LINK_TRANSITION,
     EVENT_TASK_TRANSITION as EVENT_TASK_TRANSITION,
+    EVENT_LISTENER_TRANSITION as EVENT_LISTENER_TRANSITION,
     TransitionEvent as TransitionEvent,
 )
 from ._lifecycle.tables import (
@@ -13,12 +14,13 @@ from ._lifecycle.tables import (
     CommGroupState as CommGroupState,
     EngineState as EngineState,
     LinkState as LinkState,
+    ListenerState as ListenerState,
     Machine as Machine,
     TaskState as TaskState,
 )
 
 __all__ = [
     "TransitionEvent", "Machine", "EngineState", "LinkState", "CommGroupState", "CacheState", "TaskState",
-    "EVENT_ENGINE_TRANSITION", "EVENT_LINK_TRANSITION", "EVENT_COMM_GROUP_TRANSITION",
-    "EVENT_CACHE_TRANSITION", "EVENT_TASK_TRANSITION",
+    "ListenerState", "EVENT_ENGINE_TRANSITION", "EVENT_LINK_TRANSITION", "EVENT_COMM_GROUP_TRANSITION",
+    "EVENT_CACHE_TRANSITION", "EVENT_TASK_TRANSITION", "EVENT_LISTENER_TRANSITION",
 ]

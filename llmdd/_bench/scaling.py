@@ -121,7 +121,7 @@ class _Client:
     def setup(self) -> float:
         """One link, set up now; returns its setup seconds (connect to the server's tables in)."""
         from llmdd._protocol.codec import NEED_DATA, PEER_CLOSED
-        from llmdd._protocol.handshake import ClientHandshake, HandshakeRefused, HandshakeState, TableAnnouncer
+        from llmdd._protocol.handshake import ClientHandshake, HandshakeRefused, TableAnnouncer
         from llmdd._status import LLMStatusCode
 
         m = self.m
@@ -146,7 +146,7 @@ class _Client:
                     codec.receive_data(sock.recv(65536))
 
             sock.sendall(codec.send(hs.start()))
-            while hs.state not in (HandshakeState.ESTABLISHED, HandshakeState.REFUSED):
+            while not hs.finished:
                 msg = recv()
                 if msg is PEER_CLOSED:
                     raise RuntimeError("server closed during the handshake")

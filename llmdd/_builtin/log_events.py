@@ -29,6 +29,7 @@ __all__ = [
     "llmdd_comm_group_transition",
     "llmdd_cache_transition",
     "llmdd_task_transition",
+    "llmdd_listener_transition",
 ]
 
 #: Level of an event without error, per machine.
@@ -38,6 +39,7 @@ LEVELS: dict[Machine, int] = {
     Machine.COMM_GROUP: logging.INFO,
     Machine.CACHE: logging.DEBUG,
     Machine.TASK: logging.DEBUG,
+    Machine.LISTENER: logging.INFO,
 }
 
 _STDLIB = {m: logging.getLogger(f"llmdd.{m.value}") for m in Machine}
@@ -83,4 +85,9 @@ def llmdd_cache_transition(event: TransitionEvent) -> None:
 
 @hookimpl
 def llmdd_task_transition(event: TransitionEvent) -> None:
+    log_event(event)
+
+
+@hookimpl
+def llmdd_listener_transition(event: TransitionEvent) -> None:
     log_event(event)

@@ -48,7 +48,7 @@ import attrs
 from .._config import parse_mem_pool_cfg
 from .._enums import Placement
 from .._lifecycle.machines import Lifecycle, Tracked
-from .._lifecycle.tables import CacheState
+from .._lifecycle.tables import CACHE_HOLDS_MEMORY, CACHE_RELEASE_PENDING, CacheState
 from .._log import get_logger
 from .._status import LLMException, LLMStatusCode
 from .._types import BlocksCacheKey, CacheDesc, CacheKey, cache_key_index
@@ -109,7 +109,6 @@ class CacheRecord:
     keys: set = attrs.field(factory=set)  # CacheKey lookup indices bound to this cache
     blocks_model_id: Optional[int] = None
     pool_addrs: tuple = ()
-    dealloc_requested: bool = False
 
     @property
     def stride(self) -> int:
@@ -123,7 +122,12 @@ class CacheRecord:
     @property
     def live(self) -> bool:
         """Usable by local operations: not released and not waiting for release."""
-        return self.state in (CacheState.ALLOCATED, CacheState.REGISTERED)
+        return self.tracked.in_(CACHE_HOLDS_MEMORY)
+
+    @property
+    def release_pending(self) -> bool:
+        """Deallocated while keys still reference it (released when the last key goes)."""
+        return self.tracked.in_(CACHE_RELEASE_PENDING)
 
     def bounds(self) -> Bounds:
         return Bounds.from_ranges((a, self.tensor_size) for a in self.addrs)
@@ -311,7 +315,7 @@ class MemoryManager:
     def _drop_key_locked(self, rec: CacheRecord, index: KeyIndex, reason: str) -> None:
         del self._keys[index]
         rec.keys.discard(index)
-        if rec.dealloc_requested and not rec.keys:
+        if rec.release_pending and not rec.keys:
             rec.tracked.fire("keys_released", defer=self._defer, cache_id=rec.cache_id, reason=reason)
             self._release_locked(rec)
         else:
@@ -445,11 +449,10 @@ class MemoryManager:
         with self._lock:
             self._check_open()
             rec = self._records.get(cache_id)
-            if rec is None or rec.dealloc_requested:
+            if rec is None or rec.release_pending:
                 return False
             if not rec.owned:
                 raise _invalid(f"cache {cache_id} is registered memory, unregister it instead")
-            rec.dealloc_requested = True
             self._drop_blocks_key_locked(rec)
             if rec.keys:
                 rec.tracked.fire("defer_release", defer=self._defer, cache_id=cache_id, keys=len(rec.keys))
@@ -500,9 +503,9 @@ class MemoryManager:
             updated = self.regions.remap(list(ranges), placement=Placement.DEVICE, defer=self._defer)
             for cache_id in sorted({r.cache_id for r in updated}):
                 rec = self._records.get(cache_id)
-                if rec is not None and rec.tracked.can("remapped"):
-                    rec.tracked.fire("remapped", defer=self._defer, cache_id=cache_id,
-                                     regions=[r.region_id for r in updated if r.cache_id == cache_id])
+                if rec is not None:
+                    rec.tracked.offer("remapped", defer=self._defer, cache_id=cache_id,
+                                      regions=[r.region_id for r in updated if r.cache_id == cache_id])
             self._changed()
             return updated
 
@@ -525,8 +528,7 @@ class MemoryManager:
             errors = []
             for rec in records:
                 try:
-                    if rec.tracked.can("finalize"):
-                        rec.tracked.fire("finalize", defer=self._defer, cache_id=rec.cache_id)
+                    rec.tracked.offer("finalize", defer=self._defer, cache_id=rec.cache_id)
                 except Exception as exc:  # noqa: BLE001 - finalize is silent
                     errors.append(exc)
                 rec.keys.clear()

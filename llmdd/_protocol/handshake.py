@@ -188,6 +188,20 @@ class _Handshake:
         return self._state
 
     @property
+    def finished(self) -> bool:
+        """ESTABLISHED or REFUSED: nothing more is exchanged."""
+        return self._state in _FINAL
+
+    @property
+    def refused(self) -> bool:
+        return self._state is HandshakeState.REFUSED
+
+    @property
+    def authenticated(self) -> bool:
+        """Server side: the client proved the secret (or none is used); its link may be accepted."""
+        return self._state is HandshakeState.AUTHENTICATED
+
+    @property
     def config(self) -> HandshakeConfig:
         return self._config
 

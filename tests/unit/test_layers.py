@@ -24,7 +24,7 @@ LAYERS = [
     ("_memory", "memory"),
     ("_protocol", "control"),
     ("_ioloop", "control"),
-    ("_link_manager", "control"),
+    ("_control", "control"),
     ("_comm_group", "control"),
     ("_ranktable", "control"),
     ("_planner", "data"),

@@ -175,3 +175,65 @@ def test_lifecycle_doc_is_current():
     spec.loader.exec_module(module)
     current = (ROOT / "docs" / "lifecycle.md").read_text(encoding="utf-8")
     assert current == module.render(), "docs/lifecycle.md is stale: run python docs/_tools/gen_diagrams.py"
+
+
+# -- late triggers: offered, absorbed where the table says so, raising everywhere else -----------
+from llmdd._lifecycle.tables import ABSORBED, LinkState  # noqa: E402
+
+ABSORBED_PAIRS = {(m, s, trig) for m in Machine for trig, states in ABSORBED[m] for s in states}
+
+
+@pytest.mark.parametrize(("machine", "state", "trigger"), PAIRS)
+def test_offer_pair(machine, state, trigger):
+    """``offer``: a transition fires as ``fire`` does; an absorbed pair changes nothing and emits
+    nothing; any other illegal pair raises and is counted as refused."""
+    lifecycle, tracked, events = _tracked_in(machine, state)
+    dest = EXPECTED[machine].get((state, trigger))
+    before = lifecycle.statistics()
+    if dest is not None:
+        assert (machine, state, trigger) not in ABSORBED_PAIRS
+        assert tracked.offer(trigger, detail=1) is True
+        assert tracked.state is dest and len(events) == 1
+        return
+    if (machine, state, trigger) in ABSORBED_PAIRS:
+        assert tracked.offer(trigger, detail=1) is False
+        after = lifecycle.statistics()
+        assert (after.absorbed, after.refused) == (before.absorbed + 1, before.refused)
+        with pytest.raises(InvalidStateError):   # fire never absorbs: a driver must mean "late"
+            tracked.fire(trigger)
+    else:
+        with pytest.raises(InvalidStateError):
+            tracked.offer(trigger, detail=1)
+        assert lifecycle.statistics().refused == before.refused + 1
+    assert tracked.state is state and events == []
+
+
+def test_every_absorbed_pair_names_a_real_state_and_trigger():
+    for machine in Machine:
+        triggers = set(_triggers(machine))
+        for trigger, states in ABSORBED[machine]:
+            assert trigger in triggers, (machine, trigger)
+            assert all(s in STATES[machine] for s in states), (machine, trigger)
+
+
+def test_offer_first_takes_the_first_trigger_the_table_allows():
+    lifecycle, tracked, events = _tracked_in(Machine.LINK, LinkState.FAILED)
+    # unlink_succeeded does not apply to a failed link: the fallback closes it
+    assert tracked.offer_first(("unlink_succeeded", "force_unlink"), reason="x") is True
+    assert tracked.state is LinkState.CLOSED and [e.trigger for e in events] == ["force_unlink"]
+    # closed: both are absorbed
+    assert tracked.offer_first(("unlink_succeeded", "force_unlink")) is False
+    # none applies and none is absorbed: raises (control)
+    lifecycle, tracked, events = _tracked_in(Machine.LINK, LinkState.UNLINKED)
+    with pytest.raises(InvalidStateError):
+        tracked.offer_first(("unlink_succeeded", "handshake_succeeded"))
+    assert tracked.state is LinkState.UNLINKED and events == []
+
+
+def test_on_accept_runs_before_the_state_is_visible_and_only_when_accepted():
+    lifecycle, tracked, _ = _tracked_in(Machine.LINK, LinkState.LINKED)
+    seen = []
+    tracked.offer("peer_lost", on_accept=lambda: seen.append(tracked.state))
+    assert seen == [LinkState.LINKED] and tracked.state is LinkState.FAILED
+    tracked.offer("peer_lost", on_accept=lambda: seen.append("late"))   # absorbed: not run
+    assert seen == [LinkState.LINKED]

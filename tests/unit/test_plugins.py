@@ -279,6 +279,7 @@ def test_facade_methods_reach_their_hooks(llmdd_pm, llmdd_hooks, llmdd_hook_reco
     llmdd_hooks.comm_group_transition(events[Machine.COMM_GROUP])
     llmdd_hooks.cache_transition(events[Machine.CACHE])
     llmdd_hooks.task_transition(events[Machine.TASK])
+    llmdd_hooks.listener_transition(events[Machine.LISTENER])
     for machine in Machine:
         assert llmdd_hook_recorder.events(machine) == [events[machine]]
     assert llmdd_hook_recorder.events() == [events[m] for m in Machine]

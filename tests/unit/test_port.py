@@ -13,7 +13,7 @@ import pytest
 
 from llmdd import LLMRole, LLMStatusCode
 from llmdd._lifecycle.machines import Lifecycle
-from llmdd._lifecycle.tables import LinkState, Machine
+from llmdd._lifecycle.tables import LINK_IN_USE, Machine
 from llmdd._memory.manager import MemoryManager
 from llmdd._options import EngineOptions
 from llmdd._plugins import Hooks, make_plugin_manager
@@ -61,13 +61,20 @@ class RecordingPort:
 
 
 class FakeLink:
-    """What the data plane reads of a link: its peer, its transfer lock and its state."""
+    """What the data plane reads of a link: its peer, its transfer lock and its state (a real link
+    machine, driven to LINKED as the link manager would)."""
 
     def __init__(self, peer: int) -> None:
         self.peer_cluster_id = peer
         self.transfer_lock = threading.Lock()
-        self.state = LinkState.LINKED
+        self.fsm = Lifecycle(Machine.LINK).create(peer)
+        self.fsm.fire("link")
+        self.fsm.fire("handshake_succeeded")
         self.failure_status = None
+
+    @property
+    def linked(self) -> bool:
+        return self.fsm.in_(LINK_IN_USE)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The control plane: listener, link handshake, table exchange, keepalive, unlink.
+"""The link manager: handshakes, table exchange, requests and notices, keepalive, unlink.
 
 One :class:`LinkManager` per initialized engine.  A link to a peer cluster is a TCP
 control connection carrying the sans-io protocol of :mod:`llmdd._protocol`, plus a
@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import enum
-import errno
 import ipaddress
 import itertools
-import os
 import random
 import secrets
 import socket
@@ -39,37 +36,40 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import attrs
 from msgspec.structs import replace as msgspec_replace
 
-from ._abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Endpoint, MemRegion, TransportError
-from ._ioloop import EVENT_READ, EVENT_WRITE, IoLoop, Pool, PoolFull, Strand
-from ._lifecycle.machines import Tracked
-from ._lifecycle.tables import LinkState
-from ._log import get_logger
-from ._options import K_TLS_CA, K_TLS_CERT, K_TLS_INSECURE, K_TLS_KEY, K_TLS_SERVER_NAME, is_local_address
-from ._options import tls_config
-from ._enums import LLMRole
-from ._options import EngineOptions
-from ._plugins import Hooks, LazyCandidates
-from ._port import DataService, RequestOp, request_op
-from ._protocol import messages as m
-from ._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
-from ._protocol.handshake import (
+from .._abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
+from .._ioloop import IoLoop, Pool, PoolFull, Strand
+from .._lifecycle.machines import Lifecycle, Tracked
+from .._lifecycle.tables import (
+    LINK_BUSY, LINK_CLAIMABLE, LINK_DOWN, LINK_FAILED, LINK_KEEPS_ALIVE, LINK_PROCESSING,
+    LINK_SETTING_UP, LINK_UNLINKING, Machine,
+)
+from .._log import get_logger
+from .._options import is_local_address
+from .._enums import LLMRole
+from .._options import EngineOptions
+from .._plugins import Hooks, LazyCandidates
+from .._port import DataService, RequestOp, request_op
+from .._protocol import messages as m
+from .._protocol.codec import PEER_CLOSED, ProtocolError
+from .._protocol.handshake import (
     PRE_AUTH_MAX_FRAME_SIZE,
     ClientHandshake,
-    DescriptorTables,
     HandshakeConfig,
     HandshakeRefused,
-    HandshakeState,
     ServerHandshake,
-    TableAnnouncer,
     new_incarnation,
 )
-from ._status import InvalidStateError, LLMException, LLMStatusCode
-from .plugin import LinkInfo
+from .._status import InvalidStateError, LLMException, LLMStatusCode
+from ..plugin import LinkInfo
+from .connection import ControlConnection, TlsFailed
+from .link import Link, Pending
+from .listener import FailedListener, Listener, close_quietly, refuse_busy
+from .settings import MAX_CLUSTERS_PER_CALL, LinkSettings
 
 if TYPE_CHECKING:
-    from ._lifecycle.machines import Lifecycle
-    from ._memory.manager import MemoryManager
-    from ._profiles import ChipProfile
+    from .._lifecycle.machines import Lifecycle
+    from .._memory.manager import MemoryManager
+    from .._profiles import ChipProfile
 
 #: the control plane's own request op: a client's data descriptor for a transport offered by name only
 LINK_DESCRIPTOR_OP = "link_descriptor"
@@ -81,436 +81,6 @@ __all__ = ["LinkManager", "Link", "LinkSettings"]
 _log = get_logger("llmdd.link")
 
 S = LLMStatusCode
-
-#: llmdd's own option keys (documented in docs/configuration.md)
-OPT_TRANSPORT = "llmdd.transport"
-OPT_SECRET = "llmdd.auth_secret"
-OPT_TLS_CERT = K_TLS_CERT
-OPT_TLS_KEY = K_TLS_KEY
-OPT_TLS_CA = K_TLS_CA
-OPT_TLS_INSECURE = K_TLS_INSECURE          # TLS with no CA is refused at init unless this says so
-OPT_TLS_SERVER_NAME = K_TLS_SERVER_NAME    # the name a client checks the server's certificate against
-OPT_KEEPALIVE_MS = "llmdd.keepalive_interval_ms"
-OPT_PEER_TIMEOUT_MS = "llmdd.peer_timeout_ms"
-OPT_DATA_HOST = "llmdd.data_host"
-OPT_HANDSHAKE_MS = "llmdd.handshake_timeout_ms"
-OPT_MAX_PENDING = "llmdd.max_pending_connections"
-OPT_MAX_PENDING_PER_ADDRESS = "llmdd.max_pending_per_address"
-OPT_IO_WORKERS = "llmdd.io_workers"
-
-MAX_CLUSTERS_PER_CALL = 16
-
-
-def _int_option(options, key: str, default: int, *, what: str) -> int:
-    text = options.get(key)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except (TypeError, ValueError):
-        raise LLMException(f"option {key} must be {what}, got {text!r}", status_code=S.LLM_PARAM_INVALID) from None
-
-
-def _ms_option(options, key: str, default: int) -> int:
-    value = _int_option(options, key, default, what="an integer (milliseconds)")
-    if value <= 0:
-        raise LLMException(f"option {key} must be > 0, got {value}", status_code=S.LLM_PARAM_INVALID)
-    return value
-
-
-def _count_option(options, key: str, default: int) -> int:
-    value = _int_option(options, key, default, what="an integer")
-    if not 1 <= value <= 1 << 20:
-        raise LLMException(f"option {key} must be in [1, {1 << 20}], got {value}", status_code=S.LLM_PARAM_INVALID)
-    return value
-
-
-@attrs.frozen(kw_only=True)
-class LinkSettings:
-    secret: Optional[bytes]
-    forced_transport: Optional[str]
-    keepalive_s: float
-    peer_timeout_s: float
-    retry_count: int
-    total_time_s: Optional[float]
-    server_tls: Optional[ssl.SSLContext]
-    client_tls: Optional[ssl.SSLContext]
-    data_host: Optional[str]
-    handshake_s: float
-    max_pending: int = 64
-    max_pending_per_address: int = 8
-    io_workers: int = 8
-    client_tls_named: Optional[ssl.SSLContext] = None   # the client context that checks host names
-    tls_server_name: Optional[str] = None
-
-    @classmethod
-    def from_options(cls, options) -> "LinkSettings":
-        raw = options.raw
-        secret = raw.get(OPT_SECRET) or os.environ.get("LLMDD_AUTH_SECRET") or None
-        forced = raw.get(OPT_TRANSPORT) or None
-        if forced is None and options.transfer_backend:
-            # "hixl" is upstream's one-sided host-side engine: llmdd's counterpart is the tcp transport
-            forced = "tcp" if options.transfer_backend == "hixl" else options.transfer_backend
-        # one policy for control and tcp data connections (the tcp transport reads the same options)
-        tls = tls_config(raw)
-        total = options.link_total_time_s
-        return cls(
-            secret=secret.encode() if isinstance(secret, str) else secret,
-            forced_transport=forced,
-            keepalive_s=_ms_option(raw, OPT_KEEPALIVE_MS, 1000) / 1000.0,
-            peer_timeout_s=_ms_option(raw, OPT_PEER_TIMEOUT_MS, 5000) / 1000.0,
-            retry_count=options.link_retry_count or 1,
-            total_time_s=float(total) if total else None,
-            server_tls=tls.server if tls else None,
-            client_tls=tls.client if tls else None,
-            data_host=raw.get(OPT_DATA_HOST) or None,
-            handshake_s=_ms_option(raw, OPT_HANDSHAKE_MS, 10000) / 1000.0,
-            max_pending=_count_option(raw, OPT_MAX_PENDING, 64),
-            max_pending_per_address=_count_option(raw, OPT_MAX_PENDING_PER_ADDRESS, 8),
-            io_workers=_count_option(raw, OPT_IO_WORKERS, 8),
-            client_tls_named=tls.client_named if tls else None,
-            tls_server_name=tls.server_name if tls else None,
-        )
-
-
-# --------------------------------------------------------------------------- control connection
-
-
-class _TlsFailed(ProtocolError):
-    """The TLS handshake of an accepted connection failed."""
-
-
-class ControlConnection:
-    """A socket carrying protocol frames, driven by the engine's I/O loop.
-
-    Before :meth:`attach` (the client side of a handshake, in the caller's thread) the socket is
-    blocking and :meth:`recv_message` reads synchronously.  From :meth:`attach` on the socket is
-    non-blocking and owned by the loop: the loop reads whatever arrives, feeds the sans-io codec
-    and hands each message to ``on_message`` (on the loop thread); ``send`` from any thread
-    writes what the socket takes at once and leaves the rest to the loop.  No thread waits on an
-    idle connection.
-
-    ``_lock`` is a leaf lock: it guards the outbound buffer and the codec's encoder and is held
-    only around non-blocking socket calls (for TLS also around reads: one SSL object must not be
-    driven by two threads at once).
-    """
-
-    MAX_OUTBOUND = 64 * 1024 * 1024   # a peer that reads nothing while this much waits is dropped
-    RECV_SIZE = 256 * 1024
-
-    def __init__(self, loop: IoLoop, sock: socket.socket, *, name: str, tls_handshake: bool = False) -> None:
-        self.loop = loop
-        self.sock = sock
-        self.codec = Connection()
-        self.name = name
-        self._lock = threading.Lock()
-        self._out = bytearray()
-        self._closed = False
-        self._attached = False
-        self._tls = isinstance(sock, ssl.SSLSocket)
-        self._tls_handshake = tls_handshake
-        self._events = 0
-        self._on_message: Optional[Callable[[Any], None]] = None
-        self._on_closed: Optional[Callable[[BaseException | None], None]] = None
-        self.stalled_since: Optional[float] = None   # when the outbound buffer last became non-empty
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    # ------------------------------------------------------------------ blocking phase (client handshake)
-    def recv_message(self, deadline: float) -> Any:
-        """Block until one message (client handshake, before :meth:`attach`)."""
-        while True:
-            msg = self.codec.next_message()
-            if msg is not NEED_DATA:
-                return msg
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("handshake timed out")
-            try:
-                self.sock.settimeout(left)
-                data = self.sock.recv(65536)
-            except socket.timeout:
-                raise TimeoutError("handshake timed out") from None
-            except OSError as exc:
-                raise ProtocolError(f"control receive failed: {exc}") from None
-            self.codec.receive_data(data)
-
-    # ------------------------------------------------------------------ sending (any thread)
-    def send(self, msg: Any, *, timeout: float = 5.0) -> None:
-        with self._lock:
-            if self._closed:
-                raise ProtocolError("control connection is closed")
-            data = self.codec.send(msg)
-            if not self._attached:
-                try:
-                    self.sock.settimeout(timeout)
-                    self.sock.sendall(data)
-                except (OSError, ValueError) as exc:
-                    raise ProtocolError(f"control send failed: {exc}") from None
-                return
-            if self._out or self._tls_handshake:
-                self._out += data
-                over = len(self._out) > self.MAX_OUTBOUND
-            else:
-                try:
-                    n = self.sock.send(data)
-                except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                    n = 0
-                except (OSError, ValueError) as exc:
-                    raise ProtocolError(f"control send failed: {exc}") from None
-                if n >= len(data):
-                    return
-                self._out += memoryview(data)[n:]
-                self.stalled_since = time.monotonic()
-                over = False
-        if over:
-            self.close()
-            raise ProtocolError(f"the peer reads nothing: over {self.MAX_OUTBOUND} bytes wait to be sent")
-        self.loop.call_soon(self._update_events)
-
-    # ------------------------------------------------------------------ loop side
-    def attach(self, on_message: Optional[Callable[[Any], None]],
-               on_closed: Callable[[BaseException | None], None]) -> None:
-        """Hand the connection to the loop (from any thread); ``on_message=None`` buffers without
-        dispatching until :meth:`resume`."""
-        with self._lock:
-            self._on_message = on_message
-            self._on_closed = on_closed
-            if not self._attached:
-                self.sock.setblocking(False)
-                self._attached = True
-        self.loop.call_soon(self._start)
-
-    def pause(self) -> None:
-        """Stop dispatching (bytes keep being read into the codec); only from the loop thread."""
-        self._on_message = None
-
-    def resume(self, on_message: Callable[[Any], None]) -> None:
-        self._on_message = on_message
-        self.loop.call_soon(self._start)
-
-    def _start(self) -> None:
-        if self._closed:
-            return
-        self._update_events()
-        self._process()
-        if self._tls and not self._tls_handshake and self.sock.pending():
-            self._on_ready(EVENT_READ)
-
-    def _update_events(self) -> None:
-        if self._closed:
-            return
-        events = EVENT_READ | (EVENT_WRITE if self._out else 0)
-        if events != self._events:
-            self._events = events
-            self.loop.set_events(self.sock, events, self._on_ready)
-
-    def _on_ready(self, mask: int) -> None:
-        if self._closed:
-            return
-        if self._tls_handshake:
-            self._drive_tls()
-            return
-        if mask & EVENT_WRITE:
-            self._flush()
-        if mask & EVENT_READ:
-            self._read()
-
-    def _drive_tls(self) -> None:
-        try:
-            self.sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self._set(EVENT_READ)
-            return
-        except ssl.SSLWantWriteError:
-            self._set(EVENT_WRITE)
-            return
-        except (OSError, ValueError) as exc:
-            self._lost(_TlsFailed(f"TLS handshake failed: {exc}"))
-            return
-        self._tls_handshake = False
-        self._events = 0
-        self._update_events()
-        if self._out:
-            self._flush()
-        self._read()
-
-    def _set(self, events: int) -> None:
-        self._events = events
-        self.loop.set_events(self.sock, events, self._on_ready)
-
-    def _flush(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            try:
-                while self._out:
-                    n = self.sock.send(self._out[:1 << 20])
-                    if n <= 0:
-                        break
-                    del self._out[:n]
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                pass
-            except (OSError, ValueError) as exc:
-                err: Optional[BaseException] = ProtocolError(f"control send failed: {exc}")
-            else:
-                err = None
-            if not self._out:
-                self.stalled_since = None
-        if err is not None:
-            self._lost(err)
-            return
-        self._update_events()
-
-    def _read(self) -> None:
-        for _ in range(16):   # bounded work per wake-up: other connections get their turn
-            try:
-                if self._tls:
-                    with self._lock:
-                        data = self.sock.recv(self.RECV_SIZE)
-                else:
-                    data = self.sock.recv(self.RECV_SIZE)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                break
-            except (OSError, ValueError) as exc:
-                self._lost(ProtocolError(f"control receive failed: {exc}"))
-                return
-            try:
-                self.codec.receive_data(data)
-            except ProtocolError as exc:
-                self._lost(exc)
-                return
-            if not data:
-                break
-            if len(data) < self.RECV_SIZE and not (self._tls and self.sock.pending()):
-                break
-        self._process()
-
-    def _process(self) -> None:
-        while not self._closed:
-            handler = self._on_message
-            if handler is None:
-                return
-            try:
-                msg = self.codec.next_message()
-            except ProtocolError as exc:
-                self._lost(exc)
-                return
-            if msg is NEED_DATA:
-                return
-            if msg is PEER_CLOSED:
-                self._lost(None)
-                return
-            try:
-                handler(msg)
-            except (OSError, ProtocolError, ValueError) as exc:
-                self._lost(exc)
-                return
-            except Exception as exc:  # a handler bug must not kill the link silently
-                _log.error("llmdd.link.reader_failed", conn=self.name, error=repr(exc))
-                self._lost(exc)
-                return
-
-    def _lost(self, error: BaseException | None) -> None:
-        if self._closed:
-            return
-        callback = self._on_closed
-        self.close()
-        if callback is not None:
-            callback(error)
-
-    def close(self) -> None:
-        """Close now (any thread): the peer sees the shutdown at once; the loop forgets the socket."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._out = bytearray()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, ValueError):
-            pass
-        self.loop.call_soon(self._release)
-
-    def _release(self) -> None:
-        self.loop.forget(self.sock)
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
-# --------------------------------------------------------------------------- link
-
-
-class _Pending:
-    __slots__ = ("event", "reply")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.reply: Any = None
-
-
-@attrs.define(eq=False)
-class Link:
-    """One live link to a peer cluster (keyed by the cluster id the peer reports)."""
-
-    peer_cluster_id: int
-    fsm: Tracked
-    control: ControlConnection
-    peer: Any = None                                   # handshake PeerInfo
-    tables: DescriptorTables = attrs.field(factory=DescriptorTables)
-    announcer: TableAnnouncer = attrs.field(factory=TableAnnouncer)
-    transport: Optional[str] = None
-    transport_reason: str = ""
-    channel: Optional[Channel] = None
-    tables_ready: threading.Event = attrs.field(factory=threading.Event)
-    transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
-    last_rx: float = attrs.field(factory=time.monotonic)
-    pending: dict = attrs.field(factory=dict)
-    remote_regions: set = attrs.field(factory=set)
-    comm_id: Optional[int] = None
-    engine_info: Optional[dict] = None        # the peer's pools and profile (asked once, when needed)
-    is_client: bool = True
-    created_at: float = attrs.field(factory=time.monotonic)
-    bytes_read: int = 0
-    bytes_written: int = 0
-    transfers: int = 0
-    failures: int = 0
-    last_error: Optional[str] = None
-    rtt_s: Optional[float] = None
-    failure_status: Optional[LLMStatusCode] = None
-    strand: Any = None                        # the link's tasks, in order, on the engine's pool
-    session: Any = None                       # server side: the accepting _ServerSession until LINKED
-    setup_descriptor: Optional[dict] = attrs.field(default=None, repr=False)   # server side: the peer's data
-    #                                           descriptor (it carries the peer's capability), until LINKED
-    grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)
-    capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
-    settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
-    claimed: bool = False                     # server side: a local link_clusters to the peer returned it
-
-    @property
-    def state(self) -> LinkState:
-        return self.fsm.state
-
-    @property
-    def linked(self) -> bool:
-        return self.fsm.state is LinkState.LINKED
-
-
-# --------------------------------------------------------------------------- listeners
-
-
-#: accept() errors that refuse one connection (or pause the listener a moment) but never end it
-_ACCEPT_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
-                               errno.EPROTO, errno.EPERM, errno.EINTR, errno.ETIMEDOUT, errno.EAGAIN,
-                               errno.ENETDOWN, errno.ENOPROTOOPT, errno.EHOSTDOWN, errno.ENONET,
-                               errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH, errno.ECONNRESET})
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-ACCEPT_PAUSE_S = 0.1   # out of descriptors or memory: accept nothing for this long, then go on
-
 
 class _Refused(Exception):
     """A connection over a cap: closed at once, without work."""
@@ -526,110 +96,6 @@ _NO_TRANSPORT = ("no transport is available in this process (no transport plugin
 _CROSS_LINK_REASON = "cross link: both clusters link to each other; the link the lower cluster id starts is kept"
 
 
-def _close_quietly(sock: socket.socket) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
-
-
-class ListenerState(str, enum.Enum):
-    LISTENING = "listening"
-    FAILED = "failed"      # cannot continue: logged once, an engine event, links to it fail
-    CLOSED = "closed"
-
-
-class _Listener:
-    """A listening socket on the loop: accepts what is ready, admits it or refuses it at once."""
-
-    def __init__(self, lm: "LinkManager", sock: socket.socket, *, comm_id: Optional[int], kind: str) -> None:
-        self.lm = lm
-        self.sock = sock
-        self.comm_id = comm_id
-        self.kind = kind
-        self.address = sock.getsockname()[:2]
-        self.state = ListenerState.LISTENING
-        self.error: Optional[str] = None
-        self.accepted = 0
-        self.refused = 0
-        self.accept_errors = 0
-        self._last_warning = 0.0
-        sock.setblocking(False)
-        lm.loop.set_events(sock, EVENT_READ, self._on_ready)
-
-    def _on_ready(self, _mask: int) -> None:
-        for _ in range(64):
-            if self.state is not ListenerState.LISTENING:
-                return
-            try:
-                conn, addr = self.sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _ACCEPT_TRANSIENT:
-                    self._transient(exc)
-                    return
-                self.lm._listener_failed(self, exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - anything else refuses this attempt, not the listener
-                self._transient(exc)
-                return
-            self.accepted += 1
-            self.lm._admit(self, conn, addr)
-
-    def _transient(self, exc: BaseException) -> None:
-        self.accept_errors += 1
-        now = time.monotonic()
-        if now - self._last_warning > 5.0:   # at most one line per 5 s however hard the host is pressed
-            self._last_warning = now
-            _log.warning("llmdd.link.accept_failed", listener=self.kind, address=f"{self.address[0]}:{self.address[1]}",
-                         error=repr(exc), errors=self.accept_errors)
-        # a full descriptor table leaves the connection in the backlog: pause instead of spinning
-        self.lm.loop.set_events(self.sock, 0, self._on_ready)
-        self.lm.loop.call_later(ACCEPT_PAUSE_S, self._resume)
-
-    def _resume(self) -> None:
-        if self.state is ListenerState.LISTENING:
-            self.lm.loop.set_events(self.sock, EVENT_READ, self._on_ready)
-
-    def close(self) -> None:
-        if self.state is ListenerState.LISTENING:
-            self.state = ListenerState.CLOSED
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, ValueError):
-            pass
-        sock = self.sock
-
-        def release() -> None:
-            self.lm.loop.forget(sock)
-            try:
-                sock.close()
-            except OSError:
-                pass
-
-        self.lm.loop.call_soon(release)
-
-    def describe(self) -> dict:
-        return {"kind": self.kind, "address": f"{self.address[0]}:{self.address[1]}", "state": self.state.value,
-                "error": self.error, "accepted": self.accepted, "refused": self.refused,
-                "accept_errors": self.accept_errors, "comm_id": self.comm_id}
-
-
-class _FailedListener:
-    """A transport endpoint's data port that could not continue (recorded for statistics and doctor)."""
-
-    def __init__(self, kind: str, address: tuple, error: str) -> None:
-        self.kind = kind
-        self.address = address
-        self.error = error
-        self.state = ListenerState.FAILED
-
-    def describe(self) -> dict:
-        return {"kind": self.kind, "address": f"{self.address[0]}:{self.address[1]}", "state": self.state.value,
-                "error": self.error, "accepted": 0, "refused": 0, "accept_errors": 0, "comm_id": None}
-
-
 class _ServerSession:
     """One accepted control connection until its link is LINKED (or it is dropped).
 
@@ -639,7 +105,7 @@ class _ServerSession:
 
     __slots__ = ("lm", "conn", "addr", "ip", "listener", "hs", "timer", "pending", "link", "accepted_at", "done")
 
-    def __init__(self, lm: "LinkManager", conn: ControlConnection, addr, listener: _Listener) -> None:
+    def __init__(self, lm: "LinkManager", conn: ControlConnection, addr, listener: Listener) -> None:
         self.lm = lm
         self.conn = conn
         self.addr = addr
@@ -655,11 +121,11 @@ class _ServerSession:
     def on_message(self, msg: Any) -> None:
         for out in self.hs.receive(msg):
             self.conn.send(out)
-        if self.hs.state is HandshakeState.REFUSED:
+        if self.hs.refused:
             _log.warning("llmdd.link.refused", peer=str(self.addr),
                          reason=self.hs.refusal.reason if self.hs.refusal else "")
             self.drop()
-        elif self.hs.state is HandshakeState.AUTHENTICATED:
+        elif self.hs.authenticated:
             self.lm._unpend(self)
             self.conn.pause()
             try:
@@ -678,7 +144,7 @@ class _ServerSession:
         self.timer.cancel()
         if self.link is None:
             self.done = True
-            if isinstance(error, _TlsFailed):
+            if isinstance(error, TlsFailed):
                 _log.warning("llmdd.link.tls_refused", peer=str(self.addr), error=str(error))
             elif error is not None:
                 _log.info("llmdd.link.handshake_failed", peer=str(self.addr), error=str(error))
@@ -695,7 +161,7 @@ class _ServerSession:
                 _log.info("llmdd.link.handshake_deadline", peer=str(self.addr), seconds=self.lm.settings.handshake_s)
             self.conn.close()
             return
-        if link.state is LinkState.LINKING:
+        if link.fsm.in_(LINK_SETTING_UP):
             err = TimeoutError(f"link setup did not finish within {self.lm.settings.handshake_s} s")
             self.lm._submit(link, self.lm._abort_setup, link, err)
 
@@ -719,11 +185,13 @@ class LinkManager:
 
     def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
                  links: "Lifecycle", memory: "MemoryManager", profile: "ChipProfile",
-                 engine: Optional[Tracked] = None) -> None:
+                 engine: Optional[Tracked] = None, listeners: Optional["Lifecycle"] = None) -> None:
         self._options = options
         self._engine = engine   # the engine's lifecycle: a listener that cannot continue is recorded there
         self._hooks = hooks
         self._lc = links
+        # the engine's listening sockets (control port, comm group ports, failed data ports)
+        self._listeners = listeners if listeners is not None else Lifecycle(Machine.LISTENER)
         self._memory = memory
         self._profile = profile
         self.role = role
@@ -743,10 +211,10 @@ class LinkManager:
         self._request_ids = itertools.count(1)
         self._grant_ids = itertools.count(1)
         self._closed = False
-        self._listener: Optional[_Listener] = None
+        self._listener: Optional[Listener] = None
         self._listen_addr: Optional[tuple[str, int]] = None
-        self._group_listeners: dict[socket.socket, _Listener] = {}
-        self._failed_listeners: list = []          # _Listener or _FailedListener (a data port)
+        self._group_listeners: dict[socket.socket, Listener] = {}
+        self._failed_listeners: list = []          # Listener or FailedListener (a data port)
         self._pending: dict[_ServerSession, None] = {}            # pre-authentication sessions (loop thread)
         self._pending_by_ip: collections.Counter = collections.Counter()
         self._counters = collections.Counter()
@@ -894,7 +362,9 @@ class LinkManager:
             address = ("?", "?")
         if self._endpoints.get(name) is ep:
             del self._endpoints[name]
-        record = _FailedListener(f"{name}-data", address, error)
+        kind = f"{name}-data"
+        record = FailedListener(self._listeners.create(f"{kind}@{address[0]}:{address[1]}", kind=kind),
+                                 kind, address, error)
         self._failed_listeners.append(record)
         self._fire_listener_failed(record.kind, record.address, error)
         err = LLMException(f"the {name} data port of this engine cannot continue: {error}",
@@ -952,7 +422,7 @@ class LinkManager:
     def _serve_link_descriptor(self, link: Link, args: dict) -> tuple[int, dict]:
         """Server side: the descriptor of the client's endpoint for a transport it offered deferred."""
         desc = args.get("descriptor")
-        if (link.is_client or link.state is not LinkState.LINKING or link.session is None
+        if (link.is_client or not link.fsm.in_(LINK_SETTING_UP) or link.session is None
                 or args.get("name") != link.transport or not isinstance(desc, dict)
                 or not (link.setup_descriptor or {}).get(DEFERRED_KEY) or desc.get(DEFERRED_KEY)):
             return S.LLM_PARAM_INVALID.value, {"error": "no deferred transport offer waits for a descriptor"}
@@ -1040,7 +510,7 @@ class LinkManager:
         caches: dict[int, m.CacheEntry] = {}
         keys: dict[m.KeyRef, m.KeyEntry] = {}
         for rec in memory.records():
-            if not rec.live and rec.state.value != "release_pending":
+            if not rec.live and not rec.release_pending:
                 continue
             if not any(self._granted(r) for r in rec.regions):
                 continue
@@ -1114,7 +584,7 @@ class LinkManager:
         if self._listener is not None:
             self.stop_listening()
         sock = self._bind(host, port, backlog=128, status=S.LLM_PARAM_INVALID)
-        self._listener = _Listener(self, sock, comm_id=None, kind="control")
+        self._listener = Listener(self, sock, comm_id=None, kind="control")
         self._listen_addr = self._listener.address
         _log.info("llmdd.link.listening", host=self._listen_addr[0], port=self._listen_addr[1])
         return self._listen_addr
@@ -1137,7 +607,7 @@ class LinkManager:
         if listener is not None:
             listener.close()
 
-    def _admit(self, listener: _Listener, sock: socket.socket, addr) -> None:
+    def _admit(self, listener: Listener, sock: socket.socket, addr) -> None:
         """A connection was accepted (loop thread): refuse it at once over a cap, else start its handshake."""
         ip = addr[0] if isinstance(addr, tuple) else str(addr)
         try:
@@ -1164,13 +634,13 @@ class LinkManager:
         except _Refused as exc:
             listener.refused += 1
             _log.debug("llmdd.link.connection_refused", peer=ip, reason=str(exc))
-            _refuse_busy(sock, self.settings.server_tls is not None)
+            refuse_busy(sock, self.settings.server_tls is not None)
             return
         except Exception as exc:  # noqa: BLE001 - no memory, no TLS, a bad socket: refuse this one and go on
             listener.refused += 1
             self._counters["admit_failures"] += 1
             _log.warning("llmdd.link.connection_refused", peer=ip, error=repr(exc))
-            _close_quietly(sock)
+            close_quietly(sock)
             return
         self._pending[sess] = None
         self._pending_by_ip[ip] += 1
@@ -1201,12 +671,15 @@ class LinkManager:
             if self._pending_by_ip[sess.ip] <= 0:
                 del self._pending_by_ip[sess.ip]
 
-    def _listener_failed(self, listener: _Listener, exc: BaseException) -> None:
+    def _listener_failed(self, listener: Listener, exc: BaseException) -> None:
         """A listener cannot continue (loop thread): logged once, recorded, its socket closed."""
-        if listener.state is not ListenerState.LISTENING:
-            return
-        listener.state = ListenerState.FAILED
-        listener.error = f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+
+        def record() -> None:
+            listener.error = error
+
+        if not listener.fsm.offer("fail", error=exc, reason=error, on_accept=record):
+            return   # failed or closed already
         self._failed_listeners.append(listener)
         _log.error("llmdd.link.listener_failed", listener=listener.kind,
                    address=f"{listener.address[0]}:{listener.address[1]}", error=listener.error)
@@ -1216,20 +689,20 @@ class LinkManager:
         except PoolFull:
             self._record_listener_failure(listener)
 
-    def _record_listener_failure(self, listener: _Listener) -> None:
+    def _record_listener_failure(self, listener: Listener) -> None:
         self._fire_listener_failed(listener.kind, listener.address, listener.error or "")
 
     def _fire_listener_failed(self, kind: str, address: tuple, error: str) -> None:
         fsm = self._engine
-        if fsm is not None and fsm.can("listener_failed"):
-            fsm.fire("listener_failed", error=RuntimeError(error), listener=kind,
-                     address=f"{address[0]}:{address[1]}", reason=error)
+        if fsm is not None:
+            fsm.offer("listener_failed", error=RuntimeError(error), listener=kind,
+                      address=f"{address[0]}:{address[1]}", reason=error)
 
     def _on_loop_dead(self, exc: BaseException) -> None:
         """The I/O loop cannot continue (on its dying thread): every listener and link fails."""
         self._io_error = f"{type(exc).__name__}: {exc}"
         for listener in [self._listener, *self._group_listeners.values()]:
-            if listener is not None and listener.state is ListenerState.LISTENING:
+            if listener is not None:
                 self._listener_failed(listener, exc)
         for link in self.links():
             err = LLMException(f"the engine's I/O loop stopped: {self._io_error}", status_code=S.LLM_LINK_FAILED)
@@ -1245,7 +718,7 @@ class LinkManager:
     def open_group_listener(self, host: str, port: int, *, comm_id: int) -> socket.socket:
         """A listener for the members of one comm group (links accepted there carry ``comm_id``)."""
         sock = self._bind(host, port, backlog=16, status=S.LLM_LINK_FAILED)
-        self._group_listeners[sock] = _Listener(self, sock, comm_id=comm_id, kind=f"comm-{comm_id}")
+        self._group_listeners[sock] = Listener(self, sock, comm_id=comm_id, kind=f"comm-{comm_id}")
         return sock
 
     def close_group_listener(self, sock: socket.socket) -> None:
@@ -1253,7 +726,7 @@ class LinkManager:
         if listener is not None:
             listener.close()
         else:
-            _close_quietly(sock)
+            close_quietly(sock)
 
     def _handshake_config(self, role, *, offers: Optional[tuple] = None) -> HandshakeConfig:
         return HandshakeConfig(cluster_id=self.cluster_id, role=role, incarnation=self.incarnation, host=self.host,
@@ -1354,14 +827,14 @@ class LinkManager:
             return True
         existing = self._links.get(peer_id)
         return (existing is not None and existing.is_client and not existing.fsm.is_final
-                and existing.state is not LinkState.FAILED and existing.peer is not None
+                and not existing.fsm.in_(LINK_FAILED) and existing.peer is not None
                 and existing.peer.incarnation == hello.incarnation)
 
     def _server_finish(self, link: Link) -> None:
         """Server side, on the link's strand once the peer's tables are in: data channel, our tables, LINKED."""
         sess = link.session
         try:
-            if link.state is not LinkState.LINKING or sess is None or sess.done:
+            if not link.fsm.in_(LINK_SETTING_UP) or sess is None or sess.done:
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             deadline = sess.accepted_at + self.settings.handshake_s
             if (link.setup_descriptor or {}).get(DEFERRED_KEY):
@@ -1382,7 +855,7 @@ class LinkManager:
 
     def _abort_setup(self, link: Link, exc: BaseException) -> None:
         """A server-side link whose setup failed leaves nothing behind."""
-        if link.state is not LinkState.LINKING:
+        if not link.fsm.in_(LINK_SETTING_UP):
             return
         _log.warning("llmdd.link.accept_failed", peer=link.peer_cluster_id, error=str(exc))
         sess = link.session
@@ -1504,7 +977,7 @@ class LinkManager:
         with self._lock:
             existing = self._links.get(self._aliases.get(remote_id, remote_id))
             peer_started = (existing is not None and not existing.is_client and not existing.claimed
-                            and existing.state in (LinkState.LINKING, LinkState.LINKED)) \
+                            and existing.fsm.in_(LINK_CLAIMABLE)) \
                 or (existing is None and remote_id in self._accepting)
         if peer_started:
             # the peer linked to this engine first (or is doing so now): that link serves both directions
@@ -1516,7 +989,7 @@ class LinkManager:
             if existing is not None:
                 if existing.linked:
                     return S.LLM_ALREADY_LINK
-                if existing.state in (LinkState.LINKING, LinkState.UNLINKING, LinkState.UNLINKED):
+                if existing.fsm.in_(LINK_PROCESSING):
                     return S.LLM_PROCESSING_LINK
                 stale = existing  # FAILED: the caller relinks without unlinking first; replace it
             if remote_id in self._linking:
@@ -1559,7 +1032,7 @@ class LinkManager:
                 accepting = self._accepting.get(remote_id)
             left = deadline - time.monotonic()
             if link is not None and not link.is_client:
-                if link.state is LinkState.LINKING and left > 0:
+                if link.fsm.in_(LINK_SETTING_UP) and left > 0:
                     link.settled.wait(left)
                     continue
                 if not link.linked:
@@ -1625,7 +1098,7 @@ class LinkManager:
             link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
             if not link.tables_ready.is_set():
                 raise TimeoutError("the peer did not send its tables in time")
-            if link.state is not LinkState.LINKING:
+            if not link.fsm.in_(LINK_SETTING_UP):
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             self._connect_channel(link, peer.transport.descriptor, deadline)
             link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
@@ -1686,7 +1159,7 @@ class LinkManager:
             try:
                 hs = ClientHandshake(self._handshake_config(self.role, offers=offers))
                 conn.send(hs.start())
-                while hs.state not in (HandshakeState.ESTABLISHED, HandshakeState.REFUSED):
+                while not hs.finished:
                     msg = conn.recv_message(deadline)
                     if msg is PEER_CLOSED:
                         raise ProtocolError("the server closed the connection before answering")
@@ -1749,13 +1222,13 @@ class LinkManager:
         link = self.get(cluster_id)
         if link is None:
             raise LLMException(f"cluster {cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
-        if link.state is LinkState.FAILED:
+        if link.fsm.in_(LINK_FAILED):
             raise LLMException(f"link to cluster {cluster_id} has failed ({link.last_error}); unlink and relink it",
                                status_code=link.failure_status or S.LLM_LINK_FAILED)
         if not link.linked:
             raise LLMException(f"link to cluster {cluster_id} is {link.state.value}",
-                               status_code=S.LLM_PROCESSING_LINK if link.state in (
-                                   LinkState.LINKING, LinkState.UNLINKING) else S.LLM_NOT_YET_LINK)
+                               status_code=S.LLM_PROCESSING_LINK if link.fsm.in_(
+                                   LINK_BUSY) else S.LLM_NOT_YET_LINK)
         return link
 
     def links(self) -> list[Link]:
@@ -1777,12 +1250,12 @@ class LinkManager:
 
     def _exchange(self, link: Link, op: str, build: Callable[[int], Any], deadline: float) -> tuple[int, dict]:
         rid = next(self._request_ids)
-        pending = _Pending()
+        pending = Pending()
         link.pending[rid] = pending
         try:
             # registered first, then checked: a failure either releases this waiter or is seen here
             # (a request on a link that already failed must not wait out its deadline)
-            if link.state in (LinkState.FAILED, LinkState.CLOSED):
+            if link.fsm.in_(LINK_DOWN):
                 raise LLMException(f"link to {link.peer_cluster_id} is {link.state.value}",
                                    status_code=link.failure_status or S.LLM_LINK_FAILED)
             link.control.send(build(rid))
@@ -1906,7 +1379,7 @@ class LinkManager:
     def _on_refuse(self, link: Link, msg: m.Refuse) -> None:
         """The client refused our Welcome (e.g. it requires a secret this side does not use)."""
         _log.warning("llmdd.link.refused_by_peer", peer=link.peer_cluster_id, reason=msg.reason)
-        if link.state is LinkState.LINKING:
+        if link.fsm.in_(LINK_SETTING_UP):
             if link.session is not None:
                 self._abort_setup(link, ProtocolError(f"the peer refused the link: {msg.reason}"))
             else:
@@ -1921,11 +1394,11 @@ class LinkManager:
         if link.fsm.is_final:
             return
         reason = f"control connection lost: {error}" if error else "peer closed the control connection"
-        if link.session is not None and link.state is LinkState.LINKING:
+        if link.session is not None and link.fsm.in_(LINK_SETTING_UP):
             # a server-side link still in its setup leaves nothing behind
             self._abort_setup(link, ProtocolError(f"the peer went away during the link setup ({reason})"))
             return
-        if link.state is LinkState.UNLINKING:
+        if link.fsm.in_(LINK_UNLINKING):
             # the peer acknowledged our unlink and closed: the unlink in progress ends the link
             for pending in list(link.pending.values()):
                 pending.event.set()
@@ -1955,15 +1428,15 @@ class LinkManager:
 
     def _fail(self, link: Link, error: BaseException, *, trigger: str,
               status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
-        """Move a link to FAILED (if legal), release waiters, cancel its transfers (no lock held)."""
-        if not link.fsm.can(trigger):
+        """Move a link to FAILED, release waiters, cancel its transfers (no lock held).  A link that
+        is down already (or not set up) absorbs the trigger (``ABSORBED``) and stays as it is."""
+
+        def record() -> None:   # visible no later than FAILED (the data plane reads failure_status)
+            link.last_error = str(error)
+            link.failure_status = status
+
+        if not link.fsm.offer(trigger, error=error, reason=str(error), on_accept=record):
             return
-        link.last_error = str(error)
-        link.failure_status = status
-        try:
-            link.fsm.fire(trigger, error=error, reason=str(error))
-        except InvalidStateError:
-            return  # another thread moved it first
         # the capability dies with the link: the peer's data connections to us are closed now
         self._revoke(link.transport, link.grant_id)
         for pending in list(link.pending.values()):
@@ -1982,14 +1455,8 @@ class LinkManager:
             if self._links.get(link.peer_cluster_id) is link:
                 del self._links[link.peer_cluster_id]
         # a link always ends CLOSED: when the wanted trigger no longer applies (the state moved
-        # meanwhile, e.g. FAILED), the teardown is a force unlink
-        for name in (trigger, "force_unlink"):
-            if link.fsm.can(name):
-                try:
-                    link.fsm.fire(name, reason=reason)
-                    break
-                except InvalidStateError:
-                    continue
+        # meanwhile, e.g. FAILED), the teardown is a force unlink; a closed link absorbs both
+        link.fsm.offer_first((trigger, "force_unlink"), reason=reason)
         sess = link.session
         if sess is not None:
             sess.done = True
@@ -2033,9 +1500,9 @@ class LinkManager:
         if force:
             self._close_link(link, trigger="force_unlink", reason="force unlink")
             return S.LLM_SUCCESS
-        if link.state in (LinkState.LINKING, LinkState.UNLINKING):
+        if link.fsm.in_(LINK_BUSY):
             return S.LLM_PROCESSING_LINK
-        if link.state is LinkState.FAILED:
+        if link.fsm.in_(LINK_FAILED):
             # the peer cannot be told: tear down here; the other side must unlink too
             self._close_link(link, trigger="force_unlink", reason="unlink of a failed link")
             return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
@@ -2043,7 +1510,7 @@ class LinkManager:
             return S.LLM_LINK_BUSY
         link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
         rid = next(self._request_ids)
-        pending = _Pending()
+        pending = Pending()
         link.pending[rid] = pending
         try:
             link.control.send(m.UnlinkRequest(request_id=rid, force=False, reason="unlink_clusters"))
@@ -2064,7 +1531,7 @@ class LinkManager:
         now = time.monotonic()
         limit = self.settings.peer_timeout_s
         for link in self.links():
-            if link.state not in (LinkState.LINKED, LinkState.UNLINKING):
+            if not link.fsm.in_(LINK_KEEPS_ALIVE):
                 continue
             stalled = link.control.stalled_since
             if now - link.last_rx > limit or (stalled is not None and now - stalled > limit):
@@ -2144,30 +1611,6 @@ def _closed_at_once(exc: BaseException) -> bool:
     return isinstance(exc, ssl.SSLError) and "EOF" in str(exc)
 
 
-_BUSY_FRAME: Optional[bytes] = None
-
-
-def _busy_frame() -> bytes:
-    """The one frame a plain-TCP connection over a cap gets before it is closed (encoded once)."""
-    global _BUSY_FRAME
-    if _BUSY_FRAME is None:
-        _BUSY_FRAME = Connection().send(m.Refuse(
-            status_code=S.LLM_LINK_BUSY.value,
-            reason="too many connections are in their handshake here; retry"))
-    return _BUSY_FRAME
-
-
-def _refuse_busy(sock: socket.socket, tls: bool) -> None:
-    """Close a connection over a cap at once; a plain one first gets the constant busy frame so a
-    legitimate client knows to retry (one non-blocking send, nothing read)."""
-    if not tls:
-        try:
-            sock.setblocking(False)
-            sock.send(_busy_frame())
-            sock.recv(65536)   # what the client already sent: closing over unread bytes would reset
-        except (OSError, ValueError):
-            pass
-    _close_quietly(sock)
 
 
 def _reason(info: LinkInfo, name: str) -> str:
