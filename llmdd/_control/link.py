@@ -18,6 +18,7 @@ from .._lifecycle.tables import LINK_IN_USE, LinkState
 from .._protocol.handshake import DescriptorTables, TableAnnouncer
 from .._status import LLMStatusCode
 from .connection import ControlConnection
+from .liveness import Liveness
 
 __all__ = ["Link", "Pending"]
 
@@ -47,7 +48,6 @@ class Link:
     channel: Optional[Channel] = None
     tables_ready: threading.Event = attrs.field(factory=threading.Event)
     transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
-    last_rx: float = attrs.field(factory=time.monotonic)
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
     comm_id: Optional[int] = None
@@ -59,7 +59,6 @@ class Link:
     transfers: int = 0
     failures: int = 0
     last_error: Optional[str] = None
-    rtt_s: Optional[float] = None
     failure_status: Optional[LLMStatusCode] = None
     strand: Any = None                        # the link's tasks, in order, on the engine's pool
     session: Any = None                       # server side: the accepting _ServerSession until LINKED
@@ -69,6 +68,17 @@ class Link:
     capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
     settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
     claimed: bool = False                     # server side: a local link_clusters to the peer returned it
+    liveness: Liveness = attrs.field(kw_only=True)   # keepalive state, sans-io (.liveness)
+
+    @property
+    def last_rx(self) -> float:
+        """When the peer was last heard (``time.monotonic``)."""
+        return self.liveness.last_rx
+
+    @property
+    def rtt_s(self) -> Optional[float]:
+        """The last keepalive round trip, or None before the first answer."""
+        return self.liveness.rtt_s
 
     @property
     def state(self) -> LinkState:

@@ -63,6 +63,7 @@ from .._status import InvalidStateError, LLMException, LLMStatusCode
 from ..plugin import LinkInfo
 from .connection import ControlConnection, TlsFailed
 from .link import Link, Pending
+from .liveness import Liveness, PeerLost
 from .listener import FailedListener, Listener, close_quietly, refuse_busy
 from .settings import MAX_CLUSTERS_PER_CALL, LinkSettings
 
@@ -247,7 +248,6 @@ class LinkManager:
         self._unavailable: set[str] = set()   # transports found unusable here after a deferred offer
         self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
         self.loop.on_dead(self._on_loop_dead)
-        self._keepalive_seq = itertools.count(1)
         self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
         memory.regions.add_listener(self._on_regions_changed)
         memory.add_change_listener(self.announce_all)
@@ -840,7 +840,7 @@ class LinkManager:
             if (link.setup_descriptor or {}).get(DEFERRED_KEY):
                 raise ProtocolError(f"the peer chose {link.transport!r} from a deferred offer but sent no descriptor")
             self._connect_channel(link, link.setup_descriptor or {}, deadline)
-            link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
+            link.liveness.restart(time.monotonic())   # liveness counts from LINKED, not from a slow handshake
             # LINKED before our tables leave: the peer is LINKED only once they arrive, so by the time its
             # link_clusters returns this side already is
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
@@ -882,7 +882,9 @@ class LinkManager:
         Welcome and resumes it."""
         fsm = self._lc.create(peer.cluster_id, peer=peer.cluster_id)
         link = Link(peer_cluster_id=peer.cluster_id, fsm=fsm, control=conn, peer=peer, is_client=is_client,
-                    transport=transport, transport_reason=reason, strand=Strand(self.loop.pool))
+                    transport=transport, transport_reason=reason, strand=Strand(self.loop.pool),
+                    liveness=Liveness(peer=peer.cluster_id, timeout_s=self.settings.peer_timeout_s,
+                                      last_rx=time.monotonic()))
         with self._lock:
             old = self._links.get(peer.cluster_id)
             self._links[peer.cluster_id] = link
@@ -1101,7 +1103,7 @@ class LinkManager:
             if not link.fsm.in_(LINK_SETTING_UP):
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             self._connect_channel(link, peer.transport.descriptor, deadline)
-            link.last_rx = time.monotonic()   # liveness counts from LINKED, not from a slow handshake
+            link.liveness.restart(time.monotonic())   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
             link.settled.set()
             return link
@@ -1291,7 +1293,7 @@ class LinkManager:
         """A message arrived (loop thread): cheap ones now, the rest on the link's strand, in order."""
         if self._hooks.drops_control_message(link.peer_cluster_id, msg):
             return  # a plugin (fault injection) dropped it: as if the network lost it
-        link.last_rx = time.monotonic()
+        link.liveness.received(time.monotonic())
         if type(msg) in self._INLINE and link.strand.idle():
             self._handle(link, msg)
         else:
@@ -1333,7 +1335,7 @@ class LinkManager:
                                          sent_at_ns=time.monotonic_ns()))
 
     def _on_keepalive_ack(self, link: Link, msg: m.KeepaliveAck) -> None:
-        link.rtt_s = max(0, time.monotonic_ns() - msg.echo_sent_at_ns) / 1e9
+        link.liveness.acked(time.monotonic_ns(), msg.echo_sent_at_ns)
 
     def _on_reply(self, link: Link, msg: Any) -> None:
         pending = link.pending.get(msg.request_id)
@@ -1529,27 +1531,21 @@ class LinkManager:
         if self._closed:
             return
         now = time.monotonic()
-        limit = self.settings.peer_timeout_s
         for link in self.links():
             if not link.fsm.in_(LINK_KEEPS_ALIVE):
                 continue
-            stalled = link.control.stalled_since
-            if now - link.last_rx > limit or (stalled is not None and now - stalled > limit):
-                self._submit(link, self._check_liveness, link)
+            action = link.liveness.tick(now, link.control.stalled_since)
+            if isinstance(action, PeerLost):
+                self._submit(link, self._check_liveness, link)   # failing a link is blocking work
                 continue
-            self.notify(link, m.Keepalive(seq=next(self._keepalive_seq), sent_at_ns=time.monotonic_ns()))
+            self.notify(link, m.Keepalive(seq=action.seq, sent_at_ns=time.monotonic_ns()))
         self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
 
     def _check_liveness(self, link: Link) -> None:
-        now = time.monotonic()
-        limit = self.settings.peer_timeout_s
-        if now - link.last_rx > limit:
-            reason = f"no message from peer {link.peer_cluster_id} for {now - link.last_rx:.1f} s"
-        elif link.control.stalled_since is not None and now - link.control.stalled_since > limit:
-            reason = f"peer {link.peer_cluster_id} has read nothing for {now - link.control.stalled_since:.1f} s"
-        else:
-            return
-        self._fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
+        """On the link's strand: still lost now (a message may have arrived meanwhile)? Fail it."""
+        reason = link.liveness.lost(time.monotonic(), link.control.stalled_since)
+        if reason is not None:
+            self._fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
