@@ -2,7 +2,7 @@
 
 Each run starts a fresh prompt and decoder (spawned, one engine each, shm transport), registers a
 64 KiB layout and a 16 KiB layout of 64 tensors on both sides, links, and measures in the decoder,
-interleaved with their bare-syscall anchors (``llmdd._bench.small.rows``):
+interleaved with their bare-syscall anchors (``llmdd._tools.bench.small.rows``):
 
 * ``pull_1x64k``: ``pull_blocks`` of one 64 KiB block of one tensor vs one ``process_vm_readv``;
 * ``push_1x64k``: ``push_blocks`` of one 64 KiB block vs one ``process_vm_writev``;
@@ -25,9 +25,9 @@ import statistics
 import sys
 import time
 
-from llmdd._bench.common import KiB, MiB, load_average
-from llmdd._bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_DECODER, SALT_PROMPT, close_all, start_peers
-from llmdd._bench.small import TARGETS, rows
+from llmdd._tools.bench.common import KiB, MiB, load_average
+from llmdd._tools.bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_DECODER, SALT_PROMPT, close_all, start_peers
+from llmdd._tools.bench.small import TARGETS, rows
 
 
 #: the shapes profiled by --profile: row -> (layout block bytes, blocks, tensors, op)

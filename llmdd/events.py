@@ -1,6 +1,6 @@
 """Public: the transition events subscribers receive and their names."""
 
-from ._events import (
+from llmdd._lifecycle.events import (
     EVENT_CACHE_TRANSITION as EVENT_CACHE_TRANSITION,
     EVENT_COMM_GROUP_TRANSITION as EVENT_COMM_GROUP_TRANSITION,
     EVENT_ENGINE_TRANSITION as EVENT_ENGINE_TRANSITION,
@@ -9,7 +9,7 @@ from ._events import (
     EVENT_LISTENER_TRANSITION as EVENT_LISTENER_TRANSITION,
     TransitionEvent as TransitionEvent,
 )
-from ._lifecycle.tables import (
+from llmdd._lifecycle.tables import (
     CacheState as CacheState,
     CommGroupState as CommGroupState,
     EngineState as EngineState,

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:
-    from ._events import TransitionEvent
-    from .plugin import EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
+    from llmdd._lifecycle.events import TransitionEvent
+    from llmdd.plugin import EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
 
 __all__ = [
     "llmdd_addhooks",

@@ -8,9 +8,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .._ioloop import EVENT_READ, EVENT_WRITE, IoLoop
-from .._log import get_logger
-from .._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
+from llmdd._control.ioloop import EVENT_READ, EVENT_WRITE, IoLoop
+from llmdd._base.log import get_logger
+from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 
 __all__ = ["ControlConnection", "TlsFailed"]
 

@@ -12,13 +12,13 @@ from typing import Any, Optional
 
 import attrs
 
-from .._abc import Channel
-from .._lifecycle.machines import Tracked
-from .._lifecycle.tables import LINK_IN_USE, LinkState
-from .._protocol.handshake import DescriptorTables, TableAnnouncer
-from .._status import LLMStatusCode
-from .connection import ControlConnection
-from .liveness import Liveness
+from llmdd._seam.abc import Channel
+from llmdd._lifecycle.machines import Tracked
+from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
+from llmdd._control.protocol.handshake import DescriptorTables, TableAnnouncer
+from llmdd._base.status import LLMStatusCode
+from llmdd._control.connection import ControlConnection
+from llmdd._control.liveness import Liveness
 
 __all__ = ["Link", "Pending"]
 

@@ -12,16 +12,16 @@ import socket
 import time
 from typing import TYPE_CHECKING, Optional
 
-from .._ioloop import EVENT_READ
-from .._lifecycle.machines import Tracked
-from .._lifecycle.tables import LISTENER_OPEN
-from .._log import get_logger
-from .._protocol import messages as m
-from .._protocol.codec import Connection
-from .._status import LLMStatusCode
+from llmdd._control.ioloop import EVENT_READ
+from llmdd._lifecycle.machines import Tracked
+from llmdd._lifecycle.tables import LISTENER_OPEN
+from llmdd._base.log import get_logger
+from llmdd._control.protocol import messages as m
+from llmdd._control.protocol.codec import Connection
+from llmdd._base.status import LLMStatusCode
 
 if TYPE_CHECKING:
-    from .manager import LinkManager
+    from llmdd._control.manager import LinkManager
 
 __all__ = ["Listener", "FailedListener", "ACCEPT_PAUSE_S", "close_quietly", "refuse_busy"]
 

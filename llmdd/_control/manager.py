@@ -1,15 +1,15 @@
 """The link manager: handshakes, table exchange, requests and notices, keepalive, unlink.
 
 One :class:`LinkManager` per initialized engine.  A link to a peer cluster is a TCP
-control connection carrying the sans-io protocol of :mod:`llmdd._protocol`, plus a
+control connection carrying the sans-io protocol of :mod:`llmdd._control.protocol`, plus a
 data channel of the transport both sides agreed on.  The link's state lives in the
 link lifecycle (``_lifecycle/tables.py``); this module does the I/O and fires the
 outcome triggers.
 
-Threads: the engine's I/O loop (:mod:`llmdd._ioloop`) drives listeners, handshakes, every
+Threads: the engine's I/O loop (:mod:`llmdd._control.ioloop`) drives listeners, handshakes, every
 link's control connection, keepalives and deadlines from one thread; blocking work (transport
 plugins, hook subscribers, memory calls) runs on the loop's bounded pool, in order per link
-(a :class:`~llmdd._ioloop.Strand`), and endpoint registrations and table announcements on one
+(a :class:`~llmdd._control.ioloop.Strand`), and endpoint registrations and table announcements on one
 registrar thread.  The thread count does not grow with links or connections.  All are daemon
 threads: they never keep the interpreter alive, and the exit handler's ``finalize`` closes them.
 
@@ -36,22 +36,22 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import attrs
 from msgspec.structs import replace as msgspec_replace
 
-from .._abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
-from .._ioloop import IoLoop, Pool, PoolFull, Strand
-from .._lifecycle.machines import Lifecycle, Tracked
-from .._lifecycle.tables import (
+from llmdd._seam.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
+from llmdd._control.ioloop import IoLoop, Pool, PoolFull, Strand
+from llmdd._lifecycle.machines import Lifecycle, Tracked
+from llmdd._lifecycle.tables import (
     LINK_BUSY, LINK_CLAIMABLE, LINK_DOWN, LINK_FAILED, LINK_KEEPS_ALIVE, LINK_PROCESSING,
     LINK_SETTING_UP, LINK_UNLINKING, Machine,
 )
-from .._log import get_logger
-from .._options import is_local_address
-from .._enums import LLMRole
-from .._options import EngineOptions
-from .._plugins import Hooks, LazyCandidates
-from .._port import DataService, RequestOp, request_op
-from .._protocol import messages as m
-from .._protocol.codec import PEER_CLOSED, ProtocolError
-from .._protocol.handshake import (
+from llmdd._base.log import get_logger
+from llmdd._base.options import is_local_address
+from llmdd._base.enums import LLMRole
+from llmdd._base.options import EngineOptions
+from llmdd._extension.manager import Hooks, LazyCandidates
+from llmdd._data.port import DataService, RequestOp, request_op
+from llmdd._control.protocol import messages as m
+from llmdd._control.protocol.codec import PEER_CLOSED, ProtocolError
+from llmdd._control.protocol.handshake import (
     PRE_AUTH_MAX_FRAME_SIZE,
     ClientHandshake,
     HandshakeConfig,
@@ -59,18 +59,18 @@ from .._protocol.handshake import (
     ServerHandshake,
     new_incarnation,
 )
-from .._status import InvalidStateError, LLMException, LLMStatusCode
-from ..plugin import LinkInfo
-from .connection import ControlConnection, TlsFailed
-from .link import Link, Pending
-from .liveness import Liveness, PeerLost
-from .listener import FailedListener, Listener, close_quietly, refuse_busy
-from .settings import MAX_CLUSTERS_PER_CALL, LinkSettings
+from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
+from llmdd.plugin import LinkInfo
+from llmdd._control.connection import ControlConnection, TlsFailed
+from llmdd._control.link import Link, Pending
+from llmdd._control.liveness import Liveness, PeerLost
+from llmdd._control.listener import FailedListener, Listener, close_quietly, refuse_busy
+from llmdd._control.settings import MAX_CLUSTERS_PER_CALL, LinkSettings
 
 if TYPE_CHECKING:
-    from .._lifecycle.machines import Lifecycle
-    from .._memory.manager import MemoryManager
-    from .._profiles import ChipProfile
+    from llmdd._lifecycle.machines import Lifecycle
+    from llmdd._memory.manager import MemoryManager
+    from llmdd._base.profiles import ChipProfile
 
 #: the control plane's own request op: a client's data descriptor for a transport offered by name only
 LINK_DESCRIPTOR_OP = "link_descriptor"

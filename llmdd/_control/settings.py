@@ -9,8 +9,8 @@ from typing import Optional
 
 import attrs
 
-from .._options import K_TLS_CA, K_TLS_CERT, K_TLS_INSECURE, K_TLS_KEY, K_TLS_SERVER_NAME, tls_config
-from .._status import LLMException, LLMStatusCode
+from llmdd._base.options import K_TLS_CA, K_TLS_CERT, K_TLS_INSECURE, K_TLS_KEY, K_TLS_SERVER_NAME, tls_config
+from llmdd._base.status import LLMException, LLMStatusCode
 
 __all__ = ["LinkSettings", "MAX_CLUSTERS_PER_CALL"]
 

@@ -26,9 +26,9 @@ from typing import Any, Callable, Mapping
 import attrs
 from transitions import Machine as _TMachine
 
-from .._events import TransitionEvent
-from .._status import InvalidStateError, LLMStatusCode
-from .tables import ABSORBED, FINAL, INITIAL, STATES, TABLES, Machine
+from llmdd._lifecycle.events import TransitionEvent
+from llmdd._base.status import InvalidStateError, LLMStatusCode
+from llmdd._lifecycle.tables import ABSORBED, FINAL, INITIAL, STATES, TABLES, Machine
 
 __all__ = ["Lifecycle", "Tracked", "LifecycleStatistics", "build_transitions_machine", "compile_table"]
 

@@ -42,10 +42,10 @@ from typing import Optional, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._enums import Placement
-from .._log import get_logger
-from .._status import LLMException, LLMStatusCode
-from . import segments as _segments
+from llmdd._base.enums import Placement
+from llmdd._base.log import get_logger
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._memory import segments as _segments
 
 __all__ = [
     "Segment",

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .._status import LLMException, LLMStatusCode
+from llmdd._base.status import LLMException, LLMStatusCode
 
 __all__ = [
     "COPY_OP_DTYPE",

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 * **Pools.** ``llm.MemPoolConfig`` configures the DEVICE pool and
   ``llm.HostMemPoolConfig`` the HOST pool (JSON parsed by
-  :func:`llmdd._config.parse_mem_pool_cfg`; a bad config fails ``init`` with
+  :func:`llmdd._base.config.parse_mem_pool_cfg`; a bad config fails ``init`` with
   ``LLM_PARAM_INVALID``).  A configured pool is created **on demand, at the
   first allocation** from it: an engine that configures a pool it never uses
   reserves no memory, and a pool that cannot be created (``/dev/shm`` too small)
@@ -45,20 +45,20 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import attrs
 
-from .._config import parse_mem_pool_cfg
-from .._enums import Placement
-from .._lifecycle.machines import Lifecycle, Tracked
-from .._lifecycle.tables import CACHE_HOLDS_MEMORY, CACHE_RELEASE_PENDING, CacheState
-from .._log import get_logger
-from .._status import LLMException, LLMStatusCode
-from .._types import BlocksCacheKey, CacheDesc, CacheKey, cache_key_index
-from .._validation import INVALID_ID
-from .backend import MemoryBackend, backend_for
-from .copy import Bounds
-from .outbox import Outbox
-from .pool import PagePool
-from .regions import Region, RegionSpec, RegionTable
-from .segments import reclaim_leftovers
+from llmdd._base.config import parse_mem_pool_cfg
+from llmdd._base.enums import Placement
+from llmdd._lifecycle.machines import Lifecycle, Tracked
+from llmdd._lifecycle.tables import CACHE_HOLDS_MEMORY, CACHE_RELEASE_PENDING, CacheState
+from llmdd._base.log import get_logger
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._base.types import BlocksCacheKey, CacheDesc, CacheKey, cache_key_index
+from llmdd._base.validation import INVALID_ID
+from llmdd._memory.backend import MemoryBackend, backend_for
+from llmdd._memory.copy import Bounds
+from llmdd._memory.outbox import Outbox
+from llmdd._memory.pool import PagePool
+from llmdd._memory.regions import Region, RegionSpec, RegionTable
+from llmdd._memory.segments import reclaim_leftovers
 
 __all__ = ["MemoryManager", "CacheRecord", "OPT_MEM_POOL", "OPT_HOST_MEM_POOL"]
 

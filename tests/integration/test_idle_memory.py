@@ -5,7 +5,7 @@
 * the whole process stays within 45 MiB RSS: not met yet (see the xfail reason and
   bench/results-committed/issue22/rss-*.json), kept strict so it fails once the bound holds;
 * a link costs the server at most 64 KiB of RSS, over 16 links from synthetic clients that speak the
-  real protocol (llmdd._bench.scaling).
+  real protocol (llmdd._tools.bench.scaling).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_idle_engine_loads_no_structlog_until_a_line_is_written():
     script = textwrap.dedent("""
         import json, logging, sys
         import llmdd
-        from llmdd._log import get_logger
+        from llmdd._base.log import get_logger
         records = []
         handler = logging.Handler()
         handler.emit = records.append
