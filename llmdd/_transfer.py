@@ -119,7 +119,7 @@ class _QuickPlan:
     """What a small pull_blocks / push_blocks of one shape needs besides its block lists."""
 
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
-                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block")
+                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "fast", "chan")
 
     def __init__(self, link: Any, tables: Any, rec: Any, cache_id: int, src: CacheLayout, dst: CacheLayout,
                  src_tensors: range, dst_tensors: range, push: bool) -> None:
@@ -133,6 +133,8 @@ class _QuickPlan:
                       for t1, t2 in zip(src_tensors, dst_tensors)]
         self.bs, self.su, self.du = src.unit_size, src.units, dst.units
         self.per_block = src.unit_size * len(self.pairs)
+        self.fast: Any = None   # the channel's one-call path for this shape (see TransferEngine._run_fast)
+        self.chan: Any = None   # the channel ``fast`` was made by
 
     def ops(self, src_blocks: Any, dst_blocks: Any) -> tuple:
         """(ops, total bytes): the ops :func:`plan_blocks` makes for these blocks (the same rows, in the
@@ -192,6 +194,21 @@ class _QuickPlan:
                           src_tensors=self.src_tensors, dst_tensors=self.dst_tensors,
                           local="src" if self.push else "dst")
         return ops, (int(ops["length"].sum()) if len(ops) else 0)
+
+
+#: the task triggers of a blocking transfer that succeeded (run_ops: start, transfer_succeeded)
+_TASK_DONE = ("start", "transfer_succeeded")
+
+
+def _fast_for(link: Any, plan: _QuickPlan) -> Any:
+    """The link's channel's one-call path for ``plan``'s shape, or None (a channel without one: tcp,
+    ucx, a fault-injecting wrapper; or one that cannot take the shape)."""
+    channel = link.channel
+    plan.chan = channel
+    make = getattr(channel, "quick_plan", None)
+    if make is None:
+        return None
+    return make(plan.pairs, plan.bs, plan.su, plan.du, plan.push)
 
 
 class TransferEngine:
@@ -469,10 +486,41 @@ class TransferEngine:
         plan_blocks(src=src, dst=dst, src_blocks=[0], dst_blocks=[0], src_tensors=src_tensors,
                     dst_tensors=dst_tensors, local="src" if push else "dst")
         plan = _QuickPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push)
+        plan.fast = _fast_for(link, plan)
         if len(self._plans) > 4096:
             self._plans.clear()
         self._plans[pk] = plan
         return plan
+
+    def _run_fast(self, link: Any, plan: "_QuickPlan", rec: Any, src_blocks: Any, dst_blocks: Any,
+                  kind: str) -> bool:
+        """The planned shape's bytes in one call of the channel's own path (the shm plugin's C
+        function; issue 21), under the link's transfer lock as :meth:`run_ops`; True when done.
+
+        Taken only while nobody listens to task events and no hook wraps transfers (the task's
+        create / start / succeeded are then counted at once, as :meth:`run_ops` leaves them). False,
+        with nothing counted and the lock released, when the channel did not do it (a table changed
+        since the plan, a block the planner decides, the owner holding its lock, an error): the
+        caller then takes the ops path, which does the transfer or reports the error as it would."""
+        if (link.channel is not plan.chan or not self._hooks.runs_transfers_directly()
+                or not self._tasks.quiet()):
+            return False
+        self._acquire(link)
+        try:
+            moved = plan.fast(src_blocks, dst_blocks)
+            if moved < 0:
+                plan.fast = _fast_for(link, plan)   # built on the tables of now (None: not this shape)
+                return False
+            self._tasks.count_quiet(_TASK_DONE)
+            if plan.push:
+                self._lm.record_transfer(link, written=moved)
+            else:
+                self._lm.record_transfer(link, read=moved)
+                if not rec.live:   # unregistered while the bytes moved: the caller's cache is gone
+                    raise self._local_outcome(rec, None, kind)
+        finally:
+            link.transfer_lock.release()
+        return True
 
     def pull_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
                           dst_layer_range: Any, tnpl: int) -> None:
@@ -486,6 +534,9 @@ class TransferEngine:
         if plan is None:
             self.pull(key, cache, kind="pull_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+            return
+        if plan.fast is not None and self._run_fast(link, plan, rec, src_blocks, dst_blocks, "pull_blocks"):
+            self._queue_notice(link, (_READ, plan.cache_id, tuple(src_blocks)))
             return
         ops, nbytes = plan.ops(src_blocks, dst_blocks)
         self._acquire(link)
@@ -512,6 +563,9 @@ class TransferEngine:
         if plan is None:
             self.push(key, cache, kind="push_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+            return
+        if plan.fast is not None and self._run_fast(link, plan, rec, src_blocks, dst_blocks, "push_blocks"):
+            self._push_notice(link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
             return
         ops, nbytes = plan.ops(src_blocks, dst_blocks)
         dt = plan.dst_tensors

@@ -196,6 +196,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
     import io
     import pstats
     import statistics
+    import types
 
     import llmdd
     from llmdd import _planner, _transfer
@@ -214,7 +215,8 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
     for i in range(min(100, n)):
         call(i)
     engine = cm._transfers
-    core = engine._core
+    # the engine's collaborators (the composition root hands them to it)
+    core = types.SimpleNamespace(hooks=engine._hooks, tasks=engine._tasks)
     acc: dict = {}
     pc = time.perf_counter
 

@@ -155,12 +155,41 @@ class Lifecycle:
         self._triggers: collections.Counter[str] = collections.Counter()
         self._refused = 0
         self._last_error: str | None = None
+        self._quiet_paths: dict[tuple[str, ...], bool] = {}
 
     def create(self, resource_id: Any, **info: Any) -> Tracked:
         tracked = Tracked(self, resource_id, info)
         with self._stats_lock:
             self._live[tracked.state] += 1
         return tracked
+
+    # ---- resources nobody watches (the small-transfer path, issue 21)
+    def quiet(self) -> bool:
+        """True when no listener wants this machine's events now (then :meth:`count_quiet` may stand
+        for a resource's create and fires)."""
+        wants = self._wants
+        return self._emit is None or (wants is not None and not wants(None))
+
+    def count_quiet(self, triggers: tuple[str, ...]) -> None:
+        """Count a resource created and driven through ``triggers`` from the initial state to a final
+        one, as :meth:`create` and each :meth:`Tracked.fire` would (no event: see :meth:`quiet`)."""
+        known = self._quiet_paths.get(triggers)
+        if known is None:
+            state = self._initial
+            for trigger in triggers:
+                hit = self._fast.get((state, trigger))
+                if hit is None:
+                    raise InvalidStateError(f"{self.machine.value}: {triggers!r} is not a path from "
+                                            f"{self._initial.value!r}", status_code=LLMStatusCode.LLM_FAILED)
+                state = hit[0]
+            if state not in self._final:
+                raise InvalidStateError(f"{self.machine.value}: {triggers!r} does not end in a final state",
+                                        status_code=LLMStatusCode.LLM_FAILED)
+            known = self._quiet_paths[triggers] = True
+        with self._stats_lock:
+            counts = self._triggers
+            for trigger in triggers:
+                counts[trigger] += 1
 
     def statistics(self) -> LifecycleStatistics:
         with self._stats_lock:
