@@ -228,9 +228,15 @@ class TransferEngine:
         self._local_layouts: dict[int, tuple[Any, tuple, CacheLayout]] = {}
         self._blocks_refs: dict[int, Any] = {}  # model_id -> KeyRef of its blocks key (immutable)
         self._plans: dict[tuple, _QuickPlan] = {}  # the small-transfer path's per-shape plans
+        # the last small pull / push with a one-call plan: (key, cache, src range, dst range, tnpl, plan)
+        self._memo_pull: Optional[tuple] = None
+        self._memo_push: Optional[tuple] = None
         self._read_done: dict[int, list] = {}   # id(link) -> [link, queued notice, ...]
         self._sending: dict[int, int] = {}       # id(link) -> batches of its notices the flusher is sending
-        self._read_done_lock = threading.Condition()
+        # the condition's lock, named so the per-call _queue_notice enters it without the
+        # Condition's Python-level __enter__/__exit__ (two interpreter calls per small transfer)
+        self._read_done_mutex = threading.RLock()
+        self._read_done_lock = threading.Condition(self._read_done_mutex)
         self._closed = False
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
@@ -522,15 +528,41 @@ class TransferEngine:
             link.transfer_lock.release()
         return True
 
+    def _memo_plan(self, memo: Optional[tuple], key: Any, cache: Any, src_layer_range: Any, dst_layer_range: Any,
+                   tnpl: int) -> Optional["_QuickPlan"]:
+        """The plan of the last small transfer in this direction when this call names the same key,
+        cache and range objects (immutable, and held by the memo: identity stands for equality) and
+        that plan is still what :meth:`_quick_plan` would return (same live record and regions; the
+        link still the cluster's and LINKED, same tables and versions, same channel); else None."""
+        if (memo is None or memo[0] is not key or memo[1] is not cache or memo[2] is not src_layer_range
+                or memo[3] is not dst_layer_range or memo[4] != tnpl):
+            return None
+        plan = memo[5]
+        rec, link = plan.rec, plan.link
+        tables = link.tables
+        if (self._memory.get(cache.cache_id) is rec and rec.live and rec.regions is plan.regions
+                and link.state is LinkState.LINKED and tables is plan.tables
+                and tables.cache_table_version == plan.cv and tables.regions_version == plan.rv
+                and plan.fast is not None and link.channel is plan.chan
+                and self._lm.get(key.cluster_id) is link):
+            return plan
+        return None
+
     def pull_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
                           dst_layer_range: Any, tnpl: int) -> None:
         """:meth:`pull` of kind ``pull_blocks`` for a ``BlocksCacheKey`` without a tag; the caller
         checked the arguments (lists of ints, equal non-zero lengths)."""
+        plan = self._memo_plan(self._memo_pull, key, cache, src_layer_range, dst_layer_range, tnpl)
+        if plan is not None and self._run_fast(plan.link, plan, plan.rec, src_blocks, dst_blocks, "pull_blocks"):
+            self._queue_notice(plan.link, (_READ, plan.cache_id, tuple(src_blocks)))
+            return
         rec = self._memory.get(cache.cache_id)
         plan = None
         if rec is not None and rec.live:
             link = self._link_for(key.cluster_id)
             plan = self._quick_plan(False, link, rec, key, src_layer_range, dst_layer_range, tnpl)
+            if plan is not None and plan.fast is not None:
+                self._memo_pull = (key, cache, src_layer_range, dst_layer_range, tnpl, plan)
         if plan is None:
             self.pull(key, cache, kind="pull_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
@@ -555,11 +587,17 @@ class TransferEngine:
                           dst_layer_range: Any, tnpl: int) -> None:
         """:meth:`push` of kind ``push_blocks`` for a ``BlocksCacheKey`` without a tag; the caller
         checked the arguments (lists of ints, equal non-zero lengths, non-empty layer ranges)."""
+        plan = self._memo_plan(self._memo_push, key, cache, src_layer_range, dst_layer_range, tnpl)
+        if plan is not None and self._run_fast(plan.link, plan, plan.rec, src_blocks, dst_blocks, "push_blocks"):
+            self._push_notice(plan.link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
+            return
         rec = self._memory.get(cache.cache_id)
         plan = None
         if rec is not None and rec.live:
             link = self._link_for(key.cluster_id)
             plan = self._quick_plan(True, link, rec, key, src_layer_range, dst_layer_range, tnpl)
+            if plan is not None and plan.fast is not None:
+                self._memo_push = (key, cache, src_layer_range, dst_layer_range, tnpl, plan)
         if plan is None:
             self.push(key, cache, kind="push_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
@@ -884,7 +922,7 @@ class TransferEngine:
         self._queue_notice(link, (_READ, cache_id, src_blocks))
 
     def _queue_notice(self, link: Any, item: tuple) -> None:
-        with self._read_done_lock:
+        with self._read_done_mutex:   # == self._read_done_lock (its lock)
             wake = not self._read_done  # the flusher sleeps only while the queue is empty
             queued = self._read_done.get(id(link))
             if queued is None:

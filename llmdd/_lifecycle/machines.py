@@ -155,7 +155,7 @@ class Lifecycle:
         self._triggers: collections.Counter[str] = collections.Counter()
         self._refused = 0
         self._last_error: str | None = None
-        self._quiet_paths: dict[tuple[str, ...], bool] = {}
+        self._quiet_paths: dict[tuple[str, ...], int] = {}   # triggers -> resources counted by count_quiet
 
     def create(self, resource_id: Any, **info: Any) -> Tracked:
         tracked = Tracked(self, resource_id, info)
@@ -173,8 +173,7 @@ class Lifecycle:
     def count_quiet(self, triggers: tuple[str, ...]) -> None:
         """Count a resource created and driven through ``triggers`` from the initial state to a final
         one, as :meth:`create` and each :meth:`Tracked.fire` would (no event: see :meth:`quiet`)."""
-        known = self._quiet_paths.get(triggers)
-        if known is None:
+        if triggers not in self._quiet_paths:
             state = self._initial
             for trigger in triggers:
                 hit = self._fast.get((state, trigger))
@@ -185,18 +184,24 @@ class Lifecycle:
             if state not in self._final:
                 raise InvalidStateError(f"{self.machine.value}: {triggers!r} does not end in a final state",
                                         status_code=LLMStatusCode.LLM_FAILED)
-            known = self._quiet_paths[triggers] = True
-        with self._stats_lock:
-            counts = self._triggers
+            with self._stats_lock:
+                self._quiet_paths.setdefault(triggers, 0)
+        with self._stats_lock:   # counted into _triggers by statistics()
+            self._quiet_paths[triggers] += 1
+
+    def _trigger_counts(self) -> dict[str, int]:
+        counts = collections.Counter(self._triggers)
+        for triggers, n in self._quiet_paths.items():
             for trigger in triggers:
-                counts[trigger] += 1
+                counts[trigger] += n
+        return dict(counts)
 
     def statistics(self) -> LifecycleStatistics:
         with self._stats_lock:
             return LifecycleStatistics(
                 machine=self.machine,
                 live={s.value: n for s, n in self._live.items() if n},
-                triggers=dict(self._triggers),
+                triggers=self._trigger_counts(),
                 refused=self._refused,
                 last_error=self._last_error,
             )
