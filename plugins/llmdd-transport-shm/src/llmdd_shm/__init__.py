@@ -987,9 +987,10 @@ class ShmChannel(Channel):
 
     def statistics(self) -> dict:
         with self._lock:
+            # cma_calls: every process_vm_* call of this channel (the connect-time probe included)
             return _quick.merged(dict(self._stats, remote_regions=len(self._remote), mapped_segments=len(self._maps),
                                       closed=self._closed, cma=self._cma_ok, cma_reason=self._cma_reason,
-                                      peer_pid=self._pid), self._qc, channel=True)
+                                      peer_pid=self._pid, cma_calls=self._cma.calls), self._qc, channel=True)
 
     def quick_plan(self, pairs, block_bytes: int, src_units: int, dst_units: int, push: bool):
         """The C path of one small-transfer shape (``llmdd_shm._quick.quick_plan``), or None."""
