@@ -212,3 +212,36 @@ def test_a_subscriber_registered_after_init_gets_the_later_task_events(peer_pool
     assert all(e["info"]["kind"] == "pull_blocks" and e["info"]["bytes"] == bs and e["info"]["peer"] == PROMPT
                for e in events)
     assert events[0]["id"] == events[1]["id"]
+
+
+def test_small_transfers_over_shm_take_the_one_call_path(peer_pool):
+    """With the C extension (required where LLMDD_REQUIRE_NATIVE=1: CI), a small pull_blocks /
+    push_blocks over shm is one call of the channel's quick path: its counter grows by one per call
+    and the bytes land; the same calls with a tag (the full path, the control) leave it alone."""
+    p, d, port = _pair(peer_pool, "shm")
+    nl, nb, bs = 2, 16, 8192
+    p.call(P.register, "src", nl, [nb, bs], blocks=True, seed=241, key=BlocksCacheKey(PROMPT, 0))
+    d.call(P.register, "dst", nl, [nb, bs], blocks=True)
+    _linked(d, port)
+    first = d.call(S.shm_channel, PROMPT)
+    if not first["native"]:
+        assert os.environ.get("LLMDD_REQUIRE_NATIVE") != "1", "the shm C path silently fell back in a child"
+        pytest.skip("the shm C extension is not active here")
+    rng = np.random.default_rng(7)
+    pairs = [(int(s), int(t)) for s, t in zip(rng.integers(0, nb, 12), rng.permutation(nb)[:12])]
+    assert d.call(S.pull_many, PROMPT, 0, "dst", pairs, nl) == len(pairs)
+    mid = d.call(S.shm_channel, PROMPT)["stats"]
+    assert mid["quick_batches"] - first["stats"].get("quick_batches", 0) == len(pairs)
+    assert mid["bytes_read"] - first["stats"]["bytes_read"] == len(pairs) * nl * bs
+    src = p.call(P.snapshot, "src").reshape(nl, nb, bs)
+    dst = d.call(P.snapshot, "dst").reshape(nl, nb, bs)
+    for s, t in pairs:
+        assert np.array_equal(dst[:, t], src[:, s])
+    key = BlocksCacheKey(PROMPT, 0)
+    kw = {"src_layer_range": range(0, nl), "dst_layer_range": range(0, nl), "tensor_num_per_layer": 1}
+    assert d.call(S.outcome, "pull_blocks", key, "@dst", [1], [2], tag=b"full", **kw) == "LLM_SUCCESS"
+    after = d.call(S.shm_channel, PROMPT)["stats"]
+    assert after["quick_batches"] == mid["quick_batches"]
+    assert after["bytes_read"] - mid["bytes_read"] == nl * bs
+    assert d.call(S.outcome, "pull_blocks", key, "@dst", [1], [2], **kw) == "LLM_SUCCESS"
+    assert d.call(S.shm_channel, PROMPT)["stats"]["quick_batches"] == mid["quick_batches"] + 1

@@ -115,7 +115,9 @@ _ST_OK, _ST_FALLBACK, _ST_BUSY, _ST_CLOSED, _ST_STALE, _ST_CMA, _ST_NOPROGRESS, 
 def data_path() -> dict:
     """Which data path this process's shm batches take: ``{"native": bool, "path": str, "reason": str}``."""
     if _native is not None:
-        return {"native": True, "path": f"C extension (llmdd_shm._shmfast, ABI {NATIVE_ABI})", "reason": ""}
+        return {"native": True, "path": f"C extension (llmdd_shm._shmfast, ABI {NATIVE_ABI}): small blocks "
+                                        f"transfers in one call, other batches in one call per chunk",
+                "reason": ""}
     return {"native": False, "path": "pure Python", "reason": NATIVE_REASON}
 
 __all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
