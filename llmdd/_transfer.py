@@ -508,24 +508,26 @@ class TransferEngine:
         with nothing counted and the lock released, when the channel did not do it (a table changed
         since the plan, a block the planner decides, the owner holding its lock, an error): the
         caller then takes the ops path, which does the transfer or reports the error as it would."""
-        if (link.channel is not plan.chan or not self._hooks.runs_transfers_directly()
+        fast = plan.fast   # another thread may replace it (see below)
+        if (fast is None or link.channel is not plan.chan or not self._hooks.runs_transfers_directly()
                 or not self._tasks.quiet()):
             return False
         self._acquire(link)
         try:
-            moved = plan.fast(src_blocks, dst_blocks)
-            if moved < 0:
-                plan.fast = _fast_for(link, plan)   # built on the tables of now (None: not this shape)
-                return False
-            self._tasks.count_quiet(_TASK_DONE)
-            if plan.push:
-                self._lm.record_transfer(link, written=moved)
-            else:
-                self._lm.record_transfer(link, read=moved)
-                if not rec.live:   # unregistered while the bytes moved: the caller's cache is gone
-                    raise self._local_outcome(rec, None, kind)
+            moved = fast(src_blocks, dst_blocks)
+            if moved >= 0:
+                self._tasks.count_quiet(_TASK_DONE)
+                if plan.push:
+                    self._lm.record_transfer(link, written=moved)
+                else:
+                    self._lm.record_transfer(link, read=moved)
+                    if not rec.live:   # unregistered while the bytes moved: the caller's cache is gone
+                        raise self._local_outcome(rec, None, kind)
         finally:
             link.transfer_lock.release()
+        if moved < 0:
+            plan.fast = _fast_for(link, plan)   # on the tables of now (None: not this shape); no lock held
+            return False
         return True
 
     def _memo_plan(self, memo: Optional[tuple], key: Any, cache: Any, src_layer_range: Any, dst_layer_range: Any,

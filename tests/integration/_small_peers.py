@@ -54,3 +54,8 @@ def shm_channel(state: dict, remote: int) -> dict:
 
     link = state["dd"].cache_manager._transfers._lm.get(remote)
     return {"native": llmdd_shm.data_path()["native"], "stats": dict(link.channel.statistics())}
+
+
+def task_triggers(state: dict) -> dict:
+    """The engine's task lifecycle statistics: trigger -> count."""
+    return dict(state["dd"].cache_manager._transfers._tasks.statistics().triggers)
