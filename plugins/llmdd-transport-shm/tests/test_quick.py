@@ -148,6 +148,12 @@ def test_quick_declines_without_landing_a_byte(sides):
             assert f(s, d) == FALLBACK, (s, d)
         with pytest.raises(TypeError):
             f([0])
+    # a block whose offset wraps 64 bits (2**52 * 4 KiB == 2**64) under a plan that allows any block id
+    wide = ch.quick_plan([(1, 10)], bs, 1 << 62, 1 << 62, False)
+    assert wide([1 << 52], [0]) == FALLBACK and wide([0], [1 << 52]) == FALLBACK
+    assert wide([2], [3]) == bs   # the control: an ordinary block under the same plan lands
+    assert np.array_equal(a.bufs[1][3 * bs:4 * bs], b.bufs[10][2 * bs:3 * bs])
+    local0 = a.bufs[1].copy()
     assert unchanged()
     # the owner holds the lock on its slots (mid-deregistration): busy, nothing moved
     fd = _seg.open_fd(b.ep._ctl_name)

@@ -416,8 +416,9 @@ typedef struct {
     uint64_t slot, gen;
 } qslot_t;
 
-/* the blocks of one list as uint64 (exact ints in [0, limit)); 0, or -1 when not (nothing raised) */
-static int quick_blocks(PyObject *seq, Py_ssize_t n, uint64_t limit, uint64_t *out) {
+/* the blocks of one list as uint64 (exact ints in [0, limit) and at most maxv, so that block * bs + bs
+ * does not wrap); 0, or -1 when not (nothing raised) */
+static int quick_blocks(PyObject *seq, Py_ssize_t n, uint64_t limit, uint64_t maxv, uint64_t *out) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *o = items[i];
@@ -428,7 +429,7 @@ static int quick_blocks(PyObject *seq, Py_ssize_t n, uint64_t limit, uint64_t *o
             PyErr_Clear();
             return -1;
         }
-        if (v >= limit)
+        if (v >= limit || v > maxv)
             return -1;
         out[i] = v;
     }
@@ -466,7 +467,8 @@ static PyObject *shmfast_quick(PyObject *self, PyObject *const *args, Py_ssize_t
     if (n == 0 || n > QUICK_MAX_BLOCKS || PySequence_Fast_GET_SIZE(src) != n)
         return quick_status(ST_FALLBACK);
     uint64_t sb[QUICK_MAX_BLOCKS], db[QUICK_MAX_BLOCKS];
-    if (quick_blocks(src, n, h.su, sb) || quick_blocks(dst, n, h.du, db))
+    const uint64_t maxv = (UINT64_MAX - h.bs) / h.bs;
+    if (quick_blocks(src, n, h.su, maxv, sb) || quick_blocks(dst, n, h.du, maxv, db))
         return quick_status(ST_FALLBACK);
     for (Py_ssize_t i = 1; i < n; i++) /* a destination listed twice: the planner decides which wins */
         for (Py_ssize_t j = 0; j < i; j++)
