@@ -460,6 +460,12 @@ static PyObject *shmfast_quick(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     const qpair_t *pairs = (const qpair_t *)(raw + sizeof(qhdr_t));
     const qslot_t *slots = (const qslot_t *)(raw + sizeof(qhdr_t) + h.npairs * sizeof(qpair_t));
+    for (uint64_t j = 0; j < h.nslots; j++) { /* the slot array of the mapped control segment */
+        if (slots[j].slot >= MAX_SLOTS || slots[j].slot < h.slot_lo || slots[j].slot >= h.slot_hi) {
+            PyErr_SetString(PyExc_ValueError, "quick plan names a slot outside its range");
+            return NULL;
+        }
+    }
     PyObject *src = args[1], *dst = args[2];
     if (!(PyList_CheckExact(src) || PyTuple_CheckExact(src)) || !(PyList_CheckExact(dst) || PyTuple_CheckExact(dst)))
         return quick_status(ST_FALLBACK);
