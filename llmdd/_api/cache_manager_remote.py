@@ -51,16 +51,18 @@ _U32_MAX = 2**32 - 1
 def _plain_blocks(src_blocks, dst_blocks) -> bool:
     """True when both block lists are what the small-transfer path takes without further checks:
     a list or tuple each, of equal non-zero length (at most 16), of ``int`` (not bool) in uint64."""
-    if type(src_blocks) not in (list, tuple) or type(dst_blocks) not in (list, tuple):
+    ts, td = type(src_blocks), type(dst_blocks)
+    if (ts is not list and ts is not tuple) or (td is not list and td is not tuple):
         return False
     n = len(dst_blocks)
     if not 0 < n <= 16 or len(src_blocks) != n:
         return False
+    top = _U64_MAX
     for b in src_blocks:
-        if type(b) is not int or not 0 <= b <= _U64_MAX:
+        if type(b) is not int or b < 0 or b > top:
             return False
     for b in dst_blocks:
-        if type(b) is not int or not 0 <= b <= _U64_MAX:
+        if type(b) is not int or b < 0 or b > top:
             return False
     return True
 

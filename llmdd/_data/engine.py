@@ -118,7 +118,7 @@ class _QuickPlan:
     """What a small pull_blocks / push_blocks of one shape needs besides its block lists."""
 
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
-                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block")
+                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "fast", "chan")
 
     def __init__(self, link: Any, tables: Any, rec: Any, cache_id: int, src: CacheLayout, dst: CacheLayout,
                  src_tensors: range, dst_tensors: range, push: bool) -> None:
@@ -132,6 +132,8 @@ class _QuickPlan:
                       for t1, t2 in zip(src_tensors, dst_tensors)]
         self.bs, self.su, self.du = src.unit_size, src.units, dst.units
         self.per_block = src.unit_size * len(self.pairs)
+        self.fast: Any = None   # the channel's one-call path for this shape (see TransferEngine._run_fast)
+        self.chan: Any = None   # the channel ``fast`` was made by
 
     def ops(self, src_blocks: Any, dst_blocks: Any) -> tuple:
         """(ops, total bytes): the ops :func:`plan_blocks` makes for these blocks (the same rows, in the
@@ -193,6 +195,21 @@ class _QuickPlan:
         return ops, (int(ops["length"].sum()) if len(ops) else 0)
 
 
+#: the task triggers of a blocking transfer that succeeded (run_ops: start, transfer_succeeded)
+_TASK_DONE = ("start", "transfer_succeeded")
+
+
+def _fast_for(link: Any, plan: _QuickPlan) -> Any:
+    """The link's channel's one-call path for ``plan``'s shape, or None (a channel without one: tcp,
+    ucx, a fault-injecting wrapper; or one that cannot take the shape)."""
+    channel = link.channel
+    plan.chan = channel
+    make = getattr(channel, "quick_plan", None)
+    if make is None:
+        return None
+    return make(plan.pairs, plan.bs, plan.su, plan.du, plan.push)
+
+
 class TransferEngine:
     """Pulls and pushes of one engine."""
 
@@ -210,9 +227,15 @@ class TransferEngine:
         self._local_layouts: dict[int, tuple[Any, tuple, CacheLayout]] = {}
         self._blocks_refs: dict[int, Any] = {}  # model_id -> KeyRef of its blocks key (immutable)
         self._plans: dict[tuple, _QuickPlan] = {}  # the small-transfer path's per-shape plans
+        # the last small pull / push with a one-call plan: (key, cache, src range, dst range, tnpl, plan)
+        self._memo_pull: Optional[tuple] = None
+        self._memo_push: Optional[tuple] = None
         self._read_done: dict[int, list] = {}   # id(link) -> [link, queued notice, ...]
         self._sending: dict[int, int] = {}       # id(link) -> batches of its notices the flusher is sending
-        self._read_done_lock = threading.Condition()
+        # the condition's lock, named so the per-call _queue_notice enters it without the
+        # Condition's Python-level __enter__/__exit__ (two interpreter calls per small transfer)
+        self._read_done_mutex = threading.RLock()
+        self._read_done_lock = threading.Condition(self._read_done_mutex)
         self._closed = False
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
@@ -476,23 +499,85 @@ class TransferEngine:
         plan_blocks(src=src, dst=dst, src_blocks=[0], dst_blocks=[0], src_tensors=src_tensors,
                     dst_tensors=dst_tensors, local="src" if push else "dst")
         plan = _QuickPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push)
+        plan.fast = _fast_for(link, plan)
         if len(self._plans) > 4096:
             self._plans.clear()
         self._plans[pk] = plan
         return plan
 
+    def _run_fast(self, link: Any, plan: "_QuickPlan", rec: Any, src_blocks: Any, dst_blocks: Any,
+                  kind: str) -> bool:
+        """The planned shape's bytes in one call of the channel's own path (the shm plugin's C
+        function; issue 21), under the link's transfer lock as :meth:`run_ops`; True when done.
+
+        Taken only while nobody listens to task events and no hook wraps transfers (the task's
+        create / start / succeeded are then counted at once, as :meth:`run_ops` leaves them). False,
+        with nothing counted and the lock released, when the channel did not do it (a table changed
+        since the plan, a block the planner decides, the owner holding its lock, an error): the
+        caller then takes the ops path, which does the transfer or reports the error as it would."""
+        fast = plan.fast   # another thread may replace it (see below)
+        if (fast is None or link.channel is not plan.chan or not self._hooks.runs_transfers_directly()
+                or not self._tasks.quiet()):
+            return False
+        self._acquire(link)
+        try:
+            moved = fast(src_blocks, dst_blocks)
+            if moved >= 0:
+                self._tasks.count_quiet(_TASK_DONE)
+                if plan.push:
+                    self._lm.record_transfer(link, written=moved)
+                else:
+                    self._lm.record_transfer(link, read=moved)
+                    if not rec.live:   # unregistered while the bytes moved: the caller's cache is gone
+                        raise self._local_outcome(rec, None, kind)
+        finally:
+            link.transfer_lock.release()
+        if moved < 0:
+            plan.fast = _fast_for(link, plan)   # on the tables of now (None: not this shape); no lock held
+            return False
+        return True
+
+    def _memo_plan(self, memo: Optional[tuple], key: Any, cache: Any, src_layer_range: Any, dst_layer_range: Any,
+                   tnpl: int) -> Optional["_QuickPlan"]:
+        """The plan of the last small transfer in this direction when this call names the same key,
+        cache and range objects (immutable, and held by the memo: identity stands for equality) and
+        that plan is still what :meth:`_quick_plan` would return (same live record and regions; the
+        link still the cluster's and LINKED, same tables and versions, same channel); else None."""
+        if (memo is None or memo[0] is not key or memo[1] is not cache or memo[2] is not src_layer_range
+                or memo[3] is not dst_layer_range or memo[4] != tnpl):
+            return None
+        plan = memo[5]
+        rec, link = plan.rec, plan.link
+        tables = link.tables
+        if (self._memory.get(cache.cache_id) is rec and rec.live and rec.regions is plan.regions
+                and link.linked and tables is plan.tables
+                and tables.cache_table_version == plan.cv and tables.regions_version == plan.rv
+                and plan.fast is not None and link.channel is plan.chan
+                and self._lm.get(key.cluster_id) is link):
+            return plan
+        return None
+
     def pull_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
                           dst_layer_range: Any, tnpl: int) -> None:
         """:meth:`pull` of kind ``pull_blocks`` for a ``BlocksCacheKey`` without a tag; the caller
         checked the arguments (lists of ints, equal non-zero lengths)."""
+        plan = self._memo_plan(self._memo_pull, key, cache, src_layer_range, dst_layer_range, tnpl)
+        if plan is not None and self._run_fast(plan.link, plan, plan.rec, src_blocks, dst_blocks, "pull_blocks"):
+            self._queue_notice(plan.link, (_READ, plan.cache_id, tuple(src_blocks)))
+            return
         rec = self._memory.get(cache.cache_id)
         plan = None
         if rec is not None and rec.live:
             link = self._link_for(key.cluster_id)
             plan = self._quick_plan(False, link, rec, key, src_layer_range, dst_layer_range, tnpl)
+            if plan is not None and plan.fast is not None:
+                self._memo_pull = (key, cache, src_layer_range, dst_layer_range, tnpl, plan)
         if plan is None:
             self.pull(key, cache, kind="pull_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+            return
+        if plan.fast is not None and self._run_fast(link, plan, rec, src_blocks, dst_blocks, "pull_blocks"):
+            self._queue_notice(link, (_READ, plan.cache_id, tuple(src_blocks)))
             return
         ops, nbytes = plan.ops(src_blocks, dst_blocks)
         self._acquire(link)
@@ -511,14 +596,23 @@ class TransferEngine:
                           dst_layer_range: Any, tnpl: int) -> None:
         """:meth:`push` of kind ``push_blocks`` for a ``BlocksCacheKey`` without a tag; the caller
         checked the arguments (lists of ints, equal non-zero lengths, non-empty layer ranges)."""
+        plan = self._memo_plan(self._memo_push, key, cache, src_layer_range, dst_layer_range, tnpl)
+        if plan is not None and self._run_fast(plan.link, plan, plan.rec, src_blocks, dst_blocks, "push_blocks"):
+            self._push_notice(plan.link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
+            return
         rec = self._memory.get(cache.cache_id)
         plan = None
         if rec is not None and rec.live:
             link = self._link_for(key.cluster_id)
             plan = self._quick_plan(True, link, rec, key, src_layer_range, dst_layer_range, tnpl)
+            if plan is not None and plan.fast is not None:
+                self._memo_push = (key, cache, src_layer_range, dst_layer_range, tnpl, plan)
         if plan is None:
             self.push(key, cache, kind="push_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
+            return
+        if plan.fast is not None and self._run_fast(link, plan, rec, src_blocks, dst_blocks, "push_blocks"):
+            self._push_notice(link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
             return
         ops, nbytes = plan.ops(src_blocks, dst_blocks)
         dt = plan.dst_tensors
@@ -837,7 +931,7 @@ class TransferEngine:
         self._queue_notice(link, (_READ, cache_id, src_blocks))
 
     def _queue_notice(self, link: Any, item: tuple) -> None:
-        with self._read_done_lock:
+        with self._read_done_mutex:   # == self._read_done_lock (its lock)
             wake = not self._read_done  # the flusher sleeps only while the queue is empty
             queued = self._read_done.get(id(link))
             if queued is None:

@@ -219,6 +219,7 @@ class Lifecycle:
         self._refused = 0
         self._absorbed = 0
         self._last_error: str | None = None
+        self._quiet_paths: dict[tuple[str, ...], int] = {}   # triggers -> resources counted by count_quiet
 
     def create(self, resource_id: Any, **info: Any) -> Tracked:
         tracked = Tracked(self, resource_id, info)
@@ -226,12 +227,45 @@ class Lifecycle:
             self._live[tracked.state] += 1
         return tracked
 
+    # ---- resources nobody watches (the small-transfer path, issue 21)
+    def quiet(self) -> bool:
+        """True when no listener wants this machine's events now (then :meth:`count_quiet` may stand
+        for a resource's create and fires)."""
+        wants = self._wants
+        return self._emit is None or (wants is not None and not wants(None))
+
+    def count_quiet(self, triggers: tuple[str, ...]) -> None:
+        """Count a resource created and driven through ``triggers`` from the initial state to a final
+        one, as :meth:`create` and each :meth:`Tracked.fire` would (no event: see :meth:`quiet`)."""
+        if triggers not in self._quiet_paths:
+            state = self._initial
+            for trigger in triggers:
+                hit = self._fast.get((state, trigger))
+                if hit is None:
+                    raise InvalidStateError(f"{self.machine.value}: {triggers!r} is not a path from "
+                                            f"{self._initial.value!r}", status_code=LLMStatusCode.LLM_FAILED)
+                state = hit[0]
+            if state not in self._final:
+                raise InvalidStateError(f"{self.machine.value}: {triggers!r} does not end in a final state",
+                                        status_code=LLMStatusCode.LLM_FAILED)
+            with self._stats_lock:
+                self._quiet_paths.setdefault(triggers, 0)
+        with self._stats_lock:   # counted into _triggers by statistics()
+            self._quiet_paths[triggers] += 1
+
+    def _trigger_counts(self) -> dict[str, int]:
+        counts = collections.Counter(self._triggers)
+        for triggers, n in self._quiet_paths.items():
+            for trigger in triggers:
+                counts[trigger] += n
+        return dict(counts)
+
     def statistics(self) -> LifecycleStatistics:
         with self._stats_lock:
             return LifecycleStatistics(
                 machine=self.machine,
                 live={s.value: n for s, n in self._live.items() if n},
-                triggers=dict(self._triggers),
+                triggers=self._trigger_counts(),
                 refused=self._refused,
                 absorbed=self._absorbed,
                 last_error=self._last_error,

@@ -173,6 +173,7 @@ def cmd_shm_data_path(self) -> dict:
 #: (stage, object path from the worker's engine core, attribute)
 _STAGES = (
     ("transport (TransferEngine._move: channel read/write + wait)", "transfers", "_move"),
+    ("one-call transport (the channel's quick plan: checks, lock, copy, unlock in C)", "plans", "fast"),
     ("planning (plan_blocks, _QuickPlan.ops)", "_planner_mod", "plan_blocks+ops"),
     ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers",
      "_quick_plan+local_layout+remote_layout"),
@@ -196,6 +197,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
     import io
     import pstats
     import statistics
+    import types
 
     import llmdd
     from llmdd._data import planner as _planner, engine as _transfer
@@ -214,7 +216,8 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
     for i in range(min(100, n)):
         call(i)
     engine = cm._transfers
-    core = engine._core
+    # the engine's collaborators (the composition root hands them to it)
+    core = types.SimpleNamespace(hooks=engine._hooks, tasks=engine._tasks)
     acc: dict = {}
     pc = time.perf_counter
 
@@ -242,6 +245,10 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
                 restore.append(wrap(core.hooks, attr, stage))
             elif where == "tasks":
                 restore.append(wrap(core.tasks, attr, stage))
+            elif where == "plans":   # the kept plans' one-call paths (made by the warm-up calls)
+                for plan in list(engine._plans.values()):
+                    if getattr(plan, attr, None) is not None:
+                        restore.append(wrap(plan, attr, stage))
             elif hasattr(engine, attr):
                 restore.append(wrap(engine, attr, stage))
     # every task transition (fire) of the tasks this call creates counts as lifecycle
@@ -279,7 +286,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
         for obj, attr, orig in reversed(restore):
             if isinstance(obj, type):
                 setattr(obj, attr, orig)
-            elif obj is _planner or obj is _transfer:
+            elif obj is _planner or obj is _transfer or isinstance(obj, _transfer._QuickPlan):
                 setattr(obj, attr, orig)
             else:
                 obj.__dict__.pop(attr, None)
@@ -315,3 +322,36 @@ def install(worker_cls: type) -> None:
 
 
 __all__ = ["install", "rows", "TARGETS", "cmd_small_latency", "cmd_cma_small_latency"]
+
+
+#: how the rows read in the report table
+_ROW_TITLES = {"pull_1x64k": "`pull_blocks` 1 x 64 KiB", "push_1x64k": "`push_blocks` 1 x 64 KiB",
+               "pull_8x2x16k": "`pull_blocks` 8 x 2 x 16 KiB"}
+
+
+def markdown(results: list, names: list) -> list:
+    """The lines of a markdown table of ``bench/small_transfers.py`` runs (its ``results.json`` each,
+    ``names`` the paths they were read from): per run and row, the median ratio to the bare system
+    call of each data path with every run's ratio and llmdd p50, the target and the verdict on the
+    median (what the script computed: ``met``)."""
+    out = ["| run (load before -> after) | row | pure Python: ratio (runs) | C path: ratio (runs) | "
+           "C path llmdd p50 us (runs) | bare call p50 us (runs) | target | met (C path) |",
+           "|---|---|---:|---:|---:|---:|---:|---|"]
+    for res, name in zip(results, names):
+        load = f"{res['load_before'][0]:.1f} -> {res['load_after'][0]:.1f}"
+        summary = res["summary"]
+        for row, title in _ROW_TITLES.items():
+            py, nat = summary.get("python", {}).get(row), summary.get("native", {}).get(row)
+
+            def cell(v: dict | None) -> str:
+                if v is None:
+                    return "-"
+                return f"{v['ratio_p50_median']:.2f}x ({', '.join(f'{x:.2f}' for x in v['ratios'])})"
+
+            us = (", ".join(f"{x:.1f}" for x in nat["llmdd_p50_us"]) if nat else "-")
+            bare = (", ".join(f"{x:.1f}" for x in nat["anchor_p50_us"]) if nat else "-")
+            met = "-" if nat is None else ("**yes**" if nat["met"] and nat["verified"] else "**no**")
+            target = (nat or py or {}).get("target", TARGETS[row])
+            out.append(f"| `{name}` ({load}) | {title} | {cell(py)} | {cell(nat)} | {us} | {bare} | "
+                       f"{target}x | {met} |")
+    return out

@@ -46,3 +46,29 @@ def test_docs_benchmarks_generated_sections_match_the_committed_runs():
         assert body == [""] + want + [""], command
     text = open(path).read()
     assert "../shared" not in text and "DESIGN.md" not in text
+
+
+SMALL_START = re.compile(r"^<!-- generated: (python bench/small_transfers\.py --report .+ --markdown) -->$")
+
+
+def test_docs_benchmarks_small_transfer_tables_match_the_committed_runs():
+    """Issue 21's small-transfer tables are what ``bench/small_transfers.py --report ... --markdown``
+    prints for the committed runs they name (the verdicts are the script's, not typed)."""
+    from llmdd._tools.bench.small import markdown
+
+    lines = open(os.path.join(ROOT, "docs", "benchmarks.md")).read().split("\n")
+    found = 0
+    for i, ln in enumerate(lines):
+        m = SMALL_START.match(ln)
+        if not m:
+            continue
+        found += 1
+        end = lines.index(GEN_END, i)
+        args = shlex.split(m.group(1))[3:-1]
+        assert args and all(a.startswith("bench/results-committed/issue21/") for a in args), args
+        runs = []
+        for a in args:
+            with open(os.path.join(ROOT, a, "results.json")) as f:
+                runs.append(json.load(f))
+        assert lines[i + 1:end] == [""] + markdown(runs, args) + [""], m.group(1)
+    assert found, "docs/benchmarks.md has no generated small-transfer table"
