@@ -9,6 +9,12 @@ loop with its bounded worker pool (a transport with a listening socket serves it
 threads do not grow with connections; ``EVENT_READ`` / ``EVENT_WRITE`` are its readiness flags and
 ``PoolFull`` what a full pool raises); ``tls_config`` turns the engine's ``llmdd.tls_*`` options,
 which a transport receives in its constructor, into the :class:`TlsConfig` the engine itself uses.
+
+The books every transport keeps (``llmdd._transport_kit``): :class:`RegionRegistry` (local regions
+with :class:`RegisteredRegion` entries, their check tables, pins, and cancel-then-drain on
+``deregister`` / ``close``), :class:`Batch` (one batch in flight), :class:`BatchSet` (a channel's
+batches and its close-drain) and :func:`map_os_error` (an exception raised while moving bytes as
+the typed error the seam reports).  docs/writing-a-transport.md shows them at work.
 """
 
 from ._abc import OP_DTYPE as OP_DTYPE
@@ -35,6 +41,11 @@ from ._memory.segments import segment_name as segment_name
 from ._options import TlsConfig as TlsConfig
 from ._options import tls_config as tls_config
 from ._log import get_logger as get_logger
+from ._transport_kit import Batch as Batch
+from ._transport_kit import BatchSet as BatchSet
+from ._transport_kit import RegionRegistry as RegionRegistry
+from ._transport_kit import RegisteredRegion as RegisteredRegion
+from ._transport_kit import map_os_error as map_os_error
 from ._status import TransportError as TransportError
 
 __all__ = [
@@ -63,4 +74,9 @@ __all__ = [
     "coalesce_ops",
     "make_ops",
     "split_ops",
+    "RegisteredRegion",
+    "RegionRegistry",
+    "Batch",
+    "BatchSet",
+    "map_os_error",
 ]

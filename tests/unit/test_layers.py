@@ -34,6 +34,7 @@ LAYERS = [
     ("_owner", "data"),
     ("_port", "port"),
     ("_abc", "seam"),
+    ("_transport_kit", "seam"),
     ("_datadist", "facade"),
     ("_cache_manager", "facade"),
     ("_cache_manager_remote", "facade"),

@@ -89,20 +89,9 @@ from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull, TlsConfig,
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
 from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
-from llmdd.lowlevel import (
-    Cancelled,
-    Corrupt,
-    DoneCompletion,
-    MemRegion,
-    PeerGone,
-    RegionTable,
-    Refused,
-    ThreadCompletion,
-    TransportTimeout,
-    check_ops,
-    coalesce_ops,
-    split_ops,
-)
+from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
+from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout
+from llmdd.lowlevel import coalesce_ops, map_os_error, split_ops
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
 
@@ -304,18 +293,7 @@ def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
             sock.sendall(b)
 
 
-def _map_exc(exc: BaseException) -> TransportError:
-    if isinstance(exc, TransportError):
-        return exc
-    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError,
-                                                               ssl.SSLWantReadError, ssl.SSLWantWriteError)):
-        # a certificate the other side does not accept, a peer that does not speak TLS: a typed refusal
-        return Refused(f"TLS on the data connection failed: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED)
-    if isinstance(exc, (BlockingIOError, TimeoutError)):
-        return TransportTimeout(f"socket timed out: {exc}")
-    if isinstance(exc, OSError):
-        return PeerGone(f"connection failed: {exc}")
-    return Corrupt(f"unexpected failure: {exc!r}")
+_map_exc = map_os_error   # a TLS failure is a typed refusal, EAGAIN under SO_RCVTIMEO a timeout
 
 
 def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
@@ -457,25 +435,23 @@ def llmdd_register_transports(register: Callable[[type], Any]) -> None:
     register(TcpTransport)
 
 
-class _Reg:
-    __slots__ = ("region", "view", "busy")
+class _Reg(RegisteredRegion):
+    __slots__ = ("view",)
 
     def __init__(self, region: MemRegion) -> None:
-        self.region = region
+        super().__init__(region)
         self.view = _region_view(region.addr, region.size)
-        self.busy = 0
 
 
-class _Batch:
-    """The sockets of one batch, so that cancel/deadline/deregister can kill them."""
+class _Batch(Batch):
+    """A batch and its sockets, so that cancel/deadline/deregister can kill them."""
 
-    def __init__(self, regions: frozenset) -> None:
-        self.regions = regions
+    __slots__ = ("socks", "lock")
+
+    def __init__(self) -> None:
+        super().__init__()
         self.socks: list[socket.socket] = []
-        self.aborted = False
         self.lock = threading.Lock()
-        self.completion: Union[ThreadCompletion, None] = None
-        self.pinned: list = []
 
     def adopt(self, sock: socket.socket) -> None:
         with self.lock:
@@ -485,9 +461,8 @@ class _Batch:
         _shutdown(sock)
         raise Cancelled("batch aborted")
 
-    def abort(self) -> None:
+    def on_abort(self) -> None:
         with self.lock:
-            self.aborted = True
             socks = list(self.socks)
         for s in socks:
             _shutdown(s)
@@ -507,15 +482,12 @@ class TcpEndpoint(Endpoint):
         self._id = os.urandom(16)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._regs: dict[int, _Reg] = {}
-        self._local_table = RegionTable()
-        self._served_table = RegionTable()
+        self._regs: RegionRegistry[_Reg] = RegionRegistry(self._cond)
         self._closed = False
         self._server_conns: dict[socket.socket, _ServerConn] = {}
         self._pending: dict[_ServerConn, None] = {}
         self._pending_by_ip: dict[str, int] = {}
         self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
-        self._batches: set[_Batch] = set()
         self._channels: set[TcpChannel] = set()
         self._grants: dict[int, _Grant] = {}
         self._by_handle: dict[bytes, _Grant] = {}
@@ -606,31 +578,17 @@ class TcpEndpoint(Endpoint):
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            if region.region_id in self._regs:
-                raise Refused(f"region {region.region_id} is already registered")
-            self._regs[region.region_id] = _Reg(region)
-            self._rebuild_tables()
+            self._regs.add(_Reg(region))
         return {"transport": "tcp", "endpoint_id": self._id, "region_id": region.region_id,
                 "size": region.size, "remote_accessible": region.remote_accessible}
 
     def deregister(self, region_id: int) -> None:
-        with self._lock:
-            reg = self._regs.pop(region_id, None)
-            if reg is None:
-                return
-            self._rebuild_tables()
+        def stop_serving(_reg: _Reg) -> None:   # under the lock: requests serving it end (their streams die)
             for sock, regions in list(self._serving.values()):
                 if region_id in regions:
                     _shutdown(sock)
-            batches = [b for b in self._batches if region_id in b.regions]
-        for b in batches:
-            if b.completion is not None:
-                b.completion.fail(Cancelled(f"local region {region_id} was deregistered"))
-            else:
-                b.abort()
-        with self._cond:
-            while reg.busy:
-                self._cond.wait()
+        # cancel the batches touching it, then drain: wait until no batch or request pins it
+        self._regs.deregister(region_id, locked=stop_serving)
 
     def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "TcpChannel":
         if self._closed:
@@ -670,6 +628,7 @@ class TcpEndpoint(Endpoint):
             _shutdown(sock)
             self._io.call_soon(conn.release)
         self._io.close()   # joins the loop and the workers (each ends its stream: shut down above)
+        self._regs.close()   # what is left: cancel, then drain
 
     def statistics(self) -> dict:
         with self._lock:
@@ -680,36 +639,17 @@ class TcpEndpoint(Endpoint):
 
     # ------------------------------------------------------------------ shared with channels
 
-    def _rebuild_tables(self) -> None:
-        self._local_table = RegionTable({k: r.region.size for k, r in self._regs.items()})
-        self._served_table = RegionTable({k: r.region.size for k, r in self._regs.items()
-                                          if r.region.remote_accessible})
-
     def _begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[_Batch, dict]:
         """Validate ops and pin their local regions (deregister waits for the pin)."""
+        batch = _Batch()
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            ops = check_ops(ops, self._local_table, remote)
-            local = ops["local_region"]
-            ids = frozenset(local.tolist() if len(ops) <= 8 else np.unique(local).tolist())
-            batch = _Batch(ids)
-            mvs = {}
-            for r in ids:
-                reg = self._regs[r]
-                reg.busy += 1
-                batch.pinned.append(reg)
-                mvs[r] = reg.view
-            self._batches.add(batch)
-        return batch, mvs
+            self._regs.pin(ops, remote, batch)
+        return batch, {e.region_id: e.view for e in batch.pinned}
 
     def _end_batch(self, batch: _Batch) -> None:
-        with self._cond:
-            self._batches.discard(batch)
-            for reg in batch.pinned:  # a deregistered _Reg is still counted down: its waiter holds it
-                reg.busy -= 1
-            batch.pinned = []
-            self._cond.notify_all()
+        self._regs.unpin(batch)   # a deregistered _Reg is still counted down: its drain waits on it
 
     def _forget_channel(self, ch: "TcpChannel") -> None:
         with self._lock:
@@ -907,12 +847,12 @@ class TcpEndpoint(Endpoint):
             if not grant.alive:
                 raise PeerGone("the link of this stream ended (its capability was revoked)")
             try:
-                self._served_table.check(wire["region"], wire["offset"], wire["length"], "remote")
+                self._regs.served.check(wire["region"], wire["offset"], wire["length"], "remote")
                 grant.check(wire["region"])
                 if int(wire["length"].sum(dtype=np.uint64)) != total:
                     raise Corrupt("announced payload does not match the op lengths")
             except Refused as exc:
-                reason = self._refusal_reason(wire, exc)
+                reason = str(exc)
                 self._stats["refused"] += 1
                 self._stats["last_error"] = reason
                 refused = reason
@@ -920,11 +860,10 @@ class TcpEndpoint(Endpoint):
                 refused = None
                 regions = wire["region"].tolist() if len(wire) <= _WINDOW else np.unique(wire["region"]).tolist()
                 ids = frozenset(regions)
-                pinned = [self._regs[r] for r in ids]
-                for reg in pinned:
-                    reg.busy += 1
+                served = Batch(ids)   # the request's pins: a deregistration drains them
+                self._regs.pin_entries(served, ids)
                 grant.busy += 1
-                mvs = {r: self._regs[r].view for r in ids}
+                mvs = {e.region_id: e.view for e in served.pinned}
                 self._serving[token] = (sock, ids)
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
@@ -956,17 +895,8 @@ class TcpEndpoint(Endpoint):
         finally:
             with self._cond:
                 self._serving.pop(token, None)
-                for reg in pinned:
-                    reg.busy -= 1
                 grant.busy -= 1
-                self._cond.notify_all()
-
-    def _refusal_reason(self, wire: np.ndarray, exc: Refused) -> str:
-        for r in np.unique(wire["region"]).tolist():
-            reg = self._regs.get(r)
-            if reg is not None and not reg.region.remote_accessible:
-                return f"region {r} is not remote-accessible"
-        return str(exc)
+                self._regs.unpin_locked(served)
 
 
 class _ServerConn:
@@ -1160,8 +1090,7 @@ class TcpChannel(Channel):
         self._idle: list[socket.socket] = []
         self._remote: dict[int, int] = {}
         self._remote_table = RegionTable()
-        self._closed = False
-        self._active: set[_Batch] = set()
+        self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
         self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
                        "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
@@ -1187,17 +1116,11 @@ class TcpChannel(Channel):
         return self._submit(WRITE, ops, deadline)
 
     def close(self) -> None:
+        # refuse new batches, fail those in flight, wait until they left (the close-drain)
+        if not self._batches.close(Cancelled("channel closed")):
+            return
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            active = list(self._active)
             idle, self._idle = self._idle, []
-        for b in active:
-            if b.completion is not None:
-                b.completion.fail(Cancelled("channel closed"))
-            else:
-                b.abort()
         for s in idle:
             _close(s)
         self._ep._forget_channel(self)
@@ -1205,7 +1128,7 @@ class TcpChannel(Channel):
     def statistics(self) -> dict:
         with self._lock:
             return dict(self._stats, idle_streams=len(self._idle), remote_regions=len(self._remote),
-                        closed=self._closed)
+                        closed=self._batches.closed)
 
     # ------------------------------------------------------------------ streams
 
@@ -1261,7 +1184,7 @@ class TcpChannel(Channel):
         sock = None
         while not fresh:
             with self._lock:
-                if self._closed:
+                if self._batches.closed:
                     raise Cancelled("channel closed")
                 sock = self._idle.pop() if self._idle else None
             if sock is None or not _readable(sock):
@@ -1277,7 +1200,7 @@ class TcpChannel(Channel):
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < 4:
+            if not self._batches.closed and len(self._idle) < 4:
                 self._idle.append(sock)
                 return
         _close(sock)
@@ -1286,12 +1209,16 @@ class TcpChannel(Channel):
 
     def _submit(self, kind: int, ops: np.ndarray, deadline: float) -> Completion:
         with self._lock:
-            if self._closed:
+            if self._batches.closed:
                 raise Cancelled("channel closed")
             remote = self._remote_table
         batch, mvs = self._ep._begin_batch(ops, remote)
-        with self._lock:
-            self._active.add(batch)
+        try:
+            with self._lock:
+                self._batches.add(batch)
+        except BaseException:
+            self._ep._end_batch(batch)
+            raise
         try:
             ops = coalesce_ops(np.asarray(ops))
             total = int(ops["length"].sum(dtype=np.uint64)) if len(ops) else 0
@@ -1313,7 +1240,7 @@ class TcpChannel(Channel):
         workers = [(lambda p=p: self._run_stream_mapped(batch, kind, p, mvs, deadline)) for p in parts]
         batch.completion = ThreadCompletion(
             workers, deadline=deadline, abort=batch.abort,
-            on_done=lambda c: self._finish(batch, c._error, kind, ops, total),
+            on_done=lambda c: self._finish(batch, c.recorded_error, kind, ops, total),
             name="llmdd-tcp-io")
         return batch.completion
 
@@ -1325,7 +1252,7 @@ class TcpChannel(Channel):
             _close(s)
         self._ep._end_batch(batch)
         with self._lock:
-            self._active.discard(batch)
+            self._batches.discard_locked(batch)
             if ops is None:
                 return
             self._stats["batches"] += 1
