@@ -642,6 +642,10 @@ class Transport(abc.ABC):
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
     same_host_only: ClassVar[bool] = False
+    #: True when endpoints opened with a ``secret`` serve only peers that prove the same secret (the
+    #: conformance suite's ``check_authentication`` then requires it); False when the transport's trust
+    #: boundary is elsewhere (same host and user: shm) and a secret is accepted without effect.
+    authenticates: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

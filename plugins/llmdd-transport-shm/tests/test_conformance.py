@@ -12,6 +12,7 @@ Two data paths: the pure-Python one (``llmdd.shm.native=off``) and the C hot pat
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 
 import attrs
@@ -20,7 +21,7 @@ import pytest
 
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
-from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
+from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
 from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
 
@@ -87,6 +88,7 @@ def user_pair(request):
         assert (a._native is not None) is (mode == "on") and (b._native is not None) is (mode == "on")
         return a, b
 
+    make.transport = functools.partial(ShmTransport, {OPT_NATIVE: mode})   # authentication, two processes
     return make
 
 
@@ -99,6 +101,7 @@ def pool_pair(monkeypatch, user_pair):
         a, b = user_pair()
         return _PoolEndpoint(a, pool), _PoolEndpoint(b, pool)
 
+    make.transport = user_pair.transport
     yield make
     pool.release()
 
@@ -120,10 +123,7 @@ def stall(endpoint):
 
 
 def _run_check(check, make):
-    if check is check_deadline:
-        check(make, stall)
-    else:
-        check(make)
+    run_check(check, make, stall=stall, transport=make.transport)
 
 
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)

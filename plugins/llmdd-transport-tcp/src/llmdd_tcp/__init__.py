@@ -404,6 +404,7 @@ class TcpTransport(Transport):
     name = "tcp"
     priority = 10
     same_host_only = False
+    authenticates = True
 
     @classmethod
     def probe(cls) -> TransportInfo:
