@@ -105,8 +105,8 @@ def test_two_engines_pull_over_it():
 def test_the_suite_fails_a_transport_that_breaks_its_rules(monkeypatch):
     """Controls: the authentication and foreign-descriptor checks really fail a transport that ignores
     the secret, or accepts another endpoint's descriptors."""
-    from llmdd.testing._conformance import check_authentication, check_foreign_descriptor
-
+    checks = {c.__name__: c for c in CONFORMANCE_CHECKS}
+    check_authentication, check_foreign_descriptor = checks["check_authentication"], checks["check_foreign_descriptor"]
     real_mac = llmdd_pipe._mac
     with monkeypatch.context() as m:
         m.setattr(llmdd_pipe, "_mac", lambda secret, eid, nonce: real_mac(None, eid, nonce))
@@ -122,3 +122,13 @@ def test_the_suite_fails_a_transport_that_breaks_its_rules(monkeypatch):
         m.setattr(llmdd_pipe.PipeChannel, "add_remote_region", trusting)
         with pytest.raises(AssertionError, match="foreign endpoint succeeded"):
             check_foreign_descriptor(make_pair)
+
+
+def test_the_docs_show_this_source():
+    """docs/writing-a-transport.md shows the whole module; the block and the file stay identical."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = open(os.path.join(root, "src", "llmdd_pipe", "__init__.py"), encoding="utf-8").read()
+    page = open(os.path.join(root, "..", "..", "docs", "writing-a-transport.md"), encoding="utf-8").read()
+    assert "```python\n" + source + "```\n" in page
+    toml = open(os.path.join(root, "pyproject.toml"), encoding="utf-8").read()
+    assert "```toml\n" + toml + "```\n" in page
