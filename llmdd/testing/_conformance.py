@@ -531,14 +531,16 @@ def _peer_process(transport: MakeTransport, conn: Any, seed: int, size: int) -> 
 
 
 def check_two_processes(make_pair: MakePair, transport: MakeTransport) -> None:
-    """A peer endpoint in another process: read and write land byte for byte, both ways; its owner's
+    """A peer endpoint in another process (opened there from ``transport()``; this side's endpoint
+    comes from ``make_pair``): read and write land byte for byte, both ways; its owner's
     deregistration refuses later batches; its exit fails them with PeerGone."""
     size = 1 << 20
     ctx = multiprocessing.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=_peer_process, args=(transport, theirs, 21, size), daemon=True)
     proc.start()
-    ep = transport().open_endpoint(host="127.0.0.1")
+    ep, spare = make_pair()     # this side: an endpoint as make_pair builds them; the peer: transport()
+    spare.close()
     ch = None
     try:
         assert mine.poll(_TIMEOUT * 2), "the peer process did not start its endpoint"
