@@ -199,6 +199,19 @@ class RegionRegistry(Generic[_E]):
     def get(self, region_id: int) -> Optional[_E]:
         return self.entries.get(region_id)
 
+    def __contains__(self, region_id: object) -> bool:
+        return region_id in self.entries
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.entries))
+
+    def items(self) -> list[tuple[int, _E]]:
+        """``(region id, entry)`` pairs, a snapshot (read as a dict of the registered regions)."""
+        return list(self.entries.items())
+
+    def values(self) -> list[_E]:
+        return list(self.entries.values())
+
     # ------------------------------------------------------------------ registration (lock held)
 
     def add(self, entry: _E) -> None:
