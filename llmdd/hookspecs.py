@@ -28,7 +28,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from llmdd._lifecycle.events import TransitionEvent
-    from llmdd.plugin import EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
+    from llmdd.plugin import EngineConfig, LinkInfo, TransferTask, TransportCandidate, TransportRegistry
 
 __all__ = [
     "llmdd_addhooks",
@@ -128,10 +128,11 @@ def llmdd_select_transport(link: LinkInfo, candidates: tuple[TransportCandidate,
 
 
 @_spec(firstresult=True)
-def llmdd_run_transfer(task: Any, run: Callable[[], Any]) -> Any:
+def llmdd_run_transfer(task: TransferTask, run: Callable[[], Any]) -> Any:
     """Run one whole transfer task; ``run()`` moves its bytes.
 
-    :param task: the task being run (its ``id``, kind, link and sizes).
+    :param task: the task being run: a read-only :class:`~llmdd.plugin.TransferTask` (its ``id``,
+        ``kind``, ``peer`` and the ``info`` it was created with), never the engine's own task object.
     :param run: performs the transfer and returns its result; raises the
         transfer's error (a ``TransportError`` subclass).
     :return: the task's result; the first non-``None`` result is used.

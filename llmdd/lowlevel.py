@@ -9,6 +9,12 @@ loop with its bounded worker pool (a transport with a listening socket serves it
 threads do not grow with connections; ``EVENT_READ`` / ``EVENT_WRITE`` are its readiness flags and
 ``PoolFull`` what a full pool raises); ``tls_config`` turns the engine's ``llmdd.tls_*`` options,
 which a transport receives in its constructor, into the :class:`TlsConfig` the engine itself uses.
+
+The books every transport keeps (``llmdd._seam.kit``): :class:`RegionRegistry` (local regions
+with :class:`RegisteredRegion` entries, their check tables, pins, and cancel-then-drain on
+``deregister`` / ``close``), :class:`Batch` (one batch in flight), :class:`BatchSet` (a channel's
+batches and its close-drain) and :func:`map_os_error` (an exception raised while moving bytes as
+the typed error the seam reports).  docs/writing-a-transport.md shows them at work.
 """
 
 from llmdd._seam.abc import OP_DTYPE as OP_DTYPE
@@ -35,6 +41,11 @@ from llmdd._memory.segments import segment_name as segment_name
 from llmdd._base.options import TlsConfig as TlsConfig
 from llmdd._base.options import tls_config as tls_config
 from llmdd._base.log import get_logger as get_logger
+from llmdd._seam.kit import Batch as Batch
+from llmdd._seam.kit import BatchSet as BatchSet
+from llmdd._seam.kit import RegionRegistry as RegionRegistry
+from llmdd._seam.kit import RegisteredRegion as RegisteredRegion
+from llmdd._seam.kit import map_os_error as map_os_error
 from llmdd._base.status import TransportError as TransportError
 
 __all__ = [
@@ -63,4 +74,9 @@ __all__ = [
     "coalesce_ops",
     "make_ops",
     "split_ops",
+    "RegisteredRegion",
+    "RegionRegistry",
+    "Batch",
+    "BatchSet",
+    "map_os_error",
 ]

@@ -36,6 +36,7 @@ __all__ = [
     "LinkInfo",
     "TransportCandidate",
     "TransportRegistry",
+    "TransferTask",
 ]
 
 #: The pluggy project name: hook prefix ``llmdd_`` and entry-point group ``llmdd``.
@@ -51,6 +52,25 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 def _readonly(mapping: Mapping[str, Any] | None) -> Mapping[str, Any]:
     return types.MappingProxyType(dict(mapping or {}))
+
+
+@final
+@attrs.frozen(kw_only=True)
+class TransferTask:
+    """The transfer task ``llmdd_run_transfer`` hands a plugin: a read-only view, never the engine's
+    own task object (a plugin cannot drive its lifecycle).
+
+    :ivar id: the task id (as in its ``llmdd_task_transition`` events' ``resource_id``).
+    :ivar kind: what runs: ``"pull_cache"``, ``"pull_blocks"``, ``"push_blocks"``,
+        ``"transfer_cache_async"``...
+    :ivar peer: the peer engine's cluster id, or None.
+    :ivar info: everything the task was created with (read-only; ``kind`` and ``peer`` included).
+    """
+
+    id: Any
+    kind: Optional[str] = None
+    peer: Optional[int] = None
+    info: Mapping[str, Any] = attrs.field(factory=dict, converter=_readonly)
 
 
 @final

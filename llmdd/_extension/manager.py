@@ -36,13 +36,13 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, final
 
 import attrs
 import pluggy
-from pluggy._manager import DistFacade
 
 from llmdd import hookspecs
 from llmdd._lifecycle.events import TransitionEvent
+from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import Machine
 from llmdd._base.log import get_logger
-from llmdd.plugin import PROJECT, EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
+from llmdd.plugin import PROJECT, EngineConfig, LinkInfo, TransferTask, TransportCandidate, TransportRegistry
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -112,7 +112,10 @@ class LLMDDPluginManager(pluggy.PluginManager):
         super().__init__(PROJECT)
         #: Re-raise subscriber exceptions (after every subscriber ran); tests switch it on.
         self.strict = strict
-        self._monitors = 0
+        #: the installed ``add_hookcall_monitoring`` tracers, oldest first (see :meth:`traced_call`)
+        self._tracers: list[tuple[Any, Any]] = []
+        #: entry point name -> the distribution it came from (:meth:`list_plugin_distinfo`)
+        self._dists: dict[str, Any] = {}
         #: Bumped by every register/unregister: cached hook dispatch is rebuilt after a change.
         self.generation = 0
 
@@ -131,21 +134,37 @@ class LLMDDPluginManager(pluggy.PluginManager):
     @property
     def monitored(self) -> bool:
         """True while some ``add_hookcall_monitoring`` tracer is installed."""
-        return self._monitors > 0
+        return bool(self._tracers)
 
     def add_hookcall_monitoring(self, before: Any, after: Any) -> Callable[[], None]:
         undo = super().add_hookcall_monitoring(before, after)
-        self._monitors += 1
-        done = False
+        entry = (before, after)
+        self._tracers.append(entry)
 
-        def undo_and_count() -> None:
-            nonlocal done
+        def undo_and_forget() -> None:
             undo()
-            if not done:
-                done = True
-                self._monitors -= 1
+            if entry in self._tracers:
+                self._tracers.remove(entry)
 
-        return undo_and_count
+        return undo_and_forget
+
+    def traced_call(self, hook_name: str, impls: Sequence[pluggy.HookImpl], kwargs: Mapping[str, Any],
+                    call: Callable[[], Any]) -> Any:
+        """Run ``call`` (llmdd's own dispatch of ``impls``) as pluggy runs a hook call under its
+        tracers: every ``before`` (the latest installed first), the call, every ``after`` with its
+        :class:`pluggy.Result` (the oldest first).  Public pluggy API only."""
+        tracers = list(self._tracers)
+        for before, _ in reversed(tracers):
+            before(hook_name, impls, kwargs)
+        outcome = pluggy.Result.from_call(call)
+        for _, after in tracers:
+            after(outcome, hook_name, impls, kwargs)
+        return outcome.get_result()
+
+    def list_plugin_distinfo(self) -> list[tuple[object, Any]]:
+        """``(plugin, distribution)`` of every plugin an entry point loaded (``importlib.metadata``
+        distributions: ``dist.metadata["Name"]``, ``dist.version``)."""
+        return [(self.get_plugin(name), dist) for name, dist in self._dists.items() if self.has_plugin(name)]
 
     def load_setuptools_entrypoints(self, group: str, name: Optional[str] = None) -> int:
         """pluggy's loader, one entry point at a time: a plugin that fails to load is logged as
@@ -167,8 +186,7 @@ class LLMDDPluginManager(pluggy.PluginManager):
                                error=f"{type(exc).__name__}: {exc}")
                     continue
                 self.register(plugin, name=ep.name)
-                # keep pluggy's record of which distribution a plugin came from (list_plugin_distinfo)
-                self._plugin_distinfo.append((plugin, DistFacade(dist)))
+                self._dists[ep.name] = dist   # which distribution it came from (list_plugin_distinfo)
                 count += 1
         return count
 
@@ -270,6 +288,33 @@ class _Dispatch:
         self.originals = originals
         self.contained = contained
         self.direct = tuple((i.function, i.argnames, i.kwargnames) for i in reversed(contained))
+
+
+def _run_direct(dispatch: _Dispatch, kwargs: Mapping[str, Any]) -> list:
+    """Call the contained implementations in pluggy's order (LIFO, tryfirst first), without its
+    per-call machinery; their results, a :class:`_Failure` for each that raised."""
+    results = []
+    for function, argnames, kwargnames in dispatch.direct:
+        if kwargnames:
+            result = function(*[kwargs[name] for name in argnames],
+                              **{k: kwargs[k] for k in kwargnames if k in kwargs})
+        elif len(argnames) == 1:
+            result = function(kwargs[argnames[0]])
+        else:
+            result = function(*[kwargs[name] for name in argnames])
+        results.append(result)
+    return results
+
+
+def _task_view(task: Any) -> Any:
+    """What a plugin sees of a task: the engine's tracked task as a :class:`TransferTask` (read-only);
+    anything else (a test's stand-in, a view already) as it is."""
+    if isinstance(task, Tracked):
+        info = dict(task.info)
+        peer = info.get("peer")
+        return TransferTask(id=task.id, kind=info.get("kind"), peer=peer if isinstance(peer, int) else None,
+                            info=info)
+    return task
 
 
 class _RunOnce:
@@ -397,16 +442,10 @@ class Hooks:
 
     # -- notifications -------------------------------------------------------------
 
-    def emitter(self, machine: Machine) -> Optional[Callable[[TransitionEvent], None]]:
-        """The ``emit`` callable for ``Lifecycle(machine, emit)``, or None without subscribers.
-
-        Decided when called: a lifecycle built while nobody subscribes never
-        builds events, so register plugins before the engine creates its
-        lifecycles (``init`` does).  The built-in log observer subscribes to
-        every machine; it returns at once when its logger is disabled.
-        """
-        if not self._transition_hooks[machine].get_hookimpls():
-            return None
+    def emitter(self, machine: Machine) -> Callable[[TransitionEvent], None]:
+        """The ``emit`` callable for ``Lifecycle(machine, emit)``: it calls whoever subscribes when an
+        event comes, so a subscriber registered after the lifecycle was built gets every later event
+        (:meth:`live_emitter` adds a ``wants`` test that skips building events nobody listens to)."""
         return self._emitters[machine]
 
     def live_emitter(self, machine: Machine) -> tuple[Callable[[TransitionEvent], None], Callable[[Any], bool]]:
@@ -438,7 +477,7 @@ class Hooks:
                 state[1] = any(impl.plugin_name != _LOG_OBSERVER for impl in impls)
                 state[2] = any(impl.plugin_name == _LOG_OBSERVER for impl in impls)
                 state[0] = pm.generation
-            if state[1] or pm._monitors:
+            if state[1] or pm.monitored:
                 return True
             return state[2] and (log_module._native or
                                  logger.isEnabledFor(logging.WARNING if error is not None else level))
@@ -492,23 +531,12 @@ class Hooks:
                 dispatch.generation = generation
         if not dispatch.originals:
             return
-        if getattr(pm, "monitored", True):
-            # through pluggy, so that tracers see one call with every subscriber
-            results = pm._hookexec(hook.name, dispatch.contained, kwargs, False)
-            failures = [r for r in results if r.__class__ is _Failure]
+        if isinstance(pm, LLMDDPluginManager) and pm.monitored:
+            # the tracers see one call with every (contained) subscriber, as for a pluggy hook call
+            results = pm.traced_call(hook.name, dispatch.contained, kwargs, lambda: _run_direct(dispatch, kwargs))
         else:
-            # the same calls in pluggy's order (LIFO, tryfirst first), without its per-call machinery
-            failures = None
-            for function, argnames, kwargnames in dispatch.direct:
-                if kwargnames:
-                    result = function(*[kwargs[name] for name in argnames],
-                                      **{k: kwargs[k] for k in kwargnames if k in kwargs})
-                elif len(argnames) == 1:
-                    result = function(kwargs[argnames[0]])
-                else:
-                    result = function(*[kwargs[name] for name in argnames])
-                if result.__class__ is _Failure:
-                    failures = [*(failures or ()), result]
+            results = _run_direct(dispatch, kwargs)
+        failures = [r for r in results if r.__class__ is _Failure]
         if failures and self._strict:
             raise failures[0].error
 
@@ -598,7 +626,7 @@ class Hooks:
             return run()  # nobody intercepts: skip the hook machinery on the per-task path
         hook = self._pm.hook.llmdd_run_transfer
         once = _RunOnce(run)
-        result = hook(task=task, run=once)
+        result = hook(task=_task_view(task), run=once)
         if result is None:
             return once()
         return result

@@ -166,14 +166,22 @@ class RegionTable:
     vectorised numpy calls, whatever its length.
     """
 
-    __slots__ = ("ids", "sizes", "by_id")
+    __slots__ = ("ids", "sizes", "by_id", "private")
 
-    def __init__(self, sizes: Mapping[int, Any] = ()) -> None:
+    def __init__(self, sizes: Mapping[int, Any] = (), *, private: Sequence[int] = ()) -> None:
         items = sorted((int(k), int(v.size if hasattr(v, "size") else v)) for k, v in dict(sizes).items())
         self.ids = np.fromiter((k for k, _ in items), dtype=np.int64, count=len(items))
         self.sizes = np.fromiter((v for _, v in items), dtype=np.uint64, count=len(items))
         #: the same table as a dict, for batches of a few ops (no numpy fixed costs)
         self.by_id = dict(items)
+        #: ids registered by the owner but not remote-accessible: refused as such, not as "not registered"
+        self.private = frozenset(int(k) for k in private)
+
+    def _missing(self, side: str, rid: int) -> Refused:
+        """The one refusal for an op naming a region outside this table."""
+        if rid in self.private:
+            return Refused(f"{side} region {rid} is not remote-accessible")
+        return Refused(f"{side} region {rid} is not registered")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -193,20 +201,19 @@ class RegionTable:
             for i, (rid, off, ln) in enumerate(zip(ids.tolist(), offsets.tolist(), lengths.tolist())):
                 size = by_id.get(rid)
                 if size is None:
-                    raise Refused(f"{side} region {rid} is not registered")
+                    raise self._missing(side, rid)
                 if off < 0 or ln < 0 or off > size or ln > size - off:
                     raise Refused(f"{side} op {i} out of bounds: region {rid} offset {off % 2**64} "
                                   f"length {ln % 2**64} size {size}")
             return
         ids = ids.astype(np.int64, copy=False)
         if not len(self.ids):
-            raise Refused(f"{side} region {int(ids[0])} is not registered")
+            raise self._missing(side, int(ids[0]))
         pos = np.searchsorted(self.ids, ids)
         np.minimum(pos, len(self.ids) - 1, out=pos)
         found = self.ids[pos] == ids
         if not found.all():
-            bad = int(ids[np.argmin(found)])
-            raise Refused(f"{side} region {bad} is not registered")
+            raise self._missing(side, int(ids[np.argmin(found)]))
         size = self.sizes[pos]
         offsets = offsets.astype(np.uint64, copy=False)
         lengths = lengths.astype(np.uint64, copy=False)
@@ -357,44 +364,90 @@ def _wrap_error(exc: BaseException) -> TransportError:
 
 
 class ThreadCompletion(Completion):
-    """A batch run by one or more daemon worker threads; reusable by any transport.
+    """A batch run by one or more workers; reusable by any transport.
 
-    ``workers`` are callables run each in its own daemon thread. ``abort`` must make every
-    worker return promptly (e.g. shut its sockets down); it is called on the first worker
-    error, on :meth:`cancel`, and when ``deadline`` passes during :meth:`wait`. ``on_done``
-    runs once, after every worker has returned and before ``done()`` turns true (release
-    resources there). The first error wins, except that an error set by :meth:`fail`
-    (cancel, deadline, deregistration) wins over what the aborted workers raise.
+    ``workers`` are callables, each run in its own daemon thread, or, with ``pool``, the first in
+    the thread that calls :meth:`start` and the others handed to ``pool(fn)`` (a persistent thread
+    pool's submit: no thread start per batch).  ``abort`` must make every worker return promptly
+    (shut its sockets down, set a flag it checks between chunks); it is called once, on the first
+    worker error, on :meth:`cancel`, and when ``deadline`` passes during :meth:`wait`.  ``on_done``
+    runs once, after every worker has returned and before ``done()`` turns true (release resources
+    there; :attr:`recorded_error` is the batch's error then).  The first error wins, except that an
+    error set by :meth:`fail` (cancel, deadline, deregistration) wins over what the aborted workers
+    raise.  A worker's exception becomes a typed error through ``map_error`` (default: a
+    :class:`~llmdd.lowlevel.TransportError` as it is, a lost connection :class:`PeerGone`, a timeout
+    :class:`TransportTimeout`, anything else :class:`Corrupt`); an interrupt (``KeyboardInterrupt``)
+    fails the batch :class:`Cancelled` and, in the caller's own part, goes on.  With ``start=False``
+    nothing runs before :meth:`start` (publish the completion first, e.g. where a concurrent
+    deregistration finds it).
     """
 
     def __init__(self, workers: Sequence[Callable[[], None]], *, deadline: Union[float, None] = None,
                  abort: Union[Callable[[], None], None] = None,
                  on_done: Union[Callable[["ThreadCompletion"], None], None] = None,
-                 name: str = "llmdd-io") -> None:
+                 name: str = "llmdd-io",
+                 pool: Union[Callable[[Callable[[], None]], Any], None] = None,
+                 map_error: Union[Callable[[BaseException], TransportError], None] = None,
+                 start: bool = True) -> None:
         self._deadline = deadline
         self._abort = abort
         self._on_done = on_done
+        self._name = name
+        self._pool = pool
+        self._map_error = map_error if map_error is not None else _wrap_error
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: Union[TransportError, None] = None
         self._forced: Union[TransportError, None] = None
         self._aborted = False
         self._pending = len(workers)
-        self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{name}-{i}", daemon=True)
-                         for i, w in enumerate(workers)]
-        if not self._threads:
-            self._finish()
-        for t in self._threads:
-            t.start()
+        self._workers: list = list(workers)
+        self._threads: list[threading.Thread] = []
+        self._runners: set[int] = set()   # pool mode: idents of the threads running a part now
+        if start:
+            self.start()
+
+    def start(self) -> "ThreadCompletion":
+        """Run the workers (once); returns self, which may already be done (pool mode)."""
+        workers, self._workers = self._workers, []
+        if not workers:
+            if self._pending == 0 and not self._done.is_set():
+                self._finish()
+            return self
+        if self._pool is None:
+            self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{self._name}-{i}", daemon=True)
+                             for i, w in enumerate(workers)]
+            for t in self._threads:
+                t.start()
+            return self
+        for w in workers[1:]:
+            self._pool(lambda w=w: self._run(w))
+        self._run(workers[0], inline=True)
+        return self
+
+    @property
+    def recorded_error(self) -> Union[TransportError, None]:
+        """The error recorded so far (what ``error`` will be; readable in ``on_done``)."""
+        return self._error
 
     # worker side
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self, work: Callable[[], None], inline: bool = False) -> None:
+        me = threading.get_ident()
+        if self._pool is not None:
+            with self._lock:
+                self._runners.add(me)
         try:
             work()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
-            self._record(_wrap_error(exc))
+            if isinstance(exc, Exception):
+                self._record(self._map_error(exc))
+            else:
+                self._record(Cancelled(f"interrupted: {exc!r}"))
+                if inline:
+                    raise
         finally:
             with self._lock:
+                self._runners.discard(me)
                 self._pending -= 1
                 last = self._pending == 0
             if last:
@@ -444,8 +497,12 @@ class ThreadCompletion(Completion):
         for t in self._threads:
             if t is not me:
                 t.join()
-        if me not in self._threads:
-            self._done.wait()
+        if me in self._threads:
+            return
+        with self._lock:
+            if me.ident in self._runners:
+                return   # a part failing its own batch: the others drain, it returns
+        self._done.wait()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -585,6 +642,10 @@ class Transport(abc.ABC):
     name: ClassVar[str] = ""
     priority: ClassVar[int] = 0
     same_host_only: ClassVar[bool] = False
+    #: True when endpoints opened with a ``secret`` serve only peers that prove the same secret (the
+    #: conformance suite's ``check_authentication`` then requires it); False when the transport's trust
+    #: boundary is elsewhere (same host and user: shm) and a secret is accepted without effect.
+    authenticates: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod

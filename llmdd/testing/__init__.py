@@ -9,6 +9,7 @@
 
 from llmdd.testing._conformance import CONFORMANCE_CHECKS as CONFORMANCE_CHECKS
 from llmdd.testing._conformance import check_transport as check_transport
+from llmdd.testing._conformance import run_check as run_check
 from llmdd.testing._harness import Cluster as Cluster
 from llmdd.testing._harness import PeerCallError as PeerCallError
 from llmdd.testing._harness import PeerExitedError as PeerExitedError
@@ -26,7 +27,7 @@ from llmdd.testing._recorder import HookRecorder as HookRecorder
 from llmdd.testing._recorder import LogOutput as LogOutput
 from llmdd.testing._recorder import capture_log_output as capture_log_output
 
-__all__ = ["CONFORMANCE_CHECKS", "check_transport", "HookCall", "HookRecorder", "LogOutput",
+__all__ = ["CONFORMANCE_CHECKS", "check_transport", "run_check", "HookCall", "HookRecorder", "LogOutput",
            "capture_log_output", "Cluster", "PeerCallError", "PeerExitedError", "PeerHandle", "checkpoint",
            "free_port", "peers", "spawn_peer", "ResourceLeakError", "ResourceSnapshot", "peer_snapshot",
            "LoopbackProxy"]

@@ -16,6 +16,18 @@ or one test per check::
 keeps its connections open but serves no byte (a hung peer). Without it the stalled-peer check
 only covers deadlines that are already past.
 
+``transport`` is a picklable ``() -> Transport`` (a module-level function, or
+``functools.partial(MyTransport, options)``).  The checks that need it open endpoints themselves:
+``check_authentication`` (endpoints opened with a shared ``secret``; when the transport class says
+``authenticates = True``, endpoints with different secrets, or one without, must not move a byte) and
+``check_two_processes`` (the peer endpoint lives in a child process started with ``spawn``, so the
+transport's module must be importable there).  ``check_transport`` and :func:`run_check` pass each
+check what it takes::
+
+    @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
+    def test_conformance(check):
+        run_check(check, make_pair, transport=functools.partial(MyTransport, {}))
+
 Memory is plain numpy host memory (``Placement.HOST``); a check that fails raises
 ``AssertionError`` with what it saw.
 """
@@ -23,7 +35,9 @@ Memory is plain numpy host memory (``Placement.HOST``); a check that fails raise
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
+import multiprocessing
 import threading
 import time
 from typing import Any, Callable, ContextManager, Iterator, Union
@@ -42,10 +56,11 @@ from llmdd._seam.abc import (
 from llmdd._base.enums import Placement
 from llmdd._base.status import TransportError
 
-__all__ = ["check_transport", "CONFORMANCE_CHECKS", "MakePair", "Stall"]
+__all__ = ["check_transport", "run_check", "CONFORMANCE_CHECKS", "MakePair", "Stall", "MakeTransport"]
 
 MakePair = Callable[[], "tuple[Any, Any]"]
 Stall = Callable[[Any], ContextManager[None]]
+MakeTransport = Callable[[], Any]
 
 _SENTINEL = 0xA5
 _TIMEOUT = 20.0
@@ -412,6 +427,165 @@ def check_concurrent_batches(make_pair: MakePair) -> None:
         assert not errors, errors
 
 
+def check_foreign_descriptor(make_pair: MakePair) -> None:
+    """A region descriptor that a third endpoint returned is refused by a channel to another peer
+    (at ``add_remote_region`` or at the batch), and no byte moves to or from either endpoint."""
+    with _pair(make_pair) as (a, b, ch):
+        c_ep, d_ep = make_pair()
+        c, d = _Side(c_ep, 3), _Side(d_ep, 4)
+        try:
+            a.region(1, 1 << 16, fill=_SENTINEL)
+            b.region(10, 1 << 16, fill=_SENTINEL)
+            c.region(10, 1 << 16)              # the same region id, at another endpoint
+            want = c.bufs[10].copy()
+            try:
+                ch.add_remote_region(10, 1 << 16, c.descs[10])
+            except Refused:
+                pass
+            else:
+                for fn in (ch.read, ch.write):
+                    err = _run(fn, make_ops(1, 0, 10, 0, 4096))
+                    if err is None:
+                        raise AssertionError("a batch through a descriptor of a foreign endpoint succeeded")
+                    assert isinstance(err, TransportError), f"foreign descriptor: got {err!r}"
+            assert (a.bufs[1] == _SENTINEL).all(), "bytes of the foreign endpoint landed locally"
+            assert (b.bufs[10] == _SENTINEL).all(), "the peer's region changed"
+            assert np.array_equal(c.bufs[10], want), "the foreign endpoint's region changed"
+            # control: the peer's own descriptor of region 10 works on the same channel
+            b.bufs[10][:64] = np.arange(64, dtype=np.uint8)
+            _learn(ch, b, 10)
+            _ok(ch.read, make_ops(1, 0, 10, 0, 64))
+            assert np.array_equal(a.bufs[1][:64], np.arange(64, dtype=np.uint8))
+        finally:
+            c_ep.close()
+            d_ep.close()
+
+
+def check_authentication(make_pair: MakePair, transport: MakeTransport) -> None:
+    """Endpoints opened with the same ``secret`` move data; when the transport class says
+    ``authenticates = True``, a peer with another secret, or with none, moves no byte: its connect or
+    its first batch fails with a typed error (Refused or PeerGone)."""
+    t = transport()
+    secret = np.random.default_rng(5).integers(0, 256, 32, dtype=np.uint8).tobytes()
+    a = _Side(t.open_endpoint(host="127.0.0.1", secret=secret), 6)
+    b = _Side(t.open_endpoint(host="127.0.0.1", secret=secret), 7)
+    others = [t.open_endpoint(host="127.0.0.1", secret=secret[::-1]), t.open_endpoint(host="127.0.0.1")]
+    ch = None
+    try:
+        a.region(1, 1 << 16, fill=_SENTINEL)
+        b.region(10, 1 << 16)
+        ch = a.ep.connect(b.ep.describe(), timeout=_TIMEOUT)
+        _learn(ch, b, 10)
+        _ok(ch.read, make_ops(1, 0, 10, 0, 1 << 16))
+        _expect_copied(make_ops(1, 0, 10, 0, 1 << 16), a.bufs, b.bufs, read=True)
+        if not getattr(type(t), "authenticates", False):
+            return   # the trust boundary is elsewhere (same host, same user): the secret is accepted
+        a.bufs[1][:] = _SENTINEL
+        for other in others:
+            o = _Side(other, 8)
+            o.region(20, 1 << 16, fill=_SENTINEL)
+            for src, dst, rid, lid in ((a, o, 20, 1), (o, a, 1, 20)):
+                try:
+                    ch2 = src.ep.connect(dst.ep.describe(), timeout=5.0)
+                except TransportError as exc:
+                    assert isinstance(exc, (Refused, PeerGone)), f"unauthenticated connect: got {exc!r}"
+                    continue
+                try:
+                    _learn(ch2, dst, rid)
+                    for fn in (ch2.read, ch2.write):
+                        err = _run(fn, make_ops(lid, 0, rid, 0, 4096))
+                        assert isinstance(err, (Refused, PeerGone)), \
+                            f"a peer with another secret moved data (or failed untyped): {err!r}"
+                finally:
+                    ch2.close()
+            assert (o.bufs[20] == _SENTINEL).all() and (a.bufs[1] == _SENTINEL).all(), \
+                "bytes moved between endpoints with different secrets"
+    finally:
+        if ch is not None:
+            ch.close()
+        for ep in [a.ep, b.ep, *others]:
+            ep.close()
+
+
+def _peer_process(transport: MakeTransport, conn: Any, seed: int, size: int) -> None:
+    """The child of :func:`check_two_processes`: one endpoint, two regions, answers over ``conn``."""
+    t = transport()
+    ep = t.open_endpoint(host="127.0.0.1")
+    try:
+        side = _Side(ep, seed)
+        side.region(10, size)               # random: the parent reads it
+        side.region(11, size, fill=0)       # the parent writes it
+        conn.send((ep.describe(), side.descs[10], side.descs[11]))
+        while conn.poll(_TIMEOUT * 3):
+            cmd, arg = conn.recv()
+            if cmd == "digest":             # the bytes of a region, for the parent to compare
+                conn.send(side.bufs[arg].tobytes())
+            elif cmd == "deregister":
+                ep.deregister(arg)
+                conn.send(True)
+            elif cmd == "exit":
+                conn.send(True)
+                return
+    finally:
+        ep.close()
+
+
+def check_two_processes(make_pair: MakePair, transport: MakeTransport) -> None:
+    """A peer endpoint in another process (opened there from ``transport()``; this side's endpoint
+    comes from ``make_pair``): read and write land byte for byte, both ways; its owner's
+    deregistration refuses later batches; its exit fails them with PeerGone."""
+    size = 1 << 20
+    ctx = multiprocessing.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_peer_process, args=(transport, theirs, 21, size), daemon=True)
+    proc.start()
+    ep, spare = make_pair()     # this side: an endpoint as make_pair builds them; the peer: transport()
+    spare.close()
+    ch = None
+    try:
+        assert mine.poll(_TIMEOUT * 2), "the peer process did not start its endpoint"
+        desc, d10, d11 = mine.recv()
+        a = _Side(ep, 22)
+        a.region(1, size, fill=_SENTINEL)
+        a.region(2, size)
+        ch = ep.connect(desc, timeout=_TIMEOUT)
+        ch.add_remote_region(10, size, d10)
+        ch.add_remote_region(11, size, d11)
+
+        def remote(cmd: str, arg: Any) -> Any:
+            mine.send((cmd, arg))
+            assert mine.poll(_TIMEOUT), f"the peer process did not answer {cmd}"
+            return mine.recv()
+
+        ops = _disjoint_ops(a.rng, 64, 8192, 1, 10, size, size, vary=True)
+        _ok(ch.read, ops)
+        theirs10 = np.frombuffer(remote("digest", 10), dtype=np.uint8)
+        _expect_copied(ops, a.bufs, {10: theirs10}, read=True)
+        assert (theirs10 != _SENTINEL).any()
+        ops = _disjoint_ops(a.rng, 64, 8192, 2, 11, size, size, vary=True)
+        _ok(ch.write, ops)
+        theirs11 = np.frombuffer(remote("digest", 11), dtype=np.uint8)
+        _expect_copied(ops, {11: theirs11}, a.bufs, read=False)
+        assert remote("deregister", 11)
+        a.bufs[1][:] = _SENTINEL
+        err = _run(ch.read, make_ops(1, 0, 11, 0, 64))
+        assert isinstance(err, Refused), f"read of a region its owner deregistered: got {err!r}"
+        assert remote("exit", None)
+        proc.join(_TIMEOUT)
+        assert proc.exitcode == 0, f"peer process exit code {proc.exitcode}"
+        err = _run(ch.read, make_ops(1, 0, 10, 0, 64))
+        assert isinstance(err, PeerGone), f"read from an exited peer process: got {err!r}"
+        assert (a.bufs[1] == _SENTINEL).all()
+    finally:
+        if ch is not None:
+            ch.close()
+        ep.close()
+        if proc.is_alive():
+            proc.kill()
+        proc.join(_TIMEOUT)
+        mine.close()
+
+
 CONFORMANCE_CHECKS = [
     check_describe_and_connect,
     check_read_write_random,
@@ -425,13 +599,29 @@ CONFORMANCE_CHECKS = [
     check_cancel,
     check_deregister_during_traffic,
     check_concurrent_batches,
+    check_foreign_descriptor,
+    check_authentication,
+    check_two_processes,
 ]
 
 
-def check_transport(make_pair: MakePair, *, stall: Union[Stall, None] = None) -> None:
+def run_check(check: Callable[..., None], make_pair: MakePair, *, stall: Union[Stall, None] = None,
+              transport: Union[MakeTransport, None] = None) -> None:
+    """Run one check, passing it ``stall`` and ``transport`` when it takes them.  A check that needs
+    ``transport`` fails with :class:`TypeError` without it (no check is skipped silently)."""
+    params = inspect.signature(check).parameters
+    kwargs: dict = {}
+    if "stall" in params:
+        kwargs["stall"] = stall
+    if "transport" in params:
+        if transport is None:
+            raise TypeError(f"{check.__name__} needs transport=: a picklable () -> Transport")
+        kwargs["transport"] = transport
+    check(make_pair, **kwargs)
+
+
+def check_transport(make_pair: MakePair, *, stall: Union[Stall, None] = None,
+                    transport: Union[MakeTransport, None] = None) -> None:
     """Run every conformance check against ``make_pair`` (see the module docstring)."""
     for check in CONFORMANCE_CHECKS:
-        if check is check_deadline:
-            check(make_pair, stall)
-        else:
-            check(make_pair)
+        run_check(check, make_pair, stall=stall, transport=transport)

@@ -140,9 +140,14 @@ def test_the_checker_sees_a_forbidden_arrow_at_any_depth(tmp_path, monkeypatch):
     assert found == ["llmdd/_memory/_zz_layer_probe.py:2: memory -> facade (_api.datadist.LLMDataDist)"]
 
 
+def _plugin_sources() -> list[pathlib.Path]:
+    """The plugins' sources, and the example transport's (docs/writing-a-transport.md: public API only)."""
+    return sorted([*(ROOT / "plugins").glob("*/src/**/*.py"), *(ROOT / "examples").glob("transport_*/**/*.py")])
+
+
 def _plugin_private_imports() -> list[str]:
     out = []
-    for path in sorted((ROOT / "plugins").glob("*/src/**/*.py")):
+    for path in _plugin_sources():
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
             names = []
@@ -177,7 +182,7 @@ def test_the_plugin_checker_tells_private_from_public(tmp_path, monkeypatch, lin
 def _own_hook_markers() -> list[str]:
     """Plugin sources that build their own pluggy markers instead of using llmdd.plugin.hookimpl."""
     out = []
-    for path in sorted((ROOT / "plugins").glob("*/src/**/*.py")):
+    for path in _plugin_sources():
         for no, line in enumerate(path.read_text().splitlines(), 1):
             if "HookimplMarker(" in line or "HookspecMarker(" in line:
                 out.append(f"{path.relative_to(ROOT)}:{no}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import functools
 import types
 
 import attrs
@@ -26,7 +27,7 @@ import pytest
 from llmdd._seam.abc import DoneCompletion, as_ops
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
-from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
+from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
 from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
 
@@ -150,6 +151,7 @@ def user_pair(request):
             return _QuickEndpoint(a), _QuickEndpoint(b)
         return a, b
 
+    make.transport = functools.partial(ShmTransport, {OPT_NATIVE: mode})   # authentication, two processes
     return make
 
 
@@ -162,6 +164,7 @@ def pool_pair(monkeypatch, user_pair):
         a, b = user_pair()
         return _PoolEndpoint(a, pool), _PoolEndpoint(b, pool)
 
+    make.transport = user_pair.transport
     yield make
     pool.release()
 
@@ -183,10 +186,7 @@ def stall(endpoint):
 
 
 def _run_check(check, make):
-    if check is check_deadline:
-        check(make, stall)
-    else:
-        check(make)
+    run_check(check, make, stall=stall, transport=make.transport)
 
 
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)

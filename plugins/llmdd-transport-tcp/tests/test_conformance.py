@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import pytest
 
-from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
+from llmdd.testing import CONFORMANCE_CHECKS, run_check
 from llmdd_tcp import TcpTransport
 
 
@@ -41,12 +42,9 @@ def stall(endpoint):
 
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
 def test_conformance(check):
-    if check is check_deadline:
-        check(make_pair, stall)
-    else:
-        check(make_pair)
+    run_check(check, make_pair, stall=stall, transport=functools.partial(TcpTransport, {}))
 
 
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS[:2], ids=lambda c: c.__name__)
 def test_conformance_authenticated(check):
-    check(make_pair_with_secret)
+    run_check(check, make_pair_with_secret)

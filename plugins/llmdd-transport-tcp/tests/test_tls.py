@@ -11,6 +11,7 @@ recorder sees it in the clear without TLS (the control).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import socket
@@ -23,7 +24,7 @@ import pytest
 from llmdd import LLMException, LLMStatusCode
 from llmdd.abc import CAPABILITY_KEY
 from llmdd.lowlevel import MemRegion, Refused, make_ops
-from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
+from llmdd.testing import CONFORMANCE_CHECKS, run_check
 from llmdd_tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(120)
@@ -370,7 +371,4 @@ def _stall(endpoint):
 @pytest.mark.parametrize("check", CONFORMANCE_CHECKS, ids=lambda c: c.__name__)
 def test_conformance_over_tls(certs, check):
     _CERTS.update(certs)
-    if check is check_deadline:
-        check(_make_tls_pair, _stall)
-    else:
-        check(_make_tls_pair)
+    run_check(check, _make_tls_pair, stall=_stall, transport=functools.partial(TcpTransport, _opts(certs)))

@@ -7,9 +7,11 @@ its agent's creation only, so both variants run in this one process.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from llmdd.testing._conformance import CONFORMANCE_CHECKS
+from llmdd.testing import CONFORMANCE_CHECKS, run_check
 from llmdd_ucx import UcxTransport
 
 _INFO = UcxTransport.probe()
@@ -18,9 +20,13 @@ pytestmark = pytest.mark.skipif(not _INFO.available, reason=f"ucx transport unav
 TLS = {"default": "", "tcp": "tcp"}
 
 
+def _options(tls: str) -> dict:
+    return {"llmdd.ucx.tls": tls, "llm.RdmaTrafficClass": "132", "llm.RdmaServiceLevel": "3"}
+
+
 def pair_factory(tls: str):
     def make_pair():
-        t = UcxTransport({"llmdd.ucx.tls": tls, "llm.RdmaTrafficClass": "132", "llm.RdmaServiceLevel": "3"})
+        t = UcxTransport(_options(tls))
         return t.open_endpoint(), t.open_endpoint()
     return make_pair
 
@@ -30,4 +36,4 @@ def pair_factory(tls: str):
 def test_conformance(check, tls):
     # check_deadline runs without a stall hook: one-sided UCX has no server loop to stall;
     # a deadline that passes with requests in flight is covered in test_ucx.py
-    check(pair_factory(TLS[tls]))
+    run_check(check, pair_factory(TLS[tls]), transport=functools.partial(UcxTransport, _options(TLS[tls])))

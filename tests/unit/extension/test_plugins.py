@@ -127,7 +127,8 @@ def test_notification_hooks_take_no_wrappers(llmdd_pm, opts):
 def test_blocked_argument_and_env(monkeypatch):
     pm = make_plugin_manager(autoload=False, blocked=["llmdd._extension.builtin.log_events"])
     assert not pm.has_plugin("llmdd._extension.builtin.log_events") and pm.is_blocked("llmdd._extension.builtin.log_events")
-    assert Hooks(pm).emitter(Machine.LINK) is None  # nobody subscribes: lifecycles build no events
+    _emit, wants = Hooks(pm).live_emitter(Machine.LINK)
+    assert not wants(None)  # nobody subscribes: lifecycles build no events (until someone does)
 
     monkeypatch.setenv("LLMDD_DISABLED_PLUGINS", " llmdd._extension.builtin.select_transport , other ")
     pm = make_plugin_manager(autoload=False)
@@ -201,13 +202,13 @@ def test_configure_is_historic(llmdd_pm, llmdd_hooks):
 # ----------------------------------------------------------------------------- notifications
 
 
-def test_emitter_is_none_without_subscribers_and_counts_events():
+def test_wants_nothing_without_subscribers_and_counts_events():
     pm = make_plugin_manager(autoload=False, blocked=["llmdd._extension.builtin.log_events"])
     hooks = Hooks(pm)
-    assert all(hooks.emitter(m) is None for m in Machine)
+    assert not any(hooks.live_emitter(m)[1](None) for m in Machine)   # no event is built for nobody
     sub = Subscriber()
     pm.register(sub)
-    assert hooks.emitter(Machine.LINK) is not None and hooks.emitter(Machine.TASK) is None
+    assert hooks.live_emitter(Machine.LINK)[1](None) and not hooks.live_emitter(Machine.TASK)[1](None)
     _fire_link(hooks, "link", "handshake_succeeded")
     assert [e.dest for e in sub.events] == [LinkState.LINKING, LinkState.LINKED]
     assert hooks.statistics().events == {"link": 2}
@@ -569,3 +570,162 @@ def test_entry_point_plugin_is_discovered_in_a_fresh_process(tmp_path):
 
     off = _run_demo(tmp_path, LLMDD_DISABLE_PLUGIN_AUTOLOAD="1")
     assert not off["registered"] and off["seen"] == [] and off["distributions"] == []
+
+
+# ------------------------------------------------------------------ late subscribers
+
+
+def _two_step_path(machine):
+    """Two triggers fired one after the other from the machine's initial state (the second from a
+    state that is not final)."""
+    from llmdd._lifecycle.machines import compile_table
+    from llmdd._lifecycle.tables import FINAL
+
+    table = compile_table(machine)
+    start = INITIAL[machine]
+    for (state, first), mid in sorted(table.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if state != start or mid in FINAL[machine]:
+            continue
+        for (state2, second), _dest in sorted(table.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+            if state2 == mid:
+                return first, second
+    return None   # every first step ends in a final state (the listener machine)
+
+
+class _AllTransitions:
+    """Records every transition event of every machine."""
+
+    def __init__(self):
+        self.seen = []
+
+    @hookimpl
+    def llmdd_engine_transition(self, event):
+        self.seen.append(("engine", event.trigger))
+
+    @hookimpl
+    def llmdd_link_transition(self, event):
+        self.seen.append(("link", event.trigger))
+
+    @hookimpl
+    def llmdd_comm_group_transition(self, event):
+        self.seen.append(("comm_group", event.trigger))
+
+    @hookimpl
+    def llmdd_cache_transition(self, event):
+        self.seen.append(("cache", event.trigger))
+
+    @hookimpl
+    def llmdd_task_transition(self, event):
+        self.seen.append(("task", event.trigger))
+
+    @hookimpl
+    def llmdd_listener_transition(self, event):
+        self.seen.append(("listener", event.trigger))
+
+
+@pytest.mark.parametrize("how", ["live_emitter", "emitter"])
+@pytest.mark.parametrize("machine", list(Machine), ids=lambda m: m.value)
+@pytest.mark.parametrize("observer", ["log observer", "no log observer"])
+def test_a_subscriber_added_at_any_time_gets_every_later_event(machine, how, observer):
+    """Lifecycles built before the subscriber exists (with or without the built-in log observer,
+    through either emitter) deliver every event after its registration to it, none before."""
+    from llmdd._lifecycle.machines import Lifecycle
+
+    blocked = ["llmdd._extension.builtin.log_events"] if observer == "no log observer" else []
+    pm = make_plugin_manager(autoload=False, blocked=blocked, strict=True)
+    hooks = Hooks(pm)
+    if how == "live_emitter":
+        emit, wants = hooks.live_emitter(machine)
+        lc = Lifecycle(machine, emit, wants=wants)
+    else:
+        lc = Lifecycle(machine, hooks.emitter(machine))
+    path = _two_step_path(machine)
+    if path is None:   # one step ends the resource: the step before and the one after on two resources
+        first = second = TABLES[machine][0]["trigger"]
+        lc.create(0).fire(first)              # nobody subscribes yet
+        tracked = lc.create(1)
+    else:
+        first, second = path
+        tracked = lc.create(1)
+        tracked.fire(first)                   # nobody subscribes yet
+    sub = _AllTransitions()
+    pm.register(sub, name="late")
+    tracked.fire(second)
+    assert sub.seen == [(machine.value, second)]
+    # control: after it left, it gets nothing more
+    pm.unregister(name="late")
+    lc.create(2).fire(first)
+    assert sub.seen == [(machine.value, second)]
+
+
+def test_a_subscriber_added_after_init_gets_the_engines_later_events(monkeypatch):
+    """On an engine whose plugin manager has no transition subscriber at all (log observer blocked):
+    a subscriber added after init gets the finalize transition."""
+    from llmdd import LLMConfig, LLMDataDist, LLMRole
+
+    monkeypatch.setenv("LLMDD_DISABLED_PLUGINS", "llmdd._extension.builtin.log_events")
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    cfg = LLMConfig()
+    cfg.enable_cache_manager = True
+    dd.init(cfg.generate_options())
+    sub = _AllTransitions()
+    try:
+        dd.add_plugin(sub, name="late")
+    finally:
+        dd.finalize()
+    assert ("engine", "finalize") in sub.seen, sub.seen
+
+
+def test_tracers_see_notifications_through_public_pluggy_api():
+    """A tracer installed with add_hookcall_monitoring sees a contained notification as one call with
+    every subscriber and its outcome (no private pluggy API), and stops seeing it once undone."""
+    pm = make_plugin_manager(autoload=False, strict=False)
+    hooks = Hooks(pm)
+    sub = _AllTransitions()
+    pm.register(sub, name="sub")
+    calls = []
+    undo = pm.add_hookcall_monitoring(
+        lambda name, impls, kwargs: calls.append(("before", name, sorted(i.plugin_name for i in impls))),
+        lambda outcome, name, impls, kwargs: calls.append(("after", name, outcome.exception is None)))
+    from llmdd._lifecycle.machines import Lifecycle
+
+    lc = Lifecycle(Machine.LINK, hooks.emitter(Machine.LINK))
+    first, _ = _two_step_path(Machine.LINK)
+    lc.create(1).fire(first)
+    assert ("before", "llmdd_link_transition", sorted(["sub", "llmdd._extension.builtin.log_events"])) in calls
+    assert ("after", "llmdd_link_transition", True) in calls
+    assert sub.seen == [("link", first)]
+    undo()
+    assert not pm.monitored
+    calls.clear()
+    lc.create(2).fire(first)
+    assert calls == [] and sub.seen == [("link", first)] * 2
+
+
+def test_run_transfer_hands_plugins_a_read_only_task_view(llmdd_pm, llmdd_hooks):
+    """llmdd_run_transfer sees a frozen TransferTask built from the engine's task, never the task itself
+    (a plugin cannot fire its lifecycle)."""
+    import attrs
+
+    from llmdd.plugin import TransferTask
+
+    seen = []
+
+    class Spy:
+        @hookimpl(wrapper=True)
+        def llmdd_run_transfer(self, task, run):
+            seen.append(task)
+            return (yield)
+
+    llmdd_pm.register(Spy())
+    tracked = Lifecycle(Machine.TASK).create(41, kind="pull_blocks", peer=3)
+    assert llmdd_hooks.run_transfer(tracked, lambda: "ok") == "ok"
+    [view] = seen
+    assert type(view) is TransferTask and view == TransferTask(id=41, kind="pull_blocks", peer=3,
+                                                               info={"kind": "pull_blocks", "peer": 3})
+    assert not hasattr(view, "fire")
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        view.kind = "other"
+    with pytest.raises(TypeError):
+        view.info["kind"] = "other"
+    assert tracked.info["kind"] == "pull_blocks"   # the engine's own task is untouched

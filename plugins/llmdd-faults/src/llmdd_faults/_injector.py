@@ -100,8 +100,7 @@ class FaultInjector:
 
     @hookimpl(wrapper=True)
     def llmdd_run_transfer(self, task: Any, run: Callable[[], Any]) -> Any:
-        info = getattr(task, "info", None) or {}
-        peer = info.get("peer")
+        peer = getattr(task, "peer", None)   # a llmdd.plugin.TransferTask
         for f in self.plan.match("task", peer if isinstance(peer, int) else None):
             _apply_task_fault(self.plan, f)
         return (yield)

@@ -26,14 +26,7 @@ import numpy as np
 
 from llmdd.lowlevel import get_logger
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
-from llmdd.lowlevel import (
-    Cancelled,
-    MemRegion,
-    ThreadCompletion,
-    TransportTimeout,
-    as_ops,
-    make_ops,
-)
+from llmdd.lowlevel import BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportTimeout, as_ops, make_ops
 
 from ._plan import Fault, FaultPlan, current_peer
 
@@ -122,10 +115,9 @@ class FaultyEndpoint(Endpoint):
         self.plan = plan
         self._lock = threading.Lock()
         self._regions: dict[int, MemRegion] = {}
-        self._batches: set["_Batch"] = set()
+        self._batches: BatchSet["_Batch"] = BatchSet(threading.Condition(self._lock), what="endpoint")
         self._scratch: Optional[np.ndarray] = None
         self._scratch_lock = threading.Lock()
-        self._closed = False
 
     def describe(self) -> dict:
         return self.inner.describe()
@@ -156,9 +148,9 @@ class FaultyEndpoint(Endpoint):
     def deregister(self, region_id: int) -> None:
         with self._lock:
             self._regions.pop(region_id, None)
-            touching = [b for b in self._batches if b.touches(region_id)]
+            touching = self._batches.matching(lambda b: b.touches(region_id))
         for b in touching:
-            b.completion.fail(Cancelled(f"local region {region_id} deregistered"))
+            b.fail(Cancelled(f"local region {region_id} deregistered"))
         self.inner.deregister(region_id)
 
     def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "FaultyChannel":
@@ -170,11 +162,7 @@ class FaultyEndpoint(Endpoint):
         return FaultyChannel(self, inner, dict(peer), cluster)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            batches = list(self._batches)
-        for b in batches:
-            b.completion.fail(Cancelled("endpoint closed"))
+        self._batches.close(Cancelled("endpoint closed"))   # fail the batches in flight, drain them
         self.inner.close()
 
     def statistics(self) -> dict:
@@ -185,7 +173,7 @@ class FaultyEndpoint(Endpoint):
     # ------------------------------------------------------------------ internals
     def _track(self, batch: "_Batch") -> None:
         with self._lock:
-            closed = self._closed
+            closed = self._batches.closed
             if not closed:
                 self._batches.add(batch)
             # a deregistration that ran between the batch's planning and this line did not see it:
@@ -197,8 +185,7 @@ class FaultyEndpoint(Endpoint):
             batch.completion.fail(Cancelled(f"local region {gone[0]} deregistered"))
 
     def _forget(self, batch: "_Batch") -> None:
-        with self._lock:
-            self._batches.discard(batch)
+        self._batches.discard(batch)
 
     def _scratch_region(self) -> np.ndarray:
         """The (lazily registered, not remote-accessible) region ``corrupt`` writes send from."""
@@ -243,8 +230,7 @@ class FaultyChannel(Channel):
         self.peer = peer
         self._lock = threading.Lock()
         self._partition_gen: Optional[int] = None
-        self._batches: set[_Batch] = set()
-        self._closed = False
+        self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._fired = 0
 
     def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
@@ -260,11 +246,7 @@ class FaultyChannel(Channel):
         return self._submit("write", ops, deadline)
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            batches = list(self._batches)
-        for b in batches:
-            b.completion.fail(Cancelled("channel closed"))
+        self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, drain them
         self.inner.close()
 
     def statistics(self) -> dict:
@@ -305,7 +287,7 @@ class FaultyChannel(Channel):
         # test waits on) and this line did not see it: fail it as close would have, instead of letting
         # it hold a partition until its deadline after its channel is gone
         with self._lock:
-            closed = self._closed
+            closed = self._batches.closed
             if not closed and not batch.completion.done():
                 self._batches.add(batch)
         if closed:
@@ -338,9 +320,11 @@ class _Batch:
     def touches(self, region_id: int) -> bool:
         return region_id in self.local_regions
 
+    def fail(self, why: Exception) -> None:
+        self.completion.fail(why)
+
     def forget(self) -> None:
-        with self.channel._lock:
-            self.channel._batches.discard(self)
+        self.channel._batches.discard(self)
         self.channel.endpoint._forget(self)
 
     # ------------------------------------------------------------------ abort (caller side)

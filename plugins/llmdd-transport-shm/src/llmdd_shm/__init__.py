@@ -67,19 +67,9 @@ from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
-from llmdd.lowlevel import (
-    Cancelled,
-    Corrupt,
-    DoneCompletion,
-    MemRegion,
-    PeerGone,
-    RegionTable,
-    segment_name,
-    Refused,
-    TransportTimeout,
-    as_ops,
-    check_ops,
-)
+from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
+from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, as_ops
+from llmdd.lowlevel import map_os_error, segment_name
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
 
@@ -335,33 +325,24 @@ def _id_words(endpoint_id: bytes) -> tuple[int, int]:
     return int.from_bytes(endpoint_id[:8], "little"), int.from_bytes(endpoint_id[8:16], "little")
 
 
-class _LocalReg:
-    __slots__ = ("region", "slot", "gen", "busy")
+class _LocalReg(RegisteredRegion):
+    __slots__ = ("slot", "gen")
 
     def __init__(self, region: MemRegion, slot: int, gen: int) -> None:
-        self.region = region
+        super().__init__(region)
         self.slot = slot
         self.gen = gen
-        self.busy = 0
 
 
-class _Batch:
-    """One running batch: what it pins, its abort flag and (async) completion."""
+class _Batch(Batch):
+    """One running batch: what it pins (local regions, the peer's mapped segments), its abort flag and
+    (split batch) completion; parts check ``aborted`` between chunks."""
 
-    __slots__ = ("local_ids", "aborted", "why", "completion", "pinned", "maps")
+    __slots__ = ("maps",)
 
-    def __init__(self, local_ids: frozenset) -> None:
-        self.local_ids = local_ids
-        self.aborted = False
-        self.why: Optional[TransportError] = None
-        self.completion: Optional[Any] = None  # a _SplitCompletion while a split batch runs
-        self.pinned: list = []
+    def __init__(self) -> None:
+        super().__init__()
         self.maps: list = []
-
-    def abort(self, why: Optional[TransportError] = None) -> None:
-        if self.why is None:
-            self.why = why
-        self.aborted = True
 
 
 class _CopyPool:
@@ -424,116 +405,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pool.after_fork)
 
 
-class _SplitCompletion(Completion):
-    """A batch split into parts: part 0 in the caller's thread, the others on :data:`_pool`.
-
-    Same contract as :class:`ThreadCompletion`: the first error wins, except that one set by
-    :meth:`fail` (cancel, deadline, close) wins over what the aborted parts raise; ``abort`` is
-    called on the first error and makes every part stop between chunks; ``on_done`` runs once,
-    after every part has returned and before :meth:`done` turns true."""
-
-    def __init__(self, parts: list, *, deadline: float, abort: Callable[[], None],
-                 on_done: Callable[["_SplitCompletion"], None]) -> None:
-        self._deadline = deadline
-        self._abort_fn = abort
-        self._on_done = on_done
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._err: Optional[TransportError] = None
-        self._forced: Optional[TransportError] = None
-        self._aborted = False
-        self._pending = len(parts)
-        self._parts = parts
-
-    def start(self) -> "_SplitCompletion":
-        """Hand parts 1.. to the pool, run part 0 here; returns self (maybe already done)."""
-        parts, self._parts = self._parts, []
-        for work in parts[1:]:
-            _pool.submit(lambda work=work: self._run(work))
-        self._run(parts[0])
-        return self
-
-    def _run(self, work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
-            if isinstance(exc, TransportError):
-                err: TransportError = exc
-            elif isinstance(exc, Exception):
-                err = Corrupt(f"unexpected failure: {exc!r}")
-            else:  # KeyboardInterrupt & co in the caller's part: the batch fails, the interrupt goes on
-                err = Cancelled(f"interrupted: {exc!r}")
-            with self._lock:
-                if self._err is None:
-                    self._err = err
-            self._do_abort()
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            with self._lock:
-                self._pending -= 1
-                last = self._pending == 0
-            if last:
-                self._finish()
-
-    def _do_abort(self) -> None:
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-        try:
-            self._abort_fn()
-        except Exception as exc:  # noqa: BLE001
-            _log.warning("llmdd.transport.abort_failed", error=repr(exc))
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self._forced is not None:
-                self._err = self._forced
-        try:
-            self._on_done(self)
-        except Exception as exc:  # noqa: BLE001
-            _log.warning("llmdd.transport.on_done_failed", error=repr(exc))
-        self._done.set()
-
-    def fail(self, err: TransportError) -> None:
-        """Fail the batch with ``err`` (unless already done), abort it and wait until every part left."""
-        with self._lock:
-            if self._done.is_set():
-                return
-            if self._forced is None and self._err is None:
-                self._forced = err
-        self._do_abort()
-        self._done.wait()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self._done.is_set():
-            now = time.monotonic()
-            until = self._deadline if end is None else min(end, self._deadline)
-            if now >= until:
-                if now >= self._deadline:
-                    self.fail(TransportTimeout("batch missed its deadline"))
-                    return True
-                return False
-            self._done.wait(until - now)
-        return True
-
-    @property
-    def error(self) -> Optional[TransportError]:
-        return self._err if self._done.is_set() else None
-
-    def cancel(self) -> None:
-        if not self._done.is_set():
-            self.fail(Cancelled("batch cancelled"))
-
-    def __repr__(self) -> str:
-        return f"<shm split completion {'done' if self._done.is_set() else 'running'} error={self.error!r}>"
-
-
 class ShmEndpoint(Endpoint):
     """Owns a control segment; registers regions; opens channels to same-host peers."""
 
@@ -542,24 +413,19 @@ class ShmEndpoint(Endpoint):
         self._id = os.urandom(16)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._regs: dict[int, _LocalReg] = {}
-        self._table = RegionTable()
-        self._ids = np.empty(0, np.int64)
-        self._addrs = np.empty(0, np.uint64)
+        self._nb_epoch = 0                 # bumped by every _rebuild: native batches use one snapshot
+        self._regs: RegionRegistry[_LocalReg] = RegionRegistry(self._cond, on_rebuild=self._rebuild)
         self._free_slots = list(range(MAX_SLOTS - 1, -1, -1))
         self._gens = np.zeros(MAX_SLOTS, np.uint32)
         self._user_regions = 0
-        self._batches: set[_Batch] = set()
         self._channels: set[ShmChannel] = set()
         self._closed = False
         self._cma = Cma()
         self._cma_info = probe_cma()
         self._native = None if self._cfg.get(OPT_NATIVE) == "off" else _native
-        self._nb_epoch = 0                 # bumped by every _rebuild: native batches use one snapshot
         self._nb_count: dict[int, int] = {}  # epoch -> native batches running on that snapshot
-        self._ntab: tuple = (np.zeros((0, 3), np.uint64), 0, 0)
-        self._nb_waiters = 0  # deregister / close calls waiting for native batches
         self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
+        self._rebuild(self._regs)
         self._stats = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
         self._ctl_name = segment_name("shmctl", self._id.hex()[:12])
         self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
@@ -585,8 +451,7 @@ class ShmEndpoint(Endpoint):
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            if region.region_id in self._regs:
-                raise Refused(f"region {region.region_id} is already registered")
+            self._regs.check_new(region.region_id)
             slot, gen = -1, 0
             if region.remote_accessible:
                 if not self._free_slots:
@@ -598,10 +463,9 @@ class ShmEndpoint(Endpoint):
                 s[1] = gen
                 s[2] = region.region_id
                 s[0] = _LIVE
-            self._regs[region.region_id] = _LocalReg(region, slot, gen)
             if region.remote_accessible and region.shm_name is None:
                 self._user_regions += 1
-            self._rebuild()
+            self._regs.add(_LocalReg(region, slot, gen))
             self._stats["regions"] = len(self._regs)
         desc: dict = {"transport": "shm", "endpoint_id": self._id, "region_id": region.region_id,
                       "size": region.size, "remote_accessible": region.remote_accessible}
@@ -614,31 +478,22 @@ class ShmEndpoint(Endpoint):
         return desc
 
     def deregister(self, region_id: int) -> None:
-        with self._lock:
-            reg = self._regs.pop(region_id, None)
-            if reg is None:
-                return
+        epoch = [0]
+
+        def dying(reg: _LocalReg) -> None:   # under the lock, the region already out of the tables
             if reg.slot >= 0:
                 self._ctl.slots[reg.slot][0] = _DYING
                 if reg.region.shm_name is None:
                     self._user_regions -= 1
-            self._rebuild()
             self._stats["regions"] = len(self._regs)
-            batches = [b for b in self._batches if region_id in b.local_ids]
-            epoch = self._nb_epoch
-        why = Cancelled(f"local region {region_id} was deregistered")
-        for b in batches:
-            b.abort(why)
-            if b.completion is not None:
-                b.completion.fail(why)
-        with self._cond:
-            # native batches are short and uninterruptible: wait for those that may use the region
-            self._nb_waiters += 1
-            try:
-                while reg.busy or any(e < epoch for e in self._nb_count):
-                    self._cond.wait()
-            finally:
-                self._nb_waiters -= 1
+            epoch[0] = self._nb_epoch
+
+        # cancel the batches touching it, then drain: its pins, and the native batches (short and
+        # uninterruptible) that may use it from an older table snapshot
+        reg = self._regs.deregister(region_id, locked=dying,
+                                    also_wait=lambda: any(e < epoch[0] for e in self._nb_count))
+        if reg is None:
+            return
         if reg.slot >= 0:
             self._drain_slots(reg.slot, 1)
             with self._lock:
@@ -670,21 +525,9 @@ class ShmEndpoint(Endpoint):
             _quick.bump(self._qc)
             self._ctl.hdr[2] = _CLOSED
             channels = list(self._channels)
-            batches = list(self._batches)
         for ch in channels:
             ch.close()
-        why = Cancelled("endpoint closed")
-        for b in batches:
-            b.abort(why)
-            if b.completion is not None:
-                b.completion.fail(why)
-        with self._cond:
-            self._nb_waiters += 1
-            try:
-                while any(r.busy for r in self._regs.values()) or self._nb_count:
-                    self._cond.wait()
-            finally:
-                self._nb_waiters -= 1
+        self._regs.close(also_wait=lambda: bool(self._nb_count))   # cancel, then drain (native batches too)
         self._drain_slots(0, MAX_SLOTS)  # every remote reader has left its batch
         with _owned_lock:
             _owned_ctl.discard(self._ctl_name)
@@ -696,17 +539,14 @@ class ShmEndpoint(Endpoint):
 
     def statistics(self) -> dict:
         with self._lock:
-            return _quick.merged(dict(self._stats, closed=self._closed, active_batches=len(self._batches),
+            return _quick.merged(dict(self._stats, closed=self._closed, active_batches=len(self._regs.batches),
                                       cma=self._cma_info["cma"], control_segment=self._ctl_name),
                                  self._qc, channel=False)
 
     # ------------------------------------------------------------------ internals
 
-    def _rebuild(self) -> None:
-        items = sorted(self._regs.items())
-        self._table = RegionTable({k: r.region.size for k, r in items})
-        self._ids = np.fromiter((k for k, _ in items), np.int64, len(items))
-        self._addrs = np.fromiter((r.region.addr for _, r in items), np.uint64, len(items))
+    def _rebuild(self, regs: RegionRegistry) -> None:
+        items = sorted(regs.entries.items())
         self._addr_of = {k: int(r.region.addr) for k, r in items}
         # the native path's snapshot: rows (id, addr, size) sorted by id, kept alive by the tuple
         tab = np.zeros((len(items), 3), np.uint64)
@@ -737,7 +577,7 @@ class ShmEndpoint(Endpoint):
                 c[epoch] = left
             else:
                 del c[epoch]
-                if self._nb_waiters:
+                if self._regs.waiting:
                     self._cond.notify_all()
 
     def _drain_slots(self, start: int, count: int) -> None:
@@ -755,39 +595,28 @@ class ShmEndpoint(Endpoint):
     def _begin(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, _Batch, np.ndarray]:
         """Validate ``ops`` (both sides) and pin the local regions; return ops, batch, local addrs
         (a list of ints for at most ``FEW`` ops, else a numpy array)."""
+        batch = _Batch()
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
             try:
-                ops = check_ops(ops, self._table, remote)
+                ops = self._regs.pin(ops, remote, batch)
             except Refused:
                 self._stats["refused"] += 1
                 raise
             if 0 < len(ops) <= FEW:
                 # a few ops (the latency path): Python ints, returned as a list
-                lids = ops["local_region"].tolist()
                 addr_of = self._addr_of
-                laddr = [addr_of[r] for r in lids]
-                ids = frozenset(lids)
+                laddr = [addr_of[r] for r in ops["local_region"].tolist()]
             else:
-                pos = np.searchsorted(self._ids, ops["local_region"].astype(np.int64))
-                laddr = self._addrs[pos] if len(ops) else np.empty(0, np.uint64)
-                ids = frozenset(np.unique(ops["local_region"]).tolist())
-            batch = _Batch(ids)
-            batch.pinned = [self._regs[r] for r in ids]
-            for reg in batch.pinned:
-                reg.busy += 1
-            self._batches.add(batch)
+                regs = self._regs
+                pos = np.searchsorted(regs.ids, ops["local_region"].astype(np.int64))
+                laddr = regs.addrs[pos] if len(ops) else np.empty(0, np.uint64)
             self._stats["batches"] += 1
         return ops, batch, laddr
 
     def _end(self, batch: _Batch) -> None:
-        with self._cond:
-            self._batches.discard(batch)
-            for reg in batch.pinned:
-                reg.busy -= 1
-            batch.pinned = []
-            self._cond.notify_all()
+        self._regs.unpin(batch)
 
     def _forget_channel(self, ch: "ShmChannel") -> None:
         with self._lock:
@@ -829,12 +658,10 @@ class ShmChannel(Channel):
             raise TransportTimeout("deadline passed before connecting")
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._closed = False
         self._remote: dict[int, _Remote] = {}
         self._maps: dict[str, _seg.Mapping] = {}
         self._fds: list[int] = []
-        self._active: set[_Batch] = set()
-        self._busy = 0
+        self._batches: BatchSet[_Batch] = BatchSet(self._cond)   # py batches tracked, native ones counted
         self._nbusy = 0                      # native batches running (they use table snapshots)
         self._deferred: list = []            # mappings released while a native batch ran
         self._native = endpoint._native
@@ -916,7 +743,7 @@ class ShmChannel(Channel):
             if desc.get("kind") == "shm":
                 name, off = str(desc["shm_name"]), int(desc["shm_offset"])
                 with self._lock:
-                    if self._closed:
+                    if self._batches.closed:
                         raise Cancelled("channel closed")
                     m = self._maps.get(name)
                 if m is None:
@@ -970,20 +797,11 @@ class ShmChannel(Channel):
         return self._submit(True, ops, deadline)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            _quick.bump(self._qc)
-            active = list(self._active)
-        why = Cancelled("channel closed")
-        for b in active:
-            b.abort(why)
-            if b.completion is not None:
-                b.completion.fail(why)
-        with self._cond:
-            while self._busy:
-                self._cond.wait()
+        # the quick path's plans of this channel are void from now on (llmdd_shm._quick)
+        _quick.bump(self._qc)
+        # refuse new batches, fail those in flight, wait until every one (native ones too) left
+        if not self._batches.close(Cancelled("channel closed")):
+            return
         self._teardown()
         self._ep._forget_channel(self)
 
@@ -991,7 +809,7 @@ class ShmChannel(Channel):
         with self._lock:
             # cma_calls: every process_vm_* call of this channel (the connect-time probe included)
             return _quick.merged(dict(self._stats, remote_regions=len(self._remote), mapped_segments=len(self._maps),
-                                      closed=self._closed, cma=self._cma_ok, cma_reason=self._cma_reason,
+                                      closed=self._batches.closed, cma=self._cma_ok, cma_reason=self._cma_reason,
                                       peer_pid=self._pid, cma_calls=self._cma.calls), self._qc, channel=True)
 
     def quick_plan(self, pairs, block_bytes: int, src_units: int, dst_units: int, push: bool):
@@ -1043,7 +861,8 @@ class ShmChannel(Channel):
 
     def _rebuild(self) -> None:
         items = sorted((k, r) for k, r in self._remote.items() if r.accessible)
-        self._table = RegionTable({k: r.size for k, r in items})
+        self._table = RegionTable({k: r.size for k, r in items},
+                                  private=[k for k, r in self._remote.items() if not r.accessible])
         n = len(items)
         self._rids = np.fromiter((k for k, _ in items), np.int64, n)
         self._rbase = np.fromiter((r.base for _, r in items), np.uint64, n)
@@ -1077,11 +896,11 @@ class ShmChannel(Channel):
         side is not sure of (the Python path produces the refusal), or the owner holding its lock."""
         ep = self._ep
         with self._lock:
-            if self._closed:
+            if self._batches.closed:
                 raise Cancelled("channel closed")
             rtab = self._nrtab
             fd = self._fds.pop() if self._fds else -1
-            self._busy += 1
+            self._batches.enter()
             self._nbusy += 1
         epoch = -1
         res: tuple = (-1, 0, 0)  # -1: the C side was not called
@@ -1107,10 +926,10 @@ class ShmChannel(Channel):
                 ep._nend(epoch, res[0] != _ST_FALLBACK and res[0] != _ST_BUSY)
             deferred = None
             with self._lock:
-                if fd >= 0 and not self._closed and len(self._fds) < 8:
+                if fd >= 0 and not self._batches.closed and len(self._fds) < 8:
                     self._fds.append(fd)
                     fd = -1
-                self._busy -= 1
+                self._batches.leave()   # wakes a close() draining the channel
                 self._nbusy -= 1
                 if not self._nbusy and self._deferred:
                     deferred, self._deferred = self._deferred, []
@@ -1129,8 +948,6 @@ class ShmChannel(Channel):
                     if res[2]:
                         self._cma.calls += res[2]
                         st["cma_calls"] = self._cma.calls
-                if self._closed:
-                    self._cond.notify_all()  # close() waits for _busy to drain
             if fd >= 0:
                 os.close(fd)
             for m in deferred or ():
@@ -1168,7 +985,7 @@ class ShmChannel(Channel):
 
     def _submit_py(self, write: bool, ops: np.ndarray, deadline: float) -> Completion:
         with self._lock:
-            if self._closed:
+            if self._batches.closed:
                 raise Cancelled("channel closed")
             table, rids, rbase = self._table, self._rids, self._rbase
             rkind, rslot, rgen, rmaps = self._rkind, self._rslot, self._rgen, self._rmaps
@@ -1185,13 +1002,12 @@ class ShmChannel(Channel):
                 used = np.unique(pos)
                 maps = [rmaps[i] for i in used.tolist() if rmaps[i] is not None]
             with self._lock:
-                if self._closed:
+                if self._batches.closed:
                     raise Cancelled("channel closed")
                 for m in maps:
                     m.pins += 1
                 batch.maps = maps
-                self._busy += 1
-                self._active.add(batch)
+                self._batches.add(batch)
         except BaseException:
             self._ep._end(batch)
             raise
@@ -1214,9 +1030,12 @@ class ShmChannel(Channel):
             return self._done(batch, write, plan, err)
         parts = plan.split(int(self._cfg[OPT_THREADS]))
         workers = [(lambda p=p: self._run_mapped(batch, write, p, deadline)) for p in parts]
-        completion = _SplitCompletion(
+        # part 0 in this thread, the others on the copy pool (no thread start per batch)
+        completion = ThreadCompletion(
             workers, deadline=deadline, abort=lambda: batch.abort(Cancelled("batch aborted")),
-            on_done=lambda c: self._done(batch, write, plan, self._map_exc(c._err) if c._err else None))
+            on_done=lambda c: self._done(batch, write, plan,
+                                         self._map_exc(c.recorded_error) if c.recorded_error else None),
+            pool=_pool.submit, start=False)
         batch.completion = completion  # set before any part runs: close() and deregister() fail it
         return completion.start()
 
@@ -1227,13 +1046,7 @@ class ShmChannel(Channel):
             if exc.errno == errno.EPERM:
                 return Refused(f"cross-memory attach to pid {self._pid} not permitted: {exc}")
             return Corrupt(f"cross-memory attach failed: {exc}")
-        if isinstance(exc, TransportError):
-            if not isinstance(exc, (PeerGone, Refused, TransportTimeout)) and not self._live.alive():
-                return PeerGone(f"peer process {self._pid} is gone")
-            return exc
-        if isinstance(exc, OSError):
-            return PeerGone(f"peer endpoint unreachable: {exc}")
-        return Corrupt(f"unexpected failure: {exc!r}")
+        return map_os_error(exc, what="peer endpoint unreachable", peer_alive=self._live.alive)
 
     def _done(self, batch: _Batch, write: bool, plan: "_Plan", err: Optional[TransportError]) -> Completion:
         self._ep._end(batch)
@@ -1241,8 +1054,7 @@ class ShmChannel(Channel):
             self._release_map(m, pin=True)
         batch.maps = []
         with self._cond:
-            self._active.discard(batch)
-            self._busy -= 1
+            self._batches.discard_locked(batch)
             self._stats["batches"] += 1
             self._stats["cma_calls"] = self._cma.calls
             if err is None:
@@ -1266,7 +1078,7 @@ class ShmChannel(Channel):
 
     def _give_fd(self, fd: int) -> None:
         with self._lock:
-            if not self._closed and len(self._fds) < 8:
+            if not self._batches.closed and len(self._fds) < 8:
                 self._fds.append(fd)
                 return
         os.close(fd)

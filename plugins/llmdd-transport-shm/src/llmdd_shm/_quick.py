@@ -91,7 +91,7 @@ def quick_plan(ch: Any, pairs: Sequence[tuple[int, int]], block_bytes: int, src_
     from . import KIND_CMA, _seg   # the package imports this module lazily, at the first plan
 
     with ch._lock:   # the remote table, its version and the channel's lock fd together
-        if ch._closed:
+        if ch._batches.closed:
             return None
         remote = {}
         for _, rid in pairs:

@@ -33,10 +33,10 @@ refuses, before connecting, a peer whose ``tls`` differs from its own (no silent
 server runs the handshake on the I/O loop under the pending timer and caps; a failed one is counted
 (``tls_failures``), logged and closed.
 
-Data moves with ``sendmsg`` / ``recvmsg_into(MSG_WAITALL)`` over windows of memoryview
-slices of the registered memory (``(ctypes.c_char * n).from_address(addr)``), built from the
-numpy op arrays window by window: no copy through ``bytes`` and no per-op object outside the
-window in flight. Large batches are coalesced and split over two streams.  Over TLS (no
+Data moves with ``sendmsg`` / ``recvmsg(MSG_WAITALL)`` (libc, through ctypes: the GIL is released)
+over one ``struct iovec`` array per request, built from the numpy op arrays with numpy (region base
+addresses by ``np.searchsorted``, plus offsets) and handed over IOV_MAX entries at a time: no copy
+through ``bytes`` and no Python object per op. Large batches are coalesced and split over two streams.  Over TLS (no
 ``sendmsg``, no flags on receive, no ``MSG_PEEK``) the same windows go out as staged buffers of up
 to 256 KiB (small ops) or slices of that size (large ones) and come in with ``recv_into`` straight
 into the destinations; the loop notices a request by taking its first byte.  Deadlines on TLS
@@ -89,20 +89,9 @@ from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull, TlsConfig,
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
 from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
-from llmdd.lowlevel import (
-    Cancelled,
-    Corrupt,
-    DoneCompletion,
-    MemRegion,
-    PeerGone,
-    RegionTable,
-    Refused,
-    ThreadCompletion,
-    TransportTimeout,
-    check_ops,
-    coalesce_ops,
-    split_ops,
-)
+from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
+from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout
+from llmdd.lowlevel import coalesce_ops, map_os_error, split_ops
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
 
@@ -121,7 +110,7 @@ ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
 WIRE_OP = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])  # packed, 20 bytes
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
-_WINDOW = 1024                             # memoryviews per sendmsg / recvmsg_into call (Linux IOV_MAX)
+_WINDOW = 1024                             # iovec entries per sendmsg / recvmsg call (Linux IOV_MAX)
 _TLS_CHUNK = 256 * 1024                    # TLS: small pieces are staged up to this, large ones sent in slices of it
 
 # options (engine options pass through; unknown keys such as "llm.RdmaTrafficClass" are ignored)
@@ -212,41 +201,117 @@ def _advance(views: list, k: int) -> list:
     return views
 
 
-def _move(sock: socket.socket, mvs: Mapping[int, memoryview], reg: np.ndarray, off: np.ndarray,
-          ln: np.ndarray, deadline: Union[float, None], send: bool,
-          abort_check: Union[Callable[[], bool], None] = None) -> int:
-    """Send or receive the bytes of ops (``reg``, ``off``, ``ln``) window by window; return bytes."""
-    moved_total = 0
+class _Where:
+    """Where the regions of a batch (or a served request) live: sorted region ids and their base
+    addresses (the registry's snapshot taken when their pins were taken: it holds them), and, for
+    TLS only, memory views of the regions."""
+
+    __slots__ = ("ids", "addrs", "views")
+
+    def __init__(self, ids: np.ndarray, addrs: np.ndarray, views: Mapping[int, memoryview]) -> None:
+        self.ids, self.addrs, self.views = ids, addrs, views
+
+
+class _MsgHdr(ctypes.Structure):
+    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32), ("msg_iov", ctypes.c_void_p),
+                ("msg_iovlen", ctypes.c_size_t), ("msg_control", ctypes.c_void_p),
+                ("msg_controllen", ctypes.c_size_t), ("msg_flags", ctypes.c_int)]
+
+
+def _load_libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for fn in (libc.sendmsg, libc.recvmsg):   # ctypes drops the GIL for the call
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_MsgHdr), ctypes.c_int]
+        fn.restype = ctypes.c_ssize_t
+    return libc
+
+
+_libc = _load_libc()
+_MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+
+
+def _static_buffer(data: bytes) -> tuple[Any, int, int]:
+    """A buffer that lives as long as the module, as (keep-alive, address, length), for an iovec entry."""
+    buf = ctypes.create_string_buffer(data, len(data))
+    return buf, ctypes.addressof(buf), len(data)
+
+
+#: the READ answer's OK header: the first iovec of the answer's first sendmsg
+_OK_HEAD = _static_buffer(_RSP.pack(_M_RSP, ST_OK, 0, 0, 0))
+
+
+def _vectored(sock: socket.socket, iov: np.ndarray, start: int, stop: int, total: int,
+              deadline: Union[float, None], send: bool, abort_check: Union[Callable[[], bool], None]) -> None:
+    """Send or receive every byte of ``iov[start:stop]`` (rows ``(address, length)``) with one
+    sendmsg / recvmsg(MSG_WAITALL) on the descriptor, resumed with numpy after a short transfer."""
+    fd = sock.fileno()
+    msg = _MsgHdr()
+    ref = ctypes.byref(msg)
+    call, flags = (_libc.sendmsg, _MSG_NOSIGNAL) if send else (_libc.recvmsg, socket.MSG_WAITALL)
+    base = iov.ctypes.data
+    first, moved = start, 0
+    while moved < total:
+        if abort_check is not None and abort_check():
+            raise Cancelled("stream aborted")
+        _arm(sock, deadline)
+        msg.msg_iov = base + first * 16
+        msg.msg_iovlen = stop - first
+        k = call(fd, ref, flags)
+        if k < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, os.strerror(err))   # EAGAIN under SO_RCVTIMEO / SO_SNDTIMEO: a timeout
+        if k == 0 and not send:
+            raise PeerGone("peer closed the stream in the middle of a batch")
+        moved += k
+        if moved < total:   # resume inside the window: skip the entries done, trim the one in progress
+            done = np.cumsum(iov[first:stop, 1], dtype=np.uint64)
+            j = int(np.searchsorted(done, k, side="right"))
+            first += j
+            part = k - (int(done[j - 1]) if j else 0)
+            if part:
+                iov[first, 0] += np.uint64(part)
+                iov[first, 1] -= np.uint64(part)
+
+
+def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray,
+          deadline: Union[float, None], send: bool, abort_check: Union[Callable[[], bool], None] = None,
+          head: Union[tuple, None] = None, total: Union[int, None] = None) -> int:
+    """Send or receive the bytes of ops (``reg``, ``off``, ``ln``; ``total`` of them when the caller
+    knows it), ``head`` (a :func:`_static_buffer`) first in the same call; return the payload bytes.  Plain sockets: one iovec array for the whole
+    request, built with numpy (addresses by ``np.searchsorted`` over the regions), sent or received
+    window by window (IOV_MAX entries a call): no per-op Python object.  TLS: memoryview slices (an
+    SSL socket takes Python buffers only)."""
     n = len(ln)
-    tls = _is_tls(sock)
-    for s in range(0, n, _WINDOW):
-        e = min(s + _WINDOW, n)
-        lens = ln[s:e].tolist()
-        views = [mvs[a][b:b + c] for a, b, c in zip(reg[s:e].tolist(), off[s:e].tolist(), lens)]
-        total = sum(lens)
-        if tls:
-            if send:
-                _send_tls(sock, views, deadline, abort_check)
-            else:
-                _recv_tls(sock, views, deadline, abort_check)
-            moved_total += total
-            continue
-        moved = 0
-        while moved < total:
-            if abort_check is not None and abort_check():
-                raise Cancelled("stream aborted")
-            _arm(sock, deadline)
-            if send:
-                k = sock.sendmsg(views)
-            else:
-                k = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
-                if k == 0:
-                    raise PeerGone("peer closed the stream in the middle of a batch")
-            moved += k
-            if moved < total:
-                views = _advance(views, k)
-        moved_total += total
-    return moved_total
+    if _is_tls(sock):
+        if head is not None:
+            _send_tls(sock, [head[0].raw], deadline, abort_check)
+        moved_total = 0
+        for s in range(0, n, _WINDOW):
+            e = min(s + _WINDOW, n)
+            lens = ln[s:e].tolist()
+            views = [where.views[a][b:b + c] for a, b, c in zip(reg[s:e].tolist(), off[s:e].tolist(), lens)]
+            (_send_tls if send else _recv_tls)(sock, views, deadline, abort_check)
+            moved_total += sum(lens)
+        return moved_total
+    h = 0 if head is None else 1
+    rows = n + h
+    iov = np.empty((rows, 2), dtype=np.uint64)
+    if h:
+        iov[0] = head[1:]
+    if n:
+        np.add(where.addrs[np.searchsorted(where.ids, reg)], off, out=iov[h:, 0], casting="unsafe")
+        iov[h:, 1] = ln
+    if rows <= _WINDOW:
+        payload = int(ln.sum(dtype=np.uint64)) if total is None else total
+        _vectored(sock, iov, 0, rows, payload + (head[2] if h else 0), deadline, send, abort_check)
+        return payload
+    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+    for s in range(0, rows, _WINDOW):
+        e = min(s + _WINDOW, rows)
+        _vectored(sock, iov, s, e, int(ends[e - 1]) - (int(ends[s - 1]) if s else 0), deadline, send, abort_check)
+    return int(ends[-1]) - (head[2] if h else 0)
 
 
 def _send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
@@ -304,18 +369,7 @@ def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
             sock.sendall(b)
 
 
-def _map_exc(exc: BaseException) -> TransportError:
-    if isinstance(exc, TransportError):
-        return exc
-    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError,
-                                                               ssl.SSLWantReadError, ssl.SSLWantWriteError)):
-        # a certificate the other side does not accept, a peer that does not speak TLS: a typed refusal
-        return Refused(f"TLS on the data connection failed: {exc}", status_code=LLMStatusCode.LLM_LINK_FAILED)
-    if isinstance(exc, (BlockingIOError, TimeoutError)):
-        return TransportTimeout(f"socket timed out: {exc}")
-    if isinstance(exc, OSError):
-        return PeerGone(f"connection failed: {exc}")
-    return Corrupt(f"unexpected failure: {exc!r}")
+_map_exc = map_os_error   # a TLS failure is a typed refusal, EAGAIN under SO_RCVTIMEO a timeout
 
 
 def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
@@ -426,6 +480,7 @@ class TcpTransport(Transport):
     name = "tcp"
     priority = 10
     same_host_only = False
+    authenticates = True
 
     @classmethod
     def probe(cls) -> TransportInfo:
@@ -457,25 +512,23 @@ def llmdd_register_transports(register: Callable[[type], Any]) -> None:
     register(TcpTransport)
 
 
-class _Reg:
-    __slots__ = ("region", "view", "busy")
+class _Reg(RegisteredRegion):
+    __slots__ = ("view",)
 
     def __init__(self, region: MemRegion) -> None:
-        self.region = region
+        super().__init__(region)
         self.view = _region_view(region.addr, region.size)
-        self.busy = 0
 
 
-class _Batch:
-    """The sockets of one batch, so that cancel/deadline/deregister can kill them."""
+class _Batch(Batch):
+    """A batch and its sockets, so that cancel/deadline/deregister can kill them."""
 
-    def __init__(self, regions: frozenset) -> None:
-        self.regions = regions
+    __slots__ = ("socks", "lock")
+
+    def __init__(self) -> None:
+        super().__init__()
         self.socks: list[socket.socket] = []
-        self.aborted = False
         self.lock = threading.Lock()
-        self.completion: Union[ThreadCompletion, None] = None
-        self.pinned: list = []
 
     def adopt(self, sock: socket.socket) -> None:
         with self.lock:
@@ -485,9 +538,8 @@ class _Batch:
         _shutdown(sock)
         raise Cancelled("batch aborted")
 
-    def abort(self) -> None:
+    def on_abort(self) -> None:
         with self.lock:
-            self.aborted = True
             socks = list(self.socks)
         for s in socks:
             _shutdown(s)
@@ -507,15 +559,12 @@ class TcpEndpoint(Endpoint):
         self._id = os.urandom(16)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._regs: dict[int, _Reg] = {}
-        self._local_table = RegionTable()
-        self._served_table = RegionTable()
+        self._regs: RegionRegistry[_Reg] = RegionRegistry(self._cond)
         self._closed = False
         self._server_conns: dict[socket.socket, _ServerConn] = {}
         self._pending: dict[_ServerConn, None] = {}
         self._pending_by_ip: dict[str, int] = {}
         self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
-        self._batches: set[_Batch] = set()
         self._channels: set[TcpChannel] = set()
         self._grants: dict[int, _Grant] = {}
         self._by_handle: dict[bytes, _Grant] = {}
@@ -606,31 +655,17 @@ class TcpEndpoint(Endpoint):
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            if region.region_id in self._regs:
-                raise Refused(f"region {region.region_id} is already registered")
-            self._regs[region.region_id] = _Reg(region)
-            self._rebuild_tables()
+            self._regs.add(_Reg(region))
         return {"transport": "tcp", "endpoint_id": self._id, "region_id": region.region_id,
                 "size": region.size, "remote_accessible": region.remote_accessible}
 
     def deregister(self, region_id: int) -> None:
-        with self._lock:
-            reg = self._regs.pop(region_id, None)
-            if reg is None:
-                return
-            self._rebuild_tables()
+        def stop_serving(_reg: _Reg) -> None:   # under the lock: requests serving it end (their streams die)
             for sock, regions in list(self._serving.values()):
                 if region_id in regions:
                     _shutdown(sock)
-            batches = [b for b in self._batches if region_id in b.regions]
-        for b in batches:
-            if b.completion is not None:
-                b.completion.fail(Cancelled(f"local region {region_id} was deregistered"))
-            else:
-                b.abort()
-        with self._cond:
-            while reg.busy:
-                self._cond.wait()
+        # cancel the batches touching it, then drain: wait until no batch or request pins it
+        self._regs.deregister(region_id, locked=stop_serving)
 
     def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "TcpChannel":
         if self._closed:
@@ -670,6 +705,7 @@ class TcpEndpoint(Endpoint):
             _shutdown(sock)
             self._io.call_soon(conn.release)
         self._io.close()   # joins the loop and the workers (each ends its stream: shut down above)
+        self._regs.close()   # what is left: cancel, then drain
 
     def statistics(self) -> dict:
         with self._lock:
@@ -680,36 +716,20 @@ class TcpEndpoint(Endpoint):
 
     # ------------------------------------------------------------------ shared with channels
 
-    def _rebuild_tables(self) -> None:
-        self._local_table = RegionTable({k: r.region.size for k, r in self._regs.items()})
-        self._served_table = RegionTable({k: r.region.size for k, r in self._regs.items()
-                                          if r.region.remote_accessible})
-
-    def _begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[_Batch, dict]:
+    def _begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[_Batch, _Where]:
         """Validate ops and pin their local regions (deregister waits for the pin)."""
+        batch = _Batch()
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            ops = check_ops(ops, self._local_table, remote)
-            local = ops["local_region"]
-            ids = frozenset(local.tolist() if len(ops) <= 8 else np.unique(local).tolist())
-            batch = _Batch(ids)
-            mvs = {}
-            for r in ids:
-                reg = self._regs[r]
-                reg.busy += 1
-                batch.pinned.append(reg)
-                mvs[r] = reg.view
-            self._batches.add(batch)
-        return batch, mvs
+            self._regs.pin(ops, remote, batch)
+            regs = self._regs
+            where = _Where(regs.ids, regs.addrs,   # the snapshot holds the pinned regions
+                           {e.region_id: e.view for e in batch.pinned} if self._tls is not None else {})
+        return batch, where
 
     def _end_batch(self, batch: _Batch) -> None:
-        with self._cond:
-            self._batches.discard(batch)
-            for reg in batch.pinned:  # a deregistered _Reg is still counted down: its waiter holds it
-                reg.busy -= 1
-            batch.pinned = []
-            self._cond.notify_all()
+        self._regs.unpin(batch)   # a deregistered _Reg is still counted down: its drain waits on it
 
     def _forget_channel(self, ch: "TcpChannel") -> None:
         with self._lock:
@@ -907,12 +927,12 @@ class TcpEndpoint(Endpoint):
             if not grant.alive:
                 raise PeerGone("the link of this stream ended (its capability was revoked)")
             try:
-                self._served_table.check(wire["region"], wire["offset"], wire["length"], "remote")
+                self._regs.served.check(wire["region"], wire["offset"], wire["length"], "remote")
                 grant.check(wire["region"])
                 if int(wire["length"].sum(dtype=np.uint64)) != total:
                     raise Corrupt("announced payload does not match the op lengths")
             except Refused as exc:
-                reason = self._refusal_reason(wire, exc)
+                reason = str(exc)
                 self._stats["refused"] += 1
                 self._stats["last_error"] = reason
                 refused = reason
@@ -920,11 +940,11 @@ class TcpEndpoint(Endpoint):
                 refused = None
                 regions = wire["region"].tolist() if len(wire) <= _WINDOW else np.unique(wire["region"]).tolist()
                 ids = frozenset(regions)
-                pinned = [self._regs[r] for r in ids]
-                for reg in pinned:
-                    reg.busy += 1
+                served = Batch(ids)   # the request's pins: a deregistration drains them
+                self._regs.pin_entries(served, ids)
                 grant.busy += 1
-                mvs = {r: self._regs[r].view for r in ids}
+                where = _Where(self._regs.ids, self._regs.addrs,
+                               {e.region_id: e.view for e in served.pinned} if _is_tls(sock) else {})
                 self._serving[token] = (sock, ids)
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
@@ -932,19 +952,14 @@ class TcpEndpoint(Endpoint):
             _send_rsp(sock, ST_REFUSED, refused)
             return
         try:
-            if kind == READ and len(wire) < _WINDOW:
-                # one window (header + views <= IOV_MAX buffers): the OK header and the bytes leave in one
-                # sendmsg (the same bytes on the wire)
-                views = [mvs[a][b:b + c] for a, b, c in zip(wire["region"].tolist(), wire["offset"].tolist(),
-                                                             wire["length"].tolist())]
-                _sendmsg_all(sock, [_RSP.pack(_M_RSP, ST_OK, 0, 0, 0)] + views)
-            elif kind == READ:
-                _send_rsp(sock, ST_OK)
-                _move(sock, mvs, wire["region"], wire["offset"], wire["length"], None, send=True)
+            if kind == READ:
+                # the OK header and the first window of bytes leave in one sendmsg
+                _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=True, head=_OK_HEAD,
+                      total=total)
             else:
                 _send_rsp(sock, ST_OK)
                 try:
-                    _move(sock, mvs, wire["region"], wire["offset"], wire["length"], None, send=False)
+                    _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
                 except Exception:
                     self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                     raise
@@ -956,17 +971,8 @@ class TcpEndpoint(Endpoint):
         finally:
             with self._cond:
                 self._serving.pop(token, None)
-                for reg in pinned:
-                    reg.busy -= 1
                 grant.busy -= 1
-                self._cond.notify_all()
-
-    def _refusal_reason(self, wire: np.ndarray, exc: Refused) -> str:
-        for r in np.unique(wire["region"]).tolist():
-            reg = self._regs.get(r)
-            if reg is not None and not reg.region.remote_accessible:
-                return f"region {r} is not remote-accessible"
-        return str(exc)
+                self._regs.unpin_locked(served)
 
 
 class _ServerConn:
@@ -1160,8 +1166,7 @@ class TcpChannel(Channel):
         self._idle: list[socket.socket] = []
         self._remote: dict[int, int] = {}
         self._remote_table = RegionTable()
-        self._closed = False
-        self._active: set[_Batch] = set()
+        self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
         self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
                        "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
@@ -1187,17 +1192,11 @@ class TcpChannel(Channel):
         return self._submit(WRITE, ops, deadline)
 
     def close(self) -> None:
+        # refuse new batches, fail those in flight, wait until they left (the close-drain)
+        if not self._batches.close(Cancelled("channel closed")):
+            return
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            active = list(self._active)
             idle, self._idle = self._idle, []
-        for b in active:
-            if b.completion is not None:
-                b.completion.fail(Cancelled("channel closed"))
-            else:
-                b.abort()
         for s in idle:
             _close(s)
         self._ep._forget_channel(self)
@@ -1205,7 +1204,7 @@ class TcpChannel(Channel):
     def statistics(self) -> dict:
         with self._lock:
             return dict(self._stats, idle_streams=len(self._idle), remote_regions=len(self._remote),
-                        closed=self._closed)
+                        closed=self._batches.closed)
 
     # ------------------------------------------------------------------ streams
 
@@ -1261,7 +1260,7 @@ class TcpChannel(Channel):
         sock = None
         while not fresh:
             with self._lock:
-                if self._closed:
+                if self._batches.closed:
                     raise Cancelled("channel closed")
                 sock = self._idle.pop() if self._idle else None
             if sock is None or not _readable(sock):
@@ -1277,7 +1276,7 @@ class TcpChannel(Channel):
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
-            if not self._closed and len(self._idle) < 4:
+            if not self._batches.closed and len(self._idle) < 4:
                 self._idle.append(sock)
                 return
         _close(sock)
@@ -1286,12 +1285,16 @@ class TcpChannel(Channel):
 
     def _submit(self, kind: int, ops: np.ndarray, deadline: float) -> Completion:
         with self._lock:
-            if self._closed:
+            if self._batches.closed:
                 raise Cancelled("channel closed")
             remote = self._remote_table
-        batch, mvs = self._ep._begin_batch(ops, remote)
-        with self._lock:
-            self._active.add(batch)
+        batch, where = self._ep._begin_batch(ops, remote)
+        try:
+            with self._lock:
+                self._batches.add(batch)
+        except BaseException:
+            self._ep._end_batch(batch)
+            raise
         try:
             ops = coalesce_ops(np.asarray(ops))
             total = int(ops["length"].sum(dtype=np.uint64)) if len(ops) else 0
@@ -1301,7 +1304,7 @@ class TcpChannel(Channel):
         if total <= int(self._cfg[OPT_INLINE]):
             err = None
             try:
-                self._run_stream(batch, kind, ops, mvs, deadline)
+                self._run_stream(batch, kind, ops, where, deadline)
             except BaseException as exc:  # noqa: BLE001
                 err = _map_exc(exc)
                 if batch.aborted and not isinstance(err, Refused):
@@ -1310,10 +1313,10 @@ class TcpChannel(Channel):
             return DoneCompletion(err)
         streams = int(self._cfg[OPT_STREAMS]) if total >= int(self._cfg[OPT_SPLIT]) else 1
         parts = split_ops(ops, max(1, streams))
-        workers = [(lambda p=p: self._run_stream_mapped(batch, kind, p, mvs, deadline)) for p in parts]
+        workers = [(lambda p=p: self._run_stream_mapped(batch, kind, p, where, deadline)) for p in parts]
         batch.completion = ThreadCompletion(
             workers, deadline=deadline, abort=batch.abort,
-            on_done=lambda c: self._finish(batch, c._error, kind, ops, total),
+            on_done=lambda c: self._finish(batch, c.recorded_error, kind, ops, total),
             name="llmdd-tcp-io")
         return batch.completion
 
@@ -1325,7 +1328,7 @@ class TcpChannel(Channel):
             _close(s)
         self._ep._end_batch(batch)
         with self._lock:
-            self._active.discard(batch)
+            self._batches.discard_locked(batch)
             if ops is None:
                 return
             self._stats["batches"] += 1
@@ -1337,15 +1340,15 @@ class TcpChannel(Channel):
                 self._stats["failed"] += 1
                 self._stats["last_error"] = str(err)
 
-    def _run_stream_mapped(self, batch: _Batch, kind: int, ops: np.ndarray, mvs: dict, deadline: float) -> None:
+    def _run_stream_mapped(self, batch: _Batch, kind: int, ops: np.ndarray, where: _Where, deadline: float) -> None:
         try:
-            self._run_stream(batch, kind, ops, mvs, deadline)
+            self._run_stream(batch, kind, ops, where, deadline)
         except TransportError:
             raise
         except Exception as exc:  # noqa: BLE001 - a socket timeout (EAGAIN under SO_RCVTIMEO) is a timeout
             raise _map_exc(exc) from None
 
-    def _run_stream(self, batch: _Batch, kind: int, ops: np.ndarray, mvs: dict, deadline: float) -> None:
+    def _run_stream(self, batch: _Batch, kind: int, ops: np.ndarray, where: _Where, deadline: float) -> None:
         sock, reused = self._acquire(batch, deadline)
         seg_max = int(self._cfg[OPT_SEGMENT])
         ends = np.cumsum(ops["length"], dtype=np.uint64)
@@ -1357,7 +1360,7 @@ class TcpChannel(Channel):
                 stop = int(np.searchsorted(ends, base + seg_max, side="right"))
                 stop = min(max(stop, start + 1), n, start + MAX_OPS_PER_REQUEST)
                 try:
-                    self._segment(sock, kind, ops[start:stop], mvs, deadline, batch)
+                    self._segment(sock, kind, ops[start:stop], where, deadline, batch)
                 except _StaleStream as exc:
                     if not (reused and start == 0) or batch.aborted:
                         raise PeerGone(str(exc)) from None
@@ -1383,7 +1386,7 @@ class TcpChannel(Channel):
             batch.socks.remove(sock)
         self._release(sock)
 
-    def _segment(self, sock: socket.socket, kind: int, ops: np.ndarray, mvs: dict, deadline: float,
+    def _segment(self, sock: socket.socket, kind: int, ops: np.ndarray, where: _Where, deadline: float,
                  batch: _Batch) -> None:
         wire = np.empty(len(ops), dtype=WIRE_OP)
         wire["region"] = ops["remote_region"]
@@ -1402,8 +1405,8 @@ class TcpChannel(Channel):
         if status != ST_OK:
             raise Corrupt(f"peer failed the batch: {msg}")
         aborted = lambda: batch.aborted  # noqa: E731
-        _move(sock, mvs, ops["local_region"], ops["local_offset"], ops["length"], deadline,
-              send=(kind == WRITE), abort_check=aborted)
+        _move(sock, where, ops["local_region"], ops["local_offset"], ops["length"], deadline,
+              send=(kind == WRITE), abort_check=aborted, total=total)
         if kind == WRITE:
             status, msg = _recv_rsp(sock, deadline)
             if status != ST_OK:

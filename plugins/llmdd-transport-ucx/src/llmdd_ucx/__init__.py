@@ -60,18 +60,8 @@ from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
-from llmdd.lowlevel import (
-    Cancelled,
-    Corrupt,
-    DoneCompletion,
-    MemRegion,
-    PeerGone,
-    RegionTable,
-    Refused,
-    TransportTimeout,
-    check_ops,
-    coalesce_ops,
-)
+from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
+from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, TransportTimeout, check_ops, coalesce_ops
 
 from . import _nixl, _proto
 
@@ -392,6 +382,10 @@ class _Xfer(Completion):
     def cancel(self) -> None:
         self.fail(Cancelled("batch cancelled"))
 
+    def touches(self, region_id: int) -> bool:
+        """Whether the batch uses local region ``region_id`` (its deregistration fails the batch)."""
+        return region_id in self.local_ids
+
     def __repr__(self) -> str:
         return f"<ucx batch {self._op} {self.nbytes} B {'done' if self._done.is_set() else 'running'}>"
 
@@ -416,11 +410,11 @@ class _Backoff:
 # --------------------------------------------------------------------------- endpoint
 
 
-class _LocalReg:
-    __slots__ = ("region", "dlist", "gen")
+class _LocalReg(RegisteredRegion):
+    __slots__ = ("dlist", "gen")
 
     def __init__(self, region: MemRegion, dlist: Any, gen: int) -> None:
-        self.region = region
+        super().__init__(region)
         self.dlist = dlist
         self.gen = gen
 
@@ -451,10 +445,8 @@ class UcxEndpoint(Endpoint):
         self._agent = agent
         self._lock = threading.RLock()
         self._closed = False
-        self._regs: dict[int, _LocalReg] = {}
-        self._table = RegionTable()
-        self._ids = np.empty(0, np.int64)
-        self._addrs = np.empty(0, np.uint64)
+        self._regs: RegionRegistry[_LocalReg] = RegionRegistry(threading.Condition(self._lock),
+                                                               on_rebuild=self._rebuild)
         self._gen = int.from_bytes(os.urandom(6), "little") << 8
         self._channels: set[UcxChannel] = set()
         self._by_peer: dict[str, set] = {}
@@ -492,8 +484,7 @@ class UcxEndpoint(Endpoint):
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
-            if region.region_id in self._regs:
-                raise Refused(f"region {region.region_id} is already registered")
+            self._regs.check_new(region.region_id)
             dlist = None
             partial = b""
             if region.size:
@@ -505,21 +496,16 @@ class UcxEndpoint(Endpoint):
                 except Exception as exc:  # noqa: BLE001
                     raise _nixl_error(exc, f"registering region {region.region_id}") from None
             self._gen += 1
-            self._regs[region.region_id] = _LocalReg(region, dlist, self._gen)
-            self._rebuild()
+            self._regs.add(_LocalReg(region, dlist, self._gen))
         return {"transport": "ucx", "agent": self._name, "region_id": region.region_id, "addr": region.addr,
                 "size": region.size, "dev_id": 0, "mem": "DRAM", "gen": self._gen,
                 "remote_accessible": region.remote_accessible, "metadata": partial}
 
     def deregister(self, region_id: int) -> None:
-        with self._lock:
-            reg = self._regs.pop(region_id, None)
-            if reg is None:
-                return
-            self._rebuild()
-            mine = [b for ch in self._channels for b in ch._active_batches() if region_id in b.local_ids]
-        for b in mine:
-            b.fail(Cancelled(f"local region {region_id} was deregistered"))
+        # this side: fail the batches touching it and drain them (requests in flight polled out)
+        reg = self._regs.deregister(region_id)
+        if reg is None:
+            return
         # the owner side: every client refuses new ops on it and drains what touches it
         if reg.region.remote_accessible:
             self._broadcast(_proto.DRAIN, _proto.pack_region(region_id, reg.gen))
@@ -567,6 +553,7 @@ class UcxEndpoint(Endpoint):
             channels = list(self._channels)
         for ch in channels:
             ch.close()
+        self._regs.close()   # what is left: cancel, then drain
         self._broadcast(_proto.BYE, b"")
         self._stop.set()
         self._kick.set()
@@ -574,14 +561,14 @@ class UcxEndpoint(Endpoint):
             self._notif_thread.join(5.0)
         self._owner_requests.shutdown(wait=False)
         with self._lock:
-            for reg in self._regs.values():
+            for reg in self._regs.entries.values():
                 if reg.dlist is not None:
                     try:
                         self._agent.deregister_memory(reg.dlist)
                     except Exception as exc:  # noqa: BLE001
                         self._log.warning("llmdd.transport.ucx.deregister_failed", error=repr(exc))
-            self._regs.clear()
-            self._rebuild()
+            self._regs.entries.clear()
+            self._regs.rebuild()
             if not self._stranded:
                 self._agent = None  # the agent (and its UCX worker) goes with its last reference
 
@@ -592,13 +579,9 @@ class UcxEndpoint(Endpoint):
 
     # ------------------------------------------------------------------ internals
 
-    def _rebuild(self) -> None:
-        ids = sorted(self._regs)
-        self._table = RegionTable({i: self._regs[i].region.size for i in ids})
-        self._ids = np.array(ids, dtype=np.int64)
-        self._addrs = np.array([self._regs[i].region.addr for i in ids], dtype=np.uint64)
-        self._stats["regions"] = len(ids)
-        self._stats["registered_bytes"] = sum(self._regs[i].region.size for i in ids)
+    def _rebuild(self, regs: RegionRegistry) -> None:
+        self._stats["regions"] = len(regs)
+        self._stats["registered_bytes"] = sum(e.region.size for e in regs.entries.values())
 
     def _send(self, peer: str, kind: int, token: int, payload: bytes = b"") -> bool:
         try:
@@ -779,9 +762,8 @@ class UcxChannel(Channel):
         self._ids = np.empty(0, np.int64)
         self._addrs = np.empty(0, np.uint64)
         self._devs = np.empty(0, np.uint64)
-        self._closed = False
         self._gone: Optional[TransportError] = None
-        self._active: set[_Xfer] = set()
+        self._batches: BatchSet[_Xfer] = BatchSet(threading.Condition(self._lock))
         self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0, "batches": 0,
                        "requests": 0, "failed": 0, "refused": 0, "last_error": None}
 
@@ -814,13 +796,8 @@ class UcxChannel(Channel):
         return self._submit("WRITE", ops, deadline)
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            active = list(self._active)
-        for b in active:
-            b.fail(Cancelled("channel closed"))
+        if not self._batches.close(Cancelled("channel closed")):   # fail the batches in flight, drain them
+            return
         if self._gone is None and self._ep._agent is not None:
             self._ep._request(self._peer_name, _proto.GOODBYE, b"", float(self._ep._cfg[OPT_CONTROL_TIMEOUT]))
         self._ep._forget_channel(self)
@@ -828,20 +805,17 @@ class UcxChannel(Channel):
     def statistics(self) -> dict:
         with self._lock:
             return dict(self._stats, peer=self._peer_name, remote_regions=len(self._remote),
-                        closed=self._closed, gone=self._gone is not None)
+                        closed=self._batches.closed, gone=self._gone is not None)
 
     # ------------------------------------------------------------------ internals
 
     def _rebuild(self) -> None:
         ids = sorted(i for i, r in self._remote.items() if r.accessible)
-        self._table = RegionTable({i: self._remote[i].size for i in ids})
+        self._table = RegionTable({i: self._remote[i].size for i in ids},
+                                  private=[i for i, r in self._remote.items() if not r.accessible])
         self._ids = np.array(ids, dtype=np.int64)
         self._addrs = np.array([self._remote[i].addr for i in ids], dtype=np.uint64)
         self._devs = np.array([self._remote[i].dev for i in ids], dtype=np.uint64)
-
-    def _active_batches(self) -> list:
-        with self._lock:
-            return list(self._active)
 
     def _gone_error(self) -> Optional[TransportError]:
         return self._gone
@@ -856,7 +830,7 @@ class UcxChannel(Channel):
             if r is not None and r.gen == gen:
                 del self._remote[region_id]
                 self._rebuild()
-            touching = [b for b in self._active if region_id in b.remote_ids]
+            touching = self._batches.matching(lambda b: region_id in b.remote_ids)
         for b in touching:
             b.fail(Cancelled(f"remote region {region_id} was deregistered by its owner"))
 
@@ -864,13 +838,14 @@ class UcxChannel(Channel):
         with self._lock:
             if self._gone is None:
                 self._gone = err
-            active = list(self._active)
+            active = list(self._batches)
         for b in active:
             b.fail(err)
 
     def _batch_done(self, batch: _Xfer, err: Optional[TransportError]) -> None:
+        self._ep._regs.untrack(batch)   # not under the channel's lock: _submit takes the endpoint's first
         with self._lock:
-            self._active.discard(batch)
+            self._batches.discard_locked(batch)
             self._stats["batches"] += 1
             if err is None:
                 key = "read" if batch._op == "READ" else "written"
@@ -883,14 +858,14 @@ class UcxChannel(Channel):
     def _submit(self, op: str, ops: np.ndarray, deadline: float) -> Completion:
         ep = self._ep
         with ep._lock, self._lock:
-            if self._closed or ep._closed:
+            if self._batches.closed or ep._closed:
                 raise Cancelled("channel closed")
             try:
-                arr = check_ops(ops, ep._table, self._table)
+                arr = check_ops(ops, ep._regs.table, self._table)
             except Refused as exc:
                 self._stats["refused"] += 1
-                self._stats["last_error"] = self._refusal_reason(ops, exc)
-                raise Refused(self._stats["last_error"]) from None
+                self._stats["last_error"] = str(exc)
+                raise
             if self._gone is not None:
                 return DoneCompletion(self._gone)
             if time.monotonic() >= deadline:
@@ -898,12 +873,12 @@ class UcxChannel(Channel):
             arr = coalesce_ops(arr)
             if not len(arr):
                 return DoneCompletion(None)
-            lpos = np.searchsorted(ep._ids, arr["local_region"].astype(np.int64))
+            lpos = np.searchsorted(ep._regs.ids, arr["local_region"].astype(np.int64))
             rpos = np.searchsorted(self._ids, arr["remote_region"].astype(np.int64))
             n = len(arr)
             ldesc = np.empty((n, 3), dtype=np.uint64)
             rdesc = np.empty((n, 3), dtype=np.uint64)
-            np.add(ep._addrs[lpos], arr["local_offset"], out=ldesc[:, 0])
+            np.add(ep._regs.addrs[lpos], arr["local_offset"], out=ldesc[:, 0])
             ldesc[:, 1] = arr["length"]
             ldesc[:, 2] = 0
             np.add(self._addrs[rpos], arr["remote_offset"], out=rdesc[:, 0])
@@ -914,21 +889,12 @@ class UcxChannel(Channel):
             batch = _Xfer(self, op, chunks, deadline, total, len(arr),
                           frozenset(np.unique(arr["local_region"]).tolist()),
                           frozenset(np.unique(arr["remote_region"]).tolist()))
-            self._active.add(batch)
+            self._batches.add(batch)
+            ep._regs.track(batch)   # the endpoint's deregistration / close fails it
             self._stats["requests"] += len(chunks)
             # posted under the locks: a DRAIN/deregistration either sees this batch or refuses it
             batch.start()
         return batch
-
-    def _refusal_reason(self, ops: Any, exc: Refused) -> str:
-        try:
-            for r in np.unique(np.asarray(ops)["remote_region"]).tolist():
-                rem = self._remote.get(int(r))
-                if rem is not None and not rem.accessible:
-                    return f"remote region {r} is not remote-accessible"
-        except Exception:  # noqa: BLE001
-            pass
-        return str(exc)
 
 
 def _chunk(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int, max_descs: int) -> list:
