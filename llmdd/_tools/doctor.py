@@ -36,10 +36,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import attrs
 import numpy as np
+
+if TYPE_CHECKING:
+    from llmdd._memory.backend import Segment
 
 __all__ = [
     "Check",
@@ -253,18 +256,19 @@ def collect_info(profile: str = "generic") -> dict:
 
     import llmdd
 
-    versions = {"llmdd": _version("llmdd") or llmdd.__version__, "python": platform.python_version()}
+    versions: dict[str, Optional[str]] = {"llmdd": _version("llmdd") or llmdd.__version__,
+                                          "python": platform.python_version()}
     for dist in _VERSIONED:
         versions[dist] = _version(dist)
     info: dict[str, Any] = {"versions": versions,
                             "platform": f"{platform.system()} {platform.release()} {platform.machine()}"}
 
-    entry_points = []
+    entry_points: list[dict[str, Any]] = []
     for ep in sorted(metadata.entry_points(group="llmdd"), key=lambda e: e.name):
-        dist = getattr(ep, "dist", None)
+        ep_dist = getattr(ep, "dist", None)
         entry_points.append({"name": ep.name, "value": ep.value,
-                             "distribution": dist.metadata["Name"] if dist is not None else None,
-                             "version": dist.version if dist is not None else None})
+                             "distribution": ep_dist.metadata["Name"] if ep_dist is not None else None,
+                             "version": ep_dist.version if ep_dist is not None else None})
     plugins_error = None
     loaded: list[str] = []
     transports: list[dict] = []
@@ -275,9 +279,9 @@ def collect_info(profile: str = "generic") -> dict:
     else:
         # a blocked name is listed with no plugin object
         loaded = sorted(name for name, plugin in pm.list_name_plugin() if plugin is not None)
-        for ep in entry_points:
-            ep["loaded"] = ep["name"] in loaded
-            ep["blocked"] = pm.is_blocked(ep["name"])
+        for entry in entry_points:
+            entry["loaded"] = entry["name"] in loaded
+            entry["blocked"] = pm.is_blocked(entry["name"])
         for name in registry.names():
             cls = registry.get(name)
             probed = registry.probe(name)
@@ -339,14 +343,15 @@ class _Owned:
         from llmdd._memory.backend import HostBackend
 
         self.backend = HostBackend()
-        self.endpoint = None
-        self.segment = self.backend.allocate_segment(size)
+        self.endpoint: Any = None   # the transport's Endpoint (the class is given, untyped)
+        segment = self.backend.allocate_segment(size)
+        self.segment: Optional[Segment] = segment
         try:
-            self.segment.array()[:] = _pattern(size)
+            segment.array()[:] = _pattern(size)
             self.endpoint = transport_cls({}).open_endpoint(host="127.0.0.1")
             self.desc = self.endpoint.register(MemRegion(
-                region_id=1, addr=self.segment.addr, size=size, remote_accessible=True,
-                placement=int(Placement.HOST), shm_name=self.segment.name, shm_offset=0))
+                region_id=1, addr=segment.addr, size=size, remote_accessible=True,
+                placement=int(Placement.HOST), shm_name=segment.name, shm_offset=0))
             self.peer = self.endpoint.describe()
         except BaseException:
             self.close()
@@ -536,10 +541,11 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
     from llmdd._seam.abc import MemRegion, make_ops
     from llmdd._base.enums import Placement
 
-    base = dict(transport=transport, region_bytes=size, op_bytes=op_bytes, processes=2 if two else 1)
+    result = functools.partial(SelfTestResult, transport=transport, region_bytes=size, op_bytes=op_bytes,
+                               processes=2 if two else 1)
     if size <= 0 or op_bytes <= 0 or size % op_bytes or size % 8:
-        return SelfTestResult(ok=False, error=f"region size {size} must be a positive multiple of the op size "
-                                              f"{op_bytes} and of 8", **base)
+        return result(ok=False, error=f"region size {size} must be a positive multiple of the op size "
+                                      f"{op_bytes} and of 8")
     owned = child = None
     local = channel = None
     started = time.monotonic()
@@ -548,9 +554,9 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
             child = _Child({"op": "own", "transport": transport, "size": size})
             msg = child.recv(_CHILD_TIMEOUT_S)
             if msg is None:
-                return SelfTestResult(ok=False, error=child.failure(), **base)
+                return result(ok=False, error=child.failure())
             if msg.get("kind") != "ready":
-                return SelfTestResult(ok=False, error=f"the helper process failed: {msg.get('error')}", **base)
+                return result(ok=False, error=f"the helper process failed: {msg.get('error')}")
             peer, desc = msg["peer"], msg["desc"]
         else:
             owned = _Owned(cls, size)
@@ -579,7 +585,7 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
         read_once()  # warm-up, verified but not timed: maps the peer's memory, faults the destination in
         if not np.array_equal(dst, expected):
             bad = int(np.argmax(dst != expected))
-            return SelfTestResult(ok=False, error=f"bytes differ after a read (first at offset {bad})", **base)
+            return result(ok=False, error=f"bytes differ after a read (first at offset {bad})")
         busy = 0.0
         batches = 0
         end = time.perf_counter() + max(0.0, seconds)
@@ -591,14 +597,14 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
         batches += 1
         if not np.array_equal(dst, expected):
             bad = int(np.argmax(dst != expected))
-            return SelfTestResult(ok=False, error=f"bytes differ after {batches + 1} reads (first at offset "
-                                                  f"{bad})", batches=batches, **base)
+            return result(ok=False, error=f"bytes differ after {batches + 1} reads (first at offset "
+                                          f"{bad})", batches=batches)
         total = batches * size
-        return SelfTestResult(ok=True, gbps=total / max(busy, 1e-9) / 1e9, bytes_read=total,
-                              batches=batches, seconds=busy, verified=True, **base)
+        return result(ok=True, gbps=total / max(busy, 1e-9) / 1e9, bytes_read=total,
+                      batches=batches, seconds=busy, verified=True)
     except Exception as exc:  # noqa: BLE001 - reported with its reason, never a traceback
-        return SelfTestResult(ok=False, error=_describe_error(exc),
-                              seconds=time.monotonic() - started, **base)
+        return result(ok=False, error=_describe_error(exc),
+                      seconds=time.monotonic() - started)
     finally:
         for closer in (getattr(channel, "close", None), getattr(local, "close", None),
                        getattr(owned, "close", None)):
