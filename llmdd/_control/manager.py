@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import ipaddress
 import functools
+import ipaddress
 import itertools
 import random
 import secrets
