@@ -87,6 +87,10 @@ class EngineConfig:
     options: Mapping[str, str] = attrs.field(factory=dict, converter=_readonly)
 
 
+def _str_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 @final
 @attrs.frozen(kw_only=True)
 class LinkInfo:
@@ -105,7 +109,7 @@ class LinkInfo:
     forced: Optional[str] = attrs.field(default=None,
                                         validator=attrs.validators.optional(attrs.validators.instance_of(str)))
     peer_transports: tuple[str, ...] = attrs.field(
-        default=(), converter=tuple,
+        default=(), converter=_str_tuple,
         validator=attrs.validators.deep_iterable(attrs.validators.instance_of(str)))
 
 

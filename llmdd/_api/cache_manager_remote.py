@@ -6,7 +6,7 @@ They need the data plane (``_transfer.TransferEngine``), which the engine attach
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, TypeGuard, Union
 
 from llmdd._base.enums import Placement
 from llmdd._control.protocol.messages import MAX_TAG_BYTES
@@ -67,7 +67,7 @@ def _plain_blocks(src_blocks, dst_blocks) -> bool:
     return True
 
 
-def _plain_layers(layers) -> bool:
+def _plain_layers(layers: object) -> TypeGuard[range]:
     """A layer range that :func:`check_layer_range` accepts, given explicitly (push's defaults
     depend on the cache: the full path computes them)."""
     return type(layers) is range and layers.step == 1 and 0 <= layers.start < layers.stop
@@ -135,6 +135,8 @@ def _default_layers(cache: Cache, tnpl: int, src_range, dst_range) -> tuple:
 class RemoteOperations:
     """Mixin of ``CacheManager``: pulls, pushes and the layer-wise async transfer."""
 
+    _enable_remote_cache_accessible: bool   # the host's option (CacheManager.__init__)
+
     def pull_cache(self, cache_key: Union[CacheKey, CacheKeyByIdAndIndex], cache: Cache,
                    batch_index: int = 0, size: int = -1, *, tag: Optional[Union[bytes, str]] = None,
                    **kwargs) -> None:
@@ -175,8 +177,8 @@ class RemoteOperations:
         return engine, run
 
     def pull_blocks(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
-                    dst_cache: Cache, src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
-                    dst_blocks: Union[Tuple[int], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
+                    dst_cache: Cache, src_blocks: Optional[Union[Tuple[int, ...], List[int]]] = (),
+                    dst_blocks: Union[Tuple[int, ...], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
                     **kwargs) -> None:
         """Pull remote blocks (or a contiguous remote batch slot) into blocks of a local blocks cache.
 
@@ -198,8 +200,8 @@ class RemoteOperations:
         self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)[1]()
 
     def pull_blocks_async(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
-                          dst_cache: Cache, src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
-                          dst_blocks: Union[Tuple[int], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
+                          dst_cache: Cache, src_blocks: Optional[Union[Tuple[int, ...], List[int]]] = (),
+                          dst_blocks: Union[Tuple[int, ...], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
                           callback: Optional[Callable[[LLMStatusCode], None]] = None, **kwargs) -> CacheTask:
         """llmdd extension: :meth:`pull_blocks` without blocking the caller; returns a ``CacheTask``
         (``synchronize`` / ``get_results``; one result) and calls ``callback(status)`` once when done.
@@ -236,7 +238,8 @@ class RemoteOperations:
         return engine, run
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,
-                   src_batch_index: int = 0, src_layer_range: range = None, dst_layer_range: range = None,
+                   src_batch_index: int = 0, src_layer_range: Optional[range] = None,
+                   dst_layer_range: Optional[range] = None,
                    size: int = -1, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER, *,
                    tag: Optional[Union[bytes, str]] = None) -> None:
         """Push a local non-blocks cache into a remote cache addressed by id and batch index.
@@ -263,9 +266,9 @@ class RemoteOperations:
                     tag=wire_tag)
 
     def push_blocks(self, dst_cache_key: BlocksCacheKey, src_cache: Cache,
-                    src_blocks: Optional[Union[Tuple[int], List[int]]] = (),
-                    dst_blocks: Union[Tuple[int], List[int]] = (), src_layer_range: range = None,
-                    dst_layer_range: range = None, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER, *,
+                    src_blocks: Optional[Union[Tuple[int, ...], List[int]]] = (),
+                    dst_blocks: Union[Tuple[int, ...], List[int]] = (), src_layer_range: Optional[range] = None,
+                    dst_layer_range: Optional[range] = None, tensor_num_per_layer: int = _NUM_TENSORS_PER_LAYER, *,
                     tag: Optional[Union[bytes, str]] = None) -> None:
         """Push blocks of a local blocks cache into blocks of a remote blocks cache.
 
@@ -305,8 +308,8 @@ class RemoteOperations:
     def transfer_cache_async(self, src_cache: Cache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Union[List[Union[TransferConfig, TransferWithCacheKeyConfig]],
                                                      Tuple[Union[TransferConfig, TransferWithCacheKeyConfig]]],
-                             src_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
-                             dst_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
+                             src_block_indices: Optional[Union[List[int], Tuple[int, ...]]] = None,
+                             dst_block_indices: Optional[Union[List[int], Tuple[int, ...]]] = None,
                              dst_block_memory_size: Optional[int] = None) -> CacheTask:
         """Transfer layer by layer as ``layer_synchronizer`` releases each layer; returns a ``CacheTask``."""
         engine = _transfers(self)
@@ -333,7 +336,7 @@ class RemoteOperations:
         raise_if_true(src_blocks is not None and dst_blocks is None,
                       "transfer from a blocks cache to a non-blocks cache is not supported.")
         if src_blocks is not None:
-            raise_if_false(len(src_blocks) == len(dst_blocks),
+            raise_if_false(dst_blocks is not None and len(src_blocks) == len(dst_blocks),
                            "src_block_indices and dst_block_indices must have the same length.")
         elif dst_blocks is not None:
             raise_if_false(bool(dst_block_memory_size),

@@ -15,16 +15,16 @@ from llmdd._api.cache_manager import CacheManager
 from llmdd._base.config import LLMClusterInfo
 from llmdd._base.enums import ROLE_TO_STR, LLMRole, RegisterMemStatus
 from llmdd._base.ranktable import parse_rank_table
-from llmdd._lifecycle.machines import Lifecycle
+from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._engine.core import EngineCore
 from llmdd._lifecycle.tables import ENGINE_UP, Machine
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions, parse_listen_ip_info, prepare_engine_options
-from llmdd._extension.manager import Hooks, make_plugin_manager
+from llmdd._extension.manager import Hooks, LLMDDPluginManager, make_plugin_manager
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
 from llmdd._api.v1 import KvCacheManager
 from llmdd._api.v1.datadist import not_in_v1, not_in_v2, v1_check_link_status, v1_link_clusters, v1_switch_role
-from llmdd._api.v1.options import prepare_v1_options
+from llmdd._api.v1.options import V1Settings, prepare_v1_options
 from llmdd._base.validation import check_int32, check_isinstance, check_uint32, check_uint64
 from llmdd.plugin import EngineConfig
 
@@ -55,11 +55,11 @@ class LLMDataDist:
         self._cache_manager: CacheManager | None = None
         self._kv_cache_manager: Any = None   # the legacy v1 mode's KvCacheManager (llmdd/_api/v1)
         self._engine_options: dict[str, str] = {}
-        self._pm = None
-        self._hooks = None
-        self._engine_fsm = None
+        self._pm: Optional[LLMDDPluginManager] = None      # built once, by _ensure_plugins
+        self._hooks: Optional[Hooks] = None
+        self._engine_fsm: Optional[Tracked] = None
         self._lock = threading.RLock()
-        self._v1 = None  # the legacy v1 mode's settings when init selected it (llmdd/_v1)
+        self._v1: Optional[V1Settings] = None  # the legacy v1 mode's settings when init selected it (llmdd/_v1)
 
     # -- properties ---------------------------------------------------------------
     @property
@@ -88,20 +88,30 @@ class LLMDataDist:
         return ROLE_TO_STR[role]
 
     # -- lifecycle ----------------------------------------------------------------
-    def _ensure_plugins(self) -> None:
-        if self._pm is not None:
-            return
-        self._pm = make_plugin_manager()
-        self._hooks = Hooks(self._pm)
-        self._engine_fsm = Lifecycle(Machine.ENGINE, self._hooks.emitter(Machine.ENGINE)).create(
-            self._cluster_id, cluster_id=self._cluster_id)
+    def _ensure_plugins(self) -> tuple[LLMDDPluginManager, Hooks, Tracked]:
+        """The plugin manager, its hooks and the engine machine, built on the first call."""
+        pm, hooks, fsm = self._pm, self._hooks, self._engine_fsm
+        if pm is None or hooks is None or fsm is None:
+            pm = make_plugin_manager()
+            hooks = Hooks(pm)
+            fsm = Lifecycle(Machine.ENGINE, hooks.emitter(Machine.ENGINE)).create(
+                self._cluster_id, cluster_id=self._cluster_id)
+            self._pm, self._hooks, self._engine_fsm = pm, hooks, fsm
+        return pm, hooks, fsm
+
+    def _engine(self) -> Tracked:
+        """The engine machine, which exists from the first ``init`` (or ``add_plugin``) on."""
+        fsm = self._engine_fsm
+        if fsm is None:
+            raise _not_initialized()
+        return fsm
 
     def add_plugin(self, plugin: Any, name: Optional[str] = None) -> None:
         """Register a pluggy plugin object (hook subscriber, transport, fault injector) on this
         engine's plugin manager.  llmdd extension, not part of upstream's API: call it before
         ``init`` for plugins that contribute transports, at any time for subscribers."""
-        self._ensure_plugins()
-        self._pm.register(plugin, name=name)
+        pm, _hooks, _fsm = self._ensure_plugins()
+        pm.register(plugin, name=name)
 
     def init(self, options: Dict[str, str]) -> None:
         """Initialize the engine from ``options`` (usually ``LLMConfig().generate_options()``).
@@ -123,11 +133,10 @@ class LLMDataDist:
             if engine_options.get("llm.EnableCacheManager") != "1":  # legacy v1 mode (llmdd/_v1)
                 engine_options, v1 = prepare_v1_options(engine_options, self._role, self._cluster_id)
             parsed = EngineOptions.parse(engine_options, self._role)
-            self._ensure_plugins()
-            self._hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role,
-                                               options=engine_options))
-            core = EngineCore(cluster_id=self._cluster_id, role=self._role, options=parsed, hooks=self._hooks,
-                              engine=self._engine_fsm)
+            _pm, hooks, engine_fsm = self._ensure_plugins()
+            hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role, options=engine_options))
+            core = EngineCore(cluster_id=self._cluster_id, role=self._role, options=parsed, hooks=hooks,
+                              engine=engine_fsm)
             try:
                 cache_manager = CacheManager(core.memory, parsed.raw, profile=core.profile, transfers=core.transfers)
                 kv_cache_manager = KvCacheManager(core, self._role, cache_manager) if v1 is not None else None
@@ -143,7 +152,7 @@ class LLMDataDist:
             # plugins) registered exit handlers that unlink their segments; finalize must run before them
             atexit.unregister(_shutdown_handler)
             atexit.register(_shutdown_handler)
-            self._engine_fsm.fire("init", role=self._role.name, defer=deliver.append)
+            engine_fsm.fire("init", role=self._role.name, defer=deliver.append)
             _log.info("llmdd.engine.init", cluster_id=self._cluster_id, role=self._role.name)
         for emit in deliver:
             emit()
@@ -153,11 +162,12 @@ class LLMDataDist:
         deliver: list = []
         try:
             with LLMDataDist._instance_lock, self._lock:
-                if not self._initialized():
+                core = self._core
+                if core is None or not self._initialized():   # init sets the core, then the machine
                     return
                 # the machine moves first: every call from now on finds the engine finalized
-                self._engine_fsm.fire("finalize", defer=deliver.append)
-                core, self._core = self._core, None
+                self._engine().fire("finalize", defer=deliver.append)
+                self._core = None
                 for cm in (self._cache_manager, self._kv_cache_manager):
                     if cm is not None:
                         cm._mark_finalized()
@@ -190,7 +200,7 @@ class LLMDataDist:
         if timeout <= 0:
             raise LLMException(f"timeout must be > 0, but got {timeout}.", status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
-    def link_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo]], timeout=3000):
+    def link_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo, ...]], timeout=3000):
         """Link to server engines, in parallel; returns ``(status, [status per cluster])``, never raises on failure."""
         core = self._require_core()
         self._check_clusters(clusters, timeout)
@@ -209,7 +219,7 @@ class LLMDataDist:
             return LLMStatusCode.LLM_SUCCESS, []
         return core.link_manager.link_clusters(list(clusters), timeout)
 
-    def unlink_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo]], timeout=3000,
+    def unlink_clusters(self, clusters: Union[List[LLMClusterInfo], Tuple[LLMClusterInfo, ...]], timeout=3000,
                         force=False):
         """Unlink; non-force notifies the peer, force tears down only this side."""
         core = self._require_core()
@@ -226,7 +236,7 @@ class LLMDataDist:
             v1_switch_role(self, core, role, switch_options, self._v1.enable_switch_role)
             self._engine_options["llm.Role"] = self._role_to_str(role)
             addr = core.link_manager.listen_address
-            self._engine_fsm.fire("switch_role", role=role.name, listen=f"{addr[0]}:{addr[1]}" if addr else None)
+            self._engine().fire("switch_role", role=role.name, listen=f"{addr[0]}:{addr[1]}" if addr else None)
             return
         check_isinstance("role", role, LLMRole, allow_none=False)
         check_isinstance("switch_options", switch_options, dict)
@@ -249,7 +259,7 @@ class LLMDataDist:
         self._role = role
         core.set_role(role)
         self._engine_options["llm.Role"] = self._role_to_str(role)
-        self._engine_fsm.fire("switch_role", role=role.name, listen=f"{listen[0]}:{listen[1]}" if listen else None)
+        self._engine().fire("switch_role", role=role.name, listen=f"{listen[0]}:{listen[1]}" if listen else None)
 
     # -- bilateral comm groups (rank table) ---------------------------------------
     def link(self, comm_name: str, cluster_rank_info: Dict[int, int], rank_table: str) -> int:
@@ -273,7 +283,10 @@ class LLMDataDist:
         core.profile.require_api("link")
         table = parse_rank_table(rank_table)
         comm_id = core.comm_group_set.link(comm_name, dict(cluster_rank_info), table)
-        self._cache_manager.set_is_call_linked()
+        cache_manager = self._cache_manager
+        if cache_manager is None:   # init builds it together with the core
+            raise _not_initialized()
+        cache_manager.set_is_call_linked()
         return comm_id
 
     def unlink(self, comm_id: int) -> None:
@@ -314,7 +327,7 @@ class LLMDataDist:
             "memory": core.memory.statistics(),
             "lifecycles": {lc.machine.value: lc.statistics() for lc in
                            (core.links, core.comm_groups, core.caches, core.tasks, core.listeners)},
-            "hooks": self._hooks.statistics(),
+            "hooks": core.hooks.statistics(),
             "listen": core.link_manager.listen_address,
         }
 

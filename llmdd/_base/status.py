@@ -138,7 +138,7 @@ def handle_llm_status(status: int, func_name: str, other_info: str) -> None:
         raise LLMException(f"{func_name} failed, error code is {code}, {other_info}.", status_code=code)
 
 
-def raise_if_false(pred: bool, fmt: str, *args: Any,
+def raise_if_false(pred: object, fmt: str, *args: Any,
                    status_code: LLMStatusCode = LLMStatusCode.LLM_PARAM_INVALID, **kwargs: Any) -> None:
     if not pred:
         msg = fmt.format(*args, **kwargs)

@@ -147,9 +147,9 @@ class CommGroups:
             while time.monotonic() < deadline and not group.stop.is_set():
                 missing = [cid for cid in group.peers if cid not in group.linked]
                 for cid in missing:
-                    link = self._lm.get(cid)
-                    if link is not None and link.linked:
-                        link.comm_id = group.comm_id
+                    found = self._lm.get(cid)
+                    if found is not None and found.linked:
+                        found.comm_id = group.comm_id
                         group.linked.add(cid)
                 if len(group.linked) == len(group.peers):
                     break

@@ -48,7 +48,10 @@ class ControlConnection:
         self._out = bytearray()
         self._closed = False
         self._attached = False
-        self._tls = isinstance(sock, ssl.SSLSocket)
+        self._tls_sock: Optional[ssl.SSLSocket] = sock if isinstance(sock, ssl.SSLSocket) else None
+        self._tls = self._tls_sock is not None
+        if tls_handshake and self._tls_sock is None:
+            raise ValueError(f"{name}: a TLS handshake needs an ssl.SSLSocket, got {type(sock).__name__}")
         self._tls_handshake = tls_handshake
         self._events = 0
         self._on_message: Optional[Callable[[Any], None]] = None
@@ -137,7 +140,7 @@ class ControlConnection:
             return
         self._update_events()
         self._process()
-        if self._tls and not self._tls_handshake and self.sock.pending():
+        if self._tls_sock is not None and not self._tls_handshake and self._tls_sock.pending():
             self._on_ready(EVENT_READ)
 
     def _update_events(self) -> None:
@@ -160,8 +163,11 @@ class ControlConnection:
             self._read()
 
     def _drive_tls(self) -> None:
+        tls = self._tls_sock
+        if tls is None:   # __init__ refuses tls_handshake on a plain socket
+            raise RuntimeError(f"{self.name}: TLS handshake pending on a plain socket")
         try:
-            self.sock.do_handshake()
+            tls.do_handshake()
         except ssl.SSLWantReadError:
             self._set(EVENT_READ)
             return
@@ -225,7 +231,7 @@ class ControlConnection:
                 return
             if not data:
                 break
-            if len(data) < self.RECV_SIZE and not (self._tls and self.sock.pending()):
+            if len(data) < self.RECV_SIZE and not (self._tls_sock is not None and self._tls_sock.pending()):
                 break
         self._process()
 

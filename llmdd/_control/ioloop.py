@@ -264,8 +264,11 @@ class IoLoop:
             pass  # closing
 
     # ------------------------------------------------------------------ registrations (loop thread)
-    def set_events(self, fileobj: Any, events: int, handler: Callable[[int], None]) -> None:
-        """Watch ``fileobj`` for ``events`` (0 = stop watching); ``handler(mask)`` runs on readiness."""
+    def set_events(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]]) -> None:
+        """Watch ``fileobj`` for ``events`` (0 = stop watching, ``handler`` None); ``handler(mask)`` runs
+        on readiness."""
+        if events and handler is None:
+            raise ValueError("set_events: a handler is needed to watch for events")
         if not self.in_loop():
             self.call_soon(self.set_events, fileobj, events, handler)
             return
@@ -288,7 +291,7 @@ class IoLoop:
 
     def forget(self, fileobj: Any) -> None:
         """Stop watching ``fileobj`` (safe from any thread, safe if already closed)."""
-        self.set_events(fileobj, 0, None)  # type: ignore[arg-type]
+        self.set_events(fileobj, 0, None)
 
     def watched(self) -> int:
         watched = self._sel.get_map()

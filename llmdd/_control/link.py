@@ -43,7 +43,7 @@ class Link:
     peer: Any = None                                   # handshake PeerInfo
     tables: DescriptorTables = attrs.field(factory=DescriptorTables)
     announcer: TableAnnouncer = attrs.field(factory=TableAnnouncer)
-    transport: Optional[str] = None
+    transport: str = attrs.field(kw_only=True)        # the chosen transport's name (set when the link is adopted)
     transport_reason: str = ""
     channel: Optional[Channel] = None
     tables_ready: threading.Event = attrs.field(factory=threading.Event)
@@ -82,7 +82,10 @@ class Link:
 
     @property
     def state(self) -> LinkState:
-        return self.fsm.state
+        state = self.fsm.state
+        if not isinstance(state, LinkState):   # the fsm is tracked by the LINK lifecycle
+            raise TypeError(f"link to {self.peer_cluster_id}: its machine is in {state!r}, not a LinkState")
+        return state
 
     @property
     def linked(self) -> bool:

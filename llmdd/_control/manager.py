@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import ipaddress
 import itertools
 import random
@@ -218,7 +219,7 @@ class LinkManager:
         self._failed_listeners: list = []          # Listener or FailedListener (a data port)
         self._pending: dict[_ServerSession, None] = {}            # pre-authentication sessions (loop thread)
         self._pending_by_ip: collections.Counter = collections.Counter()
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._io_error: Optional[str] = None
         self._client_host: Optional[str] = None
         self._registry = self._hooks.register_transports()
@@ -333,7 +334,7 @@ class LinkManager:
                 pass
             raise
         self._endpoints[name] = ep
-        ep.on_listener_failed(lambda error, ep=ep, name=name: self._data_listener_failed(name, ep, error))
+        ep.on_listener_failed(functools.partial(self._data_listener_failed, name, ep))
         return ep
 
     def _data_listener_failed(self, name: str, ep: Endpoint, error: str) -> None:
@@ -447,11 +448,14 @@ class LinkManager:
 
     def _grant_link(self, link: Link, regions) -> None:
         """(Re)grant the link's capability on its transport's endpoint, for ``regions`` (ids)."""
-        if link.grant_id is None:
+        grant_id, capability = link.grant_id, link.capability
+        if grant_id is None:
             return
+        if capability is None:   # minted together with the grant id (_mint), set together on the link
+            raise RuntimeError(f"link to {link.peer_cluster_id}: grant {grant_id} has no capability")
         ep = self._endpoints.get(link.transport)
         if ep is not None and ep.capabilities:
-            ep.grant(link.grant_id, link.capability, tuple(regions))
+            ep.grant(grant_id, capability, tuple(regions))
 
     def _revoke(self, name: Optional[str], grant_id: Optional[int]) -> None:
         if grant_id is None:
@@ -743,10 +747,13 @@ class LinkManager:
         grant_name: Optional[str] = None
         grant_id: Optional[int] = None
         capability: Optional[bytes] = None
+        hello: Optional[m.Hello] = None
         try:
             if sess.done or conn.closed:
                 return
             hello = hs.hello
+            if hello is None:   # a session is handed here only once its handshake authenticated the peer
+                raise ProtocolError(f"link accept from {addr} before the peer authenticated")
             with self._lock:
                 over = self._link_limit_reached() and hello.cluster_id not in self._links
                 cross = self._is_cross_link(hello)
@@ -810,10 +817,10 @@ class LinkManager:
                 self._revoke(grant_name, grant_id)
                 sess.drop()
         finally:
-            if accepting is not None:
+            if accepting is not None and hello is not None:   # accepting is set only after hello is
                 with self._lock:
-                    if self._accepting.get(hs.hello.cluster_id) is accepting:
-                        del self._accepting[hs.hello.cluster_id]
+                    if self._accepting.get(hello.cluster_id) is accepting:
+                        del self._accepting[hello.cluster_id]
                 accepting.set()
 
     def _is_cross_link(self, hello) -> bool:
@@ -1146,9 +1153,10 @@ class LinkManager:
                 continue
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self.settings.client_tls is not None:
+                client_tls = self.settings.client_tls
+                if client_tls is not None:
                     sock.settimeout(max(0.1, deadline - time.monotonic()))
-                    sock = self._wrap_client_tls(sock, host)
+                    sock = self._wrap_client_tls(client_tls, sock, host)
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
                 if _closed_at_once(exc):
@@ -1194,7 +1202,7 @@ class LinkManager:
             reason = "the link timeout passed before a connection could be tried (this process did not run in time)"
         raise LLMException(f"link to {host}:{port} failed: {reason}", status_code=S.LLM_LINK_FAILED)
 
-    def _wrap_client_tls(self, sock: socket.socket, host: str) -> socket.socket:
+    def _wrap_client_tls(self, client_tls: ssl.SSLContext, sock: socket.socket, host: str) -> socket.socket:
         """TLS on a client socket: the server's certificate must name ``llmdd.tls_server_name`` when it
         is set, else ``host`` when that is a name rather than an IP literal (with a CA; see docs)."""
         name = self.settings.tls_server_name
@@ -1202,7 +1210,7 @@ class LinkManager:
             name = host
         if name is not None and self.settings.client_tls_named is not None:
             return self.settings.client_tls_named.wrap_socket(sock, server_hostname=name)
-        return self.settings.client_tls.wrap_socket(sock)
+        return client_tls.wrap_socket(sock)
 
     @staticmethod
     def _busy_pause(attempt: int, deadline: float) -> None:

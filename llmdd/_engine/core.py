@@ -9,7 +9,7 @@ imports no facade module; the facade (:mod:`llmdd._api.datadist`) owns one and b
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.enums import LLMRole
@@ -27,6 +27,10 @@ from llmdd._memory.manager import MemoryManager
 __all__ = ["EngineCore"]
 
 _log = get_logger("llmdd.datadist")
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
 
 
 class EngineCore:
@@ -56,22 +60,26 @@ class EngineCore:
         self.comm_groups = self._lifecycle(Machine.COMM_GROUP)
         self.listeners = self._lifecycle(Machine.LISTENER)
         self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
-        self.link_manager: Optional[LinkManager] = None
-        self.transfers: Optional[TransferEngine] = None
-        self.comm_group_set: Optional[CommGroups] = None
+        link_manager: Optional[LinkManager] = None
+        transfers: Optional[TransferEngine] = None
+        comm_group_set: Optional[CommGroups] = None
         try:
-            self.link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
-                                            hooks=self.hooks, links=self.links, memory=self.memory,
-                                            profile=self.profile, engine=engine,
-                                            listeners=self.listeners)
-            self.transfers = TransferEngine(port=self.link_manager, memory=self.memory, tasks=self.tasks,
-                                            hooks=self.hooks, options=options, profile=self.profile)
-            self.link_manager.bind_data_service(self.transfers)
-            self.comm_group_set = CommGroups(cluster_id=self.cluster_id, links=self.link_manager,
-                                             lifecycle=self.comm_groups)
+            link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
+                                       hooks=self.hooks, links=self.links, memory=self.memory,
+                                       profile=self.profile, engine=engine,
+                                       listeners=self.listeners)
+            transfers = TransferEngine(port=link_manager, memory=self.memory, tasks=self.tasks,
+                                       hooks=self.hooks, options=options, profile=self.profile)
+            link_manager.bind_data_service(transfers)
+            comm_group_set = CommGroups(cluster_id=self.cluster_id, links=link_manager,
+                                        lifecycle=self.comm_groups)
         except BaseException:
-            self.close()
+            _close_parts((comm_group_set, transfers, link_manager, self.memory))   # the ones built
             raise
+        # every part exists for the whole life of the object: none of them is Optional
+        self.link_manager: LinkManager = link_manager
+        self.transfers: TransferEngine = transfers
+        self.comm_group_set: CommGroups = comm_group_set
 
     @property
     def role(self) -> LLMRole:
@@ -80,8 +88,7 @@ class EngineCore:
     def set_role(self, role: LLMRole) -> None:
         """``switch_role``: the role later handshakes offer."""
         self._role = role
-        if self.link_manager is not None:
-            self.link_manager.set_role(role)
+        self.link_manager.set_role(role)
 
     def _lifecycle(self, machine: Machine) -> Lifecycle:
         emit, wants = self.hooks.live_emitter(machine)
@@ -89,16 +96,21 @@ class EngineCore:
 
     def close(self) -> None:
         """Close every part, in reverse build order, even when an earlier one fails."""
-        # every part is closed even when an earlier one fails (memory must never leak a segment)
-        first_error: BaseException | None = None
-        for part in (self.comm_group_set, self.transfers, self.link_manager, self.memory):
-            if part is None:
-                continue
-            try:
-                part.close()
-            except BaseException as exc:
-                _log.error("llmdd.engine.close_failed", part=type(part).__name__, error=repr(exc))
-                if first_error is None:
-                    first_error = exc
-        if first_error is not None:
-            raise first_error
+        _close_parts((self.comm_group_set, self.transfers, self.link_manager, self.memory))
+
+
+def _close_parts(parts: tuple[_Closeable | None, ...]) -> None:
+    """Close each part that exists, in the order given, even when an earlier one fails; raise the
+    first failure after the last (memory must never leak a segment)."""
+    first_error: BaseException | None = None
+    for part in parts:
+        if part is None:
+            continue
+        try:
+            part.close()
+        except BaseException as exc:
+            _log.error("llmdd.engine.close_failed", part=type(part).__name__, error=repr(exc))
+            if first_error is None:
+                first_error = exc
+    if first_error is not None:
+        raise first_error

@@ -57,6 +57,9 @@ def compile_table(machine: Machine) -> dict[tuple[enum.Enum, str], enum.Enum]:
     for trigger, event in tm.events.items():
         for source_name, transitions in event.transitions.items():
             for tr in transitions:
+                if tr.dest is None:   # an internal transition: no table of tables.py has one
+                    raise ValueError(f"{machine.value}: trigger {trigger!r} from {source_name!r} has no "
+                                     "destination; every transition of a lifecycle table names one")
                 table[(states[source_name], trigger)] = states[tr.dest]
     return table
 
@@ -173,20 +176,20 @@ class Tracked:
                 f"{self.machine.value} {self.id!r}: trigger {trigger!r} is not allowed in state "
                 f"{source.value!r}", status_code=LLMStatusCode.LLM_FAILED)
         wants = lc._wants
-        if lc._emit is None or (wants is not None and not wants(error)):
+        emit = lc._emit
+        if emit is None or (wants is not None and not wants(error)):
             return None  # nobody listens now: no event is built (a later subscriber gets later ones)
-        return self._emit(lc, source, dest, trigger, error, defer, info)
+        return self._emit(emit, source, dest, trigger, error, defer, info)
 
-    def _emit(self, lc: "Lifecycle", source: enum.Enum, dest: enum.Enum, trigger: str, error: BaseException | None,
+    def _emit(self, emit: Emit, source: enum.Enum, dest: enum.Enum, trigger: str, error: BaseException | None,
               defer: Callable[[Callable[[], None]], Any] | None, info: dict) -> TransitionEvent:
         event = TransitionEvent(
             machine=self.machine, id=self.id, source=source, dest=dest, trigger=trigger,
             error=error, at=time.time(), info={**self.info, **info} if info else self.info)
         if defer is not None:
-            emit = lc._emit
             defer(lambda: emit(event))
         else:
-            lc._emit(event)
+            emit(event)
         return event
 
     def __repr__(self) -> str:

@@ -97,6 +97,7 @@ class TaskState(enum.Enum):
 # consistent with equality; it is a C slot instead of Enum.__hash__ (a Python call hashing the name),
 # which the lifecycle pays several times per transition (table lookup, live counts).
 for _states in (EngineState, LinkState, CommGroupState, CacheState, TaskState, ListenerState):
+    # reason: replacing a method of a class is what this loop is for, and mypy refuses any method assignment
     _states.__hash__ = object.__hash__  # type: ignore[method-assign]
 del _states
 

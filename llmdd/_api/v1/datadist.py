@@ -14,7 +14,7 @@ Behaviour learnt from upstream's v1 engine (``hicann/ge`` ffdcbc9f7496, ``dflow/
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 from llmdd._base.enums import LLMRole
 from llmdd._base.log import get_logger
@@ -22,6 +22,11 @@ from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
 from llmdd._data.port import RequestOp
 from llmdd._base.validation import check_isinstance, check_uint64
 from llmdd._api.v1.options import parse_v1_listen_ip_info
+
+if TYPE_CHECKING:
+    from llmdd._api.datadist import LLMDataDist
+    from llmdd._base.config import LLMClusterInfo
+    from llmdd._engine.core import EngineCore
 
 __all__ = ["v1_link_clusters", "v1_switch_role", "v1_check_link_status", "not_in_v1", "not_in_v2"]
 
@@ -40,7 +45,7 @@ def not_in_v2(func_name: str) -> LLMException:
                         status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
-def v1_link_clusters(core: Any, role: LLMRole, clusters: list, timeout: int):
+def v1_link_clusters(core: EngineCore, role: LLMRole, clusters: Sequence[LLMClusterInfo], timeout: int):
     """DECODER only: link to PROMPT servers; ``(status, [status per cluster])``, never raises on failure."""
     if role != LLMRole.DECODER:
         _log.warning("llmdd.v1.link_refused", role=role.name)
@@ -50,7 +55,7 @@ def v1_link_clusters(core: Any, role: LLMRole, clusters: list, timeout: int):
     return core.link_manager.link_clusters(list(clusters), timeout)
 
 
-def v1_switch_role(dd: Any, core: Any, role: LLMRole, switch_options: Optional[Dict[str, str]],
+def v1_switch_role(dd: LLMDataDist, core: EngineCore, role: LLMRole, switch_options: Optional[Dict[str, str]],
                    enable_switch_role: bool) -> None:
     """The v1 role switch: a different role, PROMPT listens on ``llm.listenIpInfo``, others stop listening."""
     check_isinstance("role", role, LLMRole, allow_none=False)
@@ -82,7 +87,7 @@ def v1_switch_role(dd: Any, core: Any, role: LLMRole, switch_options: Optional[D
     _log.info("llmdd.v1.role_switched", old=old.name, new=role.name)
 
 
-def v1_check_link_status(core: Any, role: LLMRole, remote_cluster_id: int) -> None:
+def v1_check_link_status(core: EngineCore, role: LLMRole, remote_cluster_id: int) -> None:
     """DECODER: the link to ``remote_cluster_id`` answers within ``llm.SyncKvCacheWaitTime``, or LLMException."""
     check_uint64("remote_cluster_id", remote_cluster_id)
     raise_if_false(role == LLMRole.DECODER, "[check_link_status] is not supported by {0}", role)

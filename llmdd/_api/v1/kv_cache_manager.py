@@ -370,8 +370,8 @@ class KvCacheManager:
     # ------------------------------------------------------------------ layer-wise transfer (PROMPT)
     def transfer_cache_async(self, src_cache: KvCache, layer_synchronizer: LayerSynchronizer,
                              transfer_configs: Union[List[TransferConfig], Tuple[TransferConfig]],
-                             src_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
-                             dst_block_indices: Optional[Union[List[int], Tuple[int]]] = None,
+                             src_block_indices: Optional[Union[List[int], Tuple[int, ...]]] = None,
+                             dst_block_indices: Optional[Union[List[int], Tuple[int, ...]]] = None,
                              dst_block_memory_size: Optional[int] = None) -> CacheTask:
         """PROMPT: send ``src_cache`` layer by layer as ``layer_synchronizer`` releases each layer.
 
@@ -388,9 +388,10 @@ class KvCacheManager:
             check_uint64("dst_block_memory_size", dst_block_memory_size)
         if src_blocks:
             raise_if_false(dst_blocks, "transfer from blocks to cache is not supported")
-            raise_if_false(len(src_blocks) == len(dst_blocks),
+            dst_n = len(dst_blocks or ())   # dst_blocks is a non-empty list here (refused just above)
+            raise_if_false(len(src_blocks) == dst_n,
                            "num_block_indices mismatches, src_num = {0}, dst_num = {1}",
-                           len(src_blocks), len(dst_blocks))
+                           len(src_blocks), dst_n)
         else:
             raise_if_true(dst_blocks is not None, "transfer from cache to blocks is not supported")
         check_isinstance("layer_synchronizer", layer_synchronizer, LayerSynchronizer, allow_none=False)

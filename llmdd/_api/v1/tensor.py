@@ -56,6 +56,9 @@ def _is_text(dtype: np.dtype) -> bool:
 class Tensor:
     """``Tensor(data, tensor_desc=None)`` from a C-contiguous numpy array (copied) or another ``Tensor``."""
 
+    _desc: TensorDesc
+    _buf: np.ndarray
+
     def __init__(self, data: Union[np.ndarray, "Tensor", int], tensor_desc: Optional[TensorDesc] = None) -> None:
         check_isinstance("data", data, [np.ndarray, Tensor, int])
         check_isinstance("tensor_desc", tensor_desc, TensorDesc)
@@ -91,7 +94,7 @@ class Tensor:
         return obj
 
     @staticmethod
-    def _from_ndarray(data: np.ndarray, desc: Optional[TensorDesc]) -> tuple:
+    def _from_ndarray(data: np.ndarray, desc: Optional[TensorDesc]) -> tuple[TensorDesc, np.ndarray]:
         to_np, from_np = _np_maps()
         if desc is not None:
             if list(data.shape) != desc.shape:

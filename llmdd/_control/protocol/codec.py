@@ -327,12 +327,11 @@ class Connection:
     def send(self, msg: Any) -> bytes:
         """Encode ``msg`` as one frame and return the bytes to write."""
         if self._mac_send is not None:
-            frame = encode_frame(msg, checksum=False, max_frame_size=self._max_frame_size)
-            frame = bytearray(frame)
-            frame[4] = FLAG_MAC   # header byte 4: flags
-            frame += hmac.new(self._mac_send, _SEQ.pack(self._seq_send) + bytes(frame), hashlib.sha256).digest()
+            buf = bytearray(encode_frame(msg, checksum=False, max_frame_size=self._max_frame_size))
+            buf[4] = FLAG_MAC   # header byte 4: flags
+            buf += hmac.new(self._mac_send, _SEQ.pack(self._seq_send) + bytes(buf), hashlib.sha256).digest()
             self._seq_send += 1
-            frame = bytes(frame)
+            frame = bytes(buf)
         else:
             frame = encode_frame(msg, checksum=self._checksum, max_frame_size=self._max_frame_size)
         self._frames_sent += 1

@@ -123,6 +123,10 @@ def _secret_converter(value: Any) -> Optional[bytes]:
     return bytes(value)
 
 
+def _to_tuple(value: Iterable[Any]) -> tuple:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class HandshakeConfig:
     """What this side says about itself.  ``secret`` never appears in repr or on the wire."""
@@ -133,7 +137,7 @@ class HandshakeConfig:
                                      validator=m._bytes_len(m.INCARNATION_SIZE, m.INCARNATION_SIZE))
     host: m.HostIdentity = attrs.field(factory=m.HostIdentity.local,
                                        validator=attrs.validators.instance_of(m.HostIdentity))
-    transports: tuple = attrs.field(default=(), converter=tuple, validator=m._tuple_of(m.TransportOffer))
+    transports: tuple = attrs.field(default=(), converter=_to_tuple, validator=m._tuple_of(m.TransportOffer))
     secret: Optional[bytes] = attrs.field(default=None, converter=_secret_converter, repr=False)
     min_version: int = attrs.field(default=MIN_PROTOCOL_VERSION, validator=m._u16)
     max_version: int = attrs.field(default=PROTOCOL_VERSION, validator=m._u16)
@@ -417,14 +421,15 @@ class ServerHandshake(_Handshake):
         c = self._config
         welcome = m.Welcome(version=self._version, cluster_id=c.cluster_id, incarnation=c.incarnation, role=c.role,
                             transport=transport, host=c.host)
-        authenticated = c.secret is not None
-        if authenticated:
-            proof = _mac(c.secret, _SERVER_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
+        secret = c.secret
+        authenticated = secret is not None
+        if secret is not None:
+            proof = _mac(secret, _SERVER_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
                          encode_payload(hello), self._client_mac, encode_payload(welcome))
             welcome = msgspec.structs.replace(welcome, proof=proof)
         frame_key = None
-        if authenticated:
-            frame_key = _mac(c.secret, _FRAME_KEY_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
+        if secret is not None:
+            frame_key = _mac(secret, _FRAME_KEY_LABEL, hello.nonce, self._nonce, hello.incarnation, c.incarnation,
                              self._client_mac, welcome.proof)
         self._peer = PeerInfo(cluster_id=hello.cluster_id, incarnation=hello.incarnation, role=hello.role,
                               host=hello.host, version=self._version, transport=offered[transport.name],

@@ -140,10 +140,6 @@ Mac = Annotated[bytes, Meta(min_length=MAC_SIZE, max_length=MAC_SIZE)]
 Descriptor = dict[str, Any]
 
 
-def _tuple_type(elem: Any, cap: int = MAX_COUNT) -> Any:
-    return Annotated[tuple[elem, ...], Meta(max_length=cap)]
-
-
 # --------------------------------------------------------------------------- attrs validators
 # (for the attrs classes beside the messages, e.g. handshake.HandshakeConfig)
 
@@ -341,7 +337,7 @@ def _compile(tp: Any):
 _CHECKS: dict[type, tuple] = {}
 
 
-def _checks_of(cls: type) -> tuple:
+def _checks_of(cls: type[msgspec.Struct]) -> tuple:
     checks = _CHECKS.get(cls)
     if checks is None:  # first construction of each class
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -349,11 +345,13 @@ def _checks_of(cls: type) -> tuple:
     return checks
 
 
+# Every subclass restates frozen=True: msgspec inherits it anyway, but a type checker reading the
+# dataclass_transform does not, and would take the subclass for a mutable one.
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, array_like=True, forbid_unknown_fields=True):
     """Base of every wire type: immutable, keyword-built, a MessagePack array of its fields."""
 
 
-class _Checked(_Wire, kw_only=True):
+class _Checked(_Wire, frozen=True, kw_only=True):
     """A wire type whose construction (and decoding) runs the field checks and :meth:`_check`."""
 
     def __post_init__(self) -> None:
@@ -402,7 +400,7 @@ def _read_first_line(path: str) -> str:
         return ""
 
 
-class HostIdentity(_Checked, kw_only=True):
+class HostIdentity(_Checked, frozen=True, kw_only=True):
     """Who and where a process is, so a peer can tell "same host, same user" without IPs.
 
     Two processes on 127.0.0.1 in different containers share no boot_id/namespace guarantee,
@@ -453,7 +451,7 @@ def _redacted(descriptor: dict) -> str:
     return repr({k: ("<redacted>" if k == "capability" else v) for k, v in descriptor.items()})
 
 
-class TransportOffer(_Checked, kw_only=True):
+class TransportOffer(_Checked, frozen=True, kw_only=True):
     """One transport a side can use, with what the peer needs to reach it (address, segment...)."""
 
     name: Name
@@ -463,7 +461,7 @@ class TransportOffer(_Checked, kw_only=True):
         return f"TransportOffer(name={self.name!r}, descriptor={_redacted(self.descriptor)})"
 
 
-class RegionDescriptor(_Checked, kw_only=True):
+class RegionDescriptor(_Checked, frozen=True, kw_only=True):
     """A memory registration a peer may address (a pool segment or a registered tensor)."""
 
     region_id: U32
@@ -483,7 +481,7 @@ class RegionDescriptor(_Checked, kw_only=True):
         return length >= 0 and self.addr <= addr and addr + length <= self.addr + self.size
 
 
-class KeyRef(_Wire, kw_only=True, gc=False):
+class KeyRef(_Wire, frozen=True, kw_only=True, gc=False):
     """A lookup key as the owner indexes it; the owner's cluster id is implied by the link.
 
     Hot (one per keyed entry of a peer-read notice): construction converts ``kind`` to
@@ -520,7 +518,7 @@ class KeyRef(_Wire, kw_only=True, gc=False):
         return cls(kind=KeyKind.BLOCKS, model_id=model_id)
 
 
-class KeyEntry(_Checked, kw_only=True):
+class KeyEntry(_Checked, frozen=True, kw_only=True):
     """``key`` resolves to batch ``batch_index`` of cache ``cache_id`` (BLOCKS keys: the whole cache)."""
 
     key: KeyRef
@@ -528,7 +526,7 @@ class KeyEntry(_Checked, kw_only=True):
     batch_index: U32 = 0
 
 
-class CacheEntry(_Checked, kw_only=True):
+class CacheEntry(_Checked, frozen=True, kw_only=True):
     """Layout of one remote cache: one address per tensor, each ``tensor_size`` bytes.
 
     ``shape`` is the per-tensor shape (``shape[0]`` = batch size, or number of blocks when
@@ -537,15 +535,15 @@ class CacheEntry(_Checked, kw_only=True):
     """
 
     cache_id: I64
-    addrs: _tuple_type(U64)
+    addrs: Annotated[tuple[U64, ...], Meta(max_length=MAX_COUNT)]
     tensor_size: U64
-    shape: _tuple_type(I64, 64)
+    shape: Annotated[tuple[I64, ...], Meta(max_length=64)]
     data_type: U16 = 0
     placement: Placement = Placement.HOST
     is_blocks: bool = False
 
 
-class Span(_Wire, kw_only=True, gc=False):
+class Span(_Wire, frozen=True, kw_only=True, gc=False):
     """Half-open index range ``[start, stop)`` (blocks, tensors).
 
     Hot: no construction check (see the module docstring); the owner checks ``start <= stop``
@@ -558,17 +556,17 @@ class Span(_Wire, kw_only=True, gc=False):
         return self.stop - self.start
 
 
-class ReadDoneEntry(_Wire, kw_only=True, gc=False):
+class ReadDoneEntry(_Wire, frozen=True, kw_only=True, gc=False):
     """A peer finished reading ``cache_id``: the batch of ``key`` (if any) and/or these block spans."""
 
     cache_id: I64
     key: Optional[KeyRef] = None
-    block_spans: _tuple_type(Span) = ()
+    block_spans: Annotated[tuple[Span, ...], Meta(max_length=MAX_COUNT)] = ()
 
 
 # --------------------------------------------------------------------------- handshake messages
 
-class Hello(_Checked, kw_only=True):
+class Hello(_Checked, frozen=True, kw_only=True):
     """Client's opening message: versions, identity, transports offered, auth nonce."""
 
     min_version: U16
@@ -576,7 +574,7 @@ class Hello(_Checked, kw_only=True):
     cluster_id: U64
     incarnation: Incarnation
     role: LLMRole
-    transports: _tuple_type(TransportOffer, 256) = ()
+    transports: Annotated[tuple[TransportOffer, ...], Meta(max_length=256)] = ()
     host: HostIdentity = msgspec.field(default_factory=HostIdentity)
     nonce: Nonce
 
@@ -585,20 +583,20 @@ class Hello(_Checked, kw_only=True):
             raise InvalidMessage(f"max_version {self.max_version} < min_version {self.min_version}")
 
 
-class AuthChallenge(_Checked, kw_only=True):
+class AuthChallenge(_Checked, frozen=True, kw_only=True):
     """Server demands proof of the shared secret; carries its nonce and incarnation (nothing else)."""
 
     nonce: Nonce
     incarnation: Incarnation
 
 
-class AuthResponse(_Checked, kw_only=True):
+class AuthResponse(_Checked, frozen=True, kw_only=True):
     """Client's HMAC-SHA256 over both nonces, both incarnations and its Hello."""
 
     mac: Mac
 
 
-class Welcome(_Checked, kw_only=True):
+class Welcome(_Checked, frozen=True, kw_only=True):
     """Server accepts: negotiated version, its identity, the chosen transport.
 
     ``proof`` is the server's HMAC (mutual authentication) when a challenge took place, else b"".
@@ -617,7 +615,7 @@ class Welcome(_Checked, kw_only=True):
             raise InvalidMessage(f"proof must be empty or {MAC_SIZE} bytes")
 
 
-class Refuse(_Checked, kw_only=True):
+class Refuse(_Checked, frozen=True, kw_only=True):
     """Either side ends the handshake: an ``LLMStatusCode`` value and a reason (no secrets, no tables)."""
 
     status_code: I64
@@ -626,7 +624,7 @@ class Refuse(_Checked, kw_only=True):
 
 # --------------------------------------------------------------------------- descriptor tables
 
-class RegionsUpdate(_Checked, kw_only=True):
+class RegionsUpdate(_Checked, frozen=True, kw_only=True):
     """Versioned update of the sender's region table.
 
     ``full=True`` replaces the table (any version newer than the last); a delta must carry
@@ -635,11 +633,11 @@ class RegionsUpdate(_Checked, kw_only=True):
 
     version: U64
     full: bool = False
-    added: _tuple_type(RegionDescriptor) = ()
-    removed: _tuple_type(U32) = ()
+    added: Annotated[tuple[RegionDescriptor, ...], Meta(max_length=MAX_COUNT)] = ()
+    removed: Annotated[tuple[U32, ...], Meta(max_length=MAX_COUNT)] = ()
 
 
-class CacheTableUpdate(_Checked, kw_only=True):
+class CacheTableUpdate(_Checked, frozen=True, kw_only=True):
     """Versioned update of the sender's cache layouts and key index (same version rules as regions).
 
     The puller resolves ``CacheKeyByIdAndIndex`` through ``caches`` (by cache_id), ``CacheKey``
@@ -648,53 +646,53 @@ class CacheTableUpdate(_Checked, kw_only=True):
 
     version: U64
     full: bool = False
-    caches_added: _tuple_type(CacheEntry) = ()
-    caches_removed: _tuple_type(I64) = ()
-    keys_added: _tuple_type(KeyEntry) = ()
-    keys_removed: _tuple_type(KeyRef) = ()
+    caches_added: Annotated[tuple[CacheEntry, ...], Meta(max_length=MAX_COUNT)] = ()
+    caches_removed: Annotated[tuple[I64, ...], Meta(max_length=MAX_COUNT)] = ()
+    keys_added: Annotated[tuple[KeyEntry, ...], Meta(max_length=MAX_COUNT)] = ()
+    keys_removed: Annotated[tuple[KeyRef, ...], Meta(max_length=MAX_COUNT)] = ()
 
 
 # --------------------------------------------------------------------------- liveness, teardown
 
-class Keepalive(_Checked, kw_only=True):
+class Keepalive(_Checked, frozen=True, kw_only=True):
     seq: U64
     sent_at_ns: U64  # sender's monotonic clock
 
 
-class KeepaliveAck(_Checked, kw_only=True):
+class KeepaliveAck(_Checked, frozen=True, kw_only=True):
     seq: U64
     echo_sent_at_ns: U64  # the Keepalive's sent_at_ns (RTT on the sender)
     sent_at_ns: U64       # acker's monotonic clock
 
 
-class UnlinkRequest(_Checked, kw_only=True):
+class UnlinkRequest(_Checked, frozen=True, kw_only=True):
     request_id: U64
     force: bool = False
     reason: Text = ""
 
 
-class UnlinkAck(_Checked, kw_only=True):
+class UnlinkAck(_Checked, frozen=True, kw_only=True):
     request_id: U64
     status_code: I64 = 0
 
 
 # --------------------------------------------------------------------------- owner notifications
 
-class ReadDone(_Wire, kw_only=True, gc=False):
+class ReadDone(_Wire, frozen=True, kw_only=True, gc=False):
     """Batched: the sender finished reading these caches/blocks (the owner may free them)."""
 
-    entries: _tuple_type(ReadDoneEntry) = ()
+    entries: Annotated[tuple[ReadDoneEntry, ...], Meta(max_length=MAX_COUNT)] = ()
 
 
-class KeyConsumed(_Checked, kw_only=True):
+class KeyConsumed(_Checked, frozen=True, kw_only=True):
     """A ``CacheKey`` was pulled: the owner removes it once every tensor span has been read."""
 
     key: KeyRef
     cache_id: I64
-    tensor_spans: _tuple_type(Span) = ()
+    tensor_spans: Annotated[tuple[Span, ...], Meta(max_length=MAX_COUNT)] = ()
 
 
-class ReleaseKey(_Checked, kw_only=True):
+class ReleaseKey(_Checked, frozen=True, kw_only=True):
     """A puller gave up on a ``CacheKey`` it reserved: the owner puts the key back (one-way).
 
     ``id`` and ``model_id`` are the key's lookup index on the owner (``req_id`` or ``prefix_id``,
@@ -704,7 +702,7 @@ class ReleaseKey(_Checked, kw_only=True):
     model_id: U64
 
 
-class TransferDone(_Checked, kw_only=True):
+class TransferDone(_Checked, frozen=True, kw_only=True):
     """One transfer of a peer on one of the owner's caches ended: the owner's "peer finished
     reading" (pull) or "peer finished writing" (push) cache event, once per transfer.
 
@@ -713,7 +711,7 @@ class TransferDone(_Checked, kw_only=True):
     as text), absent for an untagged transfer."""
 
     cache_id: I64
-    block_spans: _tuple_type(Span) = ()
+    block_spans: Annotated[tuple[Span, ...], Meta(max_length=MAX_COUNT)] = ()
     tensors: Optional[Span] = None
     failed: bool = False
     status: U32 = 0
@@ -725,13 +723,13 @@ class TransferDone(_Checked, kw_only=True):
             raise InvalidMessage("tag_str without a tag")
 
 
-class PushDone(_Checked, kw_only=True):
+class PushDone(_Checked, frozen=True, kw_only=True):
     """Untagged pushes ended (one-way, batched in push order): one "peer finished writing" event each."""
 
-    entries: _tuple_type(TransferDone, MAX_NOTICE_BATCH)
+    entries: Annotated[tuple[TransferDone, ...], Meta(max_length=MAX_NOTICE_BATCH)]
 
 
-class TaggedDone(_Checked, kw_only=True):
+class TaggedDone(_Checked, frozen=True, kw_only=True):
     """A tagged transfer ended (acknowledged by a :class:`TransferReply` with the same ``request_id``):
     the owner fires its cache event with the tag once; ``push`` tells a push from a pull."""
 
@@ -751,7 +749,7 @@ class TaggedDone(_Checked, kw_only=True):
 
 # --------------------------------------------------------------------------- generic envelope
 
-class TransferRequest(_Checked, kw_only=True):
+class TransferRequest(_Checked, frozen=True, kw_only=True):
     """An operation needing the owner's help (e.g. a mediated tcp op, a push notification)."""
 
     request_id: U64
@@ -759,13 +757,13 @@ class TransferRequest(_Checked, kw_only=True):
     args: Descriptor = {}
 
 
-class TransferReply(_Checked, kw_only=True):
+class TransferReply(_Checked, frozen=True, kw_only=True):
     request_id: U64
     status_code: I64 = 0
     result: Descriptor = {}
 
 
-class Error(_Checked, kw_only=True):
+class Error(_Checked, frozen=True, kw_only=True):
     """The sender hit an error it wants the peer to know about; ``fatal`` closes the link."""
 
     status_code: I64

@@ -18,6 +18,7 @@ When the C++ library is not built the row is skipped with the reason (build it w
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import statistics
@@ -80,7 +81,7 @@ def serve(port: int, tensors: int, blocks: int) -> None:
     words = blocks * BLOCK // 8
     for cache, n in ((one, 16 * BLOCK // 8), (many, words)):
         for t, addr in enumerate(cache.tensor_addrs):
-            arr = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * n).from_address(addr))
+            arr = np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(addr))
             arr[:] = np.arange(n, dtype=np.uint64) + np.uint64(SALT + t * n)
     print("READY", flush=True)
     sys.stdin.readline()
@@ -104,7 +105,7 @@ def pydecoder(port: int, lat_n: int, lat_warmup: int, tensors: int, blocks: int,
     one = cm.allocate_blocks_cache(_desc(1, 16))
     many = cm.allocate_blocks_cache(_desc(tensors, blocks))
     n = blocks * BLOCK // 8
-    views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint64 * n).from_address(a)) for a in many.tensor_addrs]
+    views = [np.ctypeslib.as_array((ctypes.c_uint64 * n).from_address(a)) for a in many.tensor_addrs]
     for v in views:
         v[:] = 0
     call_us = []
@@ -185,10 +186,13 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "llmdd._tools.bench.cpp", "serve", str(port), str(tensors),
                                str(blocks)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stdin, stdout = server.stdin, server.stdout
+    if stdin is None or stdout is None:   # both are PIPE above
+        raise RuntimeError("the bench prompt's pipes were not made")
     runs: dict = {"cpp": [], "python": []}
     orders: list = []  # per round, the side that ran first and the one that ran second
     try:
-        line = server.stdout.readline()
+        line = stdout.readline()
         if line.strip() != "READY":
             raise RuntimeError(f"the bench prompt did not start (rc={server.poll()})")
         args = [str(port), str(lat_n), str(lat_warmup), str(tensors), str(blocks), str(reps)]
@@ -206,8 +210,8 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
                  f"Python p50 {runs['python'][-1]['p50_us']:.1f} us")
     finally:
         if server.poll() is None:
-            server.stdin.write("EXIT\n")
-            server.stdin.flush()
+            stdin.write("EXIT\n")
+            stdin.flush()
             try:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -264,4 +268,5 @@ if __name__ == "__main__":
                 f.write("\n")
         sys.exit(0 if result.get("verified", True) else 1)
     cmd, rest = sys.argv[1], [int(a) for a in sys.argv[2:]]
-    {"serve": serve, "pydecoder": pydecoder}[cmd](*rest)
+    commands: dict[str, Callable[..., None]] = {"serve": serve, "pydecoder": pydecoder}
+    commands[cmd](*rest)

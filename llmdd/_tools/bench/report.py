@@ -3,9 +3,10 @@ report over several committed runs (text or markdown)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from llmdd._tools.bench.common import KiB, MiB
 
@@ -253,6 +254,7 @@ def plots(runs: list, out_dir: str) -> dict:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return {"skipped": "matplotlib is not installed (pip install 'llmdd[bench]'); no plots"}
     import numpy as np
@@ -272,18 +274,19 @@ def plots(runs: list, out_dir: str) -> dict:
 
     # bandwidth vs block size: three categories, one bar per series
     cats = ["16 KiB blocks", "64 KiB blocks", f"contiguous {contiguous // MiB} MiB"]
-    series = [(f"llmdd {t} pull", [lambda r, t=t, f=f: tr(r, t, f) for f in
-                                   ("pull_blocks_16k", "pull_blocks_64k", "pull_cache")]) for t in transports]
-    series.append(("process_vm_readv, 1 thread", [lambda r, k=k: an(r, k) for k in
+    series: list[tuple[str, list[Callable[[dict], Any]]]] = [
+        (f"llmdd {t} pull", [functools.partial(tr, t=t, fig=f) for f in
+                             ("pull_blocks_16k", "pull_blocks_64k", "pull_cache")]) for t in transports]
+    series.append(("process_vm_readv, 1 thread", [functools.partial(an, key=k) for k in
                                                   ("cma_16k", "cma_64k", "cma_contiguous")]))
     series.append(("in-process gather (blocks) / memcpy (contiguous), 1 thread",
-                   [lambda r, k=k: an(r, k) for k in ("gather_16k", "gather_64k", "memcpy")]))
+                   [functools.partial(an, key=k) for k in ("gather_16k", "gather_64k", "memcpy")]))
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     width = 0.8 / max(1, len(series))
     x = np.arange(len(cats))
     for i, (label, getters) in enumerate(series):
-        med, lo, hi = zip(*(_spread(runs, g) for g in getters))
-        med, lo, hi = np.array(med), np.array(lo), np.array(hi)
+        med_t, lo_t, hi_t = zip(*(_spread(runs, g) for g in getters))
+        med, lo, hi = np.array(med_t), np.array(lo_t), np.array(hi_t)
         yerr = None if len(runs) == 1 else np.vstack([med - lo, hi - med])
         ax.bar(x + (i - (len(series) - 1) / 2) * width, med, width, yerr=yerr, capsize=3, label=label)
     tcp2 = _spread(runs, lambda r: an(r, "tcp_2stream"))[0]
@@ -300,10 +303,16 @@ def plots(runs: list, out_dir: str) -> dict:
     # latency of one block: the first run's distributions (histograms do not average), p50 over the runs
     fig, ax = plt.subplots(figsize=(9.5, 4.5))
     first = runs[0]
-    lat = [(f"llmdd {t} pull_blocks", lambda r, t=t: r.get("transports", {}).get(t, {}).get("latency_64k"))
-           for t in transports]
-    lat += [("bare process_vm_readv", lambda r: r.get("anchors", {}).get("cma_latency_64k")),
-            ("raw tcp request/reply", lambda r: r.get("anchors", {}).get("tcp_rr_64k"))]
+    def transport_entry(r: dict, t: str, key: str) -> Any:
+        return r.get("transports", {}).get(t, {}).get(key)
+
+    def anchor_entry(r: dict, key: str) -> Any:
+        return r.get("anchors", {}).get(key)
+
+    lat: list[tuple[str, Callable[[dict], Any]]] = [
+        (f"llmdd {t} pull_blocks", functools.partial(transport_entry, t=t, key="latency_64k")) for t in transports]
+    lat += [("bare process_vm_readv", functools.partial(anchor_entry, key="cma_latency_64k")),
+            ("raw tcp request/reply", functools.partial(anchor_entry, key="tcp_rr_64k"))]
     for label, get in lat:
         entry = get(first)
         if entry and entry.get("hist"):
@@ -314,7 +323,9 @@ def plots(runs: list, out_dir: str) -> dict:
     ax.set_xscale("log")
     ax.set_xlabel("us per call, one 64 KiB block")
     ax.set_ylabel("calls")
-    ax.yaxis.get_major_locator().set_params(integer=True)
+    locator = ax.yaxis.get_major_locator()
+    if isinstance(locator, MaxNLocator):   # a linear axis' AutoLocator is one
+        locator.set_params(integer=True)
     ax.set_title("latency of one 64 KiB block" + ("" if len(runs) == 1 else
                                                   f" (histograms: first run; p50/p99: median of {len(runs)} runs)"),
                  fontsize=10)
@@ -334,10 +345,10 @@ def plots(runs: list, out_dir: str) -> dict:
     i = 0
     for ti, t in enumerate(transports):
         for key, what in (("aggregate_gbps", "aggregate"), ("min_gbps", "slowest decoder")):
-            med, lo, hi = zip(*(_spread(runs, lambda r, n=n, key=key: r.get("transports", {}).get(t, {})
-                                        .get("decoders", {}).get(str(n), {}).get(key)) for n in counts)) \
+            med_t, lo_t, hi_t = zip(*(_spread(runs, lambda r, n=n, key=key: r.get("transports", {}).get(t, {})
+                                              .get("decoders", {}).get(str(n), {}).get(key)) for n in counts)) \
                 if counts else ((), (), ())
-            med, lo, hi = np.array(med), np.array(lo), np.array(hi)
+            med, lo, hi = np.array(med_t), np.array(lo_t), np.array(hi_t)
             yerr = None if len(runs) == 1 or not counts else np.vstack([med - lo, hi - med])
             ax1.bar(pos + (i - (nser - 1) / 2) * width, med, width, yerr=yerr, capsize=2, label=f"{t} {what}",
                     color=f"C{ti}", edgecolor="black", linewidth=0.5,
@@ -356,8 +367,8 @@ def plots(runs: list, out_dir: str) -> dict:
                 if p["links"] == n:
                     return p["delta_bytes"] / MiB
             return None
-        med = [_spread(runs, lambda r, n=n: at(r, n))[0] for n in link_counts]
-        ax2.plot(link_counts, med, marker="o", color=f"C{ti}", label=f"{t}: server RSS above no links")
+        rss = [_spread(runs, lambda r, n=n: at(r, n))[0] for n in link_counts]
+        ax2.plot(link_counts, rss, marker="o", color=f"C{ti}", label=f"{t}: server RSS above no links")
     if link_counts:
         ax2.set_xscale("log", base=2)
         ax2.set_xticks(link_counts, [str(n) for n in link_counts])

@@ -457,8 +457,8 @@ class Run:
             rss0 = server.call("rss")
             time.sleep(0.05)
             self.p.step(f"{t}: {n} link clients ready")
-            link_s = []
-            points = []
+            link_s: list[float] = []
+            points: list[dict[str, Any]] = []
             failure = None
             bounds = [0] + sorted(s.links)
             for lo, hi in zip(bounds, bounds[1:]):

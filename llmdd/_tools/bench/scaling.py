@@ -65,8 +65,11 @@ def _server_main(conn) -> None:
     buf = np.arange(4 * 1024, dtype=np.float32)
     dd.cache_manager.register_blocks_cache(CacheDesc(1, [4, 1024], DataType.DT_FLOAT), [buf.ctypes.data],
                                            BlocksCacheKey(SERVER_ID, 0))
-    lm = dd._core.link_manager
-    conn.send({"port": lm.listen_address[1], "pid": os.getpid()})
+    lm = dd._require_core().link_manager
+    listening = lm.listen_address
+    if listening is None:   # llm.listenIpInfo is set above
+        raise RuntimeError("the scaling server does not listen")
+    conn.send({"port": listening[1], "pid": os.getpid()})
     while True:
         cmd = conn.recv()
         if cmd == "stats":

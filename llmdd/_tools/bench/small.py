@@ -312,13 +312,14 @@ def cmd_transports(self) -> dict:
             "links": {str(k): v.get("transport") for k, v in self.dd.statistics()["links"].items()}}
 
 
+_COMMANDS = (cmd_transports, cmd_small_profile, cmd_shm_data_path, cmd_small_latency, cmd_cma_small_latency,
+             cmd_buf_info)
+
+
 def install(worker_cls: type) -> None:
-    worker_cls.cmd_transports = cmd_transports
-    worker_cls.cmd_small_profile = cmd_small_profile
-    worker_cls.cmd_shm_data_path = cmd_shm_data_path
-    worker_cls.cmd_small_latency = cmd_small_latency
-    worker_cls.cmd_cma_small_latency = cmd_cma_small_latency
-    worker_cls.cmd_buf_info = cmd_buf_info
+    """Add the commands above to ``worker_cls``, each under its own name (``cmd_<name>``)."""
+    for command in _COMMANDS:
+        setattr(worker_cls, command.__name__, command)
 
 
 __all__ = ["install", "rows", "TARGETS", "cmd_small_latency", "cmd_cma_small_latency"]

@@ -117,7 +117,8 @@ def evaluate(results: dict, targets: Optional[list] = None) -> list:
             missing = [p for p, n in zip(paths, nums) if n is None]
             value = None
             if not missing:
-                value = nums[0] / nums[1] if len(nums) == 2 and nums[1] else (nums[0] if len(nums) == 1 else None)
+                vals = [n for n in nums if n is not None]   # every one of them: none is missing
+                value = vals[0] / vals[1] if len(vals) == 2 and vals[1] else (vals[0] if len(vals) == 1 else None)
                 if value is not None:
                     value *= t.scale
             note = f"not in this run: {', '.join(missing)}" if missing else ""

@@ -26,15 +26,17 @@ class TlsFiles:
         try:
             import trustme
         except ImportError:
-            trustme = None
-        if trustme is not None:
+            have_trustme = False
+        else:
+            have_trustme = True
+        if have_trustme:
             ca = trustme.CA()
             ca.cert_pem.write_to_path(os.path.join(d, "ca.pem"))
             node = ca.issue_cert("127.0.0.1")
             node.cert_chain_pems[0].write_to_path(os.path.join(d, "node.pem"))
             node.private_key_pem.write_to_path(os.path.join(d, "node.key"))
-        elif shutil.which("openssl"):
-            _openssl(shutil.which("openssl"), d)
+        elif (openssl := shutil.which("openssl")) is not None:
+            _openssl(openssl, d)
         else:
             self._dir.cleanup()
             raise RuntimeError("the tcp+tls row needs a certificate: install the trustme package or the openssl CLI")

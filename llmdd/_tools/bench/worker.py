@@ -21,12 +21,15 @@ import struct
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from llmdd._tools.bench.common import (KiB, bw_summary, check_blocks, check_contiguous, fill_pattern, lat_summary, prefault,
                      rss_bytes)
+
+if TYPE_CHECKING:
+    from llmdd._api.datadist import LLMDataDist
 
 HOST = "127.0.0.1"
 _IOV_MAX = 1024
@@ -77,13 +80,20 @@ class Worker:
 
     def __init__(self) -> None:
         self.rss_start = rss_bytes()
-        self.dd = None
+        self.dd: Optional[LLMDataDist] = None      # set by cmd_init
         self.cluster_id: Optional[int] = None
         self.bufs: dict[str, np.ndarray] = {}
         self.caches: dict[int, Any] = {}
         self.listener: Optional[socket.socket] = None
 
     # ------------------------------------------------------------------ engine
+    @property
+    def engine(self) -> LLMDataDist:
+        """The engine ``cmd_init`` made; the commands that use it fail before that."""
+        if self.dd is None:
+            raise RuntimeError("this worker has no engine yet: cmd_init first")
+        return self.dd
+
     def cmd_init(self, role: str, cluster_id: int, transport: str, listen: bool = False,
                  sync_ms: int = 20000, options: Optional[dict] = None) -> dict:
         """Create and init the engine; reports RSS before and after ``init`` (no caches yet).
@@ -125,18 +135,18 @@ class Worker:
         info.append_local_ip_info(HOST, 0)
         info.append_remote_ip_info(HOST, port)
         t0 = time.perf_counter()
-        ret, rets = self.dd.link_clusters([info], timeout_ms)
+        ret, rets = self.engine.link_clusters([info], timeout_ms)
         link_s = time.perf_counter() - t0
-        link = self.dd.statistics()["links"].get(remote) or {}
+        link = self.engine.statistics()["links"].get(remote) or {}
         out = {"status": ret.name, "per_cluster": [r.name for r in rets], "link_s": link_s,
                "transport": link.get("transport"), "transport_reason": link.get("transport_reason")}
         if link.get("transport") == "tcp":   # do its data connections use TLS (the tcp+tls row)?
-            out["data_tls"] = bool(self.dd._core.link_manager.endpoint("tcp").statistics().get("tls"))
+            out["data_tls"] = bool(self.engine._require_core().link_manager.endpoint("tcp").statistics().get("tls"))
         return out
 
     def cmd_link_stats(self) -> dict:
         return {str(k): {f: v[f] for f in ("transport", "bytes_read", "bytes_written", "transfers", "failures")}
-                for k, v in self.dd.statistics()["links"].items()}
+                for k, v in self.engine.statistics()["links"].items()}
 
     def cmd_rss(self) -> int:
         import gc
@@ -145,7 +155,7 @@ class Worker:
         return rss_bytes()
 
     def cmd_memory_stats(self) -> dict:
-        mem = self.dd.statistics().get("memory", {})
+        mem = self.engine.statistics().get("memory", {})
         return {k: v for k, v in mem.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
     # ------------------------------------------------------------------ memory
@@ -185,8 +195,9 @@ class Worker:
         base = int(buf.ctypes.data)
         assert num_tensors * tensor <= len(buf)
         desc = llmdd.CacheDesc(num_tensors, [num_blocks, block_bytes], llmdd.DataType.DT_UINT8)
-        cache = self.dd.cache_manager.register_blocks_cache(
-            desc, [base + t * tensor for t in range(num_tensors)], llmdd.BlocksCacheKey(self.cluster_id, model_id))
+        engine = self.engine
+        cache = engine.cache_manager.register_blocks_cache(
+            desc, [base + t * tensor for t in range(num_tensors)], llmdd.BlocksCacheKey(engine.cluster_id, model_id))
         self.caches[model_id] = cache
         return cache.cache_id
 
@@ -194,19 +205,19 @@ class Worker:
         import llmdd
 
         desc = llmdd.CacheDesc(1, [1, nbytes], llmdd.DataType.DT_UINT8)
-        cache = self.dd.cache_manager.register_cache(desc, [int(self.bufs[name].ctypes.data)])
+        cache = self.engine.cache_manager.register_cache(desc, [int(self.bufs[name].ctypes.data)])
         self.caches[model_id] = cache
         return cache.cache_id
 
     def cmd_unregister(self, model_id: int) -> None:
         cache = self.caches.pop(model_id)
-        self.dd.cache_manager.unregister_cache(cache.cache_id)
+        self.engine.cache_manager.unregister_cache(cache.cache_id)
 
     # ------------------------------------------------------------------ llmdd workloads
     def _blocks_op(self, op: str, remote: int, model_id: int, remote_model_id: int, src: list, dst: list):
         import llmdd
 
-        cm = self.dd.cache_manager
+        cm = self.engine.cache_manager
         cache = self.caches[model_id]
         if op == "pull":
             key = llmdd.BlocksCacheKey(remote, remote_model_id)
@@ -264,7 +275,7 @@ class Worker:
         layer with one tensor per layer), random block ids."""
         import llmdd
 
-        cm = self.dd.cache_manager
+        cm = self.engine.cache_manager
         cache = self.caches[model_id]
         key = llmdd.BlocksCacheKey(remote, remote_model_id)
         one = range(0, 1)
@@ -300,7 +311,7 @@ class Worker:
                              warmup: int) -> dict:
         import llmdd
 
-        cm = self.dd.cache_manager
+        cm = self.engine.cache_manager
         cache = self.caches[model_id]
         key = llmdd.CacheKeyByIdAndIndex(remote, remote_cache_id, 0)
         waited = _until_known(lambda: cm.pull_cache(key, cache, 0))
@@ -321,7 +332,7 @@ class Worker:
         one (layer i+1 once the engine has asked for it after layer i), the caller waits on the task."""
         import llmdd
 
-        cm = self.dd.cache_manager
+        cm = self.engine.cache_manager
         cache = self.caches[model_id]
 
         class Releaser(llmdd.LayerSynchronizer):
@@ -502,14 +513,20 @@ class Worker:
         self.listener = ls
         return ls.getsockname()[1]
 
+    def _listening(self) -> socket.socket:
+        """The socket ``cmd_listen`` made; the serving commands fail before that."""
+        if self.listener is None:
+            raise RuntimeError("this worker does not listen: cmd_listen first")
+        return self.listener
+
     def cmd_stream_recv(self, streams: int, nbytes: int, rounds: int, salt: int) -> dict:
         conns = []
         for _ in range(streams):
-            c, _ = self.listener.accept()
+            c, _ = self._listening().accept()
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conns.append(c)
         self.buf[:nbytes] = 0
-        mv = memoryview(self.buf)
+        mv = self.buf.data
         part = nbytes // streams
 
         def serve(i: int, c: socket.socket) -> None:
@@ -527,7 +544,7 @@ class Worker:
         return {"verified": check_contiguous(self.buf, part * streams, salt)}
 
     def cmd_stream_send(self, port: int, streams: int, nbytes: int, runs: int, warmup: int) -> dict:
-        mv = memoryview(self.buf)
+        mv = self.buf.data
         socks = []
         for _ in range(streams):
             s = socket.create_connection((HOST, port))
@@ -556,9 +573,9 @@ class Worker:
 
     def cmd_rr_serve(self, n: int) -> None:
         """Serve ``n`` pulls: a 16-byte request ``(offset, length)``, the bytes as reply."""
-        c, _ = self.listener.accept()
+        c, _ = self._listening().accept()
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mv = memoryview(self.buf)
+        mv = self.buf.data
         req = bytearray(16)
         rv = memoryview(req)
         for _ in range(n):
@@ -570,7 +587,7 @@ class Worker:
     def cmd_rr_client(self, port: int, block_bytes: int, num_blocks: int, n: int, warmup: int) -> dict:
         s = socket.create_connection((HOST, port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mv = memoryview(self.buf)
+        mv = self.buf.data
         rng = np.random.default_rng(7)
         srcs = rng.integers(0, num_blocks, n + warmup).tolist()
         dsts = rng.integers(0, num_blocks, n + warmup).tolist()
@@ -599,7 +616,7 @@ class Worker:
             if command == "exit":
                 try:
                     if self.dd is not None:
-                        self.dd.finalize()
+                        self.engine.finalize()#KEEP
                 finally:
                     conn.send(("ok", None))
                 break

@@ -9,7 +9,7 @@ element, byte) and nothing is hashed or sampled.
 from __future__ import annotations
 
 from multiprocessing import shared_memory
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -23,12 +23,16 @@ class ReferenceKV:
 
     def __init__(self, kv: np.ndarray) -> None:
         self.shape = tuple(int(x) for x in kv.shape)
-        self._shm = shared_memory.SharedMemory(create=True, size=max(1, kv.nbytes))
-        np.ndarray(self.shape, dtype=np.float32, buffer=self._shm.buf)[...] = kv
+        shm = shared_memory.SharedMemory(create=True, size=max(1, kv.nbytes))
+        self._shm: Optional[shared_memory.SharedMemory] = shm   # None once closed
+        np.ndarray(self.shape, dtype=np.float32, buffer=shm.buf)[...] = kv
 
     @property
     def handle(self) -> dict:
-        return {"name": self._shm.name, "shape": self.shape}
+        shm = self._shm
+        if shm is None:
+            raise RuntimeError("the reference KV is closed: its segment is gone")
+        return {"name": shm.name, "shape": self.shape}
 
     def close(self) -> None:
         if self._shm is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -125,7 +125,7 @@ class PagedKVCache:
         self.k(layer)[blocks, rows] = k
         self.v(layer)[blocks, rows] = v
 
-    def gather(self, tensor_index: int, table: Sequence[int], length: int) -> np.ndarray:
+    def gather(self, tensor_index: int, table: Union[Sequence[int], np.ndarray], length: int) -> np.ndarray:
         """The first ``length`` tokens of one tensor in token order: ``[length, kv_heads, head_dim]``."""
         t = self.tensors[tensor_index]
         nb = self.config.blocks_for(length)
@@ -222,10 +222,10 @@ class Model:
         synchronizer releases the layer there).  The prompt side needs no logits: the
         first token is produced by the decoder's first step.
         """
-        tokens = np.asarray(tokens, dtype=np.int64)
-        positions = np.arange(tokens.shape[0], dtype=np.int64)
+        token_ids = np.asarray(tokens, dtype=np.int64)
+        positions = np.arange(token_ids.shape[0], dtype=np.int64)
         tbl = np.asarray(table, dtype=np.int64)
-        x = self.embed[tokens]
+        x = self.embed[token_ids]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, positions)

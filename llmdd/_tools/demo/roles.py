@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Optional
 
 import llmdd
 from llmdd.plugin import hookimpl
@@ -146,7 +146,7 @@ def _describe(exc: BaseException) -> dict:
             "traceback": traceback.format_exc()}
 
 
-def _link_bytes(stats: dict, peer: int, field: str) -> int:
+def _link_bytes(stats: dict, peer: Optional[int], field: str) -> int:
     link = stats["links"].get(peer)
     return 0 if link is None else int(link[field])
 

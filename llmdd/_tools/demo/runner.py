@@ -275,7 +275,10 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] = lambda line: N
                                "listen": prompt_proc.ready["listen"]})
 
         def link_all(target: _Child) -> None:
-            ip, port = target.ready["listen"]
+            ready = target.ready
+            if ready is None:   # every child reported ready above, before any link
+                raise RuntimeError(f"{target.label} has not reported ready")
+            ip, port = ready["listen"]
             for d in decoders:
                 d.send("link", ip=ip, port=port, prompt_cluster=PROMPT_CLUSTER)
             for d, rec in zip(decoders, _gather(decoders, step)):
@@ -360,7 +363,7 @@ def _remove_shm_of(pid: int) -> list[str]:
     A SIGKILLed engine never closes its endpoint; its segments are named ``llmdd_<pid>_...``.
     Only the process this demo started and killed is concerned.
     """
-    removed = []
+    removed: list[str] = []
     root = "/dev/shm"
     try:
         names = os.listdir(root)

@@ -38,18 +38,19 @@ def collect_info(profile: str = "generic") -> dict:
     from llmdd._extension.manager import ENV_DISABLE_AUTOLOAD, ENV_DISABLED_PLUGINS
     from llmdd._memory.backend import EmulatedDeviceBackend, HostBackend
 
-    versions = {"llmdd": _version("llmdd") or llmdd.__version__, "python": platform.python_version()}
+    versions: dict[str, Optional[str]] = {"llmdd": _version("llmdd") or llmdd.__version__,
+                                          "python": platform.python_version()}
     for dist in _VERSIONED:
         versions[dist] = _version(dist)
     info: dict[str, Any] = {"versions": versions,
                             "platform": f"{platform.system()} {platform.release()} {platform.machine()}"}
 
-    entry_points = []
+    entry_points: list[dict[str, Any]] = []
     for ep in sorted(metadata.entry_points(group="llmdd"), key=lambda e: e.name):
-        dist = getattr(ep, "dist", None)
+        ep_dist = getattr(ep, "dist", None)
         entry_points.append({"name": ep.name, "value": ep.value,
-                             "distribution": dist.metadata["Name"] if dist is not None else None,
-                             "version": dist.version if dist is not None else None})
+                             "distribution": ep_dist.metadata["Name"] if ep_dist is not None else None,
+                             "version": ep_dist.version if ep_dist is not None else None})
     plugins_error = None
     loaded: list[str] = []
     transports: list[dict] = []
@@ -60,9 +61,9 @@ def collect_info(profile: str = "generic") -> dict:
     else:
         # a blocked name is listed with no plugin object
         loaded = sorted(name for name, plugin in pm.list_name_plugin() if plugin is not None)
-        for ep in entry_points:
-            ep["loaded"] = ep["name"] in loaded
-            ep["blocked"] = pm.is_blocked(ep["name"])
+        for entry in entry_points:
+            entry["loaded"] = entry["name"] in loaded
+            entry["blocked"] = pm.is_blocked(entry["name"])
         for name in registry.names():
             cls = registry.get(name)
             probed = registry.probe(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import attrs
 import numpy as np
@@ -18,6 +18,9 @@ from llmdd._tools.doctor.util import (
     SELF_TEST_BYTES,
     SELF_TEST_OP_BYTES,
 )
+
+if TYPE_CHECKING:
+    from llmdd._memory.backend import Segment
 
 
 @functools.lru_cache(maxsize=1)
@@ -40,14 +43,15 @@ class _Owned:
         from llmdd._seam.abc import MemRegion
 
         self.backend = HostBackend()
-        self.endpoint = None
-        self.segment = self.backend.allocate_segment(size)
+        self.endpoint: Any = None   # the transport's Endpoint (the class is given, untyped)
+        segment = self.backend.allocate_segment(size)
+        self.segment: Optional[Segment] = segment
         try:
-            self.segment.array()[:] = _pattern(size)
+            segment.array()[:] = _pattern(size)
             self.endpoint = transport_cls({}).open_endpoint(host="127.0.0.1")
             self.desc = self.endpoint.register(MemRegion(
-                region_id=1, addr=self.segment.addr, size=size, remote_accessible=True,
-                placement=int(Placement.HOST), shm_name=self.segment.name, shm_offset=0))
+                region_id=1, addr=segment.addr, size=size, remote_accessible=True,
+                placement=int(Placement.HOST), shm_name=segment.name, shm_offset=0))
             self.peer = self.endpoint.describe()
         except BaseException:
             self.close()
@@ -116,10 +120,11 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
     from llmdd._base.enums import Placement
     from llmdd._seam.abc import MemRegion, make_ops
 
-    base = dict(transport=transport, region_bytes=size, op_bytes=op_bytes, processes=2 if two else 1)
+    result = functools.partial(SelfTestResult, transport=transport, region_bytes=size, op_bytes=op_bytes,
+                               processes=2 if two else 1)
     if size <= 0 or op_bytes <= 0 or size % op_bytes or size % 8:
-        return SelfTestResult(ok=False, error=f"region size {size} must be a positive multiple of the op size "
-                                              f"{op_bytes} and of 8", **base)
+        return result(ok=False, error=f"region size {size} must be a positive multiple of the op size "
+                                      f"{op_bytes} and of 8")
     owned = child = None
     local = channel = None
     started = time.monotonic()
@@ -128,9 +133,9 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
             child = _Child({"op": "own", "transport": transport, "size": size})
             msg = child.recv(_CHILD_TIMEOUT_S)
             if msg is None:
-                return SelfTestResult(ok=False, error=child.failure(), **base)
+                return result(ok=False, error=child.failure())
             if msg.get("kind") != "ready":
-                return SelfTestResult(ok=False, error=f"the helper process failed: {msg.get('error')}", **base)
+                return result(ok=False, error=f"the helper process failed: {msg.get('error')}")
             peer, desc = msg["peer"], msg["desc"]
         else:
             owned = _Owned(cls, size)
@@ -159,7 +164,7 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
         read_once()  # warm-up, verified but not timed: maps the peer's memory, faults the destination in
         if not np.array_equal(dst, expected):
             bad = int(np.argmax(dst != expected))
-            return SelfTestResult(ok=False, error=f"bytes differ after a read (first at offset {bad})", **base)
+            return result(ok=False, error=f"bytes differ after a read (first at offset {bad})")
         busy = 0.0
         batches = 0
         end = time.perf_counter() + max(0.0, seconds)
@@ -171,14 +176,14 @@ def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_byte
         batches += 1
         if not np.array_equal(dst, expected):
             bad = int(np.argmax(dst != expected))
-            return SelfTestResult(ok=False, error=f"bytes differ after {batches + 1} reads (first at offset "
-                                                  f"{bad})", batches=batches, **base)
+            return result(ok=False, error=f"bytes differ after {batches + 1} reads (first at offset "
+                                          f"{bad})", batches=batches)
         total = batches * size
-        return SelfTestResult(ok=True, gbps=total / max(busy, 1e-9) / 1e9, bytes_read=total,
-                              batches=batches, seconds=busy, verified=True, **base)
+        return result(ok=True, gbps=total / max(busy, 1e-9) / 1e9, bytes_read=total,
+                      batches=batches, seconds=busy, verified=True)
     except Exception as exc:  # noqa: BLE001 - reported with its reason, never a traceback
-        return SelfTestResult(ok=False, error=_describe_error(exc),
-                              seconds=time.monotonic() - started, **base)
+        return result(ok=False, error=_describe_error(exc),
+                      seconds=time.monotonic() - started)
     finally:
         for closer in (getattr(channel, "close", None), getattr(local, "close", None),
                        getattr(owned, "close", None)):
