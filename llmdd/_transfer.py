@@ -21,11 +21,11 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import numpy as np
-
-from ._abc import OP_DTYPE, Cancelled, PeerGone, Refused, TransportError, TransportTimeout
+from . import _abc
+from ._abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
 from ._lifecycle.tables import LinkState
 from ._enums import Placement
+from ._lazy import np, when_numpy_loaded
 from ._log import get_logger
 from ._planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
 from ._options import EngineOptions
@@ -112,7 +112,14 @@ def _op_rows(n: int) -> struct.Struct:
     return packer
 
 
-assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
+OP_DTYPE: Any   # llmdd._abc.OP_DTYPE, once numpy is in use (llmdd._lazy)
+
+
+@when_numpy_loaded
+def _numpy_loaded(numpy: Any) -> None:
+    global OP_DTYPE
+    OP_DTYPE = _abc.OP_DTYPE
+    assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
 
 
 class _QuickPlan:

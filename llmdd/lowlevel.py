@@ -11,7 +11,6 @@ threads do not grow with connections; ``EVENT_READ`` / ``EVENT_WRITE`` are its r
 which a transport receives in its constructor, into the :class:`TlsConfig` the engine itself uses.
 """
 
-from ._abc import OP_DTYPE as OP_DTYPE
 from ._abc import Cancelled as Cancelled
 from ._abc import Completion as Completion
 from ._abc import Corrupt as Corrupt
@@ -28,6 +27,8 @@ from ._abc import coalesce_ops as coalesce_ops
 from ._abc import make_ops as make_ops
 from ._abc import split_ops as split_ops
 from ._ioloop import EVENT_READ as EVENT_READ
+from ._lazy import np as lazy_numpy
+from ._lazy import when_numpy_loaded as when_numpy_loaded
 from ._ioloop import EVENT_WRITE as EVENT_WRITE
 from ._ioloop import IoLoop as IoLoop
 from ._ioloop import PoolFull as PoolFull
@@ -63,4 +64,13 @@ __all__ = [
     "coalesce_ops",
     "make_ops",
     "split_ops",
+    "lazy_numpy",
+    "when_numpy_loaded",
 ]
+
+
+def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is first used (llmdd._lazy)
+    if name == "OP_DTYPE":
+        from . import _abc
+        return _abc.OP_DTYPE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

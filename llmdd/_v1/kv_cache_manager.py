@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 from typing import Dict, List, Optional, Tuple, Union
 
-import numpy as np
+from .._lazy import np
 
 from .._enums import LLMRole, Placement
 from .._log import get_logger

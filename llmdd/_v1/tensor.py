@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple, Union
 
-import numpy as np
+from .._lazy import np
 
 from .._enums import DataType
 from .._status import LLMException, LLMStatusCode

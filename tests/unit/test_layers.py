@@ -107,7 +107,7 @@ def test_every_private_top_level_module_has_a_layer():
 
 
 #: shared bottom modules (value types, statuses, options, logging, plugins): any layer may import them
-UNLAYERED = {"_status", "_types", "_enums", "_config", "_validation", "_log", "_options", "_profiles", "_plugins",
+UNLAYERED = {"_status", "_types", "_enums", "_config", "_validation", "_log", "_options", "_profiles", "_plugins", "_lazy",
              "_doctor"}
 
 
