@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ._config import parse_mem_pool_cfg
 from ._log import get_logger
 from ._options import EngineOptions
-from ._peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_range, peer_spans
+from ._peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_bounds, peer_range, peer_spans
 from ._port import ControlPort, DataNotice, RequestOp
 from ._protocol import messages as m
 from ._status import LLMException, LLMStatusCode
@@ -201,7 +201,7 @@ class OwnerSide:
         for entry in msg.entries:   # validate the whole notice before any event fires
             rec = self._served_record(link, entry.cache_id, "read_done")
             if rec is not None:
-                checked.append((rec, self._block_spans(rec, entry.block_spans, "read_done blocks")))
+                checked.append((rec, peer_bounds(entry.block_bounds, "read_done blocks", rec.rows)))
         for rec, blocks in checked:
             self._cache_event(rec, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
         return 0, {}

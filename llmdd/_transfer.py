@@ -80,6 +80,20 @@ def _spans(blocks: Any) -> tuple:
     return tuple(m.Span(start=int(a), stop=int(b)) for a, b in zip(starts, stops))
 
 
+def _bounds(blocks: Any) -> tuple:
+    """Block indices as the flat ``(start, stop, ...)`` bounds of sorted disjoint spans (a ReadDone entry)."""
+    if isinstance(blocks, (list, tuple)) and len(blocks) <= 16:
+        return tuple(x for s in _spans(blocks) for x in (s.start, s.stop))
+    arr = np.unique(np.asarray(blocks, dtype=np.int64))
+    if not len(arr):
+        return ()
+    breaks = np.flatnonzero(np.diff(arr) != 1)
+    out = np.empty(2 * (len(breaks) + 1), dtype=np.int64)
+    out[0::2] = np.concatenate(([arr[0]], arr[breaks + 1]))
+    out[1::2] = np.concatenate((arr[breaks], [arr[-1]])) + 1
+    return tuple(out.tolist())
+
+
 #: the kinds of queued owner notices, and the most of one kind sent in one message
 _READ, _PUSH = 0, 1
 MAX_NOTICE_BATCH = m.MAX_NOTICE_BATCH
@@ -906,7 +920,7 @@ class TransferEngine:
             run = items[i:j]
             if kind == _READ:
                 self._lm.notify(link, m.ReadDone(entries=tuple(
-                    m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=_spans(blocks) if blocks else ())
+                    m.ReadDoneEntry(cache_id=cache_id, key=None, block_bounds=_bounds(blocks) if blocks else ())
                     for _, cache_id, blocks in run)))
             else:
                 self._lm.notify(link, m.PushDone(entries=tuple(_push_done(*item[1:]) for item in run)))
