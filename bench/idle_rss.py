@@ -7,7 +7,7 @@
   threads, whether structlog/asyncio got loaded, the largest mappings (/proc/self/smaps), and the same
   idle RSS with each installed plugin left out (``LLMDD_DISABLED_PLUGINS``), which is what each plugin
   costs.  Target: <= 45 MiB.
-* per link: ``llmdd._bench.scaling`` (one real server engine, synthetic clients speaking the real
+* per link: ``llmdd._tools.bench.scaling`` (one real server engine, synthetic clients speaking the real
   protocol, each link from its own loopback address): the server's RSS growth from 1 to 1 + N links,
   divided by N.  Target: <= 64 KiB per link.
 
@@ -29,8 +29,8 @@ IDLE_MAX_BYTES = 45 * MiB
 PER_LINK_MAX_BYTES = 64 * KiB
 
 def measure_idle(env: Optional[dict] = None, timeout: float = 120.0) -> dict:
-    """One idle engine in a fresh interpreter; its numbers (llmdd._bench.idle, which llmdd bench uses too)."""
-    from llmdd._bench.idle import measure_idle as measure
+    """One idle engine in a fresh interpreter; its numbers (llmdd._tools.bench.idle, which llmdd bench uses too)."""
+    from llmdd._tools.bench.idle import measure_idle as measure
 
     return measure(env, timeout)
 
@@ -42,8 +42,8 @@ def installed_plugins() -> list[str]:
 
 
 def measure_per_link(links: int = 16, processes: int = 2) -> dict:
-    """Server RSS growth per link from 1 to 1 + ``links`` links (llmdd._bench.scaling)."""
-    from llmdd._bench.scaling import run_scaling
+    """Server RSS growth per link from 1 to 1 + ``links`` links (llmdd._tools.bench.scaling)."""
+    from llmdd._tools.bench.scaling import run_scaling
 
     result = run_scaling((1, 1 + links), processes=processes, probes=3)
     points = result["points"]

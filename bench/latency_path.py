@@ -3,7 +3,7 @@
 One 64 KiB block of one tensor (``pull_blocks``, p50 / p99 over ``--n`` calls) per transport, the raw
 Python TCP request/reply and single-block ``process_vm_readv`` anchors, and optionally (``--bulk``)
 ``pull_blocks`` of 64 tensors x N blocks x 64 KiB over tcp against a raw two-stream Python socket.
-Uses the workers of ``llmdd bench`` (:mod:`llmdd._bench`), so the figures are measured the same way.
+Uses the workers of ``llmdd bench`` (:mod:`llmdd._tools.bench`), so the figures are measured the same way.
 
     .venv/bin/python bench/latency_path.py --transport shm --transport tcp [--bulk] [--profile]
 """
@@ -15,8 +15,8 @@ import json
 import multiprocessing as mp
 import sys
 
-from llmdd._bench.common import KiB, MiB, load_average
-from llmdd._bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_ANCHOR, SALT_PROMPT, block_tables, close_all, \
+from llmdd._tools.bench.common import KiB, MiB, load_average
+from llmdd._tools.bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_ANCHOR, SALT_PROMPT, block_tables, close_all, \
     start_peers
 
 BB = 64 * KiB

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from llmdd._bench.common import load_average
+from llmdd._tools.bench.common import load_average
 
 MiB = 1 << 20
 SIZE = 64 * MiB

@@ -2,7 +2,7 @@
 
 Each run starts a fresh prompt and decoder (spawned, one engine each, shm transport), registers a
 64 KiB layout and a 16 KiB layout of 64 tensors on both sides, links, and measures in the decoder,
-interleaved with their bare-syscall anchors (``llmdd._bench.small.rows``):
+interleaved with their bare-syscall anchors (``llmdd._tools.bench.small.rows``):
 
 * ``pull_1x64k``: ``pull_blocks`` of one 64 KiB block of one tensor vs one ``process_vm_readv``;
 * ``push_1x64k``: ``push_blocks`` of one 64 KiB block vs one ``process_vm_writev``;
@@ -25,9 +25,9 @@ import statistics
 import sys
 import time
 
-from llmdd._bench.common import KiB, MiB, load_average
-from llmdd._bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_DECODER, SALT_PROMPT, close_all, start_peers
-from llmdd._bench.small import TARGETS, rows
+from llmdd._tools.bench.common import KiB, MiB, load_average
+from llmdd._tools.bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_DECODER, SALT_PROMPT, close_all, start_peers
+from llmdd._tools.bench.small import TARGETS, markdown, rows
 
 
 #: the shapes profiled by --profile: row -> (layout block bytes, blocks, tensors, op)
@@ -201,7 +201,22 @@ def main() -> int:
     ap.add_argument("--first-link", action="store_true",
                     help="instead of the rows: target 3 (first link in automatic mode, with and without the NIXL "
                          "plugin, --runs interleaved runs each)")
+    ap.add_argument("--report", nargs="+", metavar="DIR",
+                    help="print the markdown table of committed runs (their results.json) instead of measuring "
+                         "(docs/benchmarks.md's issue-21 table is this output; tests/unit/test_bench_docs.py checks it)")
+    ap.add_argument("--markdown", action="store_true", help="with --report: markdown (the only format)")
+    if "--report" in sys.argv:   # no --out needed
+        for act in ap._actions:
+            if act.dest == "out":
+                act.required = False
     a = ap.parse_args()
+    if a.report:
+        results = []
+        for d in a.report:
+            with open(os.path.join(d, "results.json")) as f:
+                results.append(json.load(f))
+        print("\n".join(markdown(results, a.report)))
+        return 0
     if a.first_link:
         return first_link_main(a)
     paths = [p for p in a.paths.split(",") if p]

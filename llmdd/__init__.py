@@ -7,29 +7,29 @@ the public contract only; the code lives in private ``_`` modules.
 
 import os as _os
 
-from ._config import LLMClusterInfo as LLMClusterInfo
-from ._config import LlmConfig as LlmConfig
-from ._config import LLMConfig as LLMConfig
-from ._datadist import LLMDataDist as LLMDataDist
-from ._enums import DataType as DataType
-from ._enums import LLMRole as LLMRole
-from ._enums import Memtype as Memtype
-from ._enums import Placement as Placement
-from ._enums import RegisterMemStatus as RegisterMemStatus
-from ._status import LLMException as LLMException
-from ._status import LLMStatusCode as LLMStatusCode
-from ._status import Status as Status
-from ._types import BlocksCacheKey as BlocksCacheKey
-from ._types import Cache as Cache
-from ._types import CacheDesc as CacheDesc
-from ._types import CacheKey as CacheKey
-from ._types import CacheKeyByIdAndIndex as CacheKeyByIdAndIndex
-from ._types import CacheTask as CacheTask
-from ._types import KvCache as KvCache
-from ._types import LayerSynchronizer as LayerSynchronizer
-from ._types import MemInfo as MemInfo
-from ._types import TransferConfig as TransferConfig
-from ._types import TransferWithCacheKeyConfig as TransferWithCacheKeyConfig
+from llmdd._base.config import LLMClusterInfo as LLMClusterInfo
+from llmdd._base.config import LlmConfig as LlmConfig
+from llmdd._base.config import LLMConfig as LLMConfig
+from llmdd._api.datadist import LLMDataDist as LLMDataDist
+from llmdd._base.enums import DataType as DataType
+from llmdd._base.enums import LLMRole as LLMRole
+from llmdd._base.enums import Memtype as Memtype
+from llmdd._base.enums import Placement as Placement
+from llmdd._base.enums import RegisterMemStatus as RegisterMemStatus
+from llmdd._base.status import LLMException as LLMException
+from llmdd._base.status import LLMStatusCode as LLMStatusCode
+from llmdd._base.status import Status as Status
+from llmdd._base.types import BlocksCacheKey as BlocksCacheKey
+from llmdd._base.types import Cache as Cache
+from llmdd._base.types import CacheDesc as CacheDesc
+from llmdd._base.types import CacheKey as CacheKey
+from llmdd._base.types import CacheKeyByIdAndIndex as CacheKeyByIdAndIndex
+from llmdd._base.types import CacheTask as CacheTask
+from llmdd._base.types import KvCache as KvCache
+from llmdd._base.types import LayerSynchronizer as LayerSynchronizer
+from llmdd._base.types import MemInfo as MemInfo
+from llmdd._base.types import TransferConfig as TransferConfig
+from llmdd._base.types import TransferWithCacheKeyConfig as TransferWithCacheKeyConfig
 
 __version__ = "0.1.0"
 
@@ -57,7 +57,7 @@ v2_list = [
 
 # upstream's module paths (llm_datadist.status, .configs, .data_type, .utils.*, .v2.*), loaded at
 # import as upstream's package loads them, so they are attributes of the package
-from . import configs, data_type, status, utils, v2  # noqa: E402,F401
+from llmdd import configs, data_type, status, utils, v2  # noqa: E402,F401
 
 _LEGACY_V1 = ("TensorDesc", "Tensor", "KvCacheManager")
 
@@ -65,7 +65,7 @@ _LEGACY_V1 = ("TensorDesc", "Tensor", "KvCacheManager")
 def __getattr__(name: str):
     # as upstream, the legacy v1 names are served lazily (from llmdd's own v1 package, docs/v1.md)
     if name in _LEGACY_V1:
-        from . import _v1
+        from llmdd._api import v1 as _v1
 
         return getattr(_v1, name)
     raise AttributeError(f"Module 'llmdd' has no attribute '{name}'")

@@ -1,6 +1,6 @@
 """``python -m llmdd`` / the ``llmdd`` command."""
 
-from ._cli import main
+from llmdd._tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -4,8 +4,8 @@
 (numpy is imported then, not at import of this module), as upstream does.
 """
 
-from . import _enums
-from ._enums import DataType, get_python_dtype_from_wrapper_dtype, python_dtype_2_dwrapper_dtype
+from llmdd._base import enums as _enums
+from llmdd._base.enums import DataType, get_python_dtype_from_wrapper_dtype, python_dtype_2_dwrapper_dtype
 
 __all__ = ["DataType", "python_dtype_2_dwrapper_dtype", "get_python_dtype_from_wrapper_dtype"]
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import pluggy
 
 if TYPE_CHECKING:
-    from ._events import TransitionEvent
-    from .plugin import EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
+    from llmdd._lifecycle.events import TransitionEvent
+    from llmdd.plugin import EngineConfig, LinkInfo, TransportCandidate, TransportRegistry
 
 __all__ = [
     "llmdd_addhooks",
@@ -42,6 +42,7 @@ __all__ = [
     "llmdd_comm_group_transition",
     "llmdd_cache_transition",
     "llmdd_task_transition",
+    "llmdd_listener_transition",
 ]
 
 _spec = pluggy.HookspecMarker("llmdd")
@@ -233,4 +234,19 @@ def llmdd_task_transition(event: TransitionEvent) -> None:
     result is not used; an implementation that raises is logged and ignored.
 
     .. versionadded:: 0.1
+    """
+
+
+@_spec
+def llmdd_listener_transition(event: TransitionEvent) -> None:
+    """A listening socket of the engine failed or closed (the control port, a comm group's
+    port, a transport's data port).
+
+    :param event: the transition; ``event.id`` is ``"<kind>@<host>:<port>"``, ``event.info``
+        carries ``kind`` and, on ``fail``, ``reason``; ``event.error`` is set on failures.
+
+    Called after the transition, usually on the engine's I/O loop thread: keep it short.  The
+    result is not used; an implementation that raises is logged and ignored.
+
+    .. versionadded:: 0.2
     """

@@ -11,32 +11,32 @@ threads do not grow with connections; ``EVENT_READ`` / ``EVENT_WRITE`` are its r
 which a transport receives in its constructor, into the :class:`TlsConfig` the engine itself uses.
 """
 
-from ._abc import Cancelled as Cancelled
-from ._abc import Completion as Completion
-from ._abc import Corrupt as Corrupt
-from ._abc import DoneCompletion as DoneCompletion
-from ._abc import MemRegion as MemRegion
-from ._abc import PeerGone as PeerGone
-from ._abc import RegionTable as RegionTable
-from ._abc import Refused as Refused
-from ._abc import ThreadCompletion as ThreadCompletion
-from ._abc import TransportTimeout as TransportTimeout
-from ._abc import as_ops as as_ops
-from ._abc import check_ops as check_ops
-from ._abc import coalesce_ops as coalesce_ops
-from ._abc import make_ops as make_ops
-from ._abc import split_ops as split_ops
-from ._ioloop import EVENT_READ as EVENT_READ
-from ._lazy import np as lazy_numpy
-from ._lazy import when_numpy_loaded as when_numpy_loaded
-from ._ioloop import EVENT_WRITE as EVENT_WRITE
-from ._ioloop import IoLoop as IoLoop
-from ._ioloop import PoolFull as PoolFull
-from ._memory.segments import segment_name as segment_name
-from ._options import TlsConfig as TlsConfig
-from ._options import tls_config as tls_config
-from ._log import get_logger as get_logger
-from ._status import TransportError as TransportError
+from llmdd._seam.abc import Cancelled as Cancelled
+from llmdd._seam.abc import Completion as Completion
+from llmdd._seam.abc import Corrupt as Corrupt
+from llmdd._seam.abc import DoneCompletion as DoneCompletion
+from llmdd._seam.abc import MemRegion as MemRegion
+from llmdd._seam.abc import PeerGone as PeerGone
+from llmdd._seam.abc import RegionTable as RegionTable
+from llmdd._seam.abc import Refused as Refused
+from llmdd._seam.abc import ThreadCompletion as ThreadCompletion
+from llmdd._seam.abc import TransportTimeout as TransportTimeout
+from llmdd._seam.abc import as_ops as as_ops
+from llmdd._seam.abc import check_ops as check_ops
+from llmdd._seam.abc import coalesce_ops as coalesce_ops
+from llmdd._seam.abc import make_ops as make_ops
+from llmdd._seam.abc import split_ops as split_ops
+from llmdd._control.ioloop import EVENT_READ as EVENT_READ
+from llmdd._base.lazy import np as lazy_numpy
+from llmdd._base.lazy import when_numpy_loaded as when_numpy_loaded
+from llmdd._control.ioloop import EVENT_WRITE as EVENT_WRITE
+from llmdd._control.ioloop import IoLoop as IoLoop
+from llmdd._control.ioloop import PoolFull as PoolFull
+from llmdd._memory.segments import segment_name as segment_name
+from llmdd._base.options import TlsConfig as TlsConfig
+from llmdd._base.options import tls_config as tls_config
+from llmdd._base.log import get_logger as get_logger
+from llmdd._base.status import TransportError as TransportError
 
 __all__ = [
     "get_logger",
@@ -69,8 +69,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is first used (llmdd._lazy)
+def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is first used (llmdd._base.lazy)
     if name == "OP_DTYPE":
-        from . import _abc
+        from llmdd._seam import abc as _abc
+
         return _abc.OP_DTYPE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, final
 import attrs
 import pluggy
 
-from ._log import get_logger
+from llmdd._base.log import get_logger
 
 if TYPE_CHECKING:
-    from ._abc import Transport, TransportInfo
+    from llmdd._seam.abc import Transport, TransportInfo
 
 __all__ = [
     "PROJECT",
@@ -224,7 +224,7 @@ def _check_transport_class(cls: Any) -> None:
 
 
 def _safe_probe(cls: type[Transport]) -> TransportInfo:
-    from ._abc import TransportInfo
+    from llmdd._seam.abc import TransportInfo
 
     try:
         info = cls.probe()

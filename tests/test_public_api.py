@@ -57,7 +57,7 @@ def test_exception_hierarchy():
 
 @pytest.mark.parametrize("name", LEGACY_V1)
 def test_legacy_v1_names_are_served_lazily(name):
-    from llmdd import _v1
+    from llmdd._api import v1 as _v1
 
     assert getattr(llmdd, name) is getattr(_v1, name)
 
@@ -66,7 +66,7 @@ def test_legacy_v1_names_are_served_lazily(name):
 def test_legacy_v1_from_import(name):
     namespace: dict = {}
     exec(f"from llmdd import {name}", namespace)
-    assert namespace[name].__module__.startswith("llmdd._v1")
+    assert namespace[name].__module__.startswith("llmdd._api.v1")
 
 
 @pytest.mark.parametrize("name", ["x", "KVCache", "llm_datadist_v1", "v1"])

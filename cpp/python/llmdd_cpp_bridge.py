@@ -28,10 +28,10 @@ import llmdd
 from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMException,
                    LLMRole, LLMStatusCode, Placement)
 from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
-from llmdd._planner import plan_blocks, plan_cache, tensor_range
-from llmdd._port import RequestOp
-from llmdd._protocol import messages as _m
-from llmdd._transfer import _READ, _QuickPlan
+from llmdd._data.planner import plan_blocks, plan_cache, tensor_range
+from llmdd._data.port import RequestOp
+from llmdd._control.protocol import messages as _m
+from llmdd._data.engine import _READ, _QuickPlan
 
 S = LLMStatusCode
 OK = 0
@@ -341,27 +341,27 @@ class Bridge:
 
     @_call
     def allocate(self, desc: tuple) -> tuple:
-        _, core = self._engine()
+        dd, core = self._engine()
         cd = self._desc(desc)
-        cm = core.cache_manager
+        cm = dd.cache_manager
         cache = self._with_own_key(core, lambda key: cm.allocate_blocks_cache(cd, key), cm.deallocate_blocks_cache)
         self._caches[cache.cache_id] = cache
         return cache.cache_id, list(cache.tensor_addrs)
 
     @_call
     def deallocate(self, cache_id: int) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         cache = self._caches.pop(cache_id, None)
         if cache is None:
             rec = core.memory.get(cache_id)
             if rec is not None and rec.live and not rec.owned:
                 raise _invalid(f"cache {cache_id} is registered, not allocated: use UnregisterKvCache")
             return  # unknown or already released: success
-        core.cache_manager.deallocate_blocks_cache(cache)
+        dd.cache_manager.deallocate_blocks_cache(cache)
 
     @_call
     def register(self, desc: tuple, addrs: list) -> int:
-        _, core = self._engine()
+        dd, core = self._engine()
         if not addrs:
             raise _invalid("addrs cannot be empty")
         placement, num_tensors, _, _ = desc
@@ -370,18 +370,18 @@ class Bridge:
         if any(a == 0 for a in addrs):
             raise _invalid("addr cannot be nullptr")
         cd = self._desc(desc)
-        cm = core.cache_manager
+        cm = dd.cache_manager
         cache = self._with_own_key(core, lambda key: cm.register_blocks_cache(cd, list(addrs), key, True),
                                    lambda c: cm.unregister_cache(c.cache_id))
         return cache.cache_id
 
     @_call
     def unregister(self, cache_id: int) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         rec = core.memory.get(cache_id)
         if rec is not None and rec.live and rec.owned:
             raise _invalid(f"cache {cache_id} is allocated, not registered: use DeallocateCache")
-        core.cache_manager.unregister_cache(cache_id)
+        dd.cache_manager.unregister_cache(cache_id)
 
     # ------------------------------------------------------------------ transfers
     def _check_role(self, allowed: tuple, call: str) -> None:
@@ -484,7 +484,7 @@ class Bridge:
 
     @_call
     def pull_cache(self, src: tuple, dst_id: int, batch_index: int, size: int, ext: tuple) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         self._check_role(_PULLERS, "PullKvCache")
         if size != -1 and size <= 0:
             raise _invalid(f"invalid size ({size}), size must = -1 or > 0")
@@ -558,7 +558,7 @@ class Bridge:
 
     @_call
     def push_cache(self, src_id: int, dst: tuple, src_batch: int, size: int, ext: tuple) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         self._check_role(_PUSHERS, "PushKvCache")
         if size != -1:
             raise _invalid(f"invalid size ({size}), size only support -1 currently")
@@ -570,7 +570,7 @@ class Bridge:
 
     @_call
     def push_blocks(self, src_id: int, dst: tuple, src_blocks: list, dst_blocks: list, ext: tuple) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         self._check_role(_PUSHERS, "PushKvBlocks")
         cluster_id, cache_id, dst_batch = dst
         src_range, dst_range = self._check_push_src(core, src_id, ext)
@@ -589,7 +589,7 @@ class Bridge:
     # ------------------------------------------------------------------ local copies
     @_call
     def copy_cache(self, src_id: int, dst_id: int, src_batch: int, dst_batch: int, offset: int, size: int) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         if size != -1 and size <= 0:
             raise _invalid(f"size ({size}) is invalid, should be = -1 or > 0")
         s, d = core.memory.live(src_id), core.memory.live(dst_id)
@@ -611,7 +611,7 @@ class Bridge:
 
     @_call
     def copy_blocks(self, src_id: int, dst_id: int, src_blocks: list, dst_lists: list) -> None:
-        _, core = self._engine()
+        dd, core = self._engine()
         s, d = core.memory.live(src_id), core.memory.live(dst_id)
         if s.desc.num_tensors != d.desc.num_tensors:
             raise _invalid(f"src num_tensors:{s.desc.num_tensors} and dst num_tensors:{d.desc.num_tensors} "

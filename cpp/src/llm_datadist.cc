@@ -112,7 +112,7 @@ void ExitHandler() {
     // When the thread that started the interpreter (Python's "main thread") is gone or is not the
     // one exiting, Py_FinalizeEx would wait for it forever: its thread-state lock is released here.
     static const char kAtExit[] =
-        "import gc, threading as _t, llmdd._datadist as _d\n"
+        "import gc, threading as _t, llmdd._api.datadist as _d\n"
         "_d._shutdown_handler()\n"
         "gc.collect()\n"
         "_m = _t.main_thread()\n"

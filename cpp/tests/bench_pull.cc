@@ -1,9 +1,9 @@
-// The C++ side of `llmdd bench`'s C++ row (llmdd/_bench/cpp.py): a decoder that links to the
+// The C++ side of `llmdd bench`'s C++ row (llmdd/_tools/bench/cpp.py): a decoder that links to the
 // bench's Python prompt and times PullKvBlocks, then prints one JSON line.
 //   bench_pull <port> <latency_n> <latency_warmup> <tensors> <blocks> <bw_reps>
 // The prompt's cache 1 is 1 tensor of 16 blocks of 64 KiB (one-block latency), cache 2 is
 // <tensors> x <blocks> blocks of 64 KiB (bandwidth, all blocks, reversed). Word i of tensor t of
-// cache 2 holds salt + (t * tensor_bytes) / 8 + i (llmdd/_bench/common.py's pattern), checked here.
+// cache 2 holds salt + (t * tensor_bytes) / 8 + i (llmdd/_tools/bench/common.py's pattern), checked here.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>

@@ -143,7 +143,7 @@ def exit_promptly(client: Proc) -> None:
 def bench_row(build: str) -> None:
     """``llmdd bench``'s C++ row: skipped with its reason without a build, measured and verified with one."""
     sys.path.insert(0, os.path.join(HERE, "..", ".."))
-    from llmdd._bench import cpp
+    from llmdd._tools.bench import cpp
 
     os.environ["LLMDD_CPP_BUILD"] = os.path.join(build, "no-such-build")
     row = cpp.run_cpp(quick=True, rounds=1)

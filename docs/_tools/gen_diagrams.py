@@ -25,7 +25,8 @@ if str(ROOT) not in sys.path:
 from transitions.extensions import GraphMachine  # noqa: E402
 
 from llmdd._lifecycle.machines import compile_table  # noqa: E402
-from llmdd._lifecycle.tables import FINAL, INITIAL, STATES, TABLES, Machine  # noqa: E402
+from llmdd._lifecycle import tables as _tables  # noqa: E402
+from llmdd._lifecycle.tables import ABSORBED, FINAL, INITIAL, STATES, TABLES, Machine  # noqa: E402
 
 HEADER = """\
 # Lifecycles
@@ -40,6 +41,15 @@ nothing. Every accepted trigger emits exactly one `TransitionEvent`
 (`llmdd.<machine>.transition`) to the `llmdd_<machine>_transition` hook and the log.
 Terminal states (`--> [*]`) never change again. API commands are imperative verbs;
 outcomes seen on the data path are past-tense facts.
+
+A few triggers may arrive after their resource moved on (a peer loss reported for a link an
+unlink already closed, a cancel for a task that just finished). The table lists those pairs as
+*absorbed*: the driver offers the trigger, nothing changes, no event is emitted, and the
+lifecycle's statistics count it. Any other illegal pair is a bug and raises.
+
+Code outside `llmdd/_lifecycle/` never compares or assigns a state: it asks a resource whether
+its state is in one of the named groups below (`tracked.in_(LINK_IN_USE)`); a unit test reads
+the source and fails on a comparison or an assignment of a state anywhere else.
 """
 
 
@@ -90,15 +100,39 @@ def table(machine: Machine) -> str:
     return "\n".join(out)
 
 
+def absorbed(machine: Machine) -> str:
+    """Markdown list of the late triggers the table absorbs, per trigger."""
+    rows = ABSORBED[machine]
+    if not rows:
+        return ""
+    out = ["Absorbed (offered late, no change, no event):", ""]
+    for trigger, states in rows:
+        out.append(f"- `{trigger}` in " + ", ".join(f"`{s.name}`" for s in states))
+    return "\n".join(out) + "\n"
+
+
+def groups() -> str:
+    """The named groups of states (``tables.py``) the drivers ask about."""
+    out = ["## Named groups of states", "", "| group | states |", "| --- | --- |"]
+    for name in sorted(_tables.__all__):
+        value = getattr(_tables, name)
+        if isinstance(value, frozenset):
+            members = sorted(value, key=lambda s: list(type(s)).index(s))
+            out.append(f"| `{name}` | " + ", ".join(f"`{s.name}`" for s in members) + " |")
+    return "\n".join(out) + "\n"
+
+
 def render() -> str:
     parts = [HEADER]
     for machine in Machine:
         finals = ", ".join(f"`{s.name}`" for s in STATES[machine] if s in FINAL[machine]) or "none"
+        late = absorbed(machine)
         parts.append(
             f"## {machine.value}\n\n"
             f"Initial state `{INITIAL[machine].name}`; terminal states: {finals}.\n\n"
             f"```mermaid\n{mermaid(machine)}\n```\n\n"
-            f"{table(machine)}\n")
+            f"{table(machine)}\n" + (f"\n{late}" if late else ""))
+    parts.append(groups())
     return "\n".join(parts)
 
 

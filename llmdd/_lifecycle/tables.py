@@ -13,6 +13,12 @@ that drives a machine asks for a trigger; if the pair (state, trigger) is not in
 the table, the trigger is refused with ``InvalidStateError`` and the state is
 unchanged.  Every accepted trigger produces exactly one frozen event.
 
+Some triggers may legitimately arrive after their resource has moved on: a peer loss reported
+for a link that an unlink already closed, a cancel for a task that has just finished.  Those
+pairs are listed here too, in ``ABSORBED``: the driver offers such a trigger
+(``Tracked.offer``), the table absorbs it (no state change, no event, counted), and every
+other illegal pair still raises.  No driver decides by itself to skip a trigger.
+
 Terminal states (``FINAL``) are sticky: a closed link, a released cache, a
 finished task never changes again.  The engine has no final state: it may be
 initialized again after ``finalize``.
@@ -23,16 +29,12 @@ from __future__ import annotations
 import enum
 
 __all__ = [
-    "Machine",
-    "EngineState",
-    "LinkState",
-    "CommGroupState",
-    "CacheState",
-    "TaskState",
-    "TABLES",
-    "INITIAL",
-    "FINAL",
-    "STATES",
+    "Machine", "EngineState", "ListenerState", "LinkState", "CommGroupState", "CacheState", "TaskState",
+    "TABLES", "INITIAL", "FINAL", "STATES", "ABSORBED",
+    # the named groups of states (Tracked.in_)
+    "LINK_SETTING_UP", "LINK_IN_USE", "LINK_UNLINKING", "LINK_FAILED", "LINK_BUSY", "LINK_PROCESSING",
+    "LINK_DOWN", "LINK_KEEPS_ALIVE", "LINK_CLAIMABLE", "CACHE_HOLDS_MEMORY", "CACHE_RELEASE_PENDING",
+    "ENGINE_UP", "LISTENER_OPEN", "GROUP_PREPARING", "GROUP_OK",
 ]
 
 
@@ -42,6 +44,7 @@ class Machine(str, enum.Enum):
     COMM_GROUP = "comm_group"
     CACHE = "cache"
     TASK = "task"
+    LISTENER = "listener"
 
 
 class EngineState(enum.Enum):
@@ -57,6 +60,12 @@ class LinkState(enum.Enum):
     UNLINKING = "unlinking"  # a non-force unlink is notifying the peer
     FAILED = "failed"        # peer lost, handshake failed or a transfer timed out
     CLOSED = "closed"        # torn down; a relink makes a new link object
+
+
+class ListenerState(enum.Enum):
+    LISTENING = "listening"
+    FAILED = "failed"      # cannot continue: logged once, an engine event, links to it fail
+    CLOSED = "closed"
 
 
 class CommGroupState(enum.Enum):
@@ -87,7 +96,7 @@ class TaskState(enum.Enum):
 # Members of these enums are singletons compared by identity, so hashing them by identity is
 # consistent with equality; it is a C slot instead of Enum.__hash__ (a Python call hashing the name),
 # which the lifecycle pays several times per transition (table lookup, live counts).
-for _states in (EngineState, LinkState, CommGroupState, CacheState, TaskState):
+for _states in (EngineState, LinkState, CommGroupState, CacheState, TaskState, ListenerState):
     _states.__hash__ = object.__hash__  # type: ignore[method-assign]
 del _states
 
@@ -96,7 +105,7 @@ def _t(trigger: str, source, dest) -> dict:
     return {"trigger": trigger, "source": source, "dest": dest}
 
 
-E, L, G, C, T = EngineState, LinkState, CommGroupState, CacheState, TaskState
+E, L, G, C, T, N = EngineState, LinkState, CommGroupState, CacheState, TaskState, ListenerState
 
 ENGINE_TRANSITIONS = [
     _t("init", [E.CREATED, E.FINALIZED], E.INITIALIZED),
@@ -160,6 +169,12 @@ TASK_TRANSITIONS = [
     _t("layer_transferred", T.RUNNING, "="),
 ]
 
+# a listening socket of the engine (the control port, a comm group's port, a transport's data port)
+LISTENER_TRANSITIONS = [
+    _t("fail", N.LISTENING, N.FAILED),    # accept() failed for good, or the I/O loop died
+    _t("close", N.LISTENING, N.CLOSED),
+]
+
 #: every machine's transitions, fixed once built (tuples: nothing adds a row later)
 TABLES = {
     Machine.ENGINE: tuple(ENGINE_TRANSITIONS),
@@ -167,6 +182,7 @@ TABLES = {
     Machine.COMM_GROUP: tuple(COMM_GROUP_TRANSITIONS),
     Machine.CACHE: tuple(CACHE_TRANSITIONS),
     Machine.TASK: tuple(TASK_TRANSITIONS),
+    Machine.LISTENER: tuple(LISTENER_TRANSITIONS),
 }
 
 STATES = {
@@ -175,6 +191,7 @@ STATES = {
     Machine.COMM_GROUP: CommGroupState,
     Machine.CACHE: CacheState,
     Machine.TASK: TaskState,
+    Machine.LISTENER: ListenerState,
 }
 
 INITIAL = {
@@ -183,6 +200,7 @@ INITIAL = {
     Machine.COMM_GROUP: G.PREPARING,
     Machine.CACHE: C.NEW,
     Machine.TASK: T.CREATED,
+    Machine.LISTENER: N.LISTENING,
 }
 
 FINAL = {
@@ -191,5 +209,87 @@ FINAL = {
     Machine.COMM_GROUP: frozenset({G.UNLINKED}),
     Machine.CACHE: frozenset({C.RELEASED}),
     Machine.TASK: frozenset({T.COMPLETED, T.FAILED, T.TIMED_OUT, T.CANCELLED}),
+    Machine.LISTENER: frozenset({N.FAILED, N.CLOSED}),
 }
+
+_DONE_TASK = [T.COMPLETED, T.FAILED, T.TIMED_OUT, T.CANCELLED]
+
+#: (trigger, states) pairs a driver may offer late: absorbed (no change, no event), never an error.
+#: Each row says why the trigger can arrive after its resource moved on.
+ABSORBED = {
+    Machine.ENGINE: (
+        # a listener failed while the engine was finalizing (or before its first init finished)
+        ("listener_failed", (E.CREATED, E.FINALIZED)),
+    ),
+    Machine.LINK: (
+        # the loss, a transfer's timeout or a failed unlink notice is seen after the link already
+        # failed or was closed by another thread (keepalive, data plane, unlink, finalize)
+        ("peer_lost", (L.UNLINKED, L.FAILED, L.CLOSED)),
+        ("transfer_timed_out", (L.UNLINKING, L.FAILED, L.CLOSED)),
+        ("handshake_failed", (L.FAILED, L.CLOSED)),
+        # teardown of a link another thread closed already
+        ("force_unlink", (L.CLOSED,)),
+        ("finalize", (L.CLOSED,)),
+        ("peer_unlinked", (L.CLOSED,)),
+        ("unlink_succeeded", (L.CLOSED,)),
+    ),
+    Machine.COMM_GROUP: (
+        # the group was unlinked (or the engine finalized) while its members were still linking
+        ("prepare_failed", (G.UNLINKED,)),
+        ("unlink", (G.UNLINKED,)),
+        ("finalize", (G.UNLINKED,)),
+    ),
+    Machine.CACHE: (
+        # a peer's notice, a remap or a finalize for a cache released meanwhile (notices are one-way)
+        ("peer_read", (C.RELEASED,)),
+        ("peer_written", (C.RELEASED,)),
+        ("keys_changed", (C.RELEASED,)),
+        ("remapped", (C.RELEASE_PENDING, C.RELEASED)),
+        ("finalize", (C.NEW, C.RELEASED)),
+    ),
+    Machine.TASK: (
+        # a cancel or a failure that arrives after the task ended (it finished first)
+        ("cancel", tuple(_DONE_TASK)),
+        ("transfer_failed", tuple(_DONE_TASK)),
+    ),
+    Machine.LISTENER: (
+        # the listener failed or was closed already (close after a failure; the loop's death)
+        ("fail", (N.FAILED, N.CLOSED)),
+        ("close", (N.FAILED, N.CLOSED)),
+    ),
+}
+
+# ------------------------------------------------------------------------------------------
+# Named groups of states: the only place states are grouped.  Drivers ask a resource
+# ``tracked.in_(GROUP)``; no code outside this package compares or assigns a state.
+
+#: a link being set up (the handshake or the table exchange runs)
+LINK_SETTING_UP = frozenset({L.LINKING})
+#: links that carry transfers
+LINK_IN_USE = frozenset({L.LINKED})
+#: a non-force unlink is waiting for the peer's acknowledgement
+LINK_UNLINKING = frozenset({L.UNLINKING})
+#: failed: the peer must be relinked (a new link may replace it)
+LINK_FAILED = frozenset({L.FAILED})
+#: a call finds work in progress on the link (LLM_PROCESSING_LINK)
+LINK_BUSY = frozenset({L.LINKING, L.UNLINKING})
+#: not linked yet or in a change of state: a second link_clusters is told it is processing
+LINK_PROCESSING = frozenset({L.UNLINKED, L.LINKING, L.UNLINKING})
+#: links that are gone for transfers (a relink is needed)
+LINK_DOWN = frozenset({L.FAILED, L.CLOSED})
+#: links the keepalive watches (the peer is expected to answer)
+LINK_KEEPS_ALIVE = frozenset({L.LINKED, L.UNLINKING})
+#: a link the peer started that this side's link_clusters may claim
+LINK_CLAIMABLE = frozenset({L.LINKING, L.LINKED})
+#: caches whose memory is still held (allocated or registered, not being released)
+CACHE_HOLDS_MEMORY = frozenset({C.ALLOCATED, C.REGISTERED})
+#: a cache deallocated while keys still reference it
+CACHE_RELEASE_PENDING = frozenset({C.RELEASE_PENDING})
+#: engine initialized (between init and finalize)
+ENGINE_UP = frozenset({E.INITIALIZED})
+#: the listener accepts
+LISTENER_OPEN = frozenset({N.LISTENING})
+#: comm group states for query_register_mem_status
+GROUP_PREPARING = frozenset({G.PREPARING})
+GROUP_OK = frozenset({G.OK})
 

@@ -5,7 +5,7 @@ validated (vectorised) against the region table, or against the trusted ranges
 of a ``create_cpu_cache``, before it moves.
 """
 
-from .backend import (
+from llmdd._memory.backend import (
     EmulatedDeviceBackend,
     HostBackend,
     MemoryBackend,
@@ -15,11 +15,11 @@ from .backend import (
     owned_segment_names,
     sweep_orphan_segments,
 )
-from . import copy as _copy
-from .copy import Bounds, block_copy_ops, coalesce_copy_ops, execute, make_copy_ops, slot_copy_ops
-from .manager import CacheRecord, MemoryManager
-from .pool import PagePool, PoolStatistics
-from .regions import Region, RegionSpec, RegionTable
+from llmdd._memory import copy as _copy
+from llmdd._memory.copy import Bounds, block_copy_ops, coalesce_copy_ops, execute, make_copy_ops, slot_copy_ops
+from llmdd._memory.manager import CacheRecord, MemoryManager
+from llmdd._memory.pool import PagePool, PoolStatistics
+from llmdd._memory.regions import Region, RegionSpec, RegionTable
 
 __all__ = [
     "MemoryBackend", "HostBackend", "EmulatedDeviceBackend", "Segment", "attach_segment", "backend_for",

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from multiprocessing import shared_memory
 
-from .._lazy import np
-from .._enums import Placement
-from .._log import get_logger
-from .._status import LLMException, LLMStatusCode
-from . import segments as _segments
+from llmdd._base.lazy import np
+from llmdd._base.enums import Placement
+from llmdd._base.log import get_logger
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._memory import segments as _segments
 
 __all__ = [
     "Segment",

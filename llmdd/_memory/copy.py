@@ -19,8 +19,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Iterable, Sequence
 
-from .._lazy import np, numpy_constants, when_numpy_loaded
-from .._status import LLMException, LLMStatusCode
+from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
+from llmdd._base.status import LLMException, LLMStatusCode
 
 __all__ = [
     "COPY_OP_DTYPE",
@@ -34,7 +34,7 @@ __all__ = [
     "as_index_array",
 ]
 
-COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._lazy)
+COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
 
 
 @when_numpy_loaded

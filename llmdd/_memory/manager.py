@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 * **Pools.** ``llm.MemPoolConfig`` configures the DEVICE pool and
   ``llm.HostMemPoolConfig`` the HOST pool (JSON parsed by
-  :func:`llmdd._config.parse_mem_pool_cfg`; a bad config fails ``init`` with
+  :func:`llmdd._base.config.parse_mem_pool_cfg`; a bad config fails ``init`` with
   ``LLM_PARAM_INVALID``).  A configured pool is created **on demand, at the
   first allocation** from it: an engine that configures a pool it never uses
   reserves no memory, and a pool that cannot be created (``/dev/shm`` too small)
@@ -45,20 +45,20 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import attrs
 
-from .._config import parse_mem_pool_cfg
-from .._enums import Placement
-from .._lifecycle.machines import Lifecycle, Tracked
-from .._lifecycle.tables import CacheState
-from .._log import get_logger
-from .._status import LLMException, LLMStatusCode
-from .._types import BlocksCacheKey, CacheDesc, CacheKey, cache_key_index
-from .._validation import INVALID_ID
-from .backend import MemoryBackend, backend_for
-from .copy import Bounds
-from .outbox import Outbox
-from .pool import PagePool
-from .regions import Region, RegionSpec, RegionTable
-from .segments import reclaim_leftovers
+from llmdd._base.config import parse_mem_pool_cfg
+from llmdd._base.enums import Placement
+from llmdd._lifecycle.machines import Lifecycle, Tracked
+from llmdd._lifecycle.tables import CACHE_HOLDS_MEMORY, CACHE_RELEASE_PENDING, CacheState
+from llmdd._base.log import get_logger
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._base.types import BlocksCacheKey, CacheDesc, CacheKey, cache_key_index
+from llmdd._base.validation import INVALID_ID
+from llmdd._memory.backend import MemoryBackend, backend_for
+from llmdd._memory.copy import Bounds
+from llmdd._memory.outbox import Outbox
+from llmdd._memory.pool import PagePool
+from llmdd._memory.regions import Region, RegionSpec, RegionTable
+from llmdd._memory.segments import reclaim_leftovers
 
 __all__ = ["MemoryManager", "CacheRecord", "OPT_MEM_POOL", "OPT_HOST_MEM_POOL"]
 
@@ -109,7 +109,6 @@ class CacheRecord:
     keys: set = attrs.field(factory=set)  # CacheKey lookup indices bound to this cache
     blocks_model_id: Optional[int] = None
     pool_addrs: tuple = ()
-    dealloc_requested: bool = False
 
     @property
     def stride(self) -> int:
@@ -123,7 +122,12 @@ class CacheRecord:
     @property
     def live(self) -> bool:
         """Usable by local operations: not released and not waiting for release."""
-        return self.state in (CacheState.ALLOCATED, CacheState.REGISTERED)
+        return self.tracked.in_(CACHE_HOLDS_MEMORY)
+
+    @property
+    def release_pending(self) -> bool:
+        """Deallocated while keys still reference it (released when the last key goes)."""
+        return self.tracked.in_(CACHE_RELEASE_PENDING)
 
     def bounds(self) -> Bounds:
         return Bounds.from_ranges((a, self.tensor_size) for a in self.addrs)
@@ -311,7 +315,7 @@ class MemoryManager:
     def _drop_key_locked(self, rec: CacheRecord, index: KeyIndex, reason: str) -> None:
         del self._keys[index]
         rec.keys.discard(index)
-        if rec.dealloc_requested and not rec.keys:
+        if rec.release_pending and not rec.keys:
             rec.tracked.fire("keys_released", defer=self._defer, cache_id=rec.cache_id, reason=reason)
             self._release_locked(rec)
         else:
@@ -445,11 +449,10 @@ class MemoryManager:
         with self._lock:
             self._check_open()
             rec = self._records.get(cache_id)
-            if rec is None or rec.dealloc_requested:
+            if rec is None or rec.release_pending:
                 return False
             if not rec.owned:
                 raise _invalid(f"cache {cache_id} is registered memory, unregister it instead")
-            rec.dealloc_requested = True
             self._drop_blocks_key_locked(rec)
             if rec.keys:
                 rec.tracked.fire("defer_release", defer=self._defer, cache_id=cache_id, keys=len(rec.keys))
@@ -500,9 +503,9 @@ class MemoryManager:
             updated = self.regions.remap(list(ranges), placement=Placement.DEVICE, defer=self._defer)
             for cache_id in sorted({r.cache_id for r in updated}):
                 rec = self._records.get(cache_id)
-                if rec is not None and rec.tracked.can("remapped"):
-                    rec.tracked.fire("remapped", defer=self._defer, cache_id=cache_id,
-                                     regions=[r.region_id for r in updated if r.cache_id == cache_id])
+                if rec is not None:
+                    rec.tracked.offer("remapped", defer=self._defer, cache_id=cache_id,
+                                      regions=[r.region_id for r in updated if r.cache_id == cache_id])
             self._changed()
             return updated
 
@@ -525,8 +528,7 @@ class MemoryManager:
             errors = []
             for rec in records:
                 try:
-                    if rec.tracked.can("finalize"):
-                        rec.tracked.fire("finalize", defer=self._defer, cache_id=rec.cache_id)
+                    rec.tracked.offer("finalize", defer=self._defer, cache_id=rec.cache_id)
                 except Exception as exc:  # noqa: BLE001 - finalize is silent
                     errors.append(exc)
                 rec.keys.clear()

@@ -28,7 +28,7 @@ import collections
 import threading
 from typing import Callable
 
-from .._log import get_logger
+from llmdd._base.log import get_logger
 
 __all__ = ["Outbox"]
 

@@ -20,8 +20,8 @@ from typing import Optional
 
 import attrs
 
-from .._status import LLMException, LLMStatusCode
-from .backend import MemoryBackend, Segment
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._memory.backend import MemoryBackend, Segment
 
 __all__ = ["PagePool", "PoolStatistics"]
 

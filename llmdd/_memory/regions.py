@@ -21,10 +21,11 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import attrs
 
-from .._enums import Placement
-from .._log import get_logger
-from .._status import LLMException, LLMStatusCode
-from .copy import Bounds
+from llmdd._base.enums import Placement
+from llmdd._base.log import get_logger
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._memory.copy import Bounds
+from llmdd._seam.abc import MemRegion
 
 __all__ = ["Region", "RegionSpec", "RegionTable", "RegionListener"]
 
@@ -54,9 +55,7 @@ class Region:
         return self.addr + self.size
 
     def to_mem_region(self):
-        """The transport seam's view of this region (:class:`llmdd._abc.MemRegion`)."""
-        from .._abc import MemRegion
-
+        """The transport seam's view of this region (:class:`llmdd._seam.abc.MemRegion`)."""
         return MemRegion(region_id=self.region_id, addr=self.addr, size=self.size,
                          remote_accessible=self.remote_accessible, placement=int(self.placement),
                          shm_name=self.shm_name, shm_offset=self.shm_offset)

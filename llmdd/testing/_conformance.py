@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager, Iterator, Union
 
 import numpy as np
 
-from .._abc import (
+from llmdd._seam.abc import (
     OP_DTYPE,
     Completion,
     MemRegion,
@@ -39,8 +39,8 @@ from .._abc import (
     TransportTimeout,
     make_ops,
 )
-from .._enums import Placement
-from .._status import TransportError
+from llmdd._base.enums import Placement
+from llmdd._base.status import TransportError
 
 __all__ = ["check_transport", "CONFORMANCE_CHECKS", "MakePair", "Stall"]
 

@@ -10,9 +10,9 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union, 
 import attrs
 import pluggy
 
-from .._events import TransitionEvent
-from .._lifecycle.tables import Machine
-from .._plugins import TRANSITION_HOOKS
+from llmdd._lifecycle.events import TransitionEvent
+from llmdd._lifecycle.tables import Machine
+from llmdd._extension.manager import TRANSITION_HOOKS
 
 __all__ = ["HookCall", "HookRecorder", "LogOutput", "capture_log_output"]
 

@@ -10,7 +10,7 @@ Every fixture carries the ``llmdd_`` prefix, so none shadows a fixture of the su
 
 * ``llmdd_pm``: a fresh plugin manager, entry points not loaded, strict (a raising
   subscriber fails the test);
-* ``llmdd_hooks``: the typed :class:`~llmdd._plugins.Hooks` facade over ``llmdd_pm``;
+* ``llmdd_hooks``: the typed :class:`~llmdd._extension.manager.Hooks` facade over ``llmdd_pm``;
 * ``llmdd_hook_recorder``: a :class:`~llmdd.testing.HookRecorder` on ``llmdd_pm``;
 * ``llmdd_log_output``: the ``llmdd`` log lines of the test as dicts
   (:class:`~llmdd.testing.LogOutput`, DEBUG and above).
@@ -22,8 +22,8 @@ from typing import Iterator
 
 import pytest
 
-from .._plugins import Hooks, LLMDDPluginManager, make_plugin_manager
-from ._recorder import HookRecorder, LogOutput, capture_log_output
+from llmdd._extension.manager import Hooks, LLMDDPluginManager, make_plugin_manager
+from llmdd.testing._recorder import HookRecorder, LogOutput, capture_log_output
 
 __all__ = ["llmdd_pm", "llmdd_hooks", "llmdd_hook_recorder", "llmdd_log_output"]
 

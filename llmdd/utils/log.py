@@ -4,7 +4,7 @@
 and ``error`` log on it.  Unlike upstream, the logger is not configured here (no stdout
 handler, no level from ``ASCEND_GLOBAL_LOG_LEVEL``): a library leaves that to the
 application (docs/deviations.md).  ``LOG_FORMAT`` is upstream's line format, for an
-application that wants the same output; ``llmdd._log.enable_upstream_logging()`` installs it.
+application that wants the same output; ``llmdd._base.log.enable_upstream_logging()`` installs it.
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
 """``llm_datadist.v2``: the cache-manager mode's modules, by upstream's paths."""
 
-from . import cache_manager, config, llm_datadist, llm_types, llm_utils  # noqa: F401
+from llmdd.v2 import cache_manager, config, llm_datadist, llm_types, llm_utils  # noqa: F401

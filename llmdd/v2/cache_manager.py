@@ -1,5 +1,5 @@
 """``llm_datadist.v2.cache_manager``: the cache manager class (obtained from ``LLMDataDist.cache_manager``)."""
 
-from .._cache_manager import CacheManager
+from llmdd._api.cache_manager import CacheManager
 
 __all__ = ["CacheManager"]

@@ -15,11 +15,11 @@ import os
 import tempfile
 from typing import Dict, Tuple
 
-from .._config import LlmConfig, trans_str_ip
-from .._enums import LLMRole
-from .._status import raise_if_false
-from .._validation import check_isinstance
-from ..utils import log
+from llmdd._base.config import LlmConfig, trans_str_ip
+from llmdd._base.enums import LLMRole
+from llmdd._base.status import raise_if_false
+from llmdd._base.validation import check_isinstance
+from llmdd.utils import log
 
 __all__ = ["ClusterConfig", "EngineConfig"]
 

@@ -1,5 +1,5 @@
 """``llm_datadist.v2.llm_datadist``: the engine class and its exit handler."""
 
-from .._datadist import LLMDataDist, _shutdown_handler  # noqa: F401  (clients import _shutdown_handler)
+from llmdd._api.datadist import LLMDataDist, _shutdown_handler  # noqa: F401  (clients import _shutdown_handler)
 
 __all__ = ["LLMDataDist"]

@@ -17,12 +17,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Tuple, Union
 
-from .._enums import DTYPE_ITEMSIZE, DataType, Placement
-from .._status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
-from .._types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, KvCache, MemInfo,
+from llmdd._base.enums import DTYPE_ITEMSIZE, DataType, Placement
+from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
+from llmdd._base.types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, KvCache, MemInfo,
                       TransferConfig, TransferWithCacheKeyConfig, is_invalid_id, is_valid_id)
-from .._validation import check_isinstance, check_uint32
-from ..utils import log
+from llmdd._base.validation import check_isinstance, check_uint32
+from llmdd.utils import log
 
 __all__ = ["clone_cache_desc", "verify_cache_shape", "to_data_type", "is_invalid_id", "is_valid_id",
            "calc_tensor_size", "CacheDescParser", "pack_cache_desc", "pack_cache_key", "pack_cache_key_by_id",

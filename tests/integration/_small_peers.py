@@ -46,3 +46,16 @@ def outcome(state: dict, method: str, *args: Any, **kwargs: Any) -> str:
 def plans(state: dict) -> int:
     """How many small-transfer plans the engine keeps."""
     return len(state["dd"].cache_manager._transfers._plans)
+
+
+def shm_channel(state: dict, remote: int) -> dict:
+    """The shm data path of this child and the statistics of its channel to ``remote``."""
+    import llmdd_shm
+
+    link = state["dd"].cache_manager._transfers._lm.get(remote)
+    return {"native": llmdd_shm.data_path()["native"], "stats": dict(link.channel.statistics())}
+
+
+def task_triggers(state: dict) -> dict:
+    """The engine's task lifecycle statistics: trigger -> count."""
+    return dict(state["dd"].cache_manager._transfers._tasks.statistics().triggers)

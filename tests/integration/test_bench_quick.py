@@ -49,4 +49,4 @@ def test_bench_quick(tmp_path):
     assert any(r["anchor"] == "tcp_2stream" and r["transport"] == "tcp" for r in results["ratios"])
     assert {g["met"] for g in results["targets"]} <= {True, False, None}
     assert "plots" in results
-    assert "targets (llmdd/_bench/targets.toml):" in proc.stdout
+    assert "targets (llmdd/_tools/bench/targets.toml):" in proc.stdout

@@ -1,7 +1,7 @@
 """Comm groups (rank-table ``link()``) across real processes on 127.0.0.1.
 
 Members whose ``device_ip`` is an address of this host meet through the same-host rendezvous
-(``LLMDD_RENDEZVOUS_DIR``, one directory per test here); see ``llmdd/_ranktable.py``.
+(``LLMDD_RENDEZVOUS_DIR``, one directory per test here); see ``llmdd/_base/ranktable.py``.
 """
 
 from __future__ import annotations

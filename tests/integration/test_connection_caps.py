@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from llmdd import LLMStatusCode
-from llmdd._ioloop import Pool
+from llmdd._control.ioloop import Pool
 from llmdd.plugin import hookimpl
 from llmdd.testing._harness import peers
 
@@ -249,7 +249,7 @@ def test_accept_failures_refuse_one_attempt_and_the_listener_goes_on(server):
 
 
 def test_a_listener_that_cannot_continue_is_logged_once_recorded_and_links_fail_typed(server, caplog):
-    from llmdd._doctor import check_engine
+    from llmdd._tools.doctor import check_engine
 
     dd, lm, port, rec = server()
     listener = lm._listener
@@ -362,7 +362,7 @@ class _BrokenListeningSocket(socket.socket):
 
 
 def test_a_tcp_data_port_that_cannot_continue_is_recorded_and_the_next_link_gets_a_fresh_one(server, caplog):
-    from llmdd._doctor import check_engine
+    from llmdd._tools.doctor import check_engine
 
     extra = {"llmdd.transport": "tcp"}
     dd, lm, port, rec = server(extra)
@@ -394,7 +394,7 @@ def test_a_tcp_data_port_that_cannot_continue_is_recorded_and_the_next_link_gets
 
 
 def test_an_io_loop_that_cannot_continue_fails_links_typed_and_is_reported(server):
-    from llmdd._doctor import check_engine
+    from llmdd._tools.doctor import check_engine
 
     dd, lm, port, rec = server()
     with peers("d", env=ENV) as (d,):

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from llmdd._demo.report import MISMATCH_LINE, VERIFIED_LINE
+from llmdd._tools.demo.report import MISMATCH_LINE, VERIFIED_LINE
 
 TIMEOUT_S = 120
 

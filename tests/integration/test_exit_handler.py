@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 
-import llmdd._datadist as datadist_module
+import llmdd._api.datadist as datadist_module
 from llmdd import LLMDataDist, LLMException, LLMRole, LLMStatusCode
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -267,7 +267,7 @@ def test_shutdown_handler_finalizes_the_live_engine():
 
 def test_shutdown_handler_is_registered_with_atexit():
     script = textwrap.dedent("""
-        import llmdd._datadist as d
+        import llmdd._api.datadist as d
         orig = d.LLMDataDist.finalize
         class Probe(d.LLMDataDist):
             def finalize(self):

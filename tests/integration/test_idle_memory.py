@@ -2,11 +2,11 @@
 
 * an idle engine loads neither structlog nor asyncio (the logging shim imports structlog at the first
   enabled log line; control: one warning line does load it);
-* without the shm plugin an idle engine loads no numpy (llmdd._lazy; control: with it, numpy is loaded);
+* without the shm plugin an idle engine loads no numpy (llmdd._base.lazy; control: with it, numpy is loaded);
 * the whole process stays within 45 MiB RSS: not met yet (see the xfail reason and
   bench/results-committed/issue22/rss-*.json), kept strict so it fails once the bound holds;
 * a link costs the server at most 64 KiB of RSS, over 16 links from synthetic clients that speak the
-  real protocol (llmdd._bench.scaling).
+  real protocol (llmdd._tools.bench.scaling).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_idle_engine_loads_no_structlog_until_a_line_is_written():
     script = textwrap.dedent("""
         import json, logging, sys
         import llmdd
-        from llmdd._log import get_logger
+        from llmdd._base.log import get_logger
         records = []
         handler = logging.Handler()
         handler.emit = records.append
@@ -58,7 +58,7 @@ def test_idle_engine_loads_no_structlog_until_a_line_is_written():
 
 
 def test_idle_engine_without_the_shm_plugin_loads_no_numpy():
-    # llmdd and the tcp, ucx, faults and metrics plugins take numpy through llmdd._lazy (first use);
+    # llmdd and the tcp, ucx, faults and metrics plugins take numpy through llmdd._base.lazy (first use);
     # control: with every plugin the shm plugin's module-level `import numpy` still loads it
     without_shm = idle_rss.measure_idle({"LLMDD_DISABLED_PLUGINS": "shm"})
     assert without_shm["rss_idle"] > 0 and "tcp" in without_shm["plugins"]
@@ -69,7 +69,7 @@ def test_idle_engine_without_the_shm_plugin_loads_no_numpy():
 @pytest.mark.xfail(strict=True, reason=(
     "issue 22 target 5 not met on this branch: an idle engine measures ~46 MiB here, of which the shm "
     "plugin's module-level `import numpy` (llmdd_shm/__init__.py and _cma.py) costs ~12 MiB; llmdd itself "
-    "and the other plugins load numpy at first use (llmdd._lazy). With those two imports replaced by "
+    "and the other plugins load numpy at first use (llmdd._base.lazy). With those two imports replaced by "
     "`from llmdd.lowlevel import lazy_numpy as np` the idle engine measures ~35 MiB; the shm plugin is being "
     "edited elsewhere. See bench/results-committed/issue22/rss-*.json"))
 def test_idle_engine_rss_within_45_mib():

@@ -212,3 +212,66 @@ def test_a_subscriber_registered_after_init_gets_the_later_task_events(peer_pool
     assert all(e["info"]["kind"] == "pull_blocks" and e["info"]["bytes"] == bs and e["info"]["peer"] == PROMPT
                for e in events)
     assert events[0]["id"] == events[1]["id"]
+
+
+def test_small_transfers_over_shm_take_the_one_call_path(peer_pool):
+    """With the C extension (required where LLMDD_REQUIRE_NATIVE=1: CI), a small pull_blocks /
+    push_blocks over shm is one call of the channel's quick path: its counter grows by one per call
+    and the bytes land; the same calls with a tag (the full path, the control) leave it alone."""
+    p, d, port = _pair(peer_pool, "shm")
+    nl, nb, bs = 2, 16, 8192
+    p.call(P.register, "src", nl, [nb, bs], blocks=True, seed=241, key=BlocksCacheKey(PROMPT, 0))
+    d.call(P.register, "dst", nl, [nb, bs], blocks=True)
+    _linked(d, port)
+    first = d.call(S.shm_channel, PROMPT)
+    if not first["native"]:
+        assert os.environ.get("LLMDD_REQUIRE_NATIVE") != "1", "the shm C path silently fell back in a child"
+        pytest.skip("the shm C extension is not active here")
+    rng = np.random.default_rng(7)
+    pairs = [(int(s), int(t)) for s, t in zip(rng.integers(0, nb, 12), rng.permutation(nb)[:12])]
+    assert d.call(S.pull_many, PROMPT, 0, "dst", pairs, nl) == len(pairs)
+    mid = d.call(S.shm_channel, PROMPT)["stats"]
+    assert mid["quick_batches"] - first["stats"].get("quick_batches", 0) == len(pairs)
+    assert mid["bytes_read"] - first["stats"]["bytes_read"] == len(pairs) * nl * bs
+    src = p.call(P.snapshot, "src").reshape(nl, nb, bs)
+    dst = d.call(P.snapshot, "dst").reshape(nl, nb, bs)
+    for s, t in pairs:
+        assert np.array_equal(dst[:, t], src[:, s])
+    key = BlocksCacheKey(PROMPT, 0)
+    kw = {"src_layer_range": range(0, nl), "dst_layer_range": range(0, nl), "tensor_num_per_layer": 1}
+    assert d.call(S.outcome, "pull_blocks", key, "@dst", [1], [2], tag=b"full", **kw) == "LLM_SUCCESS"
+    after = d.call(S.shm_channel, PROMPT)["stats"]
+    assert after["quick_batches"] == mid["quick_batches"]
+    assert after["bytes_read"] - mid["bytes_read"] == nl * bs
+    assert d.call(S.outcome, "pull_blocks", key, "@dst", [1], [2], **kw) == "LLM_SUCCESS"
+    assert d.call(S.shm_channel, PROMPT)["stats"]["quick_batches"] == mid["quick_batches"] + 1
+
+
+def test_a_task_listener_gets_every_event_and_unwatched_tasks_are_still_counted(peer_pool):
+    """Unwatched small transfers take the one-call path and still count their task transitions
+    (start, transfer_succeeded) in the lifecycle statistics; once a task listener is registered they
+    take the ops path, so that every event is built (one start and one succeeded per call)."""
+    p, d, port = _pair(peer_pool, "shm")
+    nl, nb, bs = 1, 8, 4096
+    p.call(P.register, "src", nl, [nb, bs], blocks=True, seed=251, key=BlocksCacheKey(PROMPT, 0))
+    d.call(P.register, "dst", nl, [nb, bs], blocks=True)
+    _linked(d, port)
+    native = d.call(S.shm_channel, PROMPT)["native"]
+    pairs = [(1, 2), (3, 4), (5, 6)]
+    t0, q0 = d.call(S.task_triggers), d.call(S.shm_channel, PROMPT)["stats"].get("quick_batches", 0)
+    assert d.call(S.pull_many, PROMPT, 0, "dst", pairs, nl) == 3
+    t1, q1 = d.call(S.task_triggers), d.call(S.shm_channel, PROMPT)["stats"].get("quick_batches", 0)
+    for trig in ("start", "transfer_succeeded"):
+        assert t1.get(trig, 0) - t0.get(trig, 0) == 3, (t0, t1)
+    assert q1 - q0 == (3 if native else 0)
+    d.call(P.subscribe)
+    assert d.call(S.pull_many, PROMPT, 0, "dst", [(7, 0), (2, 1)], nl) == 2
+    evs = [e for e in d.call(P.events, "task") if e["trigger"] in ("start", "transfer_succeeded")]
+    assert [e["trigger"] for e in evs] == ["start", "transfer_succeeded"] * 2, evs
+    assert d.call(S.shm_channel, PROMPT)["stats"].get("quick_batches", 0) == q1   # the ops path ran
+    t2 = d.call(S.task_triggers)
+    assert t2["transfer_succeeded"] - t1["transfer_succeeded"] == 2
+    dst = d.call(P.snapshot, "dst").reshape(nl, nb, bs)
+    src = p.call(P.snapshot, "src").reshape(nl, nb, bs)
+    for s, t in pairs + [(7, 0), (2, 1)]:
+        assert np.array_equal(dst[:, t], src[:, s])

@@ -11,8 +11,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmdd._abc import coalesce_ops
-from llmdd._planner import (  # noqa: I001
+from llmdd._seam.abc import coalesce_ops
+from llmdd._data.planner import (  # noqa: I001
     last_pair_wins,
     CacheLayout,
     count_runs,
@@ -23,7 +23,7 @@ from llmdd._planner import (  # noqa: I001
     tensor_range,
     total_bytes,
 )
-from llmdd._status import LLMException, LLMStatusCode
+from llmdd._base.status import LLMException, LLMStatusCode
 
 SETTINGS = settings(max_examples=150, deadline=None)
 INVALID = LLMStatusCode.LLM_PARAM_INVALID

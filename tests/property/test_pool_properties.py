@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from llmdd._memory.backend import HostBackend
 from llmdd._memory.pool import PagePool
-from llmdd._status import LLMException, LLMStatusCode
+from llmdd._base.status import LLMException, LLMStatusCode
 
 PAGES = 32
 SHIFT = 10

@@ -9,10 +9,10 @@ import struct
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from llmdd._config import LLMClusterInfo, LLMConfig, parse_mem_pool_cfg, trans_str_ip
-from llmdd._enums import DTYPE_ITEMSIZE, DataType, Placement
-from llmdd._status import LLMException, LLMStatusCode
-from llmdd._types import (
+from llmdd._base.config import LLMClusterInfo, LLMConfig, parse_mem_pool_cfg, trans_str_ip
+from llmdd._base.enums import DTYPE_ITEMSIZE, DataType, Placement
+from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._base.types import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,

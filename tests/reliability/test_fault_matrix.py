@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(90)
 PULL_BIG = ("pull_blocks", ("blocks", PROMPT, 1), "bigdst", list(range(NB)), list(range(NB)))
 PULL_ALL = ("pull_blocks", ("blocks", PROMPT, 0), "dst", list(range(NB)), list(range(NB)))
 #: what a pull whose batch is in flight gets when its link is force-unlinked (the link went down
-#: under it: llmdd/_transfer.py reports why, not a generic failure)
+#: under it: llmdd/_data/engine.py reports why, not a generic failure)
 FORCE_UNLINKED_IN_FLIGHT = "LLM_LINK_FAILED"
 #: a silent peer is declared lost within peer timeout + one keepalive interval (docs/links.md)
 LIVENESS_S = (R.PEER_TIMEOUT_MS + R.KEEPALIVE_MS) / 1000.0
@@ -471,7 +471,7 @@ def test_f24_idle_link_peer_exits_cleanly(rig):
 
 
 #: the status of a pull whose local destination was unregistered while it ran (issue 12 point 4:
-#: typed and recoverable; llmdd/_transfer.py ``TransferEngine._local_outcome``)
+#: typed and recoverable; llmdd/_data/engine.py ``TransferEngine._local_outcome``)
 UNREGISTERED_MID_PULL = "LLM_KV_CACHE_NOT_EXIST"
 
 
@@ -515,7 +515,7 @@ def test_f29_deadlines_never_read_the_wall_clock():
     for base in [root / "llmdd", *sorted((root / "plugins").glob("*/src"))]:
         for path in base.rglob("*.py"):
             rel = path.relative_to(root).as_posix()
-            if rel.startswith(("llmdd/testing/", "llmdd/_bench/", "llmdd/_demo/", "llmdd/_cli/")) or rel in allowed:
+            if rel.startswith(("llmdd/testing/", "llmdd/_tools/bench/", "llmdd/_tools/demo/", "llmdd/_tools/cli/")) or rel in allowed:
                 continue
             for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if wall.search(line.split("#", 1)[0]) and "at=" not in line and "\"at\"" not in line:

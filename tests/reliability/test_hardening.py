@@ -64,7 +64,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 import numpy as np  # noqa: E402
 
 from llmdd import LLMStatusCode  # noqa: E402
-from llmdd._protocol import messages as m  # noqa: E402
+from llmdd._control.protocol import messages as m  # noqa: E402
 from llmdd.testing import peer_snapshot  # noqa: E402
 
 BIG = [0, 1, 2, 7, 255, 2**16, 10**9, 2**31 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**64 - 1]
@@ -439,7 +439,7 @@ def test_doctor_lists_leftovers_and_removes_them_only_with_the_flag(tmp_path):
     keep = [f"llmdd_{os.getpid()}_{ns}_pool_1_ef", "unrelated_file"]
     for n in names + keep:
         (tmp_path / n).write_bytes(b"x" * 100)
-    from llmdd._doctor import check_shm_leftovers
+    from llmdd._tools.doctor import check_shm_leftovers
 
     listed = check_shm_leftovers(False, str(tmp_path))
     assert listed.status == "warn" and sorted(s["name"] for s in listed.details["segments"]) == sorted(names)

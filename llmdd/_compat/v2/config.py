@@ -1,4 +1,4 @@
 """Re-export of :mod:`llmdd.v2.config` (``llm_datadist.v2.config``)."""
 
-from ...v2.config import *  # noqa: F401,F403
-from ...v2.config import __all__  # noqa: F401
+from llmdd.v2.config import *  # noqa: F401,F403
+from llmdd.v2.config import __all__  # noqa: F401

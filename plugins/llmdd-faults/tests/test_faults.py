@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from llmdd._plugins import Hooks, make_plugin_manager
+from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd.lowlevel import Cancelled, Corrupt, MemRegion, PeerGone, Refused, TransportTimeout, make_ops
 from llmdd.plugin import LinkInfo
 from llmdd.testing import CONFORMANCE_CHECKS

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import Machine
-from llmdd._plugins import Hooks, make_plugin_manager
+from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd_metrics import MetricsSubscriber
 
 pytestmark = pytest.mark.timeout(60)
@@ -112,7 +112,7 @@ def test_one_subscriber_per_registry():
 
 ENTRY_POINT = textwrap.dedent("""
     import llmdd_metrics
-    from llmdd._plugins import make_plugin_manager
+    from llmdd._extension.manager import make_plugin_manager
     pm = make_plugin_manager(autoload=True)
     sub = llmdd_metrics._ENTRY_POINT_SUBSCRIBER
     print("none" if sub is None else ("peer" if sub.peer_labels else "bounded"),

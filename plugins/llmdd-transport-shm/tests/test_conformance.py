@@ -4,20 +4,26 @@ Two memory styles: *user* regions (plain numpy arrays: cross-memory attach) and 
 regions (the suite's buffers allocated inside POSIX shared-memory segments and registered with
 ``shm_name`` / ``shm_offset``, as the engine's pools are: mapped by the peer).
 
-Two data paths: the pure-Python one (``llmdd.shm.native=off``) and the C hot path
+Three data paths: the pure-Python one (``llmdd.shm.native=off``), the C hot path
 (``llmdd.shm.native=on``; skipped with its reason when the extension is not built, which
-``test_native.py::test_native_extension_is_built_when_expected`` turns into a failure in CI).
+``test_native.py::test_native_extension_is_built_when_expected`` turns into a failure in CI), and
+*quick*: the C path whose channels take every batch the engine's small-transfer path would hand the
+one-call path (at most 16 equal-length ops between one local and one remote region, at offsets that
+are multiples of that length) through ``quick_plan`` first, and the ops path when it declines, as
+``llmdd._data.engine.TransferEngine._run_fast`` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 
 import attrs
 import numpy as np
 import pytest
 
+from llmdd._seam.abc import DoneCompletion, as_ops
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing._conformance import CONFORMANCE_CHECKS, check_deadline
@@ -75,16 +81,73 @@ def make_pair(native: str = "auto"):
     return t.open_endpoint(), t.open_endpoint()
 
 
-@pytest.fixture(params=["python", "native"])
+#: batches the quick variant's channels did in one call / handed to the ops path after it declined
+QUICK_COUNTS = {"quick": 0, "declined": 0}
+
+
+class _QuickChannel:
+    """A channel driven as the engine drives a planned small transfer: one call when it can, else the ops path."""
+
+    def __init__(self, ch) -> None:
+        self._ch = ch
+
+    def _one_call(self, write: bool, ops, deadline: float):
+        ops = as_ops(ops)
+        n = len(ops)
+        if not 0 < n <= 16 or time.monotonic() >= deadline:   # the engine's deadline is fresh: the ops path
+            return None
+        length = int(ops["length"][0])
+        lr, rr = ops["local_region"], ops["remote_region"]
+        lo, ro = ops["local_offset"], ops["remote_offset"]
+        if (length <= 0 or (ops["length"] != length).any() or (lr != lr[0]).any() or (rr != rr[0]).any()
+                or (lo % length).any() or (ro % length).any()):
+            return None
+        big = 1 << 62   # the block counts are the engine's check; the C side still bounds every region
+        plan = self._ch.quick_plan([(int(lr[0]), int(rr[0]))], length, big, big, write)
+        if plan is None:
+            return None
+        lb, rb = (lo // length).tolist(), (ro // length).tolist()
+        moved = plan(lb, rb) if write else plan(rb, lb)
+        if moved < 0:
+            QUICK_COUNTS["declined"] += 1
+            return None
+        assert moved == n * length
+        QUICK_COUNTS["quick"] += 1
+        return DoneCompletion()
+
+    def read(self, ops, *, deadline: float):
+        return self._one_call(False, ops, deadline) or self._ch.read(ops, deadline=deadline)
+
+    def write(self, ops, *, deadline: float):
+        return self._one_call(True, ops, deadline) or self._ch.write(ops, deadline=deadline)
+
+    def __getattr__(self, name):
+        return getattr(self._ch, name)
+
+
+class _QuickEndpoint:
+    def __init__(self, ep) -> None:
+        self._ep = ep
+
+    def connect(self, peer, *, timeout: float):
+        return _QuickChannel(self._ep.connect(peer, timeout=timeout))
+
+    def __getattr__(self, name):
+        return getattr(self._ep, name)
+
+
+@pytest.fixture(params=["python", "native", "quick"])
 def user_pair(request):
     """``make_pair`` on one data path; every endpoint it makes is checked to be on that path."""
-    if request.param == "native" and llmdd_shm._native is None:
+    if request.param != "python" and llmdd_shm._native is None:
         pytest.skip(f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
-    mode = "on" if request.param == "native" else "off"
+    mode = "off" if request.param == "python" else "on"
 
     def make():
         a, b = make_pair(mode)
         assert (a._native is not None) is (mode == "on") and (b._native is not None) is (mode == "on")
+        if request.param == "quick":
+            return _QuickEndpoint(a), _QuickEndpoint(b)
         return a, b
 
     return make
@@ -167,3 +230,36 @@ def test_pool_regions_take_the_mapped_path(pool_pair, user_pair):
         finally:
             a.close()
             b.close()
+
+
+@pytest.mark.parametrize("user_pair", ["quick"], indirect=True)
+def test_the_quick_variant_takes_and_declines_one_calls(user_pair):
+    """The quick variant is not the native one under another name: its channels move small batches
+    in one call (seeded bytes land) and hand refused ones to the ops path, which refuses them."""
+    from llmdd.lowlevel import MemRegion, make_ops
+
+    before = dict(QUICK_COUNTS)
+    _conformance.check_refusals(user_pair)
+    assert QUICK_COUNTS["declined"] >= before["declined"] + 4, QUICK_COUNTS
+    assert QUICK_COUNTS["quick"] == before["quick"], QUICK_COUNTS   # every refusal case declined
+    a, b = user_pair()
+    try:
+        rng = np.random.default_rng(61)
+        src = rng.integers(0, 256, 1 << 16, dtype=np.uint8)
+        dst = np.zeros(1 << 16, np.uint8)
+        a.register(MemRegion(region_id=1, addr=dst.ctypes.data, size=dst.size, remote_accessible=False, placement=0))
+        d = b.register(MemRegion(region_id=2, addr=src.ctypes.data, size=src.size, remote_accessible=True,
+                                 placement=0))
+        ch = a.connect(b.describe(), timeout=5)
+        ch.add_remote_region(2, src.size, d)
+        ops = make_ops(1, np.array([0, 3, 5]) * 4096, 2, np.array([9, 1, 2]) * 4096, 4096)
+        c = ch.read(ops, deadline=time.monotonic() + 5)
+        assert c.wait(5) and c.error is None
+        assert QUICK_COUNTS["quick"] == before["quick"] + 1 and ch.statistics()["quick_batches"] == 1
+        for lb, rb in ((0, 9), (3, 1), (5, 2)):
+            assert np.array_equal(dst[lb * 4096:(lb + 1) * 4096], src[rb * 4096:(rb + 1) * 4096])
+        assert not dst[4096:3 * 4096].any()   # blocks 1 and 2 were not asked for
+        ch.close()
+    finally:
+        a.close()
+        b.close()

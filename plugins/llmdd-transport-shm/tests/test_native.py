@@ -96,7 +96,7 @@ def test_native_option_is_checked():
 
 
 def test_info_says_which_path_is_active():
-    from llmdd._doctor import collect_info
+    from llmdd._tools.doctor import collect_info
 
     info = collect_info()
     shm = [t for t in info["transports"] if t["name"] == "shm"]

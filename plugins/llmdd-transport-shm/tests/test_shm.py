@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from llmdd._status import LLMStatusCode
+from llmdd._base.status import LLMStatusCode
 from llmdd.lowlevel import MemRegion, PeerGone, Refused, make_ops
 from llmdd_shm import ShmChannel, ShmTransport, _cma, hookimpl, llmdd_register_transports
 from llmdd_shm._cma import Cma, CmaError, iovecs, probe_cma

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from llmdd._status import LLMStatusCode
+from llmdd._base.status import LLMStatusCode
 from llmdd.abc import CAPABILITY_KEY
 from llmdd.lowlevel import MemRegion, PeerGone, Refused, TransportError, make_ops
 from llmdd_tcp import TcpTransport

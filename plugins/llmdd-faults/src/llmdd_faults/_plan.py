@@ -99,7 +99,7 @@ class Fault:
     :ivar probability: the chance that an eligible call fires it (drawn from the plan's seeded RNG).
     :ivar delay: seconds, for ``"delay"``.
     :ivar nbytes: bytes moved before a ``"truncate"``, or bytes flipped by ``"corrupt"``.
-    :ivar error: the :class:`~llmdd._status.TransportError` type (or its name) of ``"fail"`` / ``"truncate"``.
+    :ivar error: the :class:`~llmdd._base.status.TransportError` type (or its name) of ``"fail"`` / ``"truncate"``.
     :ivar point: when ``kill_peer`` / ``stall_peer`` act: ``"before_post"``, ``"mid_transfer"``
         (after the first half of the bytes moved) or ``"before_completion"``.
     :ivar pid: the process to signal; ``None``: the ``pid`` the peer endpoint's ``describe()`` gives.

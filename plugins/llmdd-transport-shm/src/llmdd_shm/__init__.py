@@ -83,11 +83,11 @@ from llmdd.lowlevel import (
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
 
-from . import _seg
+from . import _quick, _seg
 from ._cma import FEW, IOV_MAX, Cma, CmaError, iovecs, probe_cma
 
 #: the ``ABI`` constant this Python code expects of the C extension ``llmdd_shm._shmfast``
-NATIVE_ABI = 3
+NATIVE_ABI = 4
 #: ``LLMDD_SHM_NATIVE=0`` forces the pure-Python path in this process (to run the suite on it)
 ENV_NATIVE = "LLMDD_SHM_NATIVE"
 
@@ -115,7 +115,9 @@ _ST_OK, _ST_FALLBACK, _ST_BUSY, _ST_CLOSED, _ST_STALE, _ST_CMA, _ST_NOPROGRESS, 
 def data_path() -> dict:
     """Which data path this process's shm batches take: ``{"native": bool, "path": str, "reason": str}``."""
     if _native is not None:
-        return {"native": True, "path": f"C extension (llmdd_shm._shmfast, ABI {NATIVE_ABI})", "reason": ""}
+        return {"native": True, "path": f"C extension (llmdd_shm._shmfast, ABI {NATIVE_ABI}): small blocks "
+                                        f"transfers in one call, other batches in one call per chunk",
+                "reason": ""}
     return {"native": False, "path": "pure Python", "reason": NATIVE_REASON}
 
 __all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
@@ -557,6 +559,7 @@ class ShmEndpoint(Endpoint):
         self._nb_count: dict[int, int] = {}  # epoch -> native batches running on that snapshot
         self._ntab: tuple = (np.zeros((0, 3), np.uint64), 0, 0)
         self._nb_waiters = 0  # deregister / close calls waiting for native batches
+        self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
         self._stats = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
         self._ctl_name = segment_name("shmctl", self._id.hex()[:12])
         self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
@@ -664,6 +667,7 @@ class ShmEndpoint(Endpoint):
             if self._closed:
                 return
             self._closed = True
+            _quick.bump(self._qc)
             self._ctl.hdr[2] = _CLOSED
             channels = list(self._channels)
             batches = list(self._batches)
@@ -692,8 +696,9 @@ class ShmEndpoint(Endpoint):
 
     def statistics(self) -> dict:
         with self._lock:
-            return dict(self._stats, closed=self._closed, active_batches=len(self._batches),
-                        cma=self._cma_info["cma"], control_segment=self._ctl_name)
+            return _quick.merged(dict(self._stats, closed=self._closed, active_batches=len(self._batches),
+                                      cma=self._cma_info["cma"], control_segment=self._ctl_name),
+                                 self._qc, channel=False)
 
     # ------------------------------------------------------------------ internals
 
@@ -709,6 +714,7 @@ class ShmEndpoint(Endpoint):
             tab[i] = (k, r.region.addr, r.region.size)
         self._ntab = (tab, tab.ctypes.data, len(items))
         self._nb_epoch += 1
+        _quick.bump(self._qc)
 
     def _nbegin(self) -> tuple[tuple, int]:
         """A native batch starts: the local snapshot it uses, and its epoch (see :meth:`deregister`)."""
@@ -832,6 +838,8 @@ class ShmChannel(Channel):
         self._nbusy = 0                      # native batches running (they use table snapshots)
         self._deferred: list = []            # mappings released while a native batch ran
         self._native = endpoint._native
+        self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
+        self._qfd = -1                # the quick path's lock fd (used under the GIL only)
         self._nrtab: tuple = (np.zeros((0, 6), np.uint64), 0, 0)
         self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0, "batches": 0,
                        "failed": 0, "cma_calls": 0, "segments_mapped": 0, "last_error": None,
@@ -966,6 +974,7 @@ class ShmChannel(Channel):
             if self._closed:
                 return
             self._closed = True
+            _quick.bump(self._qc)
             active = list(self._active)
         why = Cancelled("channel closed")
         for b in active:
@@ -980,13 +989,23 @@ class ShmChannel(Channel):
 
     def statistics(self) -> dict:
         with self._lock:
-            return dict(self._stats, remote_regions=len(self._remote), mapped_segments=len(self._maps),
-                        closed=self._closed, cma=self._cma_ok, cma_reason=self._cma_reason, peer_pid=self._pid)
+            # cma_calls: every process_vm_* call of this channel (the connect-time probe included)
+            return _quick.merged(dict(self._stats, remote_regions=len(self._remote), mapped_segments=len(self._maps),
+                                      closed=self._closed, cma=self._cma_ok, cma_reason=self._cma_reason,
+                                      peer_pid=self._pid, cma_calls=self._cma.calls), self._qc, channel=True)
+
+    def quick_plan(self, pairs, block_bytes: int, src_units: int, dst_units: int, push: bool):
+        """The C path of one small-transfer shape (``llmdd_shm._quick.quick_plan``), or None."""
+        return _quick.quick_plan(self, pairs, block_bytes, src_units, dst_units, push)
 
     # ------------------------------------------------------------------ mappings and tables
 
     def _teardown(self) -> None:
         with self._lock:
+            _quick.bump(self._qc)
+            if self._qfd >= 0:
+                self._fds.append(self._qfd)   # closed below with the others
+                self._qfd = -1
             maps = list(self._maps.values()) + self._deferred
             self._maps.clear()
             self._deferred = []
@@ -1038,6 +1057,7 @@ class ShmChannel(Channel):
         for i, (k, r) in enumerate(items):
             tab[i] = (k, r.base, r.kind, r.slot, r.gen, r.size)
         self._nrtab = (tab, tab.ctypes.data, n)
+        _quick.bump(self._qc)
 
     # ------------------------------------------------------------------ batches
 

@@ -10,6 +10,15 @@
  * bounds, more than one chunk, lock held by the owner) returns ST_FALLBACK / ST_BUSY before a
  * byte moves, and the caller takes the Python path, which produces the contract's error or waits.
  *
+ * quick() is the small-transfer path of a planned call shape (issue 21): the plan (built once per
+ * shape by llmdd_shm._quick from the same snapshots) holds each tensor pair's local and remote base
+ * and size, the peer's slots and generations and the lock range; a call hands it the two block lists
+ * and gets the bytes moved, with no ops array and no per-op Python object: block checks, the plan's
+ * snapshot versions, bounds, pidfd, lock, generation check, copy, unlock and the channel's counters
+ * in one call, the GIL held throughout (so no Python thread changes a table or unmaps a segment
+ * while it runs).  Anything else returns a negative status before a byte moves (or, for a failed
+ * process_vm_*, after some may have) and the caller takes the ops path, which reports it.
+ *
  * copy() moves one chunk of a larger batch (memcpy over an iovec pair array, or CMA with resume)
  * with the GIL released; the caller holds the lock and does the checks between chunks.
  *
@@ -31,7 +40,7 @@
 #define F_OFD_SETLK 37
 #endif
 
-#define SHMFAST_ABI 3
+#define SHMFAST_ABI 4
 
 enum {
     ST_OK = 0,          /* every byte moved: (0, bytes, syscalls) */
@@ -378,9 +387,192 @@ static PyObject *shmfast_copy(PyObject *self, PyObject *args) {
     return Py_BuildValue("(iLL)", ST_OK, (long long)moved, (long long)calls);
 }
 
+/* ---------------------------------------------------------------- quick(): planned small transfers */
+
+#define QUICK_MAGIC 0x4b43495551444d4cULL /* "LMDQUICK" */
+#define QUICK_MAX_BLOCKS 16
+#define QUICK_MAX_PAIRS 64
+#define QUICK_MAX_IOV (QUICK_MAX_BLOCKS * QUICK_MAX_PAIRS)
+
+/* counters shared with Python (a numpy uint64 array each): word 0 is the snapshot version */
+enum { QC_VERSION = 0, QC_BATCHES = 1, QC_BYTES_READ = 2, QC_BYTES_WRITTEN = 3, QC_OPS_READ = 4,
+       QC_OPS_WRITTEN = 5, QC_CMA_CALLS = 6, QC_WORDS = 8 };
+
+typedef struct {
+    uint64_t magic;
+    uint64_t ep_ctr, ep_ver;   /* the local endpoint's counters and the version the plan was built at */
+    uint64_t ch_ctr, ch_ver;   /* the channel's */
+    uint64_t ctl_addr;         /* the peer's control segment, mapped */
+    int64_t write, pid, pidfd, lock_fd;
+    uint64_t bs, su, du;       /* block bytes; blocks in the source and in the destination cache */
+    uint64_t npairs, nslots, iov_max, max_bytes, slot_lo, slot_hi;
+} qhdr_t;
+
+typedef struct {
+    uint64_t laddr, lsize, raddr, rsize, kind;
+} qpair_t;
+
+typedef struct {
+    uint64_t slot, gen;
+} qslot_t;
+
+/* the blocks of one list as uint64 (exact ints in [0, limit) and at most maxv, so that block * bs + bs
+ * does not wrap); 0, or -1 when not (nothing raised) */
+static int quick_blocks(PyObject *seq, Py_ssize_t n, uint64_t limit, uint64_t maxv, uint64_t *out) {
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = items[i];
+        if (!PyLong_CheckExact(o))
+            return -1;
+        unsigned long long v = PyLong_AsUnsignedLongLong(o);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (v >= limit || v > maxv)
+            return -1;
+        out[i] = v;
+    }
+    return 0;
+}
+
+static PyObject *quick_status(int st) { return PyLong_FromLong(-(long)st); }
+
+/* quick(plan: bytes, src_blocks, dst_blocks) -> bytes moved (>= 0), or -status (see the file comment) */
+static PyObject *shmfast_quick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyBytes_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "quick(plan: bytes, src_blocks, dst_blocks)");
+        return NULL;
+    }
+    const char *raw = PyBytes_AS_STRING(args[0]);
+    Py_ssize_t rawlen = PyBytes_GET_SIZE(args[0]);
+    if (rawlen < (Py_ssize_t)sizeof(qhdr_t)) {
+        PyErr_SetString(PyExc_ValueError, "quick plan too short");
+        return NULL;
+    }
+    qhdr_t h;
+    memcpy(&h, raw, sizeof h);
+    if (h.magic != QUICK_MAGIC || h.npairs == 0 || h.npairs > QUICK_MAX_PAIRS || h.nslots == 0
+        || h.nslots > h.npairs || h.bs == 0
+        || rawlen != (Py_ssize_t)(sizeof(qhdr_t) + h.npairs * sizeof(qpair_t) + h.nslots * sizeof(qslot_t))) {
+        PyErr_SetString(PyExc_ValueError, "not a quick plan");
+        return NULL;
+    }
+    const qpair_t *pairs = (const qpair_t *)(raw + sizeof(qhdr_t));
+    const qslot_t *slots = (const qslot_t *)(raw + sizeof(qhdr_t) + h.npairs * sizeof(qpair_t));
+    for (uint64_t j = 0; j < h.nslots; j++) { /* the slot array of the mapped control segment */
+        if (slots[j].slot >= MAX_SLOTS || slots[j].slot < h.slot_lo || slots[j].slot >= h.slot_hi) {
+            PyErr_SetString(PyExc_ValueError, "quick plan names a slot outside its range");
+            return NULL;
+        }
+    }
+    PyObject *src = args[1], *dst = args[2];
+    if (!(PyList_CheckExact(src) || PyTuple_CheckExact(src)) || !(PyList_CheckExact(dst) || PyTuple_CheckExact(dst)))
+        return quick_status(ST_FALLBACK);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(dst);
+    if (n == 0 || n > QUICK_MAX_BLOCKS || PySequence_Fast_GET_SIZE(src) != n)
+        return quick_status(ST_FALLBACK);
+    uint64_t sb[QUICK_MAX_BLOCKS], db[QUICK_MAX_BLOCKS];
+    const uint64_t maxv = (UINT64_MAX - h.bs) / h.bs;
+    if (quick_blocks(src, n, h.su, maxv, sb) || quick_blocks(dst, n, h.du, maxv, db))
+        return quick_status(ST_FALLBACK);
+    for (Py_ssize_t i = 1; i < n; i++) /* a destination listed twice: the planner decides which wins */
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (db[i] == db[j])
+                return quick_status(ST_FALLBACK);
+    volatile uint64_t *ep_ctr = (volatile uint64_t *)(uintptr_t)h.ep_ctr;
+    volatile uint64_t *ch_ctr = (volatile uint64_t *)(uintptr_t)h.ch_ctr;
+    /* a table changed, a region went, the channel or endpoint closed since the plan was built */
+    if (ep_ctr[QC_VERSION] != h.ep_ver || ch_ctr[QC_VERSION] != h.ch_ver)
+        return quick_status(ST_FALLBACK);
+    const int write = h.write != 0;
+    struct iovec ml[QUICK_MAX_IOV], mr[QUICK_MAX_IOV], cl[QUICK_MAX_IOV], cr[QUICK_MAX_IOV];
+    Py_ssize_t nm = 0, nc = 0;
+    uint64_t total = 0, rows = 0;
+    for (uint64_t p = 0; p < h.npairs; p++) {
+        const qpair_t *pr = pairs + p;
+        struct iovec *L, *R;
+        Py_ssize_t *cnt;
+        if (pr->kind == KIND_SHM) {
+            L = ml; R = mr; cnt = &nm;
+        } else {
+            L = cl; R = cr; cnt = &nc;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t loff = (write ? sb[i] : db[i]) * h.bs, roff = (write ? db[i] : sb[i]) * h.bs;
+            if (!in_bounds(loff, h.bs, pr->lsize) || !in_bounds(roff, h.bs, pr->rsize))
+                return quick_status(ST_FALLBACK);
+            char *la = (char *)(uintptr_t)(pr->laddr + loff), *ra = (char *)(uintptr_t)(pr->raddr + roff);
+            Py_ssize_t c = *cnt;
+            if (i > 0 && c && (char *)L[c - 1].iov_base + L[c - 1].iov_len == la
+                && (char *)R[c - 1].iov_base + R[c - 1].iov_len == ra) {
+                L[c - 1].iov_len += h.bs; /* the next block on both sides: one op, as the planner's runs */
+                R[c - 1].iov_len += h.bs;
+            } else {
+                L[c].iov_base = la; L[c].iov_len = h.bs;
+                R[c].iov_base = ra; R[c].iov_len = h.bs;
+                (*cnt)++;
+                rows++;
+            }
+            total += h.bs;
+        }
+    }
+    if ((uint64_t)nm > h.iov_max || (uint64_t)nc > h.iov_max || total > h.max_bytes)
+        return quick_status(ST_FALLBACK);
+    if (h.pidfd >= 0) {
+        struct pollfd pf = {.fd = (int)h.pidfd, .events = POLLIN, .revents = 0};
+        if (poll(&pf, 1, 0) > 0)
+            return quick_status(ST_DEAD);
+    }
+    if (set_lock((int)h.lock_fd, F_RDLCK, h.slot_lo, h.slot_hi - h.slot_lo) != 0)
+        return quick_status((errno == EAGAIN || errno == EACCES) ? ST_BUSY : ST_LOCKERR);
+    int status = ST_OK;
+    uint64_t moved = 0, calls = 0;
+    const volatile uint64_t *hdr = (const volatile uint64_t *)(uintptr_t)h.ctl_addr;
+    const volatile uint32_t *st = (const volatile uint32_t *)(uintptr_t)(h.ctl_addr + SLOTS_OFF);
+    if (__atomic_load_n(&hdr[HDR_STATE], __ATOMIC_ACQUIRE) != CTL_OPEN) {
+        status = ST_CLOSED;
+    } else {
+        for (uint64_t j = 0; j < h.nslots; j++) {
+            uint64_t s = slots[j].slot;
+            uint32_t state = __atomic_load_n(&st[4 * s], __ATOMIC_ACQUIRE);
+            uint32_t gen = __atomic_load_n(&st[4 * s + 1], __ATOMIC_ACQUIRE);
+            if (state != SLOT_LIVE || (uint64_t)gen != slots[j].gen) {
+                status = ST_STALE;
+                break;
+            }
+        }
+    }
+    if (status == ST_OK) {
+        if (nm) {
+            for (Py_ssize_t j = 0; j < nm; j++)
+                moved += ml[j].iov_len;
+            if (write)
+                memcpy_iov(mr, ml, nm);
+            else
+                memcpy_iov(ml, mr, nm);
+        }
+        if (nc) {
+            int64_t err = 0;
+            status = cma_all(write, (pid_t)h.pid, cl, cr, nc, &moved, &calls, &err);
+        }
+    }
+    set_lock((int)h.lock_fd, F_UNLCK, h.slot_lo, h.slot_hi - h.slot_lo);
+    if (status != ST_OK)
+        return quick_status(status);
+    ep_ctr[QC_BATCHES] += 1;
+    ch_ctr[QC_BATCHES] += 1;
+    ch_ctr[write ? QC_BYTES_WRITTEN : QC_BYTES_READ] += moved;
+    ch_ctr[write ? QC_OPS_WRITTEN : QC_OPS_READ] += rows;
+    ch_ctr[QC_CMA_CALLS] += calls;
+    return PyLong_FromUnsignedLongLong(moved);
+}
+
 static PyMethodDef methods[] = {
     {"batch", shmfast_batch, METH_VARARGS, "lock, check, copy and unlock one small shm batch"},
     {"copy", shmfast_copy, METH_VARARGS, "copy one chunk of iovec pairs (memcpy or CMA), GIL released"},
+    {"quick", (PyCFunction)(void (*)(void))shmfast_quick, METH_FASTCALL,
+     "one planned small transfer: block checks, lock, generation check, copy, unlock; bytes or -status"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -392,7 +584,12 @@ PyMODINIT_FUNC PyInit__shmfast(void) {
         return NULL;
     if (PyModule_AddIntConstant(m, "ABI", SHMFAST_ABI) < 0 || PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0
         || PyModule_AddIntConstant(m, "SLOTS_OFF", SLOTS_OFF) < 0 || PyModule_AddIntConstant(m, "CTL_OPEN", CTL_OPEN) < 0
-        || PyModule_AddIntConstant(m, "SLOT_LIVE", SLOT_LIVE) < 0 || PyModule_AddIntConstant(m, "OP_SIZE", sizeof(op_t)) < 0) {
+        || PyModule_AddIntConstant(m, "SLOT_LIVE", SLOT_LIVE) < 0 || PyModule_AddIntConstant(m, "OP_SIZE", sizeof(op_t)) < 0
+        || PyModule_AddIntConstant(m, "QUICK_MAGIC_LO", (long)(QUICK_MAGIC & 0xffffffffu)) < 0
+        || PyModule_AddIntConstant(m, "QUICK_HDR_WORDS", sizeof(qhdr_t) / 8) < 0
+        || PyModule_AddIntConstant(m, "QUICK_MAX_BLOCKS", QUICK_MAX_BLOCKS) < 0
+        || PyModule_AddIntConstant(m, "QUICK_MAX_PAIRS", QUICK_MAX_PAIRS) < 0
+        || PyModule_AddIntConstant(m, "QC_WORDS", QC_WORDS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

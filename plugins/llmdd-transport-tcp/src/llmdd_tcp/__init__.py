@@ -26,7 +26,7 @@ Wire (little endian, one request at a time per stream):
   not overfill it; bytes in flight are capped by the segment size plus the socket buffers.
 
 TLS: with ``llmdd.tls_*`` options (the engine's, which reach every transport) every data connection
-is TLS first, built by :func:`llmdd._options.tls_config` as the engine's control connections are: mutual
+is TLS first, built by :func:`llmdd._base.options.tls_config` as the engine's control connections are: mutual
 with a CA, the server name checked as ``llmdd.tls_server_name`` says, refused without a CA unless
 ``llmdd.tls_insecure``.  The wire above is unchanged inside TLS.  ``describe()`` says ``tls``; a channel
 refuses, before connecting, a peer whose ``tls`` differs from its own (no silent plaintext).  The
@@ -46,7 +46,7 @@ Cancellation and deadlines: streams are blocking sockets armed with ``SO_RCVTIME
 ``SO_SNDTIMEO`` set to the time left; cancel, deadline, close and deregistration shut the
 sockets down and join the worker threads before the completion reports its error.
 
-Serving: one I/O loop per endpoint (:class:`llmdd._ioloop.IoLoop`) accepts, runs the HELLO/AUTH
+Serving: one I/O loop per endpoint (:class:`llmdd._control.ioloop.IoLoop`) accepts, runs the HELLO/AUTH
 exchange without blocking and watches idle streams; a stream with a request waiting is served
 by one of a bounded pool of workers (``llmdd.tcp.server_workers``), which keeps it while requests
 follow each other closely (``llmdd.tcp.linger_ms``) and then hands it back to the loop.  No thread
@@ -450,7 +450,7 @@ class TcpTransport(Transport):
         super().__init__(options)
         self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
         # the engine's options reach every transport: with llmdd.tls_* set, data connections use TLS
-        # under the same policy as the engine's control connections (llmdd._options.tls_config)
+        # under the same policy as the engine's control connections (llmdd._base.options.tls_config)
         self._tls = tls_config(self.options)
         if self._tls is not None:
             self._tls.server.num_tickets = 0   # no session tickets: nothing unasked-for on an idle stream

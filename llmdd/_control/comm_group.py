@@ -1,0 +1,228 @@
+"""Comm groups: the bilateral, rank-table ``link()`` / ``unlink()`` / ``query_register_mem_status()``.
+
+Every member calls ``link(comm_name, cluster_rank_info, rank_table)`` at about the same
+time.  Each member listens for the group (see :mod:`llmdd._base.ranktable` for how a rank
+table entry maps to an address here), the member of the higher rank of every pair
+connects to the lower one with the ordinary link handshake, and the group is ``OK``
+once every pairwise link is up (memory descriptors are exchanged by the handshake), or
+``FAILED`` when that does not happen within ``link_total_time`` (default 120 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import socket
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from llmdd._base.enums import RegisterMemStatus
+from llmdd._lifecycle.tables import GROUP_OK, GROUP_PREPARING
+from llmdd._base.log import get_logger
+from llmdd._base.options import is_local_address
+from llmdd._base.ranktable import RankMember, RankTable
+from llmdd._base.status import LLMException, LLMStatusCode
+
+if TYPE_CHECKING:
+    from llmdd._lifecycle.machines import Lifecycle
+    from llmdd._control.manager import LinkManager
+
+__all__ = ["CommGroups", "rendezvous_dir"]
+
+_log = get_logger("llmdd.comm_group")
+S = LLMStatusCode
+
+DEFAULT_BASE_PORT = 26100
+DEFAULT_TOTAL_TIME_S = 120.0
+
+
+def rendezvous_dir() -> str:
+    return os.environ.get("LLMDD_RENDEZVOUS_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                   f"llmdd-rendezvous-{os.getuid()}")
+
+
+def _base_port() -> int:
+    text = os.environ.get("LLMDD_COMM_BASE_PORT")
+    return int(text) if text and text.isdigit() else DEFAULT_BASE_PORT
+
+
+class _Group:
+    def __init__(self, comm_id: int, name: str, table: RankTable, ranks: dict, my_rank: int, fsm: Any) -> None:
+        self.comm_id = comm_id
+        self.name = name
+        self.table = table
+        self.ranks = ranks                      # cluster id -> rank
+        self.my_rank = my_rank
+        self.fsm = fsm
+        self.tag = hashlib.sha256(f"{name}\0{table.digest}".encode()).hexdigest()[:24]
+        self.listener: Optional[socket.socket] = None
+        self.published: Optional[str] = None
+        self.peers = {cid: r for cid, r in ranks.items() if r != my_rank}
+        self.linked: set[int] = set()
+        self.error: Optional[str] = None
+        self.stop = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+
+
+class CommGroups:
+    """The comm groups of one engine (comm ids from 1)."""
+
+    def __init__(self, *, cluster_id: int, links: "LinkManager", lifecycle: "Lifecycle") -> None:
+        self._cluster_id = cluster_id
+        self._lm = links
+        self._lc = lifecycle
+        self._ids = itertools.count(1)
+        self._groups: dict[int, _Group] = {}
+        self._lock = threading.Lock()
+
+    def link(self, comm_name: str, cluster_rank_info: dict, table: RankTable) -> int:
+        my_id = self._cluster_id
+        if my_id not in cluster_rank_info:
+            raise LLMException(f"this engine's cluster id {my_id} is not in cluster_rank_info",
+                               status_code=S.LLM_PARAM_INVALID)
+        for cid, rank in cluster_rank_info.items():
+            table.member(rank)  # every rank must be in the table (LLM_PARAM_INVALID otherwise)
+        comm_id = next(self._ids)
+        fsm = self._lc.create(comm_id, comm_id=comm_id, comm_name=comm_name, members=len(cluster_rank_info))
+        group = _Group(comm_id, comm_name, table, dict(cluster_rank_info), cluster_rank_info[my_id], fsm)
+        total = self._lm.settings.total_time_s or DEFAULT_TOTAL_TIME_S
+        deadline = time.monotonic() + total
+        self._listen(group)
+        with self._lock:
+            self._groups[comm_id] = group
+        group.thread = threading.Thread(target=self._run, args=(group, deadline), name=f"llmdd-comm-{comm_id}",
+                                        daemon=True)
+        group.thread.start()
+        return comm_id
+
+    # ------------------------------------------------------------------ addressing
+    def _listen(self, group: _Group) -> None:
+        me = group.table.member(group.my_rank)
+        if is_local_address(me.device_ip):
+            host, port = "127.0.0.1", 0
+        else:
+            host, port = "0.0.0.0", _base_port() + me.device_id
+        try:
+            group.listener = self._lm.open_group_listener(host, port, comm_id=group.comm_id)
+        except LLMException:
+            group.fsm.fire("prepare_failed", reason=f"cannot listen on {host}:{port}")
+            raise
+        addr = group.listener.getsockname()
+        if host == "127.0.0.1":
+            path = os.path.join(rendezvous_dir(), f"{group.tag}-{group.my_rank}")
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write(f"{addr[0]}:{addr[1]}\n")
+            os.replace(tmp, path)
+            group.published = path
+
+    def _address(self, group: _Group, member: RankMember, deadline: float) -> tuple[str, int]:
+        if not is_local_address(member.device_ip):
+            return member.device_ip, _base_port() + member.device_id
+        path = os.path.join(rendezvous_dir(), f"{group.tag}-{member.rank_id}")
+        while time.monotonic() < deadline and not group.stop.is_set():
+            try:
+                with open(path) as fh:
+                    host, port = fh.read().strip().rsplit(":", 1)
+                return host, int(port)
+            except (OSError, ValueError):
+                time.sleep(0.02)
+        raise TimeoutError(f"member of rank {member.rank_id} did not publish its address")
+
+    # ------------------------------------------------------------------ setup
+    def _run(self, group: _Group, deadline: float) -> None:
+        try:
+            for cid, rank in sorted(group.peers.items(), key=lambda kv: kv[1]):
+                if rank < group.my_rank:
+                    host, port = self._address(group, group.table.member(rank), deadline)
+                    link = self._lm.connect_peer(host, port, deadline, comm_id=group.comm_id)
+                    if link.peer_cluster_id != cid:
+                        raise LLMException(f"rank {rank} answered as cluster {link.peer_cluster_id}, expected {cid}",
+                                           status_code=S.LLM_LINK_FAILED)
+                    group.linked.add(cid)
+            while time.monotonic() < deadline and not group.stop.is_set():
+                missing = [cid for cid in group.peers if cid not in group.linked]
+                for cid in missing:
+                    link = self._lm.get(cid)
+                    if link is not None and link.linked:
+                        link.comm_id = group.comm_id
+                        group.linked.add(cid)
+                if len(group.linked) == len(group.peers):
+                    break
+                time.sleep(0.01)
+            if group.stop.is_set():
+                return
+            if len(group.linked) != len(group.peers):
+                raise TimeoutError(f"comm group {group.name!r}: not every member linked within the time allowed")
+            group.fsm.fire("members_ready", members=len(group.ranks))
+        except Exception as exc:  # the failure is the group's state, read by query_register_mem_status
+            group.error = str(exc)
+            _log.warning("llmdd.comm_group.failed", comm_id=group.comm_id, error=str(exc))
+            group.fsm.offer("prepare_failed", error=exc, reason=str(exc))
+
+    # ------------------------------------------------------------------ queries and teardown
+    def _get(self, comm_id: int) -> _Group:
+        with self._lock:
+            group = self._groups.get(comm_id)
+        if group is None:
+            raise LLMException(f"comm id {comm_id} does not exist", status_code=S.LLM_PARAM_INVALID)
+        return group
+
+    def status(self, comm_id: int) -> RegisterMemStatus:
+        group = self._get(comm_id)
+        if group.fsm.in_(GROUP_PREPARING):
+            return RegisterMemStatus.PREPARING
+        if group.fsm.in_(GROUP_OK):
+            for cid in group.peers:
+                link = self._lm.get(cid)
+                if link is None or not link.linked:
+                    group.fsm.fire("member_lost", peer=cid)
+                    return RegisterMemStatus.FAILED
+            return RegisterMemStatus.OK
+        return RegisterMemStatus.FAILED
+
+    def unlink(self, comm_id: int) -> None:
+        group = self._get(comm_id)
+        group.stop.set()
+        if group.thread is not None:
+            group.thread.join(timeout=5.0)
+        deadline = time.monotonic() + 3.0
+        failed = []
+        for cid in group.peers:
+            link = self._lm.get(cid)
+            if link is None or link.comm_id != comm_id:
+                continue
+            code = self._lm.unlink_one(cid, deadline, force=False)
+            if code not in (S.LLM_SUCCESS, S.LLM_NOTIFY_PROMPT_UNLINK_FAILED):
+                failed.append((cid, code))
+        self._teardown(group, "unlink")
+        with self._lock:
+            self._groups.pop(comm_id, None)
+        if failed:
+            raise LLMException(f"unlink of comm {comm_id} failed for {failed}", status_code=failed[0][1])
+
+    def _teardown(self, group: _Group, trigger: str) -> None:
+        if group.listener is not None:
+            self._lm.close_group_listener(group.listener)
+            group.listener = None
+        if group.published:
+            try:
+                os.unlink(group.published)
+            except OSError:
+                pass
+            group.published = None
+        group.fsm.offer(trigger)
+
+    def close(self) -> None:
+        with self._lock:
+            groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            group.stop.set()
+        for group in groups:
+            if group.thread is not None:
+                group.thread.join(timeout=2.0)
+            self._teardown(group, "finalize")

@@ -1,0 +1,89 @@
+"""The record of one link to a peer cluster: its machine, connection, tables, counters and waiters.
+
+Its state is its machine's (``fsm``); everything else here is data the control and data planes
+read.  Nothing in this module decides a state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+import attrs
+
+from llmdd._seam.abc import Channel
+from llmdd._lifecycle.machines import Tracked
+from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
+from llmdd._control.protocol.handshake import DescriptorTables, TableAnnouncer
+from llmdd._base.status import LLMStatusCode
+from llmdd._control.connection import ControlConnection
+from llmdd._control.liveness import Liveness
+
+__all__ = ["Link", "Pending"]
+
+
+class Pending:
+    """A request waiting for its reply (released by the reply or by the link going down)."""
+
+    __slots__ = ("event", "reply")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply: Any = None
+
+
+@attrs.define(eq=False)
+class Link:
+    """One live link to a peer cluster (keyed by the cluster id the peer reports)."""
+
+    peer_cluster_id: int
+    fsm: Tracked
+    control: ControlConnection
+    peer: Any = None                                   # handshake PeerInfo
+    tables: DescriptorTables = attrs.field(factory=DescriptorTables)
+    announcer: TableAnnouncer = attrs.field(factory=TableAnnouncer)
+    transport: Optional[str] = None
+    transport_reason: str = ""
+    channel: Optional[Channel] = None
+    tables_ready: threading.Event = attrs.field(factory=threading.Event)
+    transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
+    pending: dict = attrs.field(factory=dict)
+    remote_regions: set = attrs.field(factory=set)
+    comm_id: Optional[int] = None
+    engine_info: Optional[dict] = None        # the peer's pools and profile (asked once, when needed)
+    is_client: bool = True
+    created_at: float = attrs.field(factory=time.monotonic)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    transfers: int = 0
+    failures: int = 0
+    last_error: Optional[str] = None
+    failure_status: Optional[LLMStatusCode] = None
+    strand: Any = None                        # the link's tasks, in order, on the engine's pool
+    session: Any = None                       # server side: the accepting _ServerSession until LINKED
+    setup_descriptor: Optional[dict] = attrs.field(default=None, repr=False)   # server side: the peer's data
+    #                                           descriptor (it carries the peer's capability), until LINKED
+    grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)
+    capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
+    settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
+    claimed: bool = False                     # server side: a local link_clusters to the peer returned it
+    liveness: Liveness = attrs.field(kw_only=True)   # keepalive state, sans-io (.liveness)
+
+    @property
+    def last_rx(self) -> float:
+        """When the peer was last heard (``time.monotonic``)."""
+        return self.liveness.last_rx
+
+    @property
+    def rtt_s(self) -> Optional[float]:
+        """The last keepalive round trip, or None before the first answer."""
+        return self.liveness.rtt_s
+
+    @property
+    def state(self) -> LinkState:
+        return self.fsm.state
+
+    @property
+    def linked(self) -> bool:
+        return self.fsm.in_(LINK_IN_USE)

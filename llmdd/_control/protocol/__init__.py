@@ -1,0 +1,51 @@
+"""Sans-io control-plane protocol of llmdd: messages, framing codec, handshake.
+
+Nothing in this package touches a socket: the link manager moves bytes, these modules decide
+what the bytes mean (h11 style).  See ``codec`` for the frame format and ``handshake`` for the
+theory of operation.
+"""
+
+from llmdd._control.protocol.codec import (
+    DEFAULT_MAX_FRAME_SIZE as DEFAULT_MAX_FRAME_SIZE,
+    NEED_DATA as NEED_DATA,
+    PEER_CLOSED as PEER_CLOSED,
+    Connection as Connection,
+    LocalProtocolError as LocalProtocolError,
+    ProtocolError as ProtocolError,
+)
+from llmdd._control.protocol.handshake import (
+    PRE_AUTH_MAX_FRAME_SIZE as PRE_AUTH_MAX_FRAME_SIZE,
+    PROTOCOL_VERSION as PROTOCOL_VERSION,
+    ClientHandshake as ClientHandshake,
+    DescriptorTables as DescriptorTables,
+    HandshakeConfig as HandshakeConfig,
+    HandshakeRefused as HandshakeRefused,
+    HandshakeState as HandshakeState,
+    PeerInfo as PeerInfo,
+    ServerHandshake as ServerHandshake,
+    TableAnnouncer as TableAnnouncer,
+    TableUpdateError as TableUpdateError,
+)
+from llmdd._control.protocol.messages import *  # noqa: F401,F403  (every message class; see messages.__all__)
+from llmdd._control.protocol.messages import __all__ as _messages_all
+
+__all__ = [
+    "DEFAULT_MAX_FRAME_SIZE",
+    "NEED_DATA",
+    "PEER_CLOSED",
+    "Connection",
+    "LocalProtocolError",
+    "ProtocolError",
+    "PRE_AUTH_MAX_FRAME_SIZE",
+    "PROTOCOL_VERSION",
+    "ClientHandshake",
+    "DescriptorTables",
+    "HandshakeConfig",
+    "HandshakeRefused",
+    "HandshakeState",
+    "PeerInfo",
+    "ServerHandshake",
+    "TableAnnouncer",
+    "TableUpdateError",
+    *_messages_all,
+]

@@ -1,0 +1,622 @@
+"""The bench's worker process: one engine (or none, for anchors), its memory, its commands.
+
+The parent drives a worker through a ``multiprocessing`` pipe: it sends ``(command,
+kwargs)`` and gets ``("ok", payload)`` or ``("error", text)``.  Commands that must run
+at the same time in two workers (a socket sender and its receiver, a prompt that pushes
+and a decoder) are sent to both before either reply is read.
+
+Every timed loop is here, next to the memory it touches, so a timing never includes a
+pipe round trip to the parent.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import ctypes
+import io
+import os
+import pstats
+import socket
+import struct
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+import numpy as np
+
+from llmdd._tools.bench.common import (KiB, bw_summary, check_blocks, check_contiguous, fill_pattern, lat_summary, prefault,
+                     rss_bytes)
+
+HOST = "127.0.0.1"
+_IOV_MAX = 1024
+
+
+def _libc_readv():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.process_vm_readv
+    fn.restype = ctypes.c_ssize_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    return fn
+
+
+def _recv_exact(sock: socket.socket, mv: memoryview) -> None:
+    got, n = 0, len(mv)
+    while got < n:
+        r = sock.recv_into(mv[got:], n - got)
+        if r == 0:
+            raise ConnectionError("peer closed")
+        got += r
+
+
+def _until_known(fn, limit_s: float = 15.0) -> float:
+    """Call ``fn`` until it stops failing with ``LLM_KV_CACHE_NOT_EXIST``; returns the seconds until it succeeded
+    (the successful call included).
+
+    A cache registered after the link reaches a linked peer asynchronously (a table update on the
+    control channel), so the first call after a registration on the other side may not know it yet.
+    """
+    import llmdd
+
+    t0 = time.perf_counter()
+    while True:
+        try:
+            fn()
+            return time.perf_counter() - t0
+        except llmdd.LLMException as exc:
+            if exc.status_code != llmdd.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST or time.perf_counter() - t0 > limit_s:
+                raise
+        except RuntimeError as exc:  # an async task whose result said the cache does not exist
+            if "NOT_EXIST" not in str(exc) or time.perf_counter() - t0 > limit_s:
+                raise
+        time.sleep(0.002)
+
+
+class Worker:
+    """The state of one worker process; ``cmd_<name>`` methods are its commands."""
+
+    def __init__(self) -> None:
+        self.rss_start = rss_bytes()
+        self.dd = None
+        self.cluster_id: Optional[int] = None
+        self.bufs: dict[str, np.ndarray] = {}
+        self.caches: dict[int, Any] = {}
+        self.listener: Optional[socket.socket] = None
+
+    # ------------------------------------------------------------------ engine
+    def cmd_init(self, role: str, cluster_id: int, transport: str, listen: bool = False,
+                 sync_ms: int = 20000, options: Optional[dict] = None) -> dict:
+        """Create and init the engine; reports RSS before and after ``init`` (no caches yet).
+        ``options``: more engine options (a variant row's, e.g. tcp+tls's ``llmdd.tls_*``)."""
+        import gc
+
+        import llmdd
+
+        gc.collect()
+        before = rss_bytes()
+        cfg = llmdd.LLMConfig()
+        cfg.device_id = 0
+        cfg.enable_cache_manager = True
+        cfg.enable_remote_cache_accessible = True
+        cfg.sync_kv_timeout = sync_ms
+        if listen:
+            cfg.listen_ip_info = f"{HOST}:0"
+        extra = options or {}
+        options = cfg.generate_options()
+        options["llmdd.transport"] = transport
+        options.update(extra)
+        dd = llmdd.LLMDataDist(llmdd.LLMRole[role], cluster_id)
+        t0 = time.perf_counter()
+        dd.init(options)
+        init_s = time.perf_counter() - t0
+        gc.collect()
+        after = rss_bytes()
+        self.dd = dd
+        self.cluster_id = cluster_id
+        port = dd.statistics()["listen"][1] if listen else None
+        return {"pid": os.getpid(), "port": port, "rss_process_start": self.rss_start, "rss_before_init": before,
+                "rss_after_init": after, "init_s": init_s}
+
+    def cmd_link(self, remote: int, port: int, timeout_ms: int = 20000) -> dict:
+        import llmdd
+
+        info = llmdd.LLMClusterInfo()
+        info.remote_cluster_id = remote
+        info.append_local_ip_info(HOST, 0)
+        info.append_remote_ip_info(HOST, port)
+        t0 = time.perf_counter()
+        ret, rets = self.dd.link_clusters([info], timeout_ms)
+        link_s = time.perf_counter() - t0
+        link = self.dd.statistics()["links"].get(remote) or {}
+        out = {"status": ret.name, "per_cluster": [r.name for r in rets], "link_s": link_s,
+               "transport": link.get("transport"), "transport_reason": link.get("transport_reason")}
+        if link.get("transport") == "tcp":   # do its data connections use TLS (the tcp+tls row)?
+            out["data_tls"] = bool(self.dd._core.link_manager.endpoint("tcp").statistics().get("tls"))
+        return out
+
+    def cmd_link_stats(self) -> dict:
+        return {str(k): {f: v[f] for f in ("transport", "bytes_read", "bytes_written", "transfers", "failures")}
+                for k, v in self.dd.statistics()["links"].items()}
+
+    def cmd_rss(self) -> int:
+        import gc
+
+        gc.collect()
+        return rss_bytes()
+
+    def cmd_memory_stats(self) -> dict:
+        mem = self.dd.statistics().get("memory", {})
+        return {k: v for k, v in mem.items() if isinstance(v, (int, float, str, bool, type(None)))}
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def buf(self) -> np.ndarray:
+        return self.bufs["main"]
+
+    def cmd_alloc(self, nbytes: int, name: str = "main") -> dict:
+        self.bufs.pop(name, None)
+        buf = np.empty(nbytes, dtype=np.uint8)
+        prefault(buf)
+        self.bufs[name] = buf
+        return {"pid": os.getpid(), "addr": int(buf.ctypes.data)}
+
+    def cmd_fill(self, salt: int, name: str = "main") -> None:
+        fill_pattern(self.bufs[name], salt)
+
+    def cmd_zero(self, name: str = "main") -> None:
+        self.bufs[name][:] = 0
+
+    def cmd_check_blocks(self, num_tensors: int, tensor_bytes: int, block_bytes: int, dst_blocks: list,
+                         src_blocks: list, salt: int, name: str = "main",
+                         src_tensor_bytes: Optional[int] = None) -> dict:
+        return check_blocks(self.bufs[name], num_tensors, tensor_bytes, block_bytes, dst_blocks, src_blocks, salt,
+                            src_tensor_bytes=src_tensor_bytes)
+
+    def cmd_check_contiguous(self, nbytes: int, salt: int, name: str = "main") -> bool:
+        return check_contiguous(self.bufs[name], nbytes, salt)
+
+    def cmd_register_blocks(self, model_id: int, num_tensors: int, num_blocks: int, block_bytes: int,
+                            name: str = "main") -> int:
+        """Register ``num_tensors`` consecutive tensors of ``num_blocks * block_bytes`` in buffer ``name``."""
+        import llmdd
+
+        tensor = num_blocks * block_bytes
+        buf = self.bufs[name]
+        base = int(buf.ctypes.data)
+        assert num_tensors * tensor <= len(buf)
+        desc = llmdd.CacheDesc(num_tensors, [num_blocks, block_bytes], llmdd.DataType.DT_UINT8)
+        cache = self.dd.cache_manager.register_blocks_cache(
+            desc, [base + t * tensor for t in range(num_tensors)], llmdd.BlocksCacheKey(self.cluster_id, model_id))
+        self.caches[model_id] = cache
+        return cache.cache_id
+
+    def cmd_register_contiguous(self, model_id: int, nbytes: int, name: str = "main") -> int:
+        import llmdd
+
+        desc = llmdd.CacheDesc(1, [1, nbytes], llmdd.DataType.DT_UINT8)
+        cache = self.dd.cache_manager.register_cache(desc, [int(self.bufs[name].ctypes.data)])
+        self.caches[model_id] = cache
+        return cache.cache_id
+
+    def cmd_unregister(self, model_id: int) -> None:
+        cache = self.caches.pop(model_id)
+        self.dd.cache_manager.unregister_cache(cache.cache_id)
+
+    # ------------------------------------------------------------------ llmdd workloads
+    def _blocks_op(self, op: str, remote: int, model_id: int, remote_model_id: int, src: list, dst: list):
+        import llmdd
+
+        cm = self.dd.cache_manager
+        cache = self.caches[model_id]
+        if op == "pull":
+            key = llmdd.BlocksCacheKey(remote, remote_model_id)
+            return lambda: cm.pull_blocks(key, cache, src, dst)
+        key = llmdd.BlocksCacheKey(remote, remote_model_id)
+        return lambda: cm.push_blocks(key, cache, src, dst)
+
+    def cmd_blocks_timed(self, op: str, remote: int, model_id: int, remote_model_id: int, src: list, dst: list,
+                         nbytes: int, runs: int, warmup: int) -> dict:
+        """``pull_blocks`` (``op="pull"``) or ``push_blocks`` (``"push"``), timed ``runs`` times."""
+        fn = self._blocks_op(op, remote, model_id, remote_model_id, src, dst)
+        waited = _until_known(fn)
+        for _ in range(warmup - 1):
+            fn()
+        secs = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            secs.append(time.perf_counter() - t0)
+        out = bw_summary(secs, nbytes)
+        out["first_call_s"] = waited
+        return out
+
+    def cmd_blocks_profile(self, op: str, remote: int, model_id: int, remote_model_id: int, src: list,
+                           dst: list, runs: int, top: int = 25) -> str:
+        """cProfile of ``runs`` calls of the blocks operation (this thread only), top entries by tottime."""
+        fn = self._blocks_op(op, remote, model_id, remote_model_id, src, dst)
+        _until_known(fn)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(runs):
+            fn()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        return out.getvalue()
+
+    def cmd_blocks_at(self, start_at: float, remote: int, model_id: int, remote_model_id: int, src: list,
+                      dst: list, reps: int) -> dict:
+        """Pull ``reps`` times starting at ``time.monotonic() == start_at`` (for concurrent decoders)."""
+        fn = self._blocks_op("pull", remote, model_id, remote_model_id, src, dst)
+        _until_known(fn)
+        delay = start_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        began = time.monotonic()
+        for _ in range(reps):
+            fn()
+        return {"start": began, "end": time.monotonic()}
+
+    def cmd_latency_pull(self, remote: int, model_id: int, remote_model_id: int, num_blocks: int, n: int,
+                         warmup: int, profile: bool = False) -> dict:
+        """p50/p99 of ``n`` ``pull_blocks`` calls of one block of one tensor (tensor 0: layer range of one
+        layer with one tensor per layer), random block ids."""
+        import llmdd
+
+        cm = self.dd.cache_manager
+        cache = self.caches[model_id]
+        key = llmdd.BlocksCacheKey(remote, remote_model_id)
+        one = range(0, 1)
+        rng = np.random.default_rng(7)
+        srcs = rng.integers(0, num_blocks, n + warmup).tolist()
+        dsts = rng.integers(0, num_blocks, n + warmup).tolist()
+        prof = cProfile.Profile() if profile else None
+        waited = _until_known(lambda: cm.pull_blocks(key, cache, [0], [0], src_layer_range=one, dst_layer_range=one,
+                                                     tensor_num_per_layer=1))
+        us = []
+        pc = time.perf_counter
+        for i in range(n + warmup):
+            s, d = [srcs[i]], [dsts[i]]
+            if prof is not None and i == warmup:
+                prof.enable()
+            t0 = pc()
+            cm.pull_blocks(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=1)
+            dt = pc() - t0
+            if i >= warmup:
+                us.append(dt * 1e6)
+        out = lat_summary(us)
+        out["last"] = {"src": srcs[-1], "dst": dsts[-1]}
+        out["first_call_s"] = waited
+        if prof is not None:
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            out["profile"] = text.getvalue()
+        return out
+
+    def cmd_pull_cache_timed(self, remote: int, remote_cache_id: int, model_id: int, nbytes: int, runs: int,
+                             warmup: int) -> dict:
+        import llmdd
+
+        cm = self.dd.cache_manager
+        cache = self.caches[model_id]
+        key = llmdd.CacheKeyByIdAndIndex(remote, remote_cache_id, 0)
+        waited = _until_known(lambda: cm.pull_cache(key, cache, 0))
+        for _ in range(warmup - 1):
+            cm.pull_cache(key, cache, 0)
+        secs = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            cm.pull_cache(key, cache, 0)
+            secs.append(time.perf_counter() - t0)
+        out = bw_summary(secs, nbytes)
+        out["first_call_s"] = waited
+        return out
+
+    def cmd_transfer_async(self, remote: int, model_id: int, remote_model_id: int, layers: int, src: list,
+                           dst: list, nbytes: int, runs: int, warmup: int) -> dict:
+        """``transfer_cache_async`` of every layer to ``remote``; a releaser thread releases the layers one by
+        one (layer i+1 once the engine has asked for it after layer i), the caller waits on the task."""
+        import llmdd
+
+        cm = self.dd.cache_manager
+        cache = self.caches[model_id]
+
+        class Releaser(llmdd.LayerSynchronizer):
+            def __init__(self) -> None:
+                self.events = [threading.Event() for _ in range(layers)]
+                self.asked = [0.0] * layers
+
+            def synchronize_layer(self, layer_index: int, timeout_in_millis) -> bool:
+                self.asked[layer_index] = time.perf_counter()
+                return self.events[layer_index].wait(60)
+
+        def one() -> tuple[float, list]:
+            sync = Releaser()
+            config = llmdd.TransferWithCacheKeyConfig(llmdd.BlocksCacheKey(remote, remote_model_id),
+                                                      range(0, layers), range(0, layers))
+
+            def release() -> None:
+                for ev in sync.events:
+                    ev.set()
+                    time.sleep(0)
+
+            t0 = time.perf_counter()
+            task = cm.transfer_cache_async(cache, sync, [config], src_block_indices=src, dst_block_indices=dst)
+            rel = threading.Thread(target=release)
+            rel.start()
+            status = task.synchronize()
+            dt = time.perf_counter() - t0
+            rel.join()
+            bad = [r for r in task.get_results() if r is not None and r != llmdd.LLMStatusCode.LLM_SUCCESS]
+            if status != llmdd.LLMStatusCode.LLM_SUCCESS or bad:
+                raise RuntimeError(f"transfer_cache_async: {status}, results {[str(r) for r in bad]}")
+            gaps = [(sync.asked[i + 1] - sync.asked[i]) * 1e6 for i in range(layers - 1) if sync.asked[i + 1]]
+            return dt, gaps
+
+        waited = _until_known(one)
+        for _ in range(warmup - 1):
+            one()
+        secs, gaps = [], []
+        for _ in range(runs):
+            dt, g = one()
+            secs.append(dt)
+            gaps.extend(g)
+        out = bw_summary(secs, nbytes)
+        out["layers"] = layers
+        out["first_call_s"] = waited
+        if gaps:
+            out["per_layer_us_p50"] = float(np.median(gaps))
+        return out
+
+    # ------------------------------------------------------------------ anchors
+    def cmd_memcpy(self, nbytes: int, runs: int, warmup: int) -> dict:
+        src = self.buf[:nbytes]
+        dst = np.empty(nbytes, dtype=np.uint8)
+        prefault(dst)
+        for _ in range(warmup):
+            np.copyto(dst, src)
+        secs = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            secs.append(time.perf_counter() - t0)
+        out = bw_summary(secs, nbytes)
+        out["verified"] = bool(np.array_equal(dst[-4096:], src[-4096:]) and np.array_equal(dst[:4096], src[:4096]))
+        return out
+
+    def cmd_gather(self, num_tensors: int, num_blocks: int, block_bytes: int, src: list, dst: list, salt: int,
+                   runs: int, warmup: int) -> dict:
+        """In-process gather of the same blocks: one-pass ``np.take(out=, mode="clip")`` over all tensors
+        (block table the same in every tensor, ``dst`` a full permutation, as in the llmdd workload)."""
+        tensor = num_blocks * block_bytes
+        nbytes = num_tensors * tensor
+        s2 = self.buf[:nbytes].reshape(num_tensors * num_blocks, block_bytes)
+        out = np.empty(nbytes, dtype=np.uint8)
+        prefault(out)
+        d2 = out.reshape(num_tensors * num_blocks, block_bytes)
+        srcs = np.asarray(src, dtype=np.int64)
+        dsts = np.asarray(dst, dtype=np.int64)
+        assert len(np.unique(dsts)) == num_blocks, "gather anchor needs dst to be a full permutation"
+        order = np.argsort(dsts)
+        per_tensor = srcs[order]  # dst block k of a tensor receives src block per_tensor[k]
+        index = (np.arange(num_tensors, dtype=np.int64)[:, None] * num_blocks + per_tensor[None, :]).ravel()
+        fn = lambda: np.take(s2, index, axis=0, out=d2, mode="clip")  # noqa: E731
+        for _ in range(warmup):
+            fn()
+        secs = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            secs.append(time.perf_counter() - t0)
+        res = bw_summary(secs, nbytes)
+        res.update(check_blocks(out, num_tensors, tensor, block_bytes, dst, src, salt))
+        return res
+
+    def cmd_cma(self, pid: int, raddr: int, num_tensors: int, num_blocks: int, block_bytes: int, src: list,
+                dst: list, salt: int, runs: int, warmup: int) -> dict:
+        """Single-thread ``process_vm_readv`` of the same blocks from ``pid``: one iovec per block (a
+        contiguous pull when ``num_blocks == 1``), at most IOV_MAX iovecs per call."""
+        readv = _libc_readv()
+        tensor = num_blocks * block_bytes
+        nbytes = num_tensors * tensor
+        laddr = int(self.buf.ctypes.data)
+        t_off = np.arange(num_tensors, dtype=np.uint64)[:, None] * np.uint64(tensor)
+        if num_blocks == 1:
+            seg = 64 << 20  # contiguous: big iovecs (one call)
+            offs = np.arange(0, nbytes, seg, dtype=np.uint64)
+            lens = np.minimum(np.uint64(seg), np.uint64(nbytes) - offs)
+            liov = np.stack([laddr + offs, lens], axis=1).astype(np.uint64)
+            riov = np.stack([raddr + offs, lens], axis=1).astype(np.uint64)
+        else:
+            s = np.asarray(src, dtype=np.uint64)[None, :] * np.uint64(block_bytes)
+            d = np.asarray(dst, dtype=np.uint64)[None, :] * np.uint64(block_bytes)
+            n = num_tensors * len(src)
+            liov = np.empty((n, 2), dtype=np.uint64)
+            riov = np.empty((n, 2), dtype=np.uint64)
+            liov[:, 0] = (np.uint64(laddr) + t_off + d).ravel()
+            riov[:, 0] = (np.uint64(raddr) + t_off + s).ravel()
+            liov[:, 1] = riov[:, 1] = block_bytes
+        total = int(liov[:, 1].sum())
+        chunks = [(liov[i:i + _IOV_MAX], riov[i:i + _IOV_MAX]) for i in range(0, len(liov), _IOV_MAX)]
+
+        def fn() -> None:
+            done = 0
+            for lv, rv in chunks:
+                got = readv(pid, lv.ctypes.data, len(lv), rv.ctypes.data, len(rv), 0)
+                if got < 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
+                done += got
+            if done != total:
+                raise RuntimeError(f"short process_vm_readv: {done} of {total} bytes")
+
+        self.buf[:nbytes] = 0
+        for _ in range(warmup):
+            fn()
+        secs = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            secs.append(time.perf_counter() - t0)
+        res = bw_summary(secs, total)
+        if num_blocks == 1:
+            res["verified"] = check_contiguous(self.buf, nbytes, salt)
+        else:
+            res.update(check_blocks(self.buf, num_tensors, tensor, block_bytes, dst, src, salt))
+        return res
+
+    def cmd_cma_latency(self, pid: int, raddr: int, num_blocks: int, block_bytes: int, n: int, warmup: int) -> dict:
+        readv = _libc_readv()
+        laddr = int(self.buf.ctypes.data)
+        rng = np.random.default_rng(7)
+        srcs = rng.integers(0, num_blocks, n + warmup)
+        dsts = rng.integers(0, num_blocks, n + warmup)
+        one_l = np.zeros((1, 2), dtype=np.uint64)
+        one_r = np.zeros((1, 2), dtype=np.uint64)
+        lp, rp = one_l.ctypes.data, one_r.ctypes.data
+        us = []
+        pc = time.perf_counter
+        for i in range(n + warmup):
+            t0 = pc()
+            one_l[0, 0] = laddr + int(dsts[i]) * block_bytes
+            one_l[0, 1] = block_bytes
+            one_r[0, 0] = raddr + int(srcs[i]) * block_bytes
+            one_r[0, 1] = block_bytes
+            got = readv(pid, lp, 1, rp, 1, 0)
+            dt = pc() - t0
+            if got != block_bytes:
+                raise RuntimeError(f"process_vm_readv returned {got}")
+            if i >= warmup:
+                us.append(dt * 1e6)
+        return lat_summary(us)
+
+    # sockets: a listener, then a sender and a receiver run at the same time
+    def cmd_listen(self) -> int:
+        ls = socket.socket()
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind((HOST, 0))
+        ls.listen(16)
+        self.listener = ls
+        return ls.getsockname()[1]
+
+    def cmd_stream_recv(self, streams: int, nbytes: int, rounds: int, salt: int) -> dict:
+        conns = []
+        for _ in range(streams):
+            c, _ = self.listener.accept()
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conns.append(c)
+        self.buf[:nbytes] = 0
+        mv = memoryview(self.buf)
+        part = nbytes // streams
+
+        def serve(i: int, c: socket.socket) -> None:
+            for _ in range(rounds):
+                _recv_exact(c, mv[i * part:(i + 1) * part])
+                c.sendall(b"k")
+
+        ts = [threading.Thread(target=serve, args=(i, c)) for i, c in enumerate(conns)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for c in conns:
+            c.close()
+        return {"verified": check_contiguous(self.buf, part * streams, salt)}
+
+    def cmd_stream_send(self, port: int, streams: int, nbytes: int, runs: int, warmup: int) -> dict:
+        mv = memoryview(self.buf)
+        socks = []
+        for _ in range(streams):
+            s = socket.create_connection((HOST, port))
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            socks.append(s)
+        part = nbytes // streams
+
+        def push(i: int, s: socket.socket) -> None:
+            s.sendall(mv[i * part:(i + 1) * part])
+            _recv_exact(s, memoryview(bytearray(1)))
+
+        secs = []
+        for r in range(runs + warmup):
+            ts = [threading.Thread(target=push, args=(i, s)) for i, s in enumerate(socks)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            dt = time.perf_counter() - t0
+            if r >= warmup:
+                secs.append(dt)
+        for s in socks:
+            s.close()
+        return bw_summary(secs, part * streams)
+
+    def cmd_rr_serve(self, n: int) -> None:
+        """Serve ``n`` pulls: a 16-byte request ``(offset, length)``, the bytes as reply."""
+        c, _ = self.listener.accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mv = memoryview(self.buf)
+        req = bytearray(16)
+        rv = memoryview(req)
+        for _ in range(n):
+            _recv_exact(c, rv)
+            off, length = struct.unpack("<QQ", req)
+            c.sendall(mv[off:off + length])
+        c.close()
+
+    def cmd_rr_client(self, port: int, block_bytes: int, num_blocks: int, n: int, warmup: int) -> dict:
+        s = socket.create_connection((HOST, port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mv = memoryview(self.buf)
+        rng = np.random.default_rng(7)
+        srcs = rng.integers(0, num_blocks, n + warmup).tolist()
+        dsts = rng.integers(0, num_blocks, n + warmup).tolist()
+        pack = struct.Struct("<QQ").pack
+        us = []
+        pc = time.perf_counter
+        for i in range(n + warmup):
+            t0 = pc()
+            s.sendall(pack(srcs[i] * block_bytes, block_bytes))
+            off = dsts[i] * block_bytes
+            _recv_exact(s, mv[off:off + block_bytes])
+            dt = pc() - t0
+            if i >= warmup:
+                us.append(dt * 1e6)
+        s.close()
+        return lat_summary(us)
+
+    # ------------------------------------------------------------------ loop
+    def serve(self, conn) -> None:
+        conn.send(("ok", {"pid": os.getpid()}))
+        while True:
+            try:
+                command, kwargs = conn.recv()
+            except (EOFError, OSError):
+                break
+            if command == "exit":
+                try:
+                    if self.dd is not None:
+                        self.dd.finalize()
+                finally:
+                    conn.send(("ok", None))
+                break
+            try:
+                reply = ("ok", getattr(self, "cmd_" + command)(**kwargs))
+            except Exception as exc:  # reported to the parent, which fails the step
+                reply = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            conn.send(reply)
+
+
+from llmdd._tools.bench import small as _small  # noqa: E402 - the small-transfer rows (issue 21) as Worker commands
+
+_small.install(Worker)
+
+
+def worker_main(conn) -> None:
+    Worker().serve(conn)
+
+
+__all__ = ["Worker", "worker_main", "KiB"]

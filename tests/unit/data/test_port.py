@@ -1,0 +1,168 @@
+"""The typed port between the control plane and the data plane (llmdd/_data/port.py), without processes.
+
+The data plane (TransferEngine) is built as the composition root builds it, but with a recording
+ControlPort instead of the link manager: what it asks of the control plane is seen call by call.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from llmdd import LLMRole, LLMStatusCode
+from llmdd._lifecycle.machines import Lifecycle
+from llmdd._lifecycle.tables import LINK_IN_USE, Machine
+from llmdd._memory.manager import MemoryManager
+from llmdd._base.options import EngineOptions
+from llmdd._extension.manager import Hooks, make_plugin_manager
+from llmdd._data.port import ControlPort, DataService, RequestOp, request_op
+from llmdd._base.profiles import PROFILES
+from llmdd._control.protocol import messages as m
+from llmdd._base.status import LLMException
+from llmdd._data.engine import TransferEngine
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class RecordingPort:
+    """A ControlPort that records every call (the data plane's view of the control plane)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def require(self, cluster_id: int) -> Any:
+        raise LLMException(f"cluster {cluster_id} is not linked", status_code=LLMStatusCode.LLM_NOT_YET_LINK)
+
+    def get(self, cluster_id: int) -> Any:
+        return None
+
+    def request(self, link: Any, op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
+        self.calls.append(("request", op, args))
+        return 0, {}
+
+    def ask(self, link: Any, message: m.TaggedDone, *, deadline: float) -> tuple[int, dict]:
+        self.calls.append(("ask", message))
+        return 0, {}
+
+    def notify(self, link: Any, message: Any) -> None:
+        self.calls.append(("notify", message))
+
+    def fail_link(self, link: Any, error: BaseException, *,
+                  status: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED) -> None:
+        self.calls.append(("fail_link", status))
+
+    def transfer_timed_out(self, link: Any, error: BaseException) -> None:
+        self.calls.append(("timed_out",))
+
+    def record_transfer(self, link: Any, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
+        self.calls.append(("record", read, written, failed))
+
+
+class FakeLink:
+    """What the data plane reads of a link: its peer, its transfer lock and its state (a real link
+    machine, driven to LINKED as the link manager would)."""
+
+    def __init__(self, peer: int) -> None:
+        self.peer_cluster_id = peer
+        self.transfer_lock = threading.Lock()
+        self.fsm = Lifecycle(Machine.LINK).create(peer)
+        self.fsm.fire("link")
+        self.fsm.fire("handshake_succeeded")
+        self.failure_status = None
+
+    @property
+    def linked(self) -> bool:
+        return self.fsm.in_(LINK_IN_USE)
+
+
+@pytest.fixture
+def engine():
+    options = EngineOptions.parse({"llm.EnableCacheManager": "1"}, LLMRole.PROMPT)
+    memory = MemoryManager.from_options(options.raw, caches=Lifecycle(Machine.CACHE))
+    port = RecordingPort()
+    te = TransferEngine(port=port, memory=memory, tasks=Lifecycle(Machine.TASK), hooks=Hooks(make_plugin_manager(
+        autoload=False)), options=options, profile=PROFILES["generic"])
+    yield te, port
+    te.close()
+    memory.close()
+
+
+def test_the_recording_port_and_the_engine_satisfy_the_port_protocols(engine):
+    te, port = engine
+    port_api = [n for n in vars(ControlPort) if not n.startswith("_")]
+    service_api = [n for n in vars(DataService) if not n.startswith("_")]
+    assert sorted(port_api) == ["ask", "fail_link", "get", "notify", "record_transfer", "request", "require",
+                                "transfer_timed_out"]
+    assert all(callable(getattr(port, n)) for n in port_api)
+    assert sorted(service_api) == ["on_link_down", "on_notice", "quiesce", "serve", "serve_tagged"]
+    assert all(callable(getattr(te, n)) for n in service_api)
+
+
+def test_request_ops_on_the_wire_map_to_the_typed_vocabulary_and_nothing_else():
+    assert [request_op(op.value) for op in RequestOp] == list(RequestOp)
+    for op in ("release_key", "push_done", "read_done", "link_descriptor", "__read_done__", "", "RESERVE_KEY"):
+        assert request_op(op) is None, op
+
+
+def test_claim_links_is_all_or_none(engine):
+    te, _ = engine
+    a, b, c = FakeLink(1), FakeLink(2), FakeLink(3)
+    te.claim_links([b])
+    with pytest.raises(LLMException) as err:
+        te.claim_links([a, b])
+    assert err.value.status_code is LLMStatusCode.LLM_LINK_BUSY
+    te.claim_links([a, c])          # a was not taken by the refused claim
+    with pytest.raises(LLMException):
+        te.claim_links([c])
+    te.release_links([a, b, c])
+    te.claim_links([a, b, c])       # every hold was released once
+    te.release_links([a, b, c])
+
+
+def test_quiesce_refuses_a_busy_link_and_afterwards_no_transfer_starts_on_it(engine):
+    te, _ = engine
+    link = FakeLink(5)
+    te.claim_links([link])                     # an async task holds it
+    assert te.quiesce(link) is False
+    te.release_links([link])
+    link.transfer_lock.acquire()               # a blocking transfer holds it
+    assert te.quiesce(link) is False
+    link.transfer_lock.release()
+    assert te.quiesce(link) is True            # idle: the unlink may go on, with no lock held
+    assert not link.transfer_lock.locked()
+    with pytest.raises(LLMException) as err:   # the unlink has not fired yet: as if UNLINKING
+        te._acquire(link)
+    assert err.value.status_code is LLMStatusCode.LLM_PROCESSING_LINK
+    assert not link.transfer_lock.locked()
+    with pytest.raises(LLMException) as err:   # nor may an async task take it
+        te.claim_links([link])
+    assert err.value.status_code is LLMStatusCode.LLM_LINK_BUSY
+    te.on_link_down(link)                      # closed: the mark goes with it
+    te.claim_links([link])
+    te.release_links([link])
+
+
+def test_a_notice_with_numbers_outside_the_owners_tables_fails_the_link_through_the_port(engine):
+    te, port = engine
+    link = FakeLink(7)
+    te.on_notice(link, m.ReleaseKey(id=3, model_id=0))          # a key this link never reserved: benign
+    assert port.calls == []
+    bad = m.PushDone(entries=(m.TransferDone(cache_id=-1, block_spans=(m.Span(start=0, stop=2**40),)),))
+    te.on_notice(link, bad)
+    kinds = [c[0] for c in port.calls]
+    assert kinds == ["notify", "fail_link"], port.calls
+    error = port.calls[0][1]
+    assert isinstance(error, m.Error) and error.fatal and error.status_code == LLMStatusCode.LLM_PARAM_INVALID.value
+    assert port.calls[1][1] is LLMStatusCode.LLM_LINK_FAILED
+
+
+def test_a_request_for_an_unknown_cache_key_is_answered_not_exist_without_touching_the_link(engine):
+    te, port = engine
+    status, result = te.serve(FakeLink(8), RequestOp.RESERVE_KEY, {"id": 1, "model_id": 0})
+    assert (status, result) == (LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.value, {})
+    with pytest.raises(LLMException) as err:          # a malformed one is refused (typed) and fails the link
+        te.serve(FakeLink(8), RequestOp.RESERVE_KEY, {"id": True, "model_id": 0})
+    assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+    assert [c[0] for c in port.calls] == ["notify", "fail_link"]

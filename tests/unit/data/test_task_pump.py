@@ -1,0 +1,252 @@
+"""The transfer engine's task machine, driven through an in-memory channel: no socket, no process.
+
+The data plane is built as the composition root builds it, with a recording control port and a
+link whose data channel is a pump over two in-process byte arrays: a batch copies its ops' bytes
+(seeded random data, compared on the other side) or ends the way the test scripts it (a timeout,
+a lost peer, a refusal, corruption, a cancel).  Every task transition ``run_ops`` can reach is
+reached, each with its one event, and what the engine then asks of the control plane is checked.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+
+from llmdd import LLMRole, LLMStatusCode
+from llmdd._base.options import EngineOptions
+from llmdd._base.profiles import PROFILES
+from llmdd._base.status import LLMException
+from llmdd._data.engine import TransferEngine
+from llmdd._data.tasks import TransferTimedOut
+from llmdd._extension.manager import Hooks, make_plugin_manager
+from llmdd._lifecycle.machines import Lifecycle
+from llmdd._lifecycle.tables import LINK_IN_USE, Machine, TaskState
+from llmdd._memory.manager import MemoryManager
+from llmdd._seam.abc import OP_DTYPE, Cancelled, Completion, Corrupt, PeerGone, Refused, TransportError
+
+pytestmark = pytest.mark.timeout(30)
+
+S = LLMStatusCode
+
+
+class PumpCompletion(Completion):
+    """A batch of the pump: finished at once, or never (a stalled peer)."""
+
+    def __init__(self, error: Optional[TransportError], finished: bool) -> None:
+        self._error = error
+        self._finished = finished
+        self.cancelled = False
+
+    def done(self) -> bool:
+        return self._finished
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._finished          # a stalled batch: the engine's deadline passed (no real wait)
+
+    @property
+    def error(self) -> Optional[TransportError]:
+        return self._error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class PumpChannel:
+    """Moves the ops' bytes between two in-process regions, or fails the batch as scripted."""
+
+    def __init__(self, local: np.ndarray, remote: np.ndarray) -> None:
+        self.regions = {0: local, 1: remote}
+        self.outcome: Any = None         # None: copy; "stall": never finishes; an error: fails with it
+        self.batches: list[PumpCompletion] = []
+
+    def _run(self, ops: np.ndarray, *, read: bool) -> PumpCompletion:
+        if self.outcome == "stall":
+            completion = PumpCompletion(None, finished=False)
+        elif self.outcome is not None:
+            completion = PumpCompletion(self.outcome, finished=True)
+        else:
+            for op in ops:
+                lo, ro, n = int(op["local_offset"]), int(op["remote_offset"]), int(op["length"])
+                local, remote = self.regions[int(op["local_region"])], self.regions[int(op["remote_region"])]
+                if read:
+                    local[lo:lo + n] = remote[ro:ro + n]
+                else:
+                    remote[ro:ro + n] = local[lo:lo + n]
+            completion = PumpCompletion(None, finished=True)
+        self.batches.append(completion)
+        return completion
+
+    def read(self, ops: np.ndarray, *, deadline: float) -> PumpCompletion:
+        return self._run(ops, read=True)
+
+    def write(self, ops: np.ndarray, *, deadline: float) -> PumpCompletion:
+        return self._run(ops, read=False)
+
+
+class PumpLink:
+    """A linked link (its machine driven to LINKED) whose data channel is the pump."""
+
+    def __init__(self, peer: int, channel: PumpChannel) -> None:
+        self.peer_cluster_id = peer
+        self.transfer_lock = threading.Lock()
+        self.fsm = Lifecycle(Machine.LINK).create(peer)
+        self.fsm.fire("link")
+        self.fsm.fire("handshake_succeeded")
+        self.failure_status = None
+        self.channel = channel
+
+    @property
+    def linked(self) -> bool:
+        return self.fsm.in_(LINK_IN_USE)
+
+
+class Port:
+    """The control plane as the data plane sees it, recording what it is asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def fail_link(self, link: Any, error: BaseException, *, status: S = S.LLM_LINK_FAILED) -> None:
+        self.calls.append(("fail_link", status))
+        link.fsm.offer("peer_lost", error=error)
+
+    def transfer_timed_out(self, link: Any, error: BaseException) -> None:
+        self.calls.append(("timed_out",))
+        link.fsm.offer("transfer_timed_out", error=error)
+
+    def record_transfer(self, link: Any, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
+        self.calls.append(("record", read, written, failed))
+
+    def __getattr__(self, name: str) -> Any:      # require/get/request/ask/notify: not reached by run_ops
+        raise AssertionError(f"run_ops must not call ControlPort.{name}")
+
+
+@pytest.fixture
+def pump():
+    options = EngineOptions.parse({"llm.EnableCacheManager": "1"}, LLMRole.PROMPT)
+    memory = MemoryManager.from_options(options.raw, caches=Lifecycle(Machine.CACHE))
+    events: list = []
+    tasks = Lifecycle(Machine.TASK, events.append)
+    port = Port()
+    te = TransferEngine(port=port, memory=memory, tasks=tasks, options=options, profile=PROFILES["generic"],
+                        hooks=Hooks(make_plugin_manager(autoload=False)))
+    rng = np.random.default_rng(20261202)
+    local = np.zeros(1 << 16, dtype=np.uint8)
+    remote = rng.integers(0, 256, size=1 << 16, dtype=np.uint8)
+    channel = PumpChannel(local, remote)
+    yield te, port, channel, PumpLink(9, channel), events, tasks, rng
+    te.close()
+    memory.close()
+
+
+def _ops(rng: np.random.Generator, n: int, block: int) -> np.ndarray:
+    ops = np.zeros(n, dtype=OP_DTYPE)
+    ops["local_region"] = 0
+    ops["remote_region"] = 1
+    ops["local_offset"] = np.arange(n) * block
+    ops["remote_offset"] = rng.permutation((1 << 16) // block)[:n] * block
+    ops["length"] = block
+    return ops
+
+
+def _trace(events: list) -> list[tuple]:
+    return [(e.source, e.trigger, e.dest) for e in events]
+
+
+T = TaskState
+
+
+def test_a_pull_moves_the_bytes_and_completes(pump):
+    te, port, channel, link, events, tasks, rng = pump
+    ops = _ops(rng, 8, 1024)
+    te.run_ops(link, ops, write=False, kind="pull_blocks")
+    local, remote = channel.regions[0], channel.regions[1]
+    for op in ops:
+        lo, ro = int(op["local_offset"]), int(op["remote_offset"])
+        assert np.array_equal(local[lo:lo + 1024], remote[ro:ro + 1024])
+    assert local[8 * 1024:].sum() == 0                      # nothing outside the ops was written
+    assert _trace(events) == [(T.CREATED, "start", T.RUNNING), (T.RUNNING, "transfer_succeeded", T.COMPLETED)]
+    assert events[0].info["bytes"] == events[1].info["bytes"] == 8 * 1024
+    assert port.calls == [("record", 8 * 1024, 0, False)]
+
+
+def test_a_push_writes_the_remote_bytes(pump):
+    te, port, channel, link, events, tasks, rng = pump
+    channel.regions[0][:] = rng.integers(0, 256, size=1 << 16, dtype=np.uint8)
+    before = channel.regions[1].copy()
+    ops = _ops(rng, 4, 4096)
+    te.run_ops(link, ops, write=True, kind="push_blocks")
+    touched = np.zeros(1 << 16, dtype=bool)
+    for op in ops:
+        lo, ro = int(op["local_offset"]), int(op["remote_offset"])
+        assert np.array_equal(channel.regions[1][ro:ro + 4096], channel.regions[0][lo:lo + 4096])
+        touched[ro:ro + 4096] = True
+    assert np.array_equal(channel.regions[1][~touched], before[~touched])
+    assert [e.trigger for e in events] == ["start", "transfer_succeeded"]
+    assert port.calls == [("record", 0, 4 * 4096, False)]
+
+
+@pytest.mark.parametrize("outcome, code, fails_link", [
+    (PeerGone("peer went away"), S.LLM_LINK_FAILED, True),
+    (Refused("outside the peer's regions", status_code=S.LLM_PARAM_INVALID), S.LLM_PARAM_INVALID, False),
+    (Corrupt("bad frame"), S.LLM_FAILED, True),
+    (Cancelled("cancelled"), S.LLM_FAILED, False),
+], ids=["peer_gone", "refused", "corrupt", "cancelled"])
+def test_a_failed_batch_fails_the_task_and_the_link_only_when_the_channel_is_lost(pump, outcome, code, fails_link):
+    te, port, channel, link, events, tasks, rng = pump
+    channel.outcome = outcome
+    with pytest.raises(LLMException) as err:
+        te.run_ops(link, _ops(rng, 2, 512), write=False, kind="pull_blocks")
+    assert err.value.status_code is code
+    assert _trace(events) == [(T.CREATED, "start", T.RUNNING), (T.RUNNING, "transfer_failed", T.FAILED)]
+    assert events[1].error is outcome
+    expected = [("record", 0, 0, True)]
+    if fails_link:   # a lost peer fails with LLM_LINK_FAILED, a corrupt channel with its own status
+        expected.append(("fail_link", S.LLM_LINK_FAILED if isinstance(outcome, PeerGone) else outcome.status_code))
+    assert port.calls == expected
+    assert link.fsm.in_(LINK_IN_USE) is not fails_link
+    assert channel.regions[0].sum() == 0                    # no byte landed
+
+
+def test_a_batch_past_its_deadline_is_cancelled_times_the_task_out_and_fails_the_link(pump):
+    te, port, channel, link, events, tasks, rng = pump
+    channel.outcome = "stall"
+    with pytest.raises(TransferTimedOut) as err:
+        te.run_ops(link, _ops(rng, 2, 512), write=False, kind="pull_blocks")
+    assert err.value.status_code is S.LLM_TIMEOUT
+    assert channel.batches[-1].cancelled
+    assert _trace(events) == [(T.CREATED, "start", T.RUNNING), (T.RUNNING, "deadline_expired", T.TIMED_OUT)]
+    assert port.calls == [("record", 0, 0, True), ("timed_out",)]
+    assert not link.fsm.in_(LINK_IN_USE)
+
+
+def test_a_step_of_a_running_task_leaves_the_task_to_its_owner(pump):
+    te, port, channel, link, events, tasks, rng = pump
+    owner = tasks.create(1, kind="transfer_cache_async")
+    owner.fire("start")
+    te.run_ops(link, _ops(rng, 1, 256), write=True, kind="transfer_cache_async", step_of=owner)
+    channel.outcome = "stall"
+    with pytest.raises(TransferTimedOut):
+        te.run_ops(link, _ops(rng, 1, 256), write=True, kind="transfer_cache_async", step_of=owner)
+    # only the owner's own start: a step fires nothing on the task it belongs to
+    assert _trace(events) == [(T.CREATED, "start", T.RUNNING)]
+    assert owner.in_(frozenset({T.RUNNING}))
+
+
+def test_every_task_transition_run_ops_can_reach_is_reached(pump):
+    """The pump reaches start, transfer_succeeded, transfer_failed and deadline_expired from RUNNING."""
+    te, port, channel, link, events, tasks, rng = pump
+    for outcome in (None, PeerGone("x"), "stall"):
+        channel.outcome = outcome
+        run_link = PumpLink(10, channel)
+        try:
+            te.run_ops(run_link, _ops(rng, 1, 128), write=False, kind="pull_blocks")
+        except LLMException:
+            pass
+    seen = {(s, t) for s, t, _ in _trace(events)}
+    assert seen == {(T.CREATED, "start"), (T.RUNNING, "transfer_succeeded"), (T.RUNNING, "transfer_failed"),
+                    (T.RUNNING, "deadline_expired")}
+    assert tasks.statistics().refused == 0 and tasks.statistics().absorbed == 0
