@@ -46,7 +46,9 @@ def _build_read_done(m: Any, rng: random.Random, entries: int, spans: int) -> An
             block_spans.append(m.Span(start=start, stop=stop))
             pos = stop
         key = m.KeyRef.for_req(rng.randrange(1 << 48), rng.randrange(1 << 16)) if i % 2 else None
-        out.append(m.ReadDoneEntry(cache_id=rng.randrange(1 << 40), key=key, block_spans=tuple(block_spans)))
+        # wire v3 carries the spans as flat bounds (ReadDoneEntry.from_spans); v1/v2 as Span objects
+        make = getattr(m.ReadDoneEntry, "from_spans", m.ReadDoneEntry)
+        out.append(make(cache_id=rng.randrange(1 << 40), key=key, block_spans=tuple(block_spans)))
     return m.ReadDone(entries=tuple(out))
 
 

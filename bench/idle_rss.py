@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import textwrap
 from typing import Optional
 
 MiB = 1 << 20
@@ -30,60 +28,11 @@ KiB = 1 << 10
 IDLE_MAX_BYTES = 45 * MiB
 PER_LINK_MAX_BYTES = 64 * KiB
 
-_CHILD = textwrap.dedent('''
-    import gc, json, os, sys
-
-    def rss():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    trace = int(os.environ.get("LLMDD_IDLE_TRACE", "0"))
-    if trace:   # Python-level allocations (the RSS is then larger: tracemalloc's own bookkeeping)
-        import tracemalloc
-        tracemalloc.start(1)
-    start = rss()
-    import llmdd
-    imported = rss()
-    cfg = llmdd.LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    cfg.listen_ip_info = "127.0.0.1:0"
-    dd = llmdd.LLMDataDist(llmdd.LLMRole.PROMPT, 1)
-    dd.init(cfg.generate_options())
-    gc.collect()
-    idle = rss()
-    maps, cur = {}, None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 5 and "-" in parts[0] and not parts[0].endswith(":"):
-                cur = parts[5] if len(parts) > 5 else "[anon]"
-            elif parts and parts[0] == "Rss:":
-                maps[cur] = maps.get(cur, 0) + int(parts[1]) * 1024
-    top = sorted(maps.items(), key=lambda kv: -kv[1])[:12]
-    out = {"llmdd": llmdd.__file__, "rss_start": start, "rss_after_import": imported, "rss_idle": idle,
-           "modules": len(sys.modules), "threads": len(os.listdir("/proc/self/task")),
-           "structlog_loaded": "structlog" in sys.modules, "asyncio_loaded": "asyncio" in sys.modules,
-           "numpy_loaded": "numpy" in sys.modules, "top_mappings": top,
-           "plugins": sorted(n for n, _ in dd._pm.list_name_plugin()) if getattr(dd, "_pm", None) else None}
-    if trace:
-        stats = tracemalloc.take_snapshot().statistics("filename")
-        out["traced_bytes"] = sum(st.size for st in stats)
-        out["tracemalloc_top"] = [[str(st.traceback[0].filename), st.size, st.count] for st in stats[:trace]]
-    dd.finalize()
-    print(json.dumps(out))
-''')
-
-
 def measure_idle(env: Optional[dict] = None, timeout: float = 120.0) -> dict:
-    """One idle engine in a fresh interpreter; its numbers (see the module docstring)."""
-    # cwd "/": "-c" puts the cwd first on sys.path, and llmdd must come from the install (or PYTHONPATH)
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd="/")
-    if proc.returncode != 0:
-        raise RuntimeError(f"idle engine child failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """One idle engine in a fresh interpreter; its numbers (llmdd._tools.bench.idle, which llmdd bench uses too)."""
+    from llmdd._tools.bench.idle import measure_idle as measure
+
+    return measure(env, timeout)
 
 
 def installed_plugins() -> list[str]:

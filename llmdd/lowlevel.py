@@ -17,7 +17,6 @@ batches and its close-drain) and :func:`map_os_error` (an exception raised while
 the typed error the seam reports).  docs/writing-a-transport.md shows them at work.
 """
 
-from llmdd._seam.abc import OP_DTYPE as OP_DTYPE
 from llmdd._seam.abc import Cancelled as Cancelled
 from llmdd._seam.abc import Completion as Completion
 from llmdd._seam.abc import Corrupt as Corrupt
@@ -34,6 +33,8 @@ from llmdd._seam.abc import coalesce_ops as coalesce_ops
 from llmdd._seam.abc import make_ops as make_ops
 from llmdd._seam.abc import split_ops as split_ops
 from llmdd._control.ioloop import EVENT_READ as EVENT_READ
+from llmdd._base.lazy import np as lazy_numpy
+from llmdd._base.lazy import when_numpy_loaded as when_numpy_loaded
 from llmdd._control.ioloop import EVENT_WRITE as EVENT_WRITE
 from llmdd._control.ioloop import IoLoop as IoLoop
 from llmdd._control.ioloop import PoolFull as PoolFull
@@ -79,4 +80,14 @@ __all__ = [
     "Batch",
     "BatchSet",
     "map_os_error",
+    "lazy_numpy",
+    "when_numpy_loaded",
 ]
+
+
+def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is first used (llmdd._base.lazy)
+    if name == "OP_DTYPE":
+        from llmdd._seam import abc as _abc
+
+        return _abc.OP_DTYPE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

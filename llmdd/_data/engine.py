@@ -21,10 +21,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-import numpy as np
-
-from llmdd._seam.abc import OP_DTYPE, Cancelled, PeerGone, Refused, TransportError, TransportTimeout
+from llmdd._seam import abc as _abc
+from llmdd._seam.abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
 from llmdd._base.enums import Placement
+from llmdd._base.lazy import np, when_numpy_loaded
 from llmdd._base.log import get_logger
 from llmdd._data.planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
 from llmdd._base.options import EngineOptions
@@ -79,6 +79,20 @@ def _spans(blocks: Any) -> tuple:
     return tuple(m.Span(start=int(a), stop=int(b)) for a, b in zip(starts, stops))
 
 
+def _bounds(blocks: Any) -> tuple:
+    """Block indices as the flat ``(start, stop, ...)`` bounds of sorted disjoint spans (a ReadDone entry)."""
+    if isinstance(blocks, (list, tuple)) and len(blocks) <= 16:
+        return tuple(x for s in _spans(blocks) for x in (s.start, s.stop))
+    arr = np.unique(np.asarray(blocks, dtype=np.int64))
+    if not len(arr):
+        return ()
+    breaks = np.flatnonzero(np.diff(arr) != 1)
+    out = np.empty(2 * (len(breaks) + 1), dtype=np.int64)
+    out[0::2] = np.concatenate(([arr[0]], arr[breaks + 1]))
+    out[1::2] = np.concatenate((arr[breaks], [arr[-1]])) + 1
+    return tuple(out.tolist())
+
+
 #: the kinds of queued owner notices, and the most of one kind sent in one message
 _READ, _PUSH = 0, 1
 MAX_NOTICE_BATCH = m.MAX_NOTICE_BATCH
@@ -111,7 +125,14 @@ def _op_rows(n: int) -> struct.Struct:
     return packer
 
 
-assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
+OP_DTYPE: Any   # llmdd._seam.abc.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+
+
+@when_numpy_loaded
+def _numpy_loaded(numpy: Any) -> None:
+    global OP_DTYPE
+    OP_DTYPE = _abc.OP_DTYPE
+    assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
 
 
 class _QuickPlan:
@@ -1000,7 +1021,7 @@ class TransferEngine:
             run = items[i:j]
             if kind == _READ:
                 self._lm.notify(link, m.ReadDone(entries=tuple(
-                    m.ReadDoneEntry(cache_id=cache_id, key=None, block_spans=_spans(blocks) if blocks else ())
+                    m.ReadDoneEntry(cache_id=cache_id, key=None, block_bounds=_bounds(blocks) if blocks else ())
                     for _, cache_id, blocks in run)))
             else:
                 self._lm.notify(link, m.PushDone(entries=tuple(_push_done(*item[1:]) for item in run)))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
-from llmdd._data.peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_range, peer_spans
+from llmdd._data.peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_bounds, peer_range, peer_spans
 from llmdd._data.port import ControlPort, DataNotice, RequestOp
 from llmdd._control.protocol import messages as m
 from llmdd._base.status import LLMException, LLMStatusCode
@@ -200,7 +200,7 @@ class OwnerSide:
         for entry in msg.entries:   # validate the whole notice before any event fires
             rec = self._served_record(link, entry.cache_id, "read_done")
             if rec is not None:
-                checked.append((rec, self._block_spans(rec, entry.block_spans, "read_done blocks")))
+                checked.append((rec, peer_bounds(entry.block_bounds, "read_done blocks", rec.rows)))
         for rec, blocks in checked:
             self._cache_event(rec, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
         return 0, {}

@@ -81,6 +81,28 @@ def peer_spans(spans: Any, name: str, limit: int, *, max_spans: Optional[int] = 
     return [peer_range(s, name, limit) for s in spans]
 
 
+def peer_bounds(bounds: Any, name: str, limit: int, *, max_spans: Optional[int] = None) -> list[list[int]]:
+    """Flat span bounds ``(start0, stop0, start1, stop1, ...)`` as ``[[start, stop], ...]``, each span
+    inside ``[0, limit]`` with ``start <= stop`` (what :func:`peer_spans` checks of Span objects); at
+    most ``max_spans`` spans (default ``limit``), the count checked before any span."""
+    if not isinstance(bounds, (list, tuple)):
+        raise PeerInputError(f"{name} must be a list of span bounds, got {type(bounds).__name__}")
+    if len(bounds) % 2:
+        raise PeerInputError(f"{name}: an odd number of span bounds ({len(bounds)})")
+    cap = limit if max_spans is None else max_spans
+    if len(bounds) // 2 > cap:
+        raise PeerInputError(f"{name}: {len(bounds) // 2} spans exceed the {cap} this cache can have")
+    out = []
+    it = iter(bounds)
+    for start, stop in zip(it, it):
+        if type(start) is int and type(stop) is int and 0 <= start <= stop <= limit:
+            out.append([start, stop])
+        else:
+            r = peer_range((start, stop), name, limit)   # raises the precise error
+            out.append([r.start, r.stop])
+    return out
+
+
 def covered(ranges: Iterable[range]) -> set[int]:
     """The indices of ``ranges`` (already bounded by :func:`peer_range`, so small)."""
     out: set[int] = set()

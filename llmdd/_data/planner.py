@@ -30,9 +30,9 @@ import operator
 from typing import Any, Sequence, Union
 
 import attrs
-import numpy as np
 
-from llmdd._seam.abc import OP_DTYPE
+from llmdd._seam import abc as _abc
+from llmdd._base.lazy import np, when_numpy_loaded
 from llmdd._base.status import LLMStatusCode, LocalUsageError
 
 __all__ = [
@@ -49,7 +49,15 @@ __all__ = [
 ]
 
 #: A block list as the API accepts it: a list/tuple of ``int`` or a 1-d numpy integer array.
-BlockList = Union[Sequence[int], np.ndarray]
+BlockList = Union[Sequence[int], "np.ndarray"]
+
+OP_DTYPE: Any   # llmdd._seam.abc.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+
+
+@when_numpy_loaded
+def _numpy_loaded(numpy: Any) -> None:
+    global OP_DTYPE
+    OP_DTYPE = _abc.OP_DTYPE
 
 _U32 = 2**32
 _I63 = 2**63

@@ -15,7 +15,8 @@ from llmdd._memory.backend import (
     owned_segment_names,
     sweep_orphan_segments,
 )
-from llmdd._memory.copy import COPY_OP_DTYPE, Bounds, block_copy_ops, coalesce_copy_ops, execute, make_copy_ops, slot_copy_ops
+from llmdd._memory import copy as _copy
+from llmdd._memory.copy import Bounds, block_copy_ops, coalesce_copy_ops, execute, make_copy_ops, slot_copy_ops
 from llmdd._memory.manager import CacheRecord, MemoryManager
 from llmdd._memory.pool import PagePool, PoolStatistics
 from llmdd._memory.regions import Region, RegionSpec, RegionTable
@@ -28,3 +29,9 @@ __all__ = [
     "COPY_OP_DTYPE", "Bounds", "make_copy_ops", "block_copy_ops", "slot_copy_ops", "coalesce_copy_ops", "execute",
     "MemoryManager", "CacheRecord",
 ]
+
+
+def __getattr__(name: str):   # COPY_OP_DTYPE is a numpy dtype: defined when numpy is first used
+    if name == "COPY_OP_DTYPE":
+        return _copy.COPY_OP_DTYPE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,11 +37,12 @@ import os
 import secrets
 import sys
 import threading
-from multiprocessing import shared_memory
-from typing import Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Optional, Protocol, runtime_checkable
 
-import numpy as np
+if TYPE_CHECKING:
+    from multiprocessing import shared_memory
 
+from llmdd._base.lazy import np
 from llmdd._base.enums import Placement
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
@@ -144,6 +145,14 @@ class Segment:
                 f"owner={self.owner}, addr={self.addr:#x})")
 
 
+def _SharedMemory(*args, **kwargs) -> "shared_memory.SharedMemory":
+    """``multiprocessing.shared_memory.SharedMemory``, imported when a segment is first made or attached:
+    multiprocessing brings pickle, subprocess and more (about 3 MiB an idle engine does not need)."""
+    from multiprocessing import shared_memory
+
+    return shared_memory.SharedMemory(*args, **kwargs)
+
+
 def _shm_unlink(name: str) -> None:
     try:
         import _posixshmem
@@ -152,7 +161,7 @@ def _shm_unlink(name: str) -> None:
     except FileNotFoundError:
         pass
     except ImportError:  # pragma: no cover - non-POSIX
-        shm = shared_memory.SharedMemory(name=name)
+        shm = _SharedMemory(name=name)
         shm.close()
         shm.unlink()
 
@@ -160,9 +169,9 @@ def _shm_unlink(name: str) -> None:
 def _create_shm(size: int) -> shared_memory.SharedMemory:
     name = _segments.segment_name("pool", f"{next(_counter)}_{secrets.token_hex(4)}")
     if _TRACK_PARAM:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=size, track=False)  # type: ignore[call-arg]
+        shm = _SharedMemory(name=name, create=True, size=size, track=False)  # type: ignore[call-arg]
     else:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        shm = _SharedMemory(name=name, create=True, size=size)
         try:
             from multiprocessing import resource_tracker
 
@@ -278,7 +287,7 @@ def attach_segment(name: str, size: int, placement: Placement = Placement.HOST) 
         raise LLMException(f"invalid segment size {size!r}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
     try:
         if _TRACK_PARAM:
-            shm = shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+            shm = _SharedMemory(name=name, track=False)  # type: ignore[call-arg]
             if shm.size < size:
                 shm.close()
                 raise LLMException(f"segment {name} has {shm.size} bytes, {size} expected",

@@ -17,10 +17,9 @@ sequence (a merged run whose destination starts inside its own source, i.e.
 from __future__ import annotations
 
 import ctypes
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-import numpy as np
-
+from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._base.status import LLMException, LLMStatusCode
 
 __all__ = [
@@ -35,7 +34,16 @@ __all__ = [
     "as_index_array",
 ]
 
-COPY_OP_DTYPE = np.dtype([("src", "<u8"), ("dst", "<u8"), ("length", "<u8")])
+COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
+
+
+@when_numpy_loaded
+def _define_dtypes(numpy: Any) -> None:
+    global COPY_OP_DTYPE
+    COPY_OP_DTYPE = numpy.dtype([("src", "<u8"), ("dst", "<u8"), ("length", "<u8")])
+
+
+__getattr__ = numpy_constants(globals(), "COPY_OP_DTYPE")
 
 _memmove = ctypes.memmove
 
@@ -163,7 +171,7 @@ def coalesce_copy_ops(ops: np.ndarray) -> np.ndarray:
 
 def check_copy_ops(ops: np.ndarray, src_bounds: Bounds, dst_bounds: Bounds) -> None:
     """Validate every op on both sides; raises before anything is copied."""
-    if ops.dtype != COPY_OP_DTYPE:
+    if not isinstance(ops, np.ndarray) or ops.dtype != COPY_OP_DTYPE:   # np first: defines COPY_OP_DTYPE
         raise _invalid(f"copy ops must have dtype COPY_OP_DTYPE, got {ops.dtype}")
     src, dst, n = ops["src"], ops["dst"], ops["length"]
     if len(ops) and (bool(np.any(src + n < src)) or bool(np.any(dst + n < dst))):

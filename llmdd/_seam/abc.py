@@ -30,8 +30,8 @@ import time
 from typing import Any, Callable, ClassVar, Mapping, Sequence, Union
 
 import attrs
-import numpy as np
 
+from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMStatusCode, TransportError
 
@@ -62,14 +62,24 @@ __all__ = [
 
 _log = get_logger("llmdd.abc")
 
-#: One op of a batch: (local region, offset, remote region, offset, length), packed.
-OP_DTYPE = np.dtype([
-    ("local_region", "<u4"),
-    ("local_offset", "<u8"),
-    ("remote_region", "<u4"),
-    ("remote_offset", "<u8"),
-    ("length", "<u8"),
-])
+#: One op of a batch: (local region, offset, remote region, offset, length), packed (a numpy
+#: dtype, defined when numpy is first used: see llmdd._base.lazy).
+OP_DTYPE: Any
+
+
+@when_numpy_loaded
+def _define_dtypes(numpy: Any) -> None:
+    global OP_DTYPE
+    OP_DTYPE = numpy.dtype([
+        ("local_region", "<u4"),
+        ("local_offset", "<u8"),
+        ("remote_region", "<u4"),
+        ("remote_offset", "<u8"),
+        ("length", "<u8"),
+    ])
+
+
+__getattr__ = numpy_constants(globals(), "OP_DTYPE")
 
 
 # --------------------------------------------------------------------------- value types
@@ -278,7 +288,7 @@ def coalesce_ops(ops: np.ndarray, *, sort: bool = True) -> np.ndarray:
     if sort:
         order = np.lexsort((ops["local_offset"], ops["local_region"], ops["remote_offset"], ops["remote_region"]))
         ops = ops[order]
-    lr, lo, rr, ro, ln = (ops[n] for n in OP_DTYPE.names)
+    lr, lo, rr, ro, ln = (ops[n] for n in ("local_region", "local_offset", "remote_region", "remote_offset", "length"))
     cont = ((lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1])
             & (lo[:-1] + ln[:-1] == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:]))
     if not cont.any():

@@ -27,7 +27,7 @@ import ssl
 import threading
 from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar, Union
 
-import numpy as np
+from llmdd._base.lazy import np  # numpy at its first use: an idle engine needs none
 
 from llmdd._seam.abc import Cancelled, Corrupt, PeerGone, RegionTable, Refused, TransportTimeout, check_ops
 from llmdd._base.status import LLMStatusCode, TransportError

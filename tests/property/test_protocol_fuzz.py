@@ -92,7 +92,7 @@ MESSAGES = {
     # the hot notice types keep what they are given (no construction conversion): build tuples
     m.ReadDone: st.builds(m.ReadDone, entries=st.lists(st.builds(
         m.ReadDoneEntry, cache_id=i64, key=st.none() | keyrefs,
-        block_spans=st.lists(spans, **small).map(tuple)), **small).map(tuple)),
+        block_bounds=st.lists(u64, **small).map(tuple)), **small).map(tuple)),
     m.KeyConsumed: st.builds(m.KeyConsumed, key=keyrefs, cache_id=i64, tensor_spans=st.lists(spans, **small)),
     m.ReleaseKey: st.builds(m.ReleaseKey, id=u64, model_id=u64),
     m.PushDone: st.builds(m.PushDone, entries=st.lists(transfer_done(), **small)),

@@ -112,7 +112,7 @@ post_link_messages = st.one_of(
     st.builds(lambda rid, push, e: m.TaggedDone(request_id=rid, push=push, entry=e), u64, st.booleans(),
               transfer_done(tagged=True)),
     st.builds(lambda entries: m.ReadDone(entries=entries), st.lists(st.builds(
-        lambda c, s: m.ReadDoneEntry(cache_id=c, block_spans=s), small_ids | i64, spans()), max_size=6).map(tuple)),
+        lambda c, s: m.ReadDoneEntry.from_spans(cache_id=c, block_spans=s), small_ids | i64, spans()), max_size=6).map(tuple)),
     st.builds(lambda v, f, rem: m.RegionsUpdate(version=v, full=f, removed=rem), u64, st.booleans(),
               st.lists(st.integers(0, 2**32 - 1), max_size=4).map(tuple)),
     st.builds(lambda v, f, rem: m.CacheTableUpdate(version=v, full=f, caches_removed=rem), u64, st.booleans(),
@@ -220,11 +220,11 @@ def test_read_done_spans_outside_the_cache_fail_the_link_and_fire_no_event(hosti
     _relink(hostile)
     src_id = hostile.owner.call(H.cache_id_of, "src")
     hostile.owner.call(H.record_cache_events)
-    good = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_spans=(m.Span(start=1, stop=3),)),))
+    good = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_bounds=(1, 3)),))
     hostile.peer.call(H.notify_raw, PROMPT, good)
     assert hostile.peer.call(H.request_raw, PROMPT, "engine_info", {}, PROBE_S)["status"] == 0
     assert hostile.owner.call(H.cache_events, "peer_read") == [(src_id, [[1, 3]])]
-    bad = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_spans=(m.Span(start=0, stop=NB + 1),)),))
+    bad = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_bounds=(0, NB + 1)),))
     hostile.peer.call(H.notify_raw, PROMPT, bad)
     assert hostile.peer.call(H.wait_link_failed, PROMPT, PROBE_S) == "failed"
     assert hostile.owner.call(H.cache_events, "peer_read") == [(src_id, [[1, 3]])]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 from typing import Dict, List, Optional, Tuple, Union
 
-import numpy as np
+from llmdd._base.lazy import np
 
 from llmdd._base.enums import LLMRole, Placement
 from llmdd._base.log import get_logger

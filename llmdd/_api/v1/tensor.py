@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple, Union
 
-import numpy as np
+from llmdd._base.lazy import np
 
 from llmdd._base.enums import DataType
 from llmdd._base.status import LLMException, LLMStatusCode

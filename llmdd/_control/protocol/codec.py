@@ -77,8 +77,8 @@ __all__ = [
 ]
 
 MAGIC = b"LD"
-WIRE_VERSION = 2
-SUPPORTED_WIRE_VERSIONS = frozenset({2})
+WIRE_VERSION = 3   # 3: a ReadDone entry's block spans as flat bounds
+SUPPORTED_WIRE_VERSIONS = frozenset({3})
 _HEADER = struct.Struct(">2sBBBI")
 HEADER_SIZE = _HEADER.size  # 9
 FLAG_CRC32 = 0x01

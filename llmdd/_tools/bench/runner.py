@@ -519,6 +519,24 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except BenchError as exc:
             run.results["errors"].append({"step": t, "error": str(exc)})
             progress.note(f"{t} FAILED: {str(exc).splitlines()[0]}")
+    if "idle" not in opts.skip:   # an idle engine per transport, each in a fresh interpreter (issue 22, target 5)
+        from llmdd._tools.bench.idle import idle_engine
+
+        for t in transports:
+            if t in run.results["transports"] and t not in VARIANTS:
+                try:
+                    run.results["transports"][t]["idle_engine"] = idle_engine(t)
+                    progress.note(f"{t}: idle engine {run.results['transports'][t]['idle_engine']['rss_bytes'] / MiB:.1f} MiB")
+                except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
+                    run.results["errors"].append({"step": f"{t} idle engine", "error": repr(exc)})
+    if "control" not in opts.skip:   # the bulk control notice's codec cost (issue 22, target 4)
+        from llmdd._tools.bench.control import run_control
+
+        try:
+            run.results["control"] = run_control(rounds=5 if opts.sizes == Sizes.quick() else 15)
+        except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
+            run.results["errors"].append({"step": "control", "error": repr(exc)})
+            progress.note(f"control FAILED: {exc!r}")
     if opts.sizes.scaling_links and "scaling" not in opts.skip:
         from llmdd._tools.bench.scaling import run_scaling
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import struct
 import zlib
 
@@ -76,7 +77,7 @@ SAMPLES = {
     m.UnlinkAck: m.UnlinkAck(request_id=5, status_code=0),
     m.ReadDone: m.ReadDone(entries=(
         m.ReadDoneEntry(cache_id=3, key=KEY_REQ),
-        m.ReadDoneEntry(cache_id=4, block_spans=(m.Span(start=0, stop=4), m.Span(start=10, stop=11))),
+        m.ReadDoneEntry(cache_id=4, block_bounds=(0, 4, 10, 11)),
     )),
     m.KeyConsumed: m.KeyConsumed(key=KEY_REQ, cache_id=3, tensor_spans=(m.Span(start=0, stop=8),)),
     m.ReleaseKey: m.ReleaseKey(id=2**64 - 1, model_id=7),
@@ -125,10 +126,10 @@ def test_frame_layout():
     msg = SAMPLES[m.Keepalive]
     frame = encode_frame(msg, checksum=True)
     payload = b"\x92\x01\xce" + struct.pack(">I", 123456789)  # MessagePack [1, 123456789]
-    header = MAGIC + bytes([2, 0x20, FLAG_CRC32]) + struct.pack(">I", len(payload))
-    assert HEADER_SIZE == 9 and WIRE_VERSION == 2
+    header = MAGIC + bytes([3, 0x20, FLAG_CRC32]) + struct.pack(">I", len(payload))
+    assert HEADER_SIZE == 9 and WIRE_VERSION == 3
     assert frame == header + payload + struct.pack(">I", zlib.crc32(header + payload))
-    assert encode_frame(msg, checksum=False) == MAGIC + bytes([2, 0x20, 0]) + struct.pack(">I", 7) + payload
+    assert encode_frame(msg, checksum=False) == MAGIC + bytes([3, 0x20, 0]) + struct.pack(">I", 7) + payload
 
 
 def test_descriptor_values_round_trip_types():
@@ -220,7 +221,8 @@ def _header(code=0x20, flags=0, length=16, version=WIRE_VERSION, magic=MAGIC) ->
 
 @pytest.mark.parametrize("header, match", [
     (_header(version=1), "unsupported wire version 1"),   # a peer still on the v1 binary payloads
-    (_header(version=3), "wire version"),
+    (_header(version=2), "unsupported wire version 2"),   # a peer still sending ReadDone spans as Span arrays
+    (_header(version=4), "wire version"),
     (_header(flags=0x80), "flags"),
     (_header(code=0x66), "unknown message type"),
     (_header(length=2**32 - 1), "exceeds the limit"),
@@ -416,20 +418,38 @@ def test_hot_notice_types_leave_span_order_to_the_owner():
     """Span, ReadDoneEntry and ReadDone run no construction check (they are decoded by the thousand);
     the typed decoder still checks a peer's ranges and types, and a reversed span is refused by the
     owner's table check (llmdd._data.peer_input) before any work."""
-    from llmdd._data.peer_input import PeerInputError, peer_spans
+    from llmdd._data.peer_input import PeerInputError, peer_bounds, peer_spans
 
-    payload = _enc([[[7, None, [[5, 1]]]]])
+    payload = _enc([[[7, None, [5, 1]]]])
     notice = decode_payload(MESSAGE_TYPES[m.ReadDone], payload)
     (entry,) = notice.entries
-    assert entry.block_spans == (m.Span(start=5, stop=1),)
+    assert entry.block_bounds == (5, 1) and entry.block_spans == (m.Span(start=5, stop=1),)
+    with pytest.raises(PeerInputError, match=r"\[5, 1\) is outside"):
+        peer_bounds(entry.block_bounds, "read_done blocks", 10)
     with pytest.raises(PeerInputError, match=r"\[5, 1\) is outside"):
         peer_spans(entry.block_spans, "read_done blocks", 10)
+    odd = decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [1, 3, 4]]]])).entries[0]
+    with pytest.raises(PeerInputError, match="odd number of span bounds"):
+        peer_bounds(odd.block_bounds, "read_done blocks", 10)
+    with pytest.raises(PeerInputError, match="3 spans exceed the 2"):
+        peer_bounds((0, 1, 1, 2, 2, 3), "read_done blocks", 2)
+    assert peer_bounds((0, 2, 5, 5, 7, 10), "read_done blocks", 10) == [[0, 2], [5, 5], [7, 10]]
     with pytest.raises(ProtocolError, match=">= 0"):
-        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[-1, 1]]]]]))
+        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [-1, 1]]]]))
     with pytest.raises(ProtocolError, match="Expected `int`"):
-        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[0, 1.5]]]]]))
-    with pytest.raises(ProtocolError, match="at most length 2"):
-        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[0, 1, 2]]]]]))
+        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [0, 1.5]]]]))
+    with pytest.raises(ProtocolError, match="Expected `int`"):   # wire v2's Span arrays are refused
+        decode_payload(MESSAGE_TYPES[m.ReadDone], _enc([[[7, None, [[0, 1]]]]]))
+
+
+def test_read_done_entry_from_spans_round_trips():
+    rng = random.Random(22)
+    spans = tuple(m.Span(start=a, stop=a + rng.randrange(0, 9)) for a in sorted(rng.sample(range(1 << 40), 64)))
+    entry = m.ReadDoneEntry.from_spans(cache_id=5, key=KEY_REQ, block_spans=spans)
+    assert entry.block_bounds == tuple(x for s in spans for x in (s.start, s.stop))
+    assert entry.block_spans == spans
+    notice = m.ReadDone(entries=(entry,))
+    assert decode_payload(MESSAGE_TYPES[m.ReadDone], encode_payload(notice)) == notice
 
 
 def test_region_contains():

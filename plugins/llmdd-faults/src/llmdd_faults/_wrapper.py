@@ -22,10 +22,10 @@ import threading
 import time
 from typing import Any, ClassVar, Mapping, Optional, Union
 
-import numpy as np
 
 from llmdd.lowlevel import get_logger
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportTimeout, as_ops, make_ops
 
 from ._plan import Fault, FaultPlan, current_peer

@@ -31,9 +31,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 from llmdd.plugin import hookimpl
 
@@ -51,6 +52,10 @@ class MetricsSubscriber:
     """
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, *, peer_labels: bool = False) -> None:
+        # prometheus_client (about 2.3 MiB with http.server, wsgiref, email) comes in with the first
+        # subscriber: the installed entry point without LLMDD_METRICS makes none and costs nothing
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
         reg = registry if registry is not None else REGISTRY
         self.registry = reg
         self.peer_labels = bool(peer_labels)
@@ -128,6 +133,14 @@ class MetricsSubscriber:
                 self.caches.labels(event.source.value).dec()
             if event.dest.value != "released":
                 self.caches.labels(event.dest.value).inc()
+
+
+def __getattr__(name: str) -> Any:   # REGISTRY: prometheus_client's default registry, imported when asked for
+    if name == "REGISTRY":
+        from prometheus_client import REGISTRY
+
+        return REGISTRY
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _as_int(text: str) -> Any:

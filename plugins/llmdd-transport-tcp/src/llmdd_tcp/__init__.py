@@ -82,13 +82,14 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Union
 
-import numpy as np
 
 from llmdd.plugin import hookimpl
 from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull, TlsConfig, get_logger, tls_config
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
 from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+from llmdd.lowlevel import when_numpy_loaded
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout
 from llmdd.lowlevel import coalesce_ops, map_os_error, split_ops
@@ -107,7 +108,13 @@ _RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message len
 _M_HELLO, _M_REQ, _M_RSP = b"LDTH", b"LDRQ", b"LDRS"
 READ, WRITE = 1, 2
 ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
-WIRE_OP = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])  # packed, 20 bytes
+WIRE_OP: Any   # packed (region <u4, offset <u8, length <u8), 20 bytes: a numpy dtype, defined at numpy's first use
+
+
+@when_numpy_loaded
+def _define_dtypes(numpy: Any) -> None:
+    global WIRE_OP
+    WIRE_OP = numpy.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
 _WINDOW = 1024                             # iovec entries per sendmsg / recvmsg call (Linux IOV_MAX)

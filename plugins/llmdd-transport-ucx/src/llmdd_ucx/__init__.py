@@ -54,12 +54,12 @@ import time
 import uuid
 from typing import Any, Callable, Mapping, Optional, Union
 
-import numpy as np
 
 from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, TransportTimeout, check_ops, coalesce_ops
 
