@@ -59,6 +59,10 @@ CHILD = textwrap.dedent('''
            "structlog_loaded": "structlog" in sys.modules, "asyncio_loaded": "asyncio" in sys.modules,
            "numpy_loaded": "numpy" in sys.modules, "top_mappings": top,
            "plugins": sorted(n for n, _ in dd._pm.list_name_plugin()) if getattr(dd, "_pm", None) else None}
+    if os.environ.get("LLMDD_IDLE_FIRST_USE"):   # control: the first read of a numpy constant loads it
+        from llmdd.lowlevel import OP_DTYPE
+        out["numpy_after_first_use"] = "numpy" in sys.modules
+        out["op_dtype_itemsize"] = OP_DTYPE.itemsize
     if trace:
         stats = tracemalloc.take_snapshot().statistics("filename")
         out["traced_bytes"] = sum(st.size for st in stats)

@@ -60,7 +60,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping as TMapping, Optional, Union
 
-import numpy as np
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
 from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger

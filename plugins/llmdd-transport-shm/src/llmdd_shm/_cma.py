@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Callable, Optional
 
-import numpy as np
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
 __all__ = ["IOV_MAX", "Cma", "CmaError", "iovecs", "probe_cma", "libc_syscalls"]
 

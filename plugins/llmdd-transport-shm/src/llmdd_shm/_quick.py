@@ -25,7 +25,7 @@ import functools
 import struct
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
 #: the C side's header: magic, ep_ctr, ep_ver, ch_ctr, ch_ver, ctl_addr, write, pid, pidfd, lock_fd,
 #: bs, su, du, npairs, nslots, iov_max, max_bytes, slot_lo, slot_hi (see _shmfast.c, qhdr_t)
