@@ -23,22 +23,19 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import functools
 import ipaddress
 import itertools
 import random
-import secrets
 import socket
 import ssl
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import attrs
 from msgspec.structs import replace as msgspec_replace
 
-from llmdd._seam.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
-from llmdd._control.ioloop import IoLoop, Pool, PoolFull, Strand
+from llmdd._seam.abc import CAPABILITY_KEY, Endpoint, TransportError
+from llmdd._control.ioloop import IoLoop, PoolFull, Strand
 from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._lifecycle.tables import (
     LINK_BUSY, LINK_CLAIMABLE, LINK_DOWN, LINK_FAILED, LINK_KEEPS_ALIVE, LINK_PROCESSING,
@@ -63,6 +60,7 @@ from llmdd._control.protocol.handshake import (
 from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd.plugin import LinkInfo
 from llmdd._control.connection import ControlConnection, TlsFailed
+from llmdd._control.endpoints import DEFERRED_KEY, Registrar, TransportEndpoints
 from llmdd._control.link import Link, Pending
 from llmdd._control.liveness import Liveness, PeerLost
 from llmdd._control.listener import FailedListener, Listener, close_quietly, refuse_busy
@@ -75,8 +73,6 @@ if TYPE_CHECKING:
 
 #: the control plane's own request op: a client's data descriptor for a transport offered by name only
 LINK_DESCRIPTOR_OP = "link_descriptor"
-#: the descriptor of a transport offered by name only (not probed, endpoint not opened; see offers())
-DEFERRED_KEY = "deferred"
 
 __all__ = ["LinkManager", "Link", "LinkSettings"]
 
@@ -211,7 +207,6 @@ class LinkManager:
         # a failed link is never made, so it has no Link.last_error (LLMDataDist.statistics()["link_failures"])
         self._link_failures: dict[int, dict] = {}
         self._request_ids = itertools.count(1)
-        self._grant_ids = itertools.count(1)
         self._closed = False
         self._listener: Optional[Listener] = None
         self._listen_addr: Optional[tuple[str, int]] = None
@@ -222,13 +217,11 @@ class LinkManager:
         self._counters: collections.Counter[str] = collections.Counter()
         self._io_error: Optional[str] = None
         self._client_host: Optional[str] = None
-        self._registry = self._hooks.register_transports()
-        self._endpoints: dict[str, Endpoint] = {}
-        self._region_descs: dict[int, dict] = {}     # local region id -> {transport: desc} (registrar only)
         # endpoint registrations and table announcements, one at a time, in order, with no lock held
-        self._registrar = Strand(Pool(1, f"registrar-{self.cluster_id & 0xffff:x}"))
-        self._registrar_pool = self._registrar._pool
-        self._on_registrar_thread = threading.local()
+        self._registrar = Registrar(f"registrar-{self.cluster_id & 0xffff:x}")
+        self.endpoints = TransportEndpoints(
+            registry=self._hooks.register_transports(), options=options, settings=self.settings, memory=memory,
+            registrar=self._registrar, data_host=self._data_host, on_data_port_failed=self._data_listener_failed)
         self._message_handlers: dict[type, Callable[[Link, Any], None]] = {
             m.RegionsUpdate: self._on_tables,
             m.CacheTableUpdate: self._on_tables,
@@ -246,11 +239,10 @@ class LinkManager:
             m.Error: self._on_error,
             m.Refuse: self._on_refuse,
         }
-        self._unavailable: set[str] = set()   # transports found unusable here after a deferred offer
         self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
         self.loop.on_dead(self._on_loop_dead)
         self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
-        memory.regions.add_listener(self._on_regions_changed)
+        memory.regions.add_listener(self.endpoints.on_regions_changed)
         memory.add_change_listener(self.announce_all)
         if options.listen is not None:
             try:
@@ -272,7 +264,15 @@ class LinkManager:
     # ------------------------------------------------------------------ transports and endpoints
     @property
     def registry(self):
-        return self._registry
+        return self.endpoints.registry
+
+    def endpoint(self, name: str) -> Endpoint:
+        """The endpoint of transport ``name`` (opened when it is not yet): :class:`TransportEndpoints`."""
+        return self.endpoints.endpoint(name)
+
+    def offers(self) -> tuple[m.TransportOffer, ...]:
+        """The transports this engine offers in a handshake (:meth:`TransportEndpoints.offers`)."""
+        return self.endpoints.offers()
 
     def _data_host(self) -> str:
         """Where network transports' data endpoints bind: the option, the listen IP, the local IP a
@@ -283,77 +283,12 @@ class LinkManager:
             return self._listen_addr[0]
         return self._client_host or "127.0.0.1"
 
-    def _registrar_call(self, fn: Callable, *args: Any) -> Any:
-        """Run ``fn`` on the registrar (inline when already there) and return its result.
-
-        Endpoint registrations and table announcements are serialised there instead of under a
-        lock, so no lock is held while plugins, the memory manager or sockets are called."""
-        if getattr(self._on_registrar_thread, "active", False):
-            return fn(*args)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            self._on_registrar_thread.active = True
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
-            finally:
-                self._on_registrar_thread.active = False
-
-        try:
-            self._registrar.submit(run)
-        except PoolFull:
-            run()  # closed (finalize) or no thread to be had: run here, still outside any lock
-        return fut.result()
-
-    def endpoint(self, name: str) -> Endpoint:
-        ep = self._endpoints.get(name)
-        if ep is not None:
-            return ep
-        return self._registrar_call(self._open_endpoint, name)
-
-    def _open_endpoint(self, name: str) -> Endpoint:
-        ep = self._endpoints.get(name)
-        if ep is not None:
-            return ep
-        if self._closed:
-            raise TransportError(f"the engine is finalizing; no {name} endpoint")
-        cls = self._registry.get(name)
-        transport = cls(self._options.raw)
-        ep = transport.open_endpoint(host=self._data_host(), secret=self.settings.secret)
-        try:
-            # before any region is registered: the data port serves linked peers' grants only
-            ep.serve_links_only()
-            for region in self._memory.regions.regions():
-                self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self._mem_region(region))
-        except BaseException:
-            try:
-                ep.close()
-            except TransportError:
-                pass
-            raise
-        self._endpoints[name] = ep
-        ep.on_listener_failed(functools.partial(self._data_listener_failed, name, ep))
-        return ep
-
     def _data_listener_failed(self, name: str, ep: Endpoint, error: str) -> None:
         """An endpoint's data port cannot continue (on the endpoint's thread; never blocks): the
         registrar records it, fails the links over it typed and drops it, so the next link opens a
         fresh endpoint (a new data port)."""
-
-        def retire() -> None:
-            self._on_registrar_thread.active = True
-            try:
-                self._retire_endpoint(name, ep, error)
-            finally:
-                self._on_registrar_thread.active = False
-
-        try:
-            self._registrar.submit(retire)
-        except PoolFull:   # finalizing (the endpoint closes with the engine) or no thread to be had
-            if not self._closed:
-                self._retire_endpoint(name, ep, error)
+        # finalizing (the endpoint closes with the engine) or no registrar thread to be had: here
+        self._registrar.post(self._retire_endpoint, name, ep, error, run_here_if_full=not self._closed)
 
     def _retire_endpoint(self, name: str, ep: Endpoint, error: str) -> None:
         try:
@@ -361,8 +296,7 @@ class LinkManager:
             address = (str(desc.get("host", "?")), desc.get("port", "?"))
         except Exception:  # noqa: BLE001 - recorded without its address
             address = ("?", "?")
-        if self._endpoints.get(name) is ep:
-            del self._endpoints[name]
+        self.endpoints.forget(name, ep)
         kind = f"{name}-data"
         record = FailedListener(self._listeners.create(f"{kind}@{address[0]}:{address[1]}", kind=kind),
                                  kind, address, error)
@@ -379,47 +313,6 @@ class LinkManager:
         except TransportError:
             pass
 
-    def offers(self) -> tuple[m.TransportOffer, ...]:
-        """The transports this engine offers in a handshake (only the forced one when forced, so a
-        forcing client is honoured even though the server side decides).
-
-        In automatic mode a transport whose endpoint is not open yet is offered *deferred*: by name,
-        with the descriptor ``{DEFERRED_KEY: True}``, neither probed nor opened (a probe or an
-        endpoint may be costly: NIXL's take about half a second).  When the server picks a
-        deferred offer the client probes and opens that one transport and sends the endpoint's
-        descriptor in a ``link_descriptor`` request before its tables (:meth:`connect_peer`)."""
-        offers = []
-        forced = self.settings.forced_transport
-        for name in self._registry.names():
-            if forced and name != forced:
-                continue
-            if not forced and name not in self._endpoints:
-                if name not in self._unavailable:
-                    offers.append(m.TransportOffer(name=name, descriptor={DEFERRED_KEY: True}))
-                continue
-            if not self._registry.probe(name).available:
-                continue
-            try:
-                desc = self.endpoint(name).describe()
-            except (TransportError, OSError) as exc:
-                _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
-                continue
-            offers.append(m.TransportOffer(name=name, descriptor=desc))
-        return tuple(offers)
-
-    def _open_deferred(self, name: str) -> Optional[Endpoint]:
-        """The endpoint of a transport this side offered deferred and the server chose: probed and
-        opened now; None (and never offered deferred again) when it cannot run here."""
-        if not self._registry.probe(name).available:
-            self._unavailable.add(name)
-            return None
-        try:
-            return self.endpoint(name)
-        except (TransportError, OSError) as exc:
-            _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
-            self._unavailable.add(name)
-            return None
-
     def _serve_link_descriptor(self, link: Link, args: dict) -> tuple[int, dict]:
         """Server side: the descriptor of the client's endpoint for a transport it offered deferred."""
         desc = args.get("descriptor")
@@ -430,93 +323,18 @@ class LinkManager:
         link.setup_descriptor = desc
         return 0, {}
 
-    # ------------------------------------------------------------------ per-link capabilities
-    def _mint(self) -> tuple[int, bytes]:
-        """A fresh grant id and capability (256 bits from a CSPRNG) for one link and incarnation."""
-        return next(self._grant_ids), secrets.token_bytes(CAPABILITY_BYTES)
-
-    def _with_capability(self, offers: tuple, capability: bytes) -> tuple:
-        """``offers`` with ``capability`` in the descriptor of every transport that uses capabilities."""
-        out = []
-        for offer in offers:
-            ep = self._endpoints.get(offer.name)
-            if ep is not None and ep.capabilities:
-                offer = m.TransportOffer(name=offer.name,
-                                         descriptor=dict(offer.descriptor, **{CAPABILITY_KEY: capability}))
-            out.append(offer)
-        return tuple(out)
-
-    def _grant_link(self, link: Link, regions) -> None:
-        """(Re)grant the link's capability on its transport's endpoint, for ``regions`` (ids)."""
-        grant_id, capability = link.grant_id, link.capability
-        if grant_id is None:
-            return
-        if capability is None:   # minted together with the grant id (_mint), set together on the link
-            raise RuntimeError(f"link to {link.peer_cluster_id}: grant {grant_id} has no capability")
-        ep = self._endpoints.get(link.transport)
-        if ep is not None and ep.capabilities:
-            ep.grant(grant_id, capability, tuple(regions))
-
-    def _revoke(self, name: Optional[str], grant_id: Optional[int]) -> None:
-        if grant_id is None:
-            return
-        ep = self._endpoints.get(name) if name else None
-        if ep is None:
-            return
-        try:
-            ep.revoke(grant_id)
-        except TransportError as exc:
-            _log.warning("llmdd.link.revoke_failed", transport=name, error=str(exc))
-
-    def _granted(self, region) -> bool:
-        """May linked peers access ``region``?  In remote-accessible mode only regions registered
-        remote-accessible; otherwise every cache of the engine is served to linked peers, as
-        upstream's engine serves pulls of any cache in that mode."""
-        return bool(region.remote_accessible) or not self._options.remote_cache_accessible
-
-    def _mem_region(self, region) -> MemRegion:
-        return attrs.evolve(region.to_mem_region(), remote_accessible=self._granted(region))
-
-    def _region_descriptor(self, region) -> m.RegionDescriptor:
-        return m.RegionDescriptor(
-            region_id=region.region_id, cache_id=region.cache_id, addr=region.addr, size=region.size,
-            placement=region.placement, remote_accessible=self._granted(region),
-            transports=dict(self._region_descs.get(region.region_id, {})))
-
-    def _on_regions_changed(self, kind: str, regions: tuple, version: int) -> None:
-        # synchronous: a removed region is deregistered from every endpoint before this returns
-        self._registrar_call(self._apply_region_change, kind, regions)
-
-    def _apply_region_change(self, kind: str, regions: tuple) -> None:
-        endpoints = list(self._endpoints.items())
-        for region in regions:
-            if kind in ("remove", "remap"):
-                descs = self._region_descs.get(region.region_id, {})
-                for name, ep in endpoints:
-                    if name in descs or kind == "remove":
-                        ep.deregister(region.region_id)
-                if kind == "remove":
-                    self._region_descs.pop(region.region_id, None)
-                    continue
-                descs.clear()
-            descs = self._region_descs.setdefault(region.region_id, {})
-            for name, ep in endpoints:
-                if name not in descs:
-                    descs[name] = ep.register(self._mem_region(region))
-        # announcements follow the memory manager's change notice, once caches and keys are consistent
-
     # ------------------------------------------------------------------ table announcements
     def _local_tables(self) -> tuple[dict, dict, dict]:
         """Current regions, caches and keys of this engine, in wire form."""
         memory = self._memory
         # memory peers may not access is not announced at all: they cannot even learn it exists
-        regions = {r.region_id: self._region_descriptor(r) for r in memory.regions.regions() if self._granted(r)}
+        regions = {r.region_id: self.endpoints.region_descriptor(r) for r in memory.regions.regions() if self.endpoints.granted(r)}
         caches: dict[int, m.CacheEntry] = {}
         keys: dict[m.KeyRef, m.KeyEntry] = {}
         for rec in memory.records():
             if not rec.live and not rec.release_pending:
                 continue
-            if not any(self._granted(r) for r in rec.regions):
+            if not any(self.endpoints.granted(r) for r in rec.regions):
                 continue
             caches[rec.cache_id] = m.CacheEntry(
                 cache_id=rec.cache_id, addrs=tuple(rec.addrs), tensor_size=rec.tensor_size,
@@ -535,7 +353,7 @@ class LinkManager:
     def _announce(self, link: Link, regions: dict, caches: dict, keys: dict, *, full: bool = False) -> None:
         # the grant covers what this announcement names before the peer can learn it (a removed region is
         # already deregistered from every endpoint)
-        self._grant_link(link, regions)
+        self.endpoints.grant(link, regions)
         ann = link.announcer
         done = ann.announced
         if full:
@@ -560,7 +378,7 @@ class LinkManager:
 
     def announce_all(self) -> None:
         """Send every linked peer what changed in this engine's regions, caches and keys."""
-        self._registrar_call(self._announce_all)
+        self._registrar.call(self._announce_all)
 
     def _announce_all(self) -> None:
         with self._lock:
@@ -581,7 +399,7 @@ class LinkManager:
             regions, caches, keys = self._local_tables()
             self._announce(link, regions, caches, keys, full=True)
 
-        self._registrar_call(send)
+        self._registrar.call(send)
 
     # ------------------------------------------------------------------ server side
     def listen(self, host: str, port: int) -> tuple[str, int]:
@@ -774,10 +592,10 @@ class LinkManager:
             info = LinkInfo(local_cluster_id=self.cluster_id, peer_cluster_id=hello.cluster_id,
                             same_host=self.host.same_ipc_domain(hello.host),
                             forced=self.settings.forced_transport, peer_transports=tuple(offered))
-            candidates = LazyCandidates(self._registry, offered)   # probed only as far as the policy looks
+            candidates = LazyCandidates(self.endpoints.registry, offered)   # probed only as far as the policy looks
             name = self._hooks.select_transport(info, candidates)
             if name is None:
-                none_here = "" if self._registry.candidates() else f"; the server: {_NO_TRANSPORT}"
+                none_here = "" if self.endpoints.registry.candidates() else f"; the server: {_NO_TRANSPORT}"
                 conn.send(hs.refuse(S.LLM_LINK_FAILED.value,
                                     f"no common transport (offered {sorted(offered)}, here "
                                     f"{[c.name for c in candidates]}, forced {info.forced}){none_here}"))
@@ -786,7 +604,7 @@ class LinkManager:
             ep = self.endpoint(name)
             desc = ep.describe()
             if ep.capabilities:
-                grant_id, capability = self._mint()
+                grant_id, capability = self.endpoints.mint()
                 ep.grant(grant_id, capability, ())
                 grant_name = name
                 desc = dict(desc, **{CAPABILITY_KEY: capability})
@@ -811,10 +629,10 @@ class LinkManager:
             _log.warning("llmdd.link.accept_failed", peer=str(addr), error=str(exc))
             if link is not None:
                 if link.grant_id is None:
-                    self._revoke(grant_name, grant_id)
+                    self.endpoints.revoke(grant_name, grant_id)
                 self._submit(link, self._abort_setup, link, exc)
             else:
-                self._revoke(grant_name, grant_id)
+                self.endpoints.revoke(grant_name, grant_id)
                 sess.drop()
         finally:
             if accepting is not None and hello is not None:   # accepting is set only after hello is
@@ -1069,16 +887,16 @@ class LinkManager:
         Runs in the caller's thread; the connection moves to the I/O loop once authenticated."""
         if self._io_error is not None:
             raise LLMException(f"the engine's I/O loop stopped ({self._io_error})", status_code=S.LLM_LINK_FAILED)
-        if not any(True for _ in LazyCandidates(self._registry)):   # probes until one transport can run
+        if not any(True for _ in LazyCandidates(self.endpoints.registry)):   # probes until one transport can run
             raise LLMException(f"cannot link to {host}:{port}: {_NO_TRANSPORT}", status_code=S.LLM_LINK_FAILED)
         if self.settings.total_time_s is not None and comm_id is not None:
             deadline = min(deadline, time.monotonic() + self.settings.total_time_s)
-        grant_id, capability = self._mint()
+        grant_id, capability = self.endpoints.mint()
         while True:
             conn, peer, offers = self._client_handshake(host, port, deadline, capability=capability)
             deferred = next((o for o in offers if o.name == peer.transport.name and o.descriptor.get(DEFERRED_KEY)),
                             None)
-            if deferred is None or self._open_deferred(deferred.name) is not None:
+            if deferred is None or self.endpoints.open_deferred(deferred.name) is not None:
                 break
             # the server chose a transport offered deferred that cannot run here: hand the server's
             # half-made link back (it fails and goes) and offer again without it
@@ -1096,10 +914,10 @@ class LinkManager:
             link.comm_id = comm_id
             # the peer connects its data channel to us once our tables are in: grant before they leave
             link.grant_id, link.capability = grant_id, capability
-            self._grant_link(link, ())
+            self.endpoints.grant(link, ())
             if deferred is not None:   # our endpoint's descriptor, before the tables the server waits for
                 desc = self.endpoint(link.transport).describe()
-                (offer,) = self._with_capability((m.TransportOffer(name=link.transport, descriptor=desc),),
+                (offer,) = self.endpoints.with_capability((m.TransportOffer(name=link.transport, descriptor=desc),),
                                                  capability)
                 self.notify(link, m.TransferRequest(request_id=0, op=LINK_DESCRIPTOR_OP,
                                                     args={"name": link.transport, "descriptor": offer.descriptor}))
@@ -1134,7 +952,7 @@ class LinkManager:
         failures = 0
         busy = 0
         last: BaseException | None = None
-        offers = self._with_capability(self.offers(), capability)
+        offers = self.endpoints.with_capability(self.offers(), capability)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -1448,7 +1266,7 @@ class LinkManager:
         if not link.fsm.offer(trigger, error=error, reason=str(error), on_accept=record):
             return
         # the capability dies with the link: the peer's data connections to us are closed now
-        self._revoke(link.transport, link.grant_id)
+        self.endpoints.revoke(link.transport, link.grant_id)
         for pending in list(link.pending.values()):
             pending.event.set()
         link.tables_ready.set()
@@ -1477,7 +1295,7 @@ class LinkManager:
         link.settled.set()
         if self._data is not None:
             self._data.on_link_down(link)
-        self._revoke(link.transport, link.grant_id)
+        self.endpoints.revoke(link.transport, link.grant_id)
         channel, link.channel = link.channel, None
         if channel is not None:
             try:
@@ -1569,17 +1387,12 @@ class LinkManager:
         for sess in list(self._pending):
             sess.drop()
         try:
-            self._memory.regions.remove_listener(self._on_regions_changed)
+            self._memory.regions.remove_listener(self.endpoints.on_regions_changed)
         except (KeyError, ValueError):
             pass
         self._memory.remove_change_listener(self.announce_all)
-        self._registrar_pool.close()
-        endpoints, self._endpoints = self._endpoints, {}
-        for ep in endpoints.values():
-            try:
-                ep.close()
-            except TransportError:
-                pass
+        self._registrar.close()
+        self.endpoints.close()
         self.loop.close()
 
     def statistics(self) -> dict:
@@ -1597,7 +1410,7 @@ class LinkManager:
         """The loop's view: listeners, pending handshakes, refusals, threads (``llmdd doctor``, tests)."""
         return {"listeners": self.listener_status(), "pending": len(self._pending),
                 "pending_addresses": len(self._pending_by_ip), "io_error": self._io_error,
-                "threads": self.loop.threads() + self._registrar_pool.threads(),
+                "threads": self.loop.threads() + self._registrar.threads(),
                 "watched": self.loop.watched(), **dict(self._counters)}
 
 def _is_ip_literal(host: str) -> bool:

@@ -115,8 +115,8 @@ def setup(state: dict, role: str, cluster_id: int, *, listen: bool = False, tran
 def transports(state: dict) -> dict:
     """What this engine probed and opened, and the offers a client handshake would carry now."""
     lm = state["dd"]._core.link_manager
-    return {"probed": sorted(lm._registry._infos), "open": sorted(lm._endpoints),
-            "offers": {o.name: dict(o.descriptor) for o in lm.offers()}, "unusable": sorted(lm._unavailable),
+    return {"probed": sorted(lm.registry._infos), "open": sorted(lm.endpoints.open),
+            "offers": {o.name: dict(o.descriptor) for o in lm.offers()}, "unusable": sorted(lm.endpoints.unavailable),
             "idle_endpoints_opened": _IdleEndpoint.opened}
 
 

@@ -308,7 +308,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
 def cmd_transports(self) -> dict:
     """The engine's transports: registered plugins, endpoints opened so far, and each link's transport."""
     lm = self.dd._core.link_manager
-    return {"registered": sorted(lm.registry.names()), "endpoints_open": sorted(lm._endpoints),
+    return {"registered": sorted(lm.registry.names()), "endpoints_open": sorted(lm.endpoints.open),
             "links": {str(k): v.get("transport") for k, v in self.dd.statistics()["links"].items()}}
 
 

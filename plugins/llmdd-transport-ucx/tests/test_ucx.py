@@ -356,7 +356,7 @@ def endpoint_statistics(state: dict) -> dict:
     """(peer side) the engine's transport endpoints and their channels' counters."""
     lm = state["dd"]._require_core().link_manager
     out = {}
-    for name, ep in lm._endpoints.items():
+    for name, ep in lm.endpoints.open.items():
         st = dict(ep.statistics())
         chans = [c.statistics() for c in getattr(ep, "_channels", ())]
         st["bytes_read"] = sum(c.get("bytes_read", 0) for c in chans)

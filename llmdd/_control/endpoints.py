@@ -1,0 +1,296 @@
+"""This engine's transport endpoints: opened on demand, offered in handshakes, granted per link.
+
+* :class:`Registrar`: one thread that runs endpoint registrations and table announcements one at
+  a time, in submission order, with no lock held (plugins, the memory manager and sockets are
+  called from there, never under a lock).
+* :class:`TransportEndpoints`: opens each transport's endpoint once (its data port serves linked
+  peers' grants only), keeps every local region registered on every open endpoint, builds the
+  handshake's transport offers (deferred ones in automatic mode: by name, neither probed nor
+  opened), and grants or revokes a link's capability on its transport's data port.
+
+What a data port that cannot continue means for the links over it is the link manager's
+business: it is told through ``on_data_port_failed`` and calls :meth:`TransportEndpoints.forget`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import itertools
+import secrets
+import threading
+import types
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+
+import attrs
+
+from llmdd._base.log import get_logger
+from llmdd._base.options import EngineOptions
+from llmdd._control.ioloop import Pool, PoolFull, Strand
+from llmdd._control.link import Link
+from llmdd._control.protocol import messages as m
+from llmdd._control.settings import LinkSettings
+from llmdd._seam.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
+
+if TYPE_CHECKING:
+    from llmdd._memory.manager import MemoryManager
+    from llmdd.plugin import TransportRegistry
+
+__all__ = ["Registrar", "TransportEndpoints", "DEFERRED_KEY"]
+
+_log = get_logger("llmdd.link")
+
+#: the descriptor of a transport offered by name only (not probed, endpoint not opened; see offers())
+DEFERRED_KEY = "deferred"
+
+
+class Registrar:
+    """One thread running endpoint registrations and table announcements, in order, no lock held."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = Pool(1, name)
+        self._strand = Strand(self._pool)
+        self._local = threading.local()
+
+    def _run_marked(self, fn: Callable, *args: Any) -> Any:
+        self._local.active = True
+        try:
+            return fn(*args)
+        finally:
+            self._local.active = False
+
+    def call(self, fn: Callable, *args: Any) -> Any:
+        """Run ``fn`` on the registrar (inline when already there) and return its result."""
+        if getattr(self._local, "active", False):
+            return fn(*args)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._run_marked(fn, *args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+        try:
+            self._strand.submit(run)
+        except PoolFull:
+            run()  # closed (finalize) or no thread to be had: run here, still outside any lock
+        return fut.result()
+
+    def post(self, fn: Callable, *args: Any, run_here_if_full: bool) -> None:
+        """Queue ``fn`` without waiting for it; when the registrar takes nothing more (closed or no
+        thread to be had) run it here if ``run_here_if_full``, else drop it."""
+        try:
+            self._strand.submit(functools.partial(self._run_marked, fn, *args))
+        except PoolFull:
+            if run_here_if_full:
+                fn(*args)
+
+    def threads(self) -> int:
+        return self._pool.threads()
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+class TransportEndpoints:
+    """The transport endpoints of one engine and what links need of them."""
+
+    def __init__(self, *, registry: "TransportRegistry", options: EngineOptions, settings: LinkSettings,
+                 memory: "MemoryManager", registrar: Registrar, data_host: Callable[[], str],
+                 on_data_port_failed: Callable[[str, Endpoint, str], None]) -> None:
+        self.registry = registry
+        self._options = options
+        self._settings = settings
+        self._memory = memory
+        self._registrar = registrar
+        self._data_host = data_host
+        self._on_data_port_failed = on_data_port_failed
+        self._endpoints: dict[str, Endpoint] = {}
+        self._region_descs: dict[int, dict] = {}     # local region id -> {transport: desc} (registrar only)
+        self._unavailable: set[str] = set()          # transports found unusable here after a deferred offer
+        self._grant_ids = itertools.count(1)
+        self._opening = True
+
+    # ------------------------------------------------------------------ endpoints
+    @property
+    def open(self) -> Mapping[str, Endpoint]:
+        """The endpoints open now, by transport name (read-only)."""
+        return types.MappingProxyType(self._endpoints)
+
+    @property
+    def unavailable(self) -> frozenset:
+        """Transports offered deferred that turned out unusable here (never offered again)."""
+        return frozenset(self._unavailable)
+
+    def get(self, name: Optional[str]) -> Optional[Endpoint]:
+        return self._endpoints.get(name) if name else None
+
+    def endpoint(self, name: str) -> Endpoint:
+        """The endpoint of transport ``name``, opened (on the registrar) when it is not yet."""
+        ep = self._endpoints.get(name)
+        if ep is not None:
+            return ep
+        return self._registrar.call(self._open_endpoint, name)
+
+    def _open_endpoint(self, name: str) -> Endpoint:
+        ep = self._endpoints.get(name)
+        if ep is not None:
+            return ep
+        if not self._opening:
+            raise TransportError(f"the engine is finalizing; no {name} endpoint")
+        cls = self.registry.get(name)
+        transport = cls(self._options.raw)
+        ep = transport.open_endpoint(host=self._data_host(), secret=self._settings.secret)
+        try:
+            # before any region is registered: the data port serves linked peers' grants only
+            ep.serve_links_only()
+            for region in self._memory.regions.regions():
+                self._region_descs.setdefault(region.region_id, {})[name] = ep.register(self.mem_region(region))
+        except BaseException:
+            try:
+                ep.close()
+            except TransportError:
+                pass
+            raise
+        self._endpoints[name] = ep
+        ep.on_listener_failed(functools.partial(self._on_data_port_failed, name, ep))
+        return ep
+
+    def forget(self, name: str, ep: Endpoint) -> None:
+        """``ep`` (the endpoint of ``name``) cannot continue: the next link opens a fresh one."""
+        if self._endpoints.get(name) is ep:
+            del self._endpoints[name]
+
+    def offers(self) -> tuple[m.TransportOffer, ...]:
+        """The transports this engine offers in a handshake (only the forced one when forced, so a
+        forcing client is honoured even though the server side decides).
+
+        In automatic mode a transport whose endpoint is not open yet is offered *deferred*: by name,
+        with the descriptor ``{DEFERRED_KEY: True}``, neither probed nor opened (a probe or an
+        endpoint may be costly: NIXL's take about half a second).  When the server picks a
+        deferred offer the client probes and opens that one transport and sends the endpoint's
+        descriptor in a ``link_descriptor`` request before its tables (``LinkManager.connect_peer``)."""
+        offers = []
+        forced = self._settings.forced_transport
+        for name in self.registry.names():
+            if forced and name != forced:
+                continue
+            if not forced and name not in self._endpoints:
+                if name not in self._unavailable:
+                    offers.append(m.TransportOffer(name=name, descriptor={DEFERRED_KEY: True}))
+                continue
+            if not self.registry.probe(name).available:
+                continue
+            try:
+                desc = self.endpoint(name).describe()
+            except (TransportError, OSError) as exc:
+                _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
+                continue
+            offers.append(m.TransportOffer(name=name, descriptor=desc))
+        return tuple(offers)
+
+    def open_deferred(self, name: str) -> Optional[Endpoint]:
+        """The endpoint of a transport this side offered deferred and the server chose: probed and
+        opened now; None (and never offered deferred again) when it cannot run here."""
+        if not self.registry.probe(name).available:
+            self._unavailable.add(name)
+            return None
+        try:
+            return self.endpoint(name)
+        except (TransportError, OSError) as exc:
+            _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
+            self._unavailable.add(name)
+            return None
+
+    # ------------------------------------------------------------------ per-link capabilities
+    def mint(self) -> tuple[int, bytes]:
+        """A fresh grant id and capability (256 bits from a CSPRNG) for one link and incarnation."""
+        return next(self._grant_ids), secrets.token_bytes(CAPABILITY_BYTES)
+
+    def with_capability(self, offers: tuple, capability: bytes) -> tuple:
+        """``offers`` with ``capability`` in the descriptor of every transport that uses capabilities."""
+        out = []
+        for offer in offers:
+            ep = self._endpoints.get(offer.name)
+            if ep is not None and ep.capabilities:
+                offer = m.TransportOffer(name=offer.name,
+                                         descriptor=dict(offer.descriptor, **{CAPABILITY_KEY: capability}))
+            out.append(offer)
+        return tuple(out)
+
+    def grant(self, link: Link, regions: Iterable[int]) -> None:
+        """(Re)grant the link's capability on its transport's endpoint, for ``regions`` (ids)."""
+        grant_id, capability = link.grant_id, link.capability
+        if grant_id is None:
+            return
+        if capability is None:   # minted together with the grant id (mint), set together on the link
+            raise RuntimeError(f"link to {link.peer_cluster_id}: grant {grant_id} has no capability")
+        ep = self.get(link.transport)
+        if ep is not None and ep.capabilities:
+            ep.grant(grant_id, capability, tuple(regions))
+
+    def revoke(self, name: Optional[str], grant_id: Optional[int]) -> None:
+        if grant_id is None:
+            return
+        ep = self.get(name)
+        if ep is None:
+            return
+        try:
+            ep.revoke(grant_id)
+        except TransportError as exc:
+            _log.warning("llmdd.link.revoke_failed", transport=name, error=str(exc))
+
+    # ------------------------------------------------------------------ regions
+    def granted(self, region: Any) -> bool:
+        """May linked peers access ``region``?  In remote-accessible mode only regions registered
+        remote-accessible; otherwise every cache of the engine is served to linked peers, as
+        upstream's engine serves pulls of any cache in that mode."""
+        return bool(region.remote_accessible) or not self._options.remote_cache_accessible
+
+    def mem_region(self, region: Any) -> MemRegion:
+        return attrs.evolve(region.to_mem_region(), remote_accessible=self.granted(region))
+
+    def region_descriptor(self, region: Any) -> m.RegionDescriptor:
+        return m.RegionDescriptor(
+            region_id=region.region_id, cache_id=region.cache_id, addr=region.addr, size=region.size,
+            placement=region.placement, remote_accessible=self.granted(region),
+            transports=dict(self._region_descs.get(region.region_id, {})))
+
+    def on_regions_changed(self, kind: str, regions: tuple, version: int) -> None:
+        """The memory manager's region listener: synchronous, so a removed region is deregistered
+        from every endpoint before this returns."""
+        self._registrar.call(self._apply_region_change, kind, regions)
+
+    def _apply_region_change(self, kind: str, regions: tuple) -> None:
+        endpoints = list(self._endpoints.items())
+        for region in regions:
+            if kind in ("remove", "remap"):
+                descs = self._region_descs.get(region.region_id, {})
+                for name, ep in endpoints:
+                    if name in descs or kind == "remove":
+                        ep.deregister(region.region_id)
+                if kind == "remove":
+                    self._region_descs.pop(region.region_id, None)
+                    continue
+                descs.clear()
+            descs = self._region_descs.setdefault(region.region_id, {})
+            for name, ep in endpoints:
+                if name not in descs:
+                    descs[name] = ep.register(self.mem_region(region))
+        # announcements follow the memory manager's change notice, once caches and keys are consistent
+
+    # ------------------------------------------------------------------ teardown
+    def stop_opening(self) -> None:
+        """Finalize has begun: no endpoint is opened any more."""
+        self._opening = False
+
+    def close(self) -> None:
+        """Close every endpoint (after the registrar is closed: nothing registers meanwhile)."""
+        self._opening = False
+        endpoints, self._endpoints = self._endpoints, {}
+        for ep in endpoints.values():
+            try:
+                ep.close()
+            except TransportError:
+                pass
