@@ -169,7 +169,7 @@ def _shm_unlink(name: str) -> None:
 def _create_shm(size: int) -> shared_memory.SharedMemory:
     name = _segments.segment_name("pool", f"{next(_counter)}_{secrets.token_hex(4)}")
     if _TRACK_PARAM:
-        shm = _SharedMemory(name=name, create=True, size=size, track=False)  # type: ignore[call-arg]
+        shm = _SharedMemory(name=name, create=True, size=size, track=False)
     else:
         shm = _SharedMemory(name=name, create=True, size=size)
         try:
@@ -287,7 +287,7 @@ def attach_segment(name: str, size: int, placement: Placement = Placement.HOST) 
         raise LLMException(f"invalid segment size {size!r}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
     try:
         if _TRACK_PARAM:
-            shm = _SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+            shm = _SharedMemory(name=name, track=False)
             if shm.size < size:
                 shm.close()
                 raise LLMException(f"segment {name} has {shm.size} bytes, {size} expected",

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, cast
 
 import attrs
 
@@ -117,7 +117,9 @@ class CacheRecord:
 
     @property
     def state(self) -> CacheState:
-        return self.tracked.state
+        # cast: Tracked.state is typed Enum for every machine; a CacheRecord's Tracked runs the cache
+        # machine, whose states are CacheState members
+        return cast(CacheState, self.tracked.state)
 
     @property
     def live(self) -> bool:
@@ -544,8 +546,8 @@ class MemoryManager:
                 pool.close()
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
-        for exc in errors:
-            _log.warning("llmdd.memory.close_error", error=repr(exc))
+        for err in errors:
+            _log.warning("llmdd.memory.close_error", error=repr(err))
 
     # ------------------------------------------------------------------ observability
     def statistics(self) -> dict:
