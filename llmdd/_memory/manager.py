@@ -278,7 +278,7 @@ class MemoryManager:
             return hit
 
     @_publishes
-    def finish_reserved(self, index: KeyIndex, tensors: Optional[range], *, pulled: bool) -> None:
+    def finish_reserved(self, index: KeyIndex, tensors: Optional[Iterable[int]], *, pulled: bool) -> None:
         """End a reservation: a successful pull of ``tensors`` (None = all) consumes the key once every
         tensor has been pulled (layer-wise pulls); a failed pull puts the key back."""
         with self._lock:
