@@ -396,7 +396,7 @@ class ThreadCompletion(Completion):
 
     def __init__(self, workers: Sequence[Callable[[], None]], *, deadline: Union[float, None] = None,
                  abort: Union[Callable[[], None], None] = None,
-                 on_done: Union[Callable[["ThreadCompletion"], None], None] = None,
+                 on_done: Union[Callable[["ThreadCompletion"], object], None] = None,
                  name: str = "llmdd-io",
                  pool: Union[Callable[[Callable[[], None]], Any], None] = None,
                  map_error: Union[Callable[[BaseException], TransportError], None] = None,
