@@ -551,7 +551,7 @@ class PeerHandle:
                 exc = PeerCallError(f"{type_name}: {text}")
         exc.__cause__ = RemoteTraceback(f"[peer {self.name!r} pid {self._pid}]\n{tb_text}")
         try:
-            exc.remote_traceback = tb_text  # type: ignore[attr-defined]
+            exc.remote_traceback = tb_text  # type: ignore[attr-defined]  # an ad-hoc attribute on any exception type
         except AttributeError:  # __slots__ exceptions
             pass
         return exc

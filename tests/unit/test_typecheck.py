@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: packages with no mypy error; a package joins when its last error is fixed
 CLEAN = ("llmdd._control", "llmdd._lifecycle", "llmdd._api", "llmdd._tools", "llmdd._engine",
          "llmdd._seam", "llmdd._extension", "llmdd.testing", "llmdd.v2", "llmdd.compat", "llmdd.plugin",
-         "llmdd._memory", "llmdd._data", "llmdd._base", "llmdd_faults", "llmdd_ucx", "llmdd_shm", "llmdd_tcp")
+         "llmdd._memory", "llmdd._data", "llmdd._base", "llmdd_faults", "llmdd_ucx", "llmdd_shm", "llmdd_tcp", "llmdd_vllm")
 
 
 def _mypy(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
