@@ -55,9 +55,10 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if fullname == ALIAS:
             target_name = "llmdd"
         elif fullname.startswith(ALIAS + "."):
-            target_name = SUBMODULES.get(fullname[len(ALIAS) + 1:])
-            if target_name is None:
+            submodule = SUBMODULES.get(fullname[len(ALIAS) + 1:])
+            if submodule is None:
                 return None
+            target_name = submodule
         else:
             return None
         is_pkg = target_name == "llmdd" or fullname[len(ALIAS) + 1:] in ("v2", "utils")

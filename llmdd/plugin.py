@@ -128,7 +128,7 @@ class TransportCandidate:
     info: TransportInfo
 
 
-def _preference(cls: type) -> tuple[int, str]:
+def _preference(cls: type[Transport]) -> tuple[int, str]:
     return (-int(cls.priority), cls.name)
 
 

@@ -2,8 +2,8 @@
 # Type-check llmdd/ and the plugin packages with mypy (configuration: [tool.mypy] in pyproject.toml),
 # print mypy's report, then the error count per package and in all. Exits with mypy's status (0: no
 # error). Extra arguments go to mypy (e.g. `-p llmdd._control` to check one package).
-# Not yet a step of .ci/run: it joins once llmdd/ and plugins/ reach zero. Until then
-# tests/unit/test_typecheck.py (default suite) keeps the packages that are clean at zero.
+# A step of .ci/run (after the default suite): any error fails CI. tests/unit/test_typecheck.py runs
+# the same check in the default suite.
 #   PYTHON   the interpreter whose site-packages mypy resolves third-party imports against
 #            (default: .venv/bin/python, else python3); mypy is installed there when missing.
 set -uo pipefail

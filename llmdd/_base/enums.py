@@ -90,7 +90,7 @@ def _np_maps():
         DataType.DT_UINT32: np.uint32, DataType.DT_UINT64: np.uint64, DataType.DT_BOOL: np.bool_,
         DataType.DT_DOUBLE: np.float64, DataType.DT_STRING: np.bytes_,
     }
-    from_np = {}
+    from_np: dict[object, DataType] = {}
     for dt, npt in to_np.items():
         if dt is not DataType.DT_BF16:
             from_np[np.dtype(npt)] = dt

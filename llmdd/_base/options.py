@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import ssl
-from typing import Mapping, Optional
+from typing import Mapping, Optional, overload
 
 import attrs
 
@@ -90,6 +90,10 @@ def prepare_engine_options(options: Mapping[str, str], role: LLMRole) -> dict[st
     return opts
 
 
+@overload
+def _int_option(opts: Mapping[str, str], key: str, default: int, low: int, high: int) -> int: ...
+@overload
+def _int_option(opts: Mapping[str, str], key: str, default: None, low: int, high: int) -> int | None: ...
 def _int_option(opts: Mapping[str, str], key: str, default: int | None, low: int, high: int) -> int | None:
     if key not in opts:
         return default

@@ -7,7 +7,7 @@ contract's own rules; it documents what it allows in ``describe()``.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, TypedDict
 
 import attrs
 
@@ -45,7 +45,18 @@ class ChipProfile:
         return {f.name: getattr(self, f.name) for f in attrs.fields(ChipProfile)}
 
 
-_A2_A3_COMMON = dict(
+class _Limits(TypedDict):
+    """The limits the Atlas A2 and A3 profiles share (keyword arguments of :class:`ChipProfile`)."""
+
+    max_registered_addrs: int
+    device_alignment: int
+    max_device_memory: int
+    max_host_memory: int
+    max_host_pool: int
+    max_links: int
+
+
+_A2_A3_COMMON = _Limits(
     max_registered_addrs=240,
     device_alignment=2 * 1024 * 1024,
     max_device_memory=50 * GiB,

@@ -172,5 +172,5 @@ def parse_local_comm_res(text: str) -> LocalCommRes:
         if "super_pod_list" in doc and not isinstance(doc["super_pod_list"], list):
             raise _invalid(f"{what}: super_pod_list must be a list.")
     else:  # 1.3: HixlCS endpoint description; llmdd reads only the version, endpoints come from listen info
-        devices = ()
+        devices = []
     return LocalCommRes(version=version, devices=tuple(devices), raw=doc)

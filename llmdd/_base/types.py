@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, Union, cast, runtime_checkable
 
 from llmdd._base.enums import DTYPE_ITEMSIZE, DataType, Memtype, Placement
 from llmdd._base.log import get_logger
@@ -168,8 +168,10 @@ class CacheDesc:
 
     def _calc_tensor_size(self) -> int:
         itemsize = DTYPE_ITEMSIZE.get(self._data_type)
-        ok = itemsize is not None and all(dim >= 0 for dim in self._shape)
-        size = math.prod(self._shape) * itemsize if ok else -1
+        if itemsize is not None and all(dim >= 0 for dim in self._shape):
+            size = math.prod(self._shape) * itemsize
+        else:
+            size = -1
         if not 0 <= size <= _INT64_MAX:
             raise LLMException(f"Failed to calc tensor size, shape = {self._shape}, data_type = {self._data_type}",
                                status_code=LLMStatusCode.LLM_PARAM_INVALID)
@@ -179,7 +181,10 @@ class CacheDesc:
         """Set ``shape[dim_index] = dim_value`` in place (the caller's list) and drop the size cache."""
         check_isinstance("dim_index", dim_index, int, allow_none=False)
         check_isinstance("dim_value", dim_value, int, allow_none=False)
-        self._shape[dim_index] = dim_value
+        shape = self._shape
+        if isinstance(shape, tuple):  # upstream's behaviour: a tuple shape cannot be updated in place
+            raise TypeError("'tuple' object does not support item assignment")
+        shape[dim_index] = dim_value
         self._size = -1
 
 
@@ -300,8 +305,10 @@ class KvCache:
             raise_if_false(cache_desc.num_tensors == len(addrs),
                            "cache_desc num_tensors:{0} should be equal to size of addrs:{1}",
                            cache_desc.num_tensors, len(addrs))
-            return cls(-1, cache_desc, [addrs], None)
-        return cls(-1, cache_desc, addrs, None)
+            # cast: every element was checked to be of first_type, int here
+            return cls(-1, cache_desc, [cast(List[int], addrs)], None)
+        # cast: every element was checked to be of first_type, list (of ints) here
+        return cls(-1, cache_desc, cast(List[List[int]], addrs), None)
 
     @property
     def cache_id(self) -> int:
@@ -391,7 +398,7 @@ class CacheKey:
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return self._astuple() == other._astuple()  # type: ignore[attr-defined]
+        return self._astuple() == other._astuple()
 
     def __hash__(self) -> int:
         return hash((CacheKey, self._astuple()))
@@ -440,7 +447,7 @@ class CacheKeyByIdAndIndex:
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return self._astuple() == other._astuple()  # type: ignore[attr-defined]
+        return self._astuple() == other._astuple()
 
     def __hash__(self) -> int:
         return hash((CacheKeyByIdAndIndex, self._astuple()))
@@ -490,7 +497,7 @@ class BlocksCacheKey:
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
-        return self._astuple() == other._astuple()  # type: ignore[attr-defined]
+        return self._astuple() == other._astuple()
 
     def __hash__(self) -> int:
         return hash((BlocksCacheKey, self._astuple()))
@@ -562,7 +569,7 @@ class MemInfo:
         if other.__class__ is not self.__class__:
             return NotImplemented
         return (self._mem_type, self._addr, self._size) == \
-            (other._mem_type, other._addr, other._size)  # type: ignore[attr-defined]
+            (other._mem_type, other._addr, other._size)
 
     def __hash__(self) -> int:
         return hash((MemInfo, self._mem_type, self._addr, self._size))
@@ -591,10 +598,17 @@ def check_layer_range(name: str, layer_range: Optional[range], allow_none: bool 
     """``range`` with step 1 and ``0 <= start < stop``; None passes when ``allow_none``."""
     if layer_range is None and allow_none:
         return
+    _checked_layer_range(name, layer_range)
+
+
+def _checked_layer_range(name: str, layer_range: Optional[range]) -> range:
+    """:func:`check_layer_range` with ``allow_none=False``, returning the range it accepted."""
     check_isinstance(name, layer_range, range, allow_none=False)
-    raise_if_false(layer_range.step == 1, "check {0}.step == 1 failed", name)
-    raise_if_false(0 <= layer_range.start < layer_range.stop,
-                   "check 0 <= range.start < range.stop failed, {0} = {1}", name, layer_range)
+    checked = cast(range, layer_range)  # cast: check_isinstance raised unless it is a range
+    raise_if_false(checked.step == 1, "check {0}.step == 1 failed", name)
+    raise_if_false(0 <= checked.start < checked.stop,
+                   "check 0 <= range.start < range.stop failed, {0} = {1}", name, checked)
+    return checked
 
 
 class TransferConfig:
@@ -690,8 +704,8 @@ class TransferWithCacheKeyConfig:
                  dst_layer_range: Optional[range] = None,
                  src_batch_index: int = 0) -> None:
         check_isinstance("cache_key", cache_key, [BlocksCacheKey, CacheKeyByIdAndIndex], allow_none=False)
-        check_layer_range("src_layer_range", src_layer_range, allow_none=False)
-        check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
+        src_layer_range = _checked_layer_range("src_layer_range", src_layer_range)
+        dst_layer_range = _checked_layer_range("dst_layer_range", dst_layer_range)
         raise_if_false(len(src_layer_range) == len(dst_layer_range),
                        "src_layer_range size should be equal to dst_layer_range size")
         check_uint32("src_batch_index", src_batch_index)
@@ -719,8 +733,7 @@ class TransferWithCacheKeyConfig:
 
     @src_layer_range.setter
     def src_layer_range(self, src_layer_range: range) -> None:
-        check_layer_range("src_layer_range", src_layer_range, allow_none=False)
-        self._src_layer_range = src_layer_range
+        self._src_layer_range = _checked_layer_range("src_layer_range", src_layer_range)
 
     @property
     def dst_layer_range(self) -> range:
@@ -728,8 +741,7 @@ class TransferWithCacheKeyConfig:
 
     @dst_layer_range.setter
     def dst_layer_range(self, dst_layer_range: range) -> None:
-        check_layer_range("dst_layer_range", dst_layer_range, allow_none=False)
-        self._dst_layer_range = dst_layer_range
+        self._dst_layer_range = _checked_layer_range("dst_layer_range", dst_layer_range)
 
     @property
     def src_batch_index(self) -> int:

@@ -19,7 +19,7 @@ import itertools
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 from llmdd._seam import abc as _abc
 from llmdd._seam.abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
@@ -38,7 +38,7 @@ from llmdd._base.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, ca
 
 if TYPE_CHECKING:
     from llmdd._lifecycle.machines import Lifecycle
-    from llmdd._memory.manager import MemoryManager
+    from llmdd._memory.manager import CacheRecord, MemoryManager
     from llmdd._base.profiles import ChipProfile
 
 __all__ = ["TransferEngine", "AsyncTransfer"]
@@ -63,7 +63,7 @@ def _spans(blocks: Any) -> tuple:
     """Block indices as sorted disjoint spans (for the owner's "peer finished reading" event)."""
     if isinstance(blocks, (list, tuple)) and len(blocks) <= 16:
         # a few blocks (the latency path): plain Python beats numpy's fixed per-call costs
-        out = []
+        out: list[list[int]] = []
         for b in sorted(set(map(int, blocks))):
             if out and out[-1][1] == b:
                 out[-1][1] = b + 1
@@ -141,7 +141,7 @@ class _QuickPlan:
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
                  "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "fast", "chan")
 
-    def __init__(self, link: Any, tables: Any, rec: Any, cache_id: int, src: CacheLayout, dst: CacheLayout,
+    def __init__(self, link: Any, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
                  src_tensors: range, dst_tensors: range, push: bool) -> None:
         self.link, self.tables, self.rec, self.regions = link, tables, rec, rec.regions
         self.cv, self.rv = tables.cache_table_version, tables.regions_version
@@ -173,21 +173,24 @@ class _QuickPlan:
                     break
         if not ok:
             return self._planned(src_blocks, dst_blocks)
+        runs: Sequence[Sequence[int]]
         if n == 1:
             runs = ((src_blocks[0], dst_blocks[0], 1),)
         else:
+            pairs: Iterable[tuple[int, int]]
             if len(set(dst_blocks)) != n:   # a destination block listed twice: the last pair wins
                 pairs = [(a, b) for i, (a, b) in enumerate(zip(src_blocks, dst_blocks)) if b not in dst_blocks[i + 1:]]
             else:
                 pairs = zip(src_blocks, dst_blocks)
-            runs = []
+            merged: list[list[int]] = []
             ps = pd = -2
             for a, b in pairs:
                 if a == ps + 1 and b == pd + 1:
-                    runs[-1][2] += 1
+                    merged[-1][2] += 1
                 else:
-                    runs.append([a, b, 1])
+                    merged.append([a, b, 1])
                 ps, pd = a, b
+            runs = merged
         if len(runs) * len(self.pairs) > 64:
             return self._planned(src_blocks, dst_blocks)
         bs = self.bs
@@ -567,7 +570,7 @@ class TransferEngine:
         if (memo is None or memo[0] is not key or memo[1] is not cache or memo[2] is not src_layer_range
                 or memo[3] is not dst_layer_range or memo[4] != tnpl):
             return None
-        plan = memo[5]
+        plan: _QuickPlan = memo[5]
         rec, link = plan.rec, plan.link
         tables = link.tables
         if (self._memory.get(cache.cache_id) is rec and rec.live and rec.regions is plan.regions
@@ -593,7 +596,7 @@ class TransferEngine:
             plan = self._quick_plan(False, link, rec, key, src_layer_range, dst_layer_range, tnpl)
             if plan is not None and plan.fast is not None:
                 self._memo_pull = (key, cache, src_layer_range, dst_layer_range, tnpl, plan)
-        if plan is None:
+        if plan is None or rec is None:   # (a plan is made only for a live record)
             self.pull(key, cache, kind="pull_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
                       src_layer_range=src_layer_range, dst_layer_range=dst_layer_range, tnpl=tnpl)
             return
@@ -730,6 +733,8 @@ class TransferEngine:
         finally:
             if reserved is not None:
                 if pulled:
+                    if src_tensors is None:   # pulled is set only after the ranges were planned
+                        raise _err("internal error: a completed pull without its tensor range", S.LLM_FAILED)
                     # acknowledged, so that when pull_cache returns the owner's key table is final
                     # (a layer-wise pull leaves the key for the remaining layers, a full one removes it)
                     try:
@@ -876,16 +881,16 @@ class TransferEngine:
         # TransferConfig: raw destination addresses, two per transferred layer
         layers = config.src_layer_range or range(0, src.num_tensors // 2)
         pos = layer - layers.start
-        dst = []
+        dst_spans = []
         for addr in config.dst_addrs[pos * 2: pos * 2 + 2]:
             region = link.tables.find_region(addr, 1)
             if region is None:
                 raise _err(f"destination address {addr:#x} is not registered on cluster {link.peer_cluster_id}",
                            S.LLM_PARAM_INVALID)
-            dst.append((region.region_id, addr - region.addr, region.size))
+            dst_spans.append((region.region_id, addr - region.addr, region.size))
         if not dst_blocks:  # cache to raw addresses whatever the source kind (upstream's rule)
             src, src_blocks, dst_blocks = _one_slot(src, whole=False), None, None
-        return plan_to_addresses(src=src, src_tensors=src_tensors, dst=dst, src_unit=config.src_batch_index,
+        return plan_to_addresses(src=src, src_tensors=src_tensors, dst=dst_spans, src_unit=config.src_batch_index,
                                  src_blocks=src_blocks, dst_blocks=dst_blocks,
                                  dst_block_size=dst_block_size, local="src")
 

@@ -405,7 +405,7 @@ def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: Any, dst_bl
         pairs = [(a, b) for i, (a, b) in enumerate(zip(src_blocks, dst_blocks)) if b not in dst_blocks[i + 1:]]
     else:
         pairs = list(zip(src_blocks, dst_blocks))
-    runs = []
+    runs: list[list[int]] = []
     ps = pd = -2
     for a, b in pairs:
         if a == ps + 1 and b == pd + 1:

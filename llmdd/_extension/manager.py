@@ -394,7 +394,7 @@ class LazyCandidates(Sequence):
             pass
         return len(self._seen)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice) or index < 0:
             len(self)
             return tuple(self._seen)[index]

@@ -90,7 +90,12 @@ class Segment:
         self.owner = owner
         self._shm = shm
         self._mmap = mm
-        buf = shm.buf if shm is not None else memoryview(mm)  # type: ignore[arg-type]
+        if shm is not None:
+            buf = shm.buf
+        elif mm is not None:
+            buf = memoryview(mm)
+        else:
+            raise TypeError("a segment is backed by a SharedMemory or an mmap, got neither")
         self._array: Optional[np.ndarray] = np.frombuffer(buf, dtype=np.uint8, count=size)
         self.addr: int = int(self._array.ctypes.data)
         self._closed = False
@@ -122,11 +127,11 @@ class Segment:
             shm = self._shm
             if shm is not None:  # stop SharedMemory.__del__ from trying (and failing) again
                 try:
-                    shm._buf = None  # type: ignore[attr-defined]
-                    shm._mmap = None  # type: ignore[attr-defined]
+                    shm._buf = None  # type: ignore[attr-defined]  # private: not in typeshed
+                    shm._mmap = None  # type: ignore[attr-defined]  # private: not in typeshed
                     if getattr(shm, "_fd", -1) >= 0:
-                        os.close(shm._fd)  # type: ignore[attr-defined]
-                        shm._fd = -1  # type: ignore[attr-defined]
+                        os.close(shm._fd)  # type: ignore[attr-defined]  # private: not in typeshed
+                        shm._fd = -1  # type: ignore[attr-defined]  # private: not in typeshed
                 except Exception:  # noqa: BLE001
                     pass
 
@@ -169,18 +174,19 @@ def _shm_unlink(name: str) -> None:
 def _create_shm(size: int) -> shared_memory.SharedMemory:
     name = _segments.segment_name("pool", f"{next(_counter)}_{secrets.token_hex(4)}")
     if _TRACK_PARAM:
-        shm = _SharedMemory(name=name, create=True, size=size, track=False)  # type: ignore[call-arg]
+        shm = _SharedMemory(name=name, create=True, size=size, track=False)
     else:
         shm = _SharedMemory(name=name, create=True, size=size)
         try:
             from multiprocessing import resource_tracker
 
+            # ignore: SharedMemory._name is private (not in typeshed)
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         except Exception:  # pragma: no cover - tracker unavailable
             pass
     # exactly owner read/write whatever the umask: 0600 is the creation mode, but a umask such as
     # 277 would leave 0400 and lock this user's own peers (the shm transport) out of the pool
-    os.fchmod(shm._fd, 0o600)  # type: ignore[attr-defined]
+    os.fchmod(shm._fd, 0o600)  # type: ignore[attr-defined]  # private: not in typeshed
     return shm
 
 
@@ -287,7 +293,7 @@ def attach_segment(name: str, size: int, placement: Placement = Placement.HOST) 
         raise LLMException(f"invalid segment size {size!r}", status_code=LLMStatusCode.LLM_PARAM_INVALID)
     try:
         if _TRACK_PARAM:
-            shm = _SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+            shm = _SharedMemory(name=name, track=False)
             if shm.size < size:
                 shm.close()
                 raise LLMException(f"segment {name} has {shm.size} bytes, {size} expected",

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, cast
 
 import attrs
 
@@ -117,7 +117,9 @@ class CacheRecord:
 
     @property
     def state(self) -> CacheState:
-        return self.tracked.state
+        # cast: Tracked.state is typed Enum for every machine; a CacheRecord's Tracked runs the cache
+        # machine, whose states are CacheState members
+        return cast(CacheState, self.tracked.state)
 
     @property
     def live(self) -> bool:
@@ -276,7 +278,7 @@ class MemoryManager:
             return hit
 
     @_publishes
-    def finish_reserved(self, index: KeyIndex, tensors: Optional[range], *, pulled: bool) -> None:
+    def finish_reserved(self, index: KeyIndex, tensors: Optional[Iterable[int]], *, pulled: bool) -> None:
         """End a reservation: a successful pull of ``tensors`` (None = all) consumes the key once every
         tensor has been pulled (layer-wise pulls); a failed pull puts the key back."""
         with self._lock:
@@ -544,8 +546,8 @@ class MemoryManager:
                 pool.close()
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
-        for exc in errors:
-            _log.warning("llmdd.memory.close_error", error=repr(exc))
+        for err in errors:
+            _log.warning("llmdd.memory.close_error", error=repr(err))
 
     # ------------------------------------------------------------------ observability
     def statistics(self) -> dict:

@@ -144,7 +144,7 @@ class PagePool:
         with self._lock:
             start = self._page_of(addr)
             pages = self._alloc.pop(start, None) if start is not None else None
-            if pages is None:
+            if start is None or pages is None:
                 raise LLMException(f"address {addr!r} is not a live allocation of this pool",
                                    status_code=LLMStatusCode.LLM_PARAM_INVALID)
             self._used -= pages

@@ -25,9 +25,10 @@ Deadlines are absolute ``time.monotonic()`` values. Errors are typed, subclasses
 from __future__ import annotations
 
 import abc
+import functools
 import threading
 import time
-from typing import Any, Callable, ClassVar, Mapping, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence, Union
 
 import attrs
 
@@ -178,7 +179,8 @@ class RegionTable:
 
     __slots__ = ("ids", "sizes", "by_id", "private")
 
-    def __init__(self, sizes: Mapping[int, Any] = (), *, private: Sequence[int] = ()) -> None:
+    def __init__(self, sizes: Union[Mapping[int, Any], Iterable[tuple[int, Any]]] = (), *,
+                 private: Sequence[int] = ()) -> None:
         items = sorted((int(k), int(v.size if hasattr(v, "size") else v)) for k, v in dict(sizes).items())
         self.ids = np.fromiter((k for k, _ in items), dtype=np.int64, count=len(items))
         self.sizes = np.fromiter((v for _, v in items), dtype=np.uint64, count=len(items))
@@ -394,7 +396,7 @@ class ThreadCompletion(Completion):
 
     def __init__(self, workers: Sequence[Callable[[], None]], *, deadline: Union[float, None] = None,
                  abort: Union[Callable[[], None], None] = None,
-                 on_done: Union[Callable[["ThreadCompletion"], None], None] = None,
+                 on_done: Union[Callable[["ThreadCompletion"], object], None] = None,
                  name: str = "llmdd-io",
                  pool: Union[Callable[[Callable[[], None]], Any], None] = None,
                  map_error: Union[Callable[[BaseException], TransportError], None] = None,
@@ -431,7 +433,7 @@ class ThreadCompletion(Completion):
                 t.start()
             return self
         for w in workers[1:]:
-            self._pool(lambda w=w: self._run(w))
+            self._pool(functools.partial(self._run, w))
         self._run(workers[0], inline=True)
         return self
 

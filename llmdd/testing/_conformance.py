@@ -288,13 +288,14 @@ def check_deadline(make_pair: MakePair, stall: Union[Stall, None] = None) -> Non
             with stall(b.ep):
                 t0 = time.monotonic()
                 deadline = t0 + 0.5
+                got: Union[TransportError, str, None]
                 try:
                     c = ch.read(ops, deadline=deadline)
-                    err = c.error if c.wait(10.0) else "not done"
+                    got = c.error if c.wait(10.0) else "not done"
                 except TransportError as exc:
-                    err = exc
+                    got = exc
                 took = time.monotonic() - t0
-                assert isinstance(err, TransportTimeout), f"stalled peer, {n} B: got {err!r}"
+                assert isinstance(got, TransportTimeout), f"stalled peer, {n} B: got {got!r}"
                 assert took < 0.5 + 2.0, f"stalled peer: failed after {took:.2f}s for a 0.5s deadline"
                 a.bufs[1][:] = _SENTINEL
             time.sleep(0.2)  # the peer resumes: whatever it sends now must land nowhere
@@ -586,7 +587,7 @@ def check_two_processes(make_pair: MakePair, transport: MakeTransport) -> None:
         mine.close()
 
 
-CONFORMANCE_CHECKS = [
+CONFORMANCE_CHECKS: list[Callable[..., None]] = [
     check_describe_and_connect,
     check_read_write_random,
     check_large_batch,

@@ -35,6 +35,7 @@ import importlib.util
 import io
 import itertools
 import multiprocessing
+import multiprocessing.context
 import os
 import pickle
 import queue
@@ -47,7 +48,7 @@ import traceback
 import types
 from contextlib import contextmanager
 from multiprocessing.connection import wait as mp_wait
-from typing import Any, Callable, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterator, Literal, Mapping, Union
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -228,7 +229,7 @@ def _load_from_file(name: str, path: str) -> None:
             importlib.import_module(parent)
         except ImportError:
             pkg = types.ModuleType(parent)
-            pkg.__path__ = []  # type: ignore[attr-defined]
+            pkg.__path__ = []
             sys.modules[parent] = pkg
             if i > 1:
                 setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], pkg)
@@ -373,6 +374,22 @@ class PeerFuture:
 
 
 _LIVE: "set[PeerHandle]" = set()  # strong refs: a dropped handle is still reaped at exit
+#: a multiprocessing start method (``multiprocessing.get_context``)
+StartMethod = Literal["spawn", "fork", "forkserver"]
+
+
+def _mp_context(start_method: StartMethod) -> Union[
+        multiprocessing.context.SpawnContext, multiprocessing.context.ForkContext,
+        multiprocessing.context.ForkServerContext]:
+    """``multiprocessing.get_context(start_method)``, typed as the context that has ``Process``."""
+    if start_method == "fork":
+        return multiprocessing.get_context("fork")
+    if start_method == "forkserver":
+        return multiprocessing.get_context("forkserver")
+    if start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    raise ValueError(f"unknown start method {start_method!r}")
+
 _LIVE_LOCK = threading.Lock()
 _ENV_LOCK = threading.Lock()
 
@@ -403,10 +420,10 @@ class PeerHandle:
     """Parent-side handle of one peer process; see the module docstring.  Use :func:`spawn_peer`."""
 
     def __init__(self, name: str, *, env: Mapping[str, str | None] | None = None,
-                 start_method: str = "spawn") -> None:
+                 start_method: StartMethod = "spawn") -> None:
         self.name = name
         self._env = dict(env) if env else None
-        self._ctx = multiprocessing.get_context(start_method)
+        self._ctx = _mp_context(start_method)
         self._conn, child_conn = self._ctx.Pipe(duplex=True)
         self._process = self._ctx.Process(
             target=_peer_main, args=(child_conn, name, self._env), name=f"llmdd-peer-{name}", daemon=False)
@@ -426,7 +443,10 @@ class PeerHandle:
         with _patched_environ(self._env):
             self._process.start()
         child_conn.close()  # so that the child's death gives EOF here
-        self._pid: int = self._process.pid  # type: ignore[assignment]
+        pid = self._process.pid
+        if pid is None:  # start() returned, so the child exists and has a pid
+            raise RuntimeError(f"peer {name!r}: the started process has no pid")
+        self._pid: int = pid
         with _LIVE_LOCK:
             _LIVE.add(self)
         self._reader = threading.Thread(target=self._read_loop, name=f"llmdd-peer-{name}-reader", daemon=True)
@@ -531,7 +551,7 @@ class PeerHandle:
                 exc = PeerCallError(f"{type_name}: {text}")
         exc.__cause__ = RemoteTraceback(f"[peer {self.name!r} pid {self._pid}]\n{tb_text}")
         try:
-            exc.remote_traceback = tb_text  # type: ignore[attr-defined]
+            exc.remote_traceback = tb_text  # type: ignore[attr-defined]  # an ad-hoc attribute on any exception type
         except AttributeError:  # __slots__ exceptions
             pass
         return exc
@@ -709,7 +729,7 @@ class PeerHandle:
         self.close()
 
 
-def spawn_peer(name: str, *, env: Mapping[str, str | None] | None = None, start_method: str = "spawn",
+def spawn_peer(name: str, *, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
                startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> PeerHandle:
     """Start a peer child process and wait until its command loop answers.
 
@@ -728,7 +748,7 @@ class Cluster:
     ``with peers("p", "d") as (p, d):`` unpacks them.
     """
 
-    def __init__(self, *, env: Mapping[str, str | None] | None = None, start_method: str = "spawn",
+    def __init__(self, *, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
                  close_timeout: float = _REAP_TIMEOUT) -> None:
         self._env = env
         self._start_method = start_method
@@ -782,7 +802,7 @@ class Cluster:
 
 
 @contextmanager
-def peers(*names: str, env: Mapping[str, str | None] | None = None, start_method: str = "spawn",
+def peers(*names: str, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
           startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT,
           close_timeout: float = _REAP_TIMEOUT) -> Iterator[Cluster]:
     """``with peers("prompt", "decoder") as cluster:`` — every child is reaped at exit, even on failure."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from llmdd._base.config import LlmConfig, trans_str_ip
 from llmdd._base.enums import LLMRole
@@ -82,7 +82,7 @@ class EngineConfig:
         return cls(is_prompt, ClusterConfig.from_engine_options(engine_options))
 
     @staticmethod
-    def gen_numa_config(device_id: str, deploy_res_path: str) -> str:
+    def gen_numa_config(device_id: str, deploy_res_path: Optional[str]) -> str:
         """A one-node NUMA description (JSON text) listing the ``;``-separated ``device_id`` items."""
         items = [{"item_id": int(d), "device_id": int(d), "ipaddr": "192.168.0.1"} for d in device_id.split(";")]
         node = {"node_id": 0, "node_type": "FakeNodeType", "ipaddr": "127.0.0.1", "port": -1, "is_local": True,

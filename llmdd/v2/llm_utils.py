@@ -111,7 +111,7 @@ class CacheDescParser:
 # ------------------------------------------------------------------ tuple packers (upstream's wire to its
 # native layer; kept for code that builds those tuples itself)
 
-def pack_cache_desc(cache_desc: CacheDesc) -> Tuple[int, int, int, List[int], int, bool]:
+def pack_cache_desc(cache_desc: CacheDesc) -> Tuple[int, int, int, Union[Tuple[int, ...], List[int]], int, bool]:
     """``(num_tensors, data_type value, seq_len_dim_index, shape, placement value, is_blocks)``."""
     return (cache_desc.num_tensors, cache_desc.data_type.value, cache_desc.seq_len_dim_index, cache_desc.shape,
             cache_desc.placement.value, cache_desc._is_blocks)

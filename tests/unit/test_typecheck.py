@@ -1,9 +1,8 @@
-"""Type checking (issue 17, point 6): the packages already clean stay clean.
+"""Type checking (issue 17, point 6): llmdd/ and every plugin package have no type error.
 
-mypy, configured in pyproject.toml ([tool.mypy]), over the packages listed in ``CLEAN`` must report
-no error (their imports are followed for types, their errors not reported: ``--follow-imports
-silent``).  The rest of llmdd/ and plugins/ is measured by scripts/typecheck.sh until it reaches
-zero and .ci/run runs that instead.  A control proves the check sees llmdd's own types (a
+mypy, configured in pyproject.toml ([tool.mypy]: the packages checked, the plugin source paths), over
+all of them must report no error.  .ci/run runs the same check through scripts/typecheck.sh; this
+test keeps it in the default suite.  A control proves the check sees llmdd's own types (a
 mis-resolved import would turn them into Any and let every error through).
 """
 
@@ -19,10 +18,6 @@ pytest.importorskip("mypy", reason="mypy is in llmdd's test extra: pip install -
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-#: packages with no mypy error; a package joins when its last error is fixed
-CLEAN = ("llmdd._control", "llmdd._lifecycle", "llmdd._api", "llmdd._tools", "llmdd._engine")
-
-
 def _mypy(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
@@ -30,8 +25,8 @@ def _mypy(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
         cwd=ROOT, capture_output=True, text=True, timeout=110)
 
 
-def test_the_clean_packages_have_no_type_error(tmp_path):
-    r = _mypy(tmp_path, *(a for pkg in CLEAN for a in ("-p", pkg)))
+def test_llmdd_and_every_plugin_have_no_type_error(tmp_path):
+    r = _mypy(tmp_path)   # the packages of [tool.mypy]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Success: no issues found" in r.stdout, r.stdout
 
@@ -54,6 +49,18 @@ def test_control_a_type_error_against_llmdd_types_fails_the_check(tmp_path):
     assert f"{bad.name}:6: error: Incompatible return value type" in r.stdout, r.stdout
     assert f"{bad.name}:10: error: Incompatible types in assignment" in r.stdout, r.stdout
     assert "Found 2 errors in 1 file" in r.stdout, r.stdout
+
+
+def test_the_configuration_checks_llmdd_and_every_plugin():
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    plugins = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "src").is_dir())
+    packages = sorted(d.name for p in plugins for d in (p / "src").iterdir() if (d / "__init__.py").is_file())
+    assert len(plugins) >= 6 and len(packages) == len(plugins), (plugins, packages)
+    # a plugin package left out of [tool.mypy] would go unchecked
+    assert sorted(config["packages"]) == sorted(["llmdd", *packages])
+    assert sorted(pathlib.PurePath(p).parts[-2] for p in config["mypy_path"][1:]) == [p.name for p in plugins]
 
 
 def test_the_package_says_it_is_typed():

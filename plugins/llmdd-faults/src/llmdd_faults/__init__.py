@@ -71,23 +71,23 @@ _ENV_INJECTOR: Optional[FaultInjector] = None
 _plan = plan_from_env()
 if _plan is not None:
     _wrap_names = [n.strip() for n in os.environ.get(ENV_WRAP, "tcp,shm").split(",") if n.strip()]
-    _ENV_INJECTOR = FaultInjector(_plan, wrap=_wrap_names, force=True)
+    _ENV_INJECTOR = _env_injector = FaultInjector(_plan, wrap=_wrap_names, force=True)
 
     @hookimpl(trylast=True)
     def llmdd_register_transports(register: Any) -> None:
-        _ENV_INJECTOR.llmdd_register_transports(register)
+        _env_injector.llmdd_register_transports(register)
 
     @hookimpl(tryfirst=True)
     def llmdd_select_transport(link: Any, candidates: Sequence[Any]) -> Optional[str]:
-        return _ENV_INJECTOR.llmdd_select_transport(link, candidates)
+        return _env_injector.llmdd_select_transport(link, candidates)
 
     @hookimpl
     def llmdd_link_transition(event: Any) -> None:
-        _ENV_INJECTOR.llmdd_link_transition(event)
+        _env_injector.llmdd_link_transition(event)
 
     @hookimpl(wrapper=True)
     def llmdd_run_transfer(task: Any, run: Callable[[], Any]) -> Any:
-        return (yield from _ENV_INJECTOR.llmdd_run_transfer(task, run))
+        return (yield from _env_injector.llmdd_run_transfer(task, run))
 del _plan
 
 

@@ -79,6 +79,11 @@ def _optional_int(value: Any) -> Optional[int]:
     return None if value is None else int(value)
 
 
+#: Fault.count's default, typed Optional so that attrs' field() types that field Optional[int] (as its
+#: validator) rather than int (as the literal 1)
+_DEFAULT_COUNT: Optional[int] = 1
+
+
 @attrs.frozen
 class Fault:
     """One fault: *what* happens (``action``) at *which* injection point (``op``), on *which* call.
@@ -111,7 +116,7 @@ class Fault:
     op: str = attrs.field(validator=attrs.validators.in_(OPS))
     action: str = attrs.field(validator=attrs.validators.in_(ACTIONS))
     nth: int = attrs.field(default=1, kw_only=True, converter=int, validator=attrs.validators.ge(1))
-    count: Optional[int] = attrs.field(default=1, kw_only=True, converter=_optional_int,
+    count: Optional[int] = attrs.field(default=_DEFAULT_COUNT, kw_only=True, converter=_optional_int,
                                        validator=attrs.validators.optional(attrs.validators.ge(1)))
     peer: Optional[int] = attrs.field(default=None, kw_only=True, converter=_optional_int)
     probability: float = attrs.field(default=1.0, kw_only=True, converter=float,

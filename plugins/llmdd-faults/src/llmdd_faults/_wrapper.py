@@ -26,7 +26,8 @@ from typing import Any, ClassVar, Mapping, Optional, Union
 from llmdd.lowlevel import get_logger
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
-from llmdd.lowlevel import BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportTimeout, as_ops, make_ops
+from llmdd.lowlevel import (BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportError, TransportTimeout,
+                            as_ops, make_ops)
 
 from ._plan import Fault, FaultPlan, current_peer
 
@@ -320,7 +321,7 @@ class _Batch:
     def touches(self, region_id: int) -> bool:
         return region_id in self.local_regions
 
-    def fail(self, why: Exception) -> None:
+    def fail(self, why: TransportError) -> None:
         self.completion.fail(why)
 
     def forget(self) -> None:

@@ -87,7 +87,7 @@ def _load_native() -> tuple[Any, str]:
     if os.environ.get(ENV_NATIVE, "").strip().lower() in ("0", "off", "no", "false"):
         return None, f"disabled by {ENV_NATIVE}=0"
     try:
-        from . import _shmfast  # type: ignore[attr-defined]
+        from . import _shmfast  # type: ignore[attr-defined]  # a C extension: no source or stub for mypy
     except ImportError as exc:
         return None, f"C extension llmdd_shm._shmfast not built ({exc}); reinstall the plugin with gcc and Python.h"
     if getattr(_shmfast, "ABI", None) != NATIVE_ABI:
@@ -134,8 +134,8 @@ OPT_CHUNK = "llmdd.shm.chunk_bytes"
 OPT_NATIVE = "llmdd.shm.native"
 #: native batches of at most this many bytes keep the GIL for the copy (no thread hand-off after it)
 OPT_GIL = "llmdd.shm.native_gil_bytes"
-_DEFAULTS = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024, OPT_NATIVE: "auto",
-             OPT_GIL: 256 * 1024}
+_DEFAULTS: dict[str, Union[int, str]] = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024,
+                                         OPT_NATIVE: "auto", OPT_GIL: 256 * 1024}
 #: batches with more ops than this skip the native single-call path (the numpy plan coalesces them)
 _NATIVE_MAX_OPS = 4096
 
@@ -426,7 +426,8 @@ class ShmEndpoint(Endpoint):
         self._nb_count: dict[int, int] = {}  # epoch -> native batches running on that snapshot
         self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
         self._rebuild(self._regs)
-        self._stats = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
         self._ctl_name = segment_name("shmctl", self._id.hex()[:12])
         self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
         with _owned_lock:
@@ -668,9 +669,10 @@ class ShmChannel(Channel):
         self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
         self._qfd = -1                # the quick path's lock fd (used under the GIL only)
         self._nrtab: tuple = (np.zeros((0, 6), np.uint64), 0, 0)
-        self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0, "batches": 0,
-                       "failed": 0, "cma_calls": 0, "segments_mapped": 0, "last_error": None,
-                       "native_batches": 0, "native_fallbacks": 0}
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
+                                       "batches": 0, "failed": 0, "cma_calls": 0, "segments_mapped": 0,
+                                       "last_error": None, "native_batches": 0, "native_fallbacks": 0}
         self._ctl_name = str(peer["ctl"])
         try:
             ctl_map = _seg.attach(self._ctl_name)
@@ -996,11 +998,11 @@ class ShmChannel(Channel):
             if small:
                 rl = ops["remote_region"].tolist()
                 used_ids = sorted(set(rl))
-                maps = [rinfo[r][4] for r in used_ids if rinfo[r][4] is not None]
+                maps = [m for r in used_ids if (m := rinfo[r][4]) is not None]
             else:
                 pos = np.searchsorted(rids, ops["remote_region"].astype(np.int64))
                 used = np.unique(pos)
-                maps = [rmaps[i] for i in used.tolist() if rmaps[i] is not None]
+                maps = [m for i in used.tolist() if (m := rmaps[i]) is not None]
             with self._lock:
                 if self._batches.closed:
                     raise Cancelled("channel closed")
@@ -1048,7 +1050,7 @@ class ShmChannel(Channel):
             return Corrupt(f"cross-memory attach failed: {exc}")
         return map_os_error(exc, what="peer endpoint unreachable", peer_alive=self._live.alive)
 
-    def _done(self, batch: _Batch, write: bool, plan: "_Plan", err: Optional[TransportError]) -> Completion:
+    def _done(self, batch: _Batch, write: bool, plan: "_AnyPlan", err: Optional[TransportError]) -> Completion:
         self._ep._end(batch)
         for m in batch.maps:
             self._release_map(m, pin=True)
@@ -1083,7 +1085,7 @@ class ShmChannel(Channel):
                 return
         os.close(fd)
 
-    def _check_peer(self, plan: "_Plan", batch: _Batch, deadline: float, *, first: bool) -> None:
+    def _check_peer(self, plan: "_AnyPlan", batch: _Batch, deadline: float, *, first: bool) -> None:
         """Between chunks: abort, deadline, peer endpoint closed, regions deregistered."""
         if batch.aborted:
             raise batch.why or Cancelled("batch aborted")
@@ -1113,7 +1115,7 @@ class ShmChannel(Channel):
         except BaseException as exc:  # noqa: BLE001 - typed errors reach the completion
             raise self._map_exc(exc) from None
 
-    def _run(self, batch: _Batch, write: bool, plan: "_Plan", deadline: float) -> None:
+    def _run(self, batch: _Batch, write: bool, plan: "_AnyPlan", deadline: float) -> None:
         if not self._live.alive():
             raise PeerGone(f"peer process {self._pid} is gone")
         if int(self._ctl.hdr[2]) != _OPEN:
@@ -1317,6 +1319,10 @@ class _FewPlan:
             cm = self.cm
             ch._cma.transfer_few(ch._pid, [c[0] for c in cm], [c[1] for c in cm], [c[2] for c in cm], write=write,
                                  between=lambda: ch._check_peer(self, batch, deadline, first=False))
+
+
+#: either plan of a batch (same contract: n, total, slots / gens / rids, execute)
+_AnyPlan = Union[_Plan, _FewPlan]
 
 
 def _cap(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -80,7 +80,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Mapping, Optional, TypeGuard, Union, cast
 
 
 from llmdd.plugin import hookimpl
@@ -148,7 +148,7 @@ def _region_view(addr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
 
 
-def _is_tls(sock: socket.socket) -> bool:
+def _is_tls(sock: socket.socket) -> TypeGuard[ssl.SSLSocket]:
     return isinstance(sock, ssl.SSLSocket)
 
 
@@ -305,20 +305,20 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
     h = 0 if head is None else 1
     rows = n + h
     iov = np.empty((rows, 2), dtype=np.uint64)
-    if h:
+    if head is not None:
         iov[0] = head[1:]
     if n:
         np.add(where.addrs[np.searchsorted(where.ids, reg)], off, out=iov[h:, 0], casting="unsafe")
         iov[h:, 1] = ln
     if rows <= _WINDOW:
         payload = int(ln.sum(dtype=np.uint64)) if total is None else total
-        _vectored(sock, iov, 0, rows, payload + (head[2] if h else 0), deadline, send, abort_check)
+        _vectored(sock, iov, 0, rows, payload + (head[2] if head is not None else 0), deadline, send, abort_check)
         return payload
     ends = np.cumsum(iov[:, 1], dtype=np.uint64)
     for s in range(0, rows, _WINDOW):
         e = min(s + _WINDOW, rows)
         _vectored(sock, iov, s, e, int(ends[e - 1]) - (int(ends[s - 1]) if s else 0), deadline, send, abort_check)
-    return int(ends[-1]) - (head[2] if h else 0)
+    return int(ends[-1]) - (head[2] if head is not None else 0)
 
 
 def _send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
@@ -527,6 +527,12 @@ class _Reg(RegisteredRegion):
         self.view = _region_view(region.addr, region.size)
 
 
+def _views(pinned: list[RegisteredRegion]) -> dict[int, memoryview]:
+    """``region_id -> memory view`` of pinned regions (TLS moves Python buffers)."""
+    # cast: a TCP endpoint's registry (RegionRegistry(_Reg)) pins only _Reg entries
+    return {e.region_id: cast(_Reg, e).view for e in pinned}
+
+
 class _Batch(Batch):
     """A batch and its sockets, so that cancel/deadline/deregister can kill them."""
 
@@ -579,7 +585,8 @@ class TcpEndpoint(Endpoint):
         self._direct = secrets.token_bytes(CAPABILITY_BYTES)
         self._links_only = False
         self._install(_DIRECT, self._direct, None)
-        self._stats = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
+        # int counters, last_error and listener_failed (str or None)
+        self._stats: dict[str, Any] = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
                        "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
                        "pending_expired": 0, "evicted": 0, "accept_errors": 0, "listener_failed": None,
                        "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0}
@@ -705,7 +712,11 @@ class TcpEndpoint(Endpoint):
             self._by_handle.clear()
         _shutdown(self._lsock)
         lsock = self._lsock
-        self._io.call_soon(lambda: (self._io.forget(lsock), _close(lsock)))
+
+        def forget_and_close() -> None:
+            self._io.forget(lsock)
+            _close(lsock)
+        self._io.call_soon(forget_and_close)
         for ch in channels:
             ch.close()
         for sock, conn in conns:
@@ -732,7 +743,7 @@ class TcpEndpoint(Endpoint):
             self._regs.pin(ops, remote, batch)
             regs = self._regs
             where = _Where(regs.ids, regs.addrs,   # the snapshot holds the pinned regions
-                           {e.region_id: e.view for e in batch.pinned} if self._tls is not None else {})
+                           _views(batch.pinned) if self._tls is not None else {})
         return batch, where
 
     def _end_batch(self, batch: _Batch) -> None:
@@ -908,7 +919,10 @@ class TcpEndpoint(Endpoint):
                         if r == 0:
                             raise PeerGone("peer closed the stream mid-request")
                         got += r
-                self._serve_request(sock, kind, wire, total, conn.grant)
+                grant = conn.grant
+                if grant is None:   # a stream is served only after its OPEN proved a grant
+                    raise Refused("request on a stream that proved no grant")
+                self._serve_request(sock, kind, wire, total, grant)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
                 if not _wait_readable(sock, self._linger):
@@ -942,7 +956,7 @@ class TcpEndpoint(Endpoint):
                 reason = str(exc)
                 self._stats["refused"] += 1
                 self._stats["last_error"] = reason
-                refused = reason
+                refused: Optional[str] = reason
             else:
                 refused = None
                 regions = wire["region"].tolist() if len(wire) <= _WINDOW else np.unique(wire["region"]).tolist()
@@ -951,7 +965,7 @@ class TcpEndpoint(Endpoint):
                 self._regs.pin_entries(served, ids)
                 grant.busy += 1
                 where = _Where(self._regs.ids, self._regs.addrs,
-                               {e.region_id: e.view for e in served.pinned} if _is_tls(sock) else {})
+                               _views(served.pinned) if _is_tls(sock) else {})
                 self._serving[token] = (sock, ids)
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
@@ -997,20 +1011,22 @@ class _ServerConn:
         self.proven = False
         self.closed = False
         self.grant: Union[_Grant, None] = None
-        self.tls = _is_tls(sock)
+        self.tls: Optional[ssl.SSLSocket] = sock if _is_tls(sock) else None   # sock, when it is a TLS socket
         self.head = b""          # TLS: the first byte of a request, taken by the loop to see it come
         self.timer = ep._io.call_later(ep._pending_s, self.expire)
 
     def start(self) -> None:
-        if self.tls:
+        if self.tls is not None:
             self.handshake(0)
         else:
             self.hello()
 
     def handshake(self, _mask: int) -> None:
         """Drive the server side of the TLS handshake without blocking (loop thread)."""
+        if self.tls is None:   # started only for a TLS stream (see start)
+            raise TypeError("TLS handshake on a plain TCP stream")
         try:
-            self.sock.do_handshake()
+            self.tls.do_handshake()
         except ssl.SSLWantReadError:
             self.ep._io.set_events(self.sock, EVENT_READ, self.handshake)
             return
@@ -1044,7 +1060,7 @@ class _ServerConn:
             return
         handler = self.on_request if self.proven else self.on_open
         self.ep._io.set_events(self.sock, EVENT_READ, handler)
-        if self.tls and self.sock.pending():
+        if self.tls is not None and self.tls.pending():
             self.ep._io.call_soon(handler, EVENT_READ)   # bytes already decrypted: no readiness would come
 
     def on_open(self, _mask: int) -> None:
@@ -1062,7 +1078,7 @@ class _ServerConn:
             self.buf += data
             if len(self.buf) >= _OPEN.size:
                 break
-            if not (self.tls and self.sock.pending()):
+            if not (self.tls is not None and self.tls.pending()):
                 return   # the rest comes with a later readiness (bytes buffered in TLS would not signal one)
         nonce_c, handle, mac_c = _OPEN.unpack(bytes(self.buf))
         self.buf = bytearray()
@@ -1086,7 +1102,7 @@ class _ServerConn:
     def on_request(self, _mask: int) -> None:
         """Bytes wait on an idle stream: a worker takes it over (an end of stream is handled here)."""
         try:
-            if self.tls:
+            if self.tls is not None:
                 # TLS has no MSG_PEEK, and a readable descriptor may hold a part of a record only: take
                 # the first byte of the request (the worker reads the header on from it), or wait
                 peek = self.head = self.sock.recv(1)
@@ -1175,8 +1191,9 @@ class TcpChannel(Channel):
         self._remote_table = RegionTable()
         self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
-        self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
-                       "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
+                                       "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
 
     # ------------------------------------------------------------------ public API
 
@@ -1228,13 +1245,13 @@ class TcpChannel(Channel):
             tls = self._ep._tls
             if tls is not None:
                 _tune(sock)
-                plain, sock = sock, None
+                plain = sock
                 try:
                     # the server's certificate is checked as on control connections (llmdd.tls_server_name)
                     sock = tls.wrap_client(plain, self._addr[0])
-                finally:
-                    if sock is None:
-                        plain.close()
+                except BaseException:
+                    plain.close()
+                    raise
             magic, version, auth, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
             if magic != _M_HELLO or version != VERSION:
                 raise Corrupt(f"peer at {self._addr} does not speak llmdd-tcp v{VERSION}")

@@ -453,8 +453,9 @@ class UcxEndpoint(Endpoint):
         self._clients: dict[str, int] = {}
         self._waiters: dict[int, threading.Event] = {}
         self._stranded: list = []
-        self._stats = {"regions": 0, "registered_bytes": 0, "clients": 0, "notifs_in": 0, "notifs_out": 0,
-                       "drains": 0, "control_timeouts": 0, "last_error": None}
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"regions": 0, "registered_bytes": 0, "clients": 0, "notifs_in": 0,
+                                       "notifs_out": 0, "drains": 0, "control_timeouts": 0, "last_error": None}
         # what peers receive: the agent's connection info only (no region keys); a region's remote
         # key travels in its own descriptor, and only when the region is remote-accessible
         self._metadata = agent.get_partial_agent_metadata(
@@ -764,8 +765,9 @@ class UcxChannel(Channel):
         self._devs = np.empty(0, np.uint64)
         self._gone: Optional[TransportError] = None
         self._batches: BatchSet[_Xfer] = BatchSet(threading.Condition(self._lock))
-        self._stats = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0, "batches": 0,
-                       "requests": 0, "failed": 0, "refused": 0, "last_error": None}
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
+                                       "batches": 0, "requests": 0, "failed": 0, "refused": 0, "last_error": None}
 
     # ------------------------------------------------------------------ public API
 

@@ -99,7 +99,7 @@ def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
     one process-wide lock. Variables the user set in the environment are never overridden.
     """
     with _env_lock:
-        saved = {}
+        saved: dict[str, None] = {}   # the keys set here, in order
         for k, v in values.items():
             if k in os.environ:
                 continue

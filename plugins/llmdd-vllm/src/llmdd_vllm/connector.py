@@ -254,35 +254,45 @@ class LlmddConnector(KVConnectorBase_V1):
         else:
             self._worker = _WorkerSide(self)
 
+    def _scheduler_side(self) -> "_SchedulerSide":
+        if self._sched is None:   # vLLM calls the scheduler-side methods on a SCHEDULER-role connector only
+            raise RuntimeError("LlmddConnector: a scheduler-side call on a worker-role connector")
+        return self._sched
+
+    def _worker_side(self) -> "_WorkerSide":
+        if self._worker is None:   # vLLM calls the worker-side methods on a WORKER-role connector only
+            raise RuntimeError("LlmddConnector: a worker-side call on a scheduler-role connector")
+        return self._worker
+
     # ------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
-        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        return self._scheduler_side().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        return self._sched.request_finished(request, block_ids)
+        return self._scheduler_side().request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         # the request's own blocks are transferred (not a hash-addressed store): every group
         return self._kv_cache_config.transfer_group_ids
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
-        self._sched.set_handshake(metadata)
+        self._scheduler_side().set_handshake(metadata)
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker.register_kv_caches(kv_caches)
+        self._worker_side().register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         return None if self._worker is None else self._worker.handshake
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        self._worker_side().start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None        # whole-request loads, completed before the request is scheduled
@@ -295,10 +305,10 @@ class LlmddConnector(KVConnectorBase_V1):
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker.transfer_results(finished_req_ids)
+        return self._worker_side().transfer_results(finished_req_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        res = self._worker.transfer_results(finished_req_ids)
+        res = self._worker_side().transfer_results(finished_req_ids)
         return res.finished_sending, res.finished_recving
 
     def shutdown(self) -> None:
@@ -434,11 +444,13 @@ class _WorkerSide:
         self.sending: dict = {}         # req_id -> deadline (monotonic)
         self.read: dict = {}            # tag -> first seen (monotonic), for sends not yet known
         self.linked: dict = {}          # cluster id -> (host, port)
-        self.stats = {"requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
-                      "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
-                      "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
-                      "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
-                      "last_link_error": None, "llmdd_cpus": None}
+        # counters (int, float seconds), transports (dict), and identity / last-error fields (or None)
+        self.stats: dict[str, Any] = {
+            "requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
+            "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
+            "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
+            "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
+            "last_link_error": None, "llmdd_cpus": None}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
@@ -571,10 +583,18 @@ class _WorkerSide:
                 _log.warning("llmdd_vllm: pull of %s failed: %s", job.req_id, exc)
                 self.done.put((job.req_id, False, 0, 0, 0.0))
 
+    def _engine(self) -> LLMDataDist:
+        """The running engine (the pull thread starts after register_kv_caches set it)."""
+        dd = self.dd
+        if dd is None:
+            raise RuntimeError("llmdd_vllm: no llmdd engine (KV caches not registered yet, or shut down)")
+        return dd
+
     def _ensure_link(self, job: RecvJob) -> None:
+        dd = self._engine()
         have = self.linked.get(job.cluster_id)
         if have is not None:
-            state = self.dd.statistics()["links"].get(job.cluster_id, {}).get("state")
+            state = dd.statistics()["links"].get(job.cluster_id, {}).get("state")
             if have == (job.host, job.port) and state == "linked":
                 return
             self._unlink(job.cluster_id, *have)
@@ -589,14 +609,14 @@ class _WorkerSide:
             attempt += 1
             left_ms = max(1, min(attempt_ms, int((deadline - time.monotonic()) * 1000)))
             t0 = time.monotonic()
-            ret, rets = self.dd.link_clusters([_cluster_info(job.cluster_id, job.host, job.port, self.c._opts["local_host"])], left_ms)
+            ret, rets = dd.link_clusters([_cluster_info(job.cluster_id, job.host, job.port, self.c._opts["local_host"])], left_ms)
             took = time.monotonic() - t0
             status = rets[0] if rets else ret
             if status == LLMStatusCode.LLM_SUCCESS:
                 _log.info("llmdd_vllm: linked to cluster %d at %s:%d in %.3f s (attempt %d)", job.cluster_id,
                           job.host, job.port, took, attempt)
                 break
-            why = _link_failure(self.dd.statistics(), job.cluster_id)
+            why = _link_failure(dd.statistics(), job.cluster_id)
             with self.lock:
                 self.stats["link_failures"] += 1
                 self.stats["last_link_error"] = why
@@ -610,7 +630,7 @@ class _WorkerSide:
                                    f"after {attempt} attempt(s) ({why})", status_code=status)
             self._unlink(job.cluster_id, job.host, job.port)
         self.linked[job.cluster_id] = (job.host, job.port)
-        transport = self.dd.statistics()["links"].get(job.cluster_id, {}).get("transport")
+        transport = dd.statistics()["links"].get(job.cluster_id, {}).get("transport")
         with self.lock:
             self.stats["links"] += 1
             self.stats["transports"][str(job.cluster_id)] = transport
@@ -618,7 +638,7 @@ class _WorkerSide:
     def _unlink(self, cluster_id: int, host: str, port: int) -> None:
         self.linked.pop(cluster_id, None)
         try:
-            self.dd.unlink_clusters([_cluster_info(cluster_id, host, port, self.c._opts["local_host"])], 1000, force=True)
+            self._engine().unlink_clusters([_cluster_info(cluster_id, host, port, self.c._opts["local_host"])], 1000, force=True)
         except LLMException as exc:
             _log.info("llmdd_vllm: unlink of cluster %d: %s", cluster_id, exc)
 
@@ -647,7 +667,7 @@ class _WorkerSide:
             self.done.put((job.req_id, ok, nbytes if ok else 0, nblocks if ok else 0, time.monotonic() - t0))
 
         try:
-            self.dd.cache_manager.pull_blocks_async(BlocksCacheKey(job.cluster_id, _MODEL_ID), self.cache,
+            self._engine().cache_manager.pull_blocks_async(BlocksCacheKey(job.cluster_id, _MODEL_ID), self.cache,
                                                     job.src, job.dst, tag=job.remote_request_id, callback=done)
         except LLMException as exc:
             if exc.status_code in (LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_LINK_FAILED):
@@ -661,8 +681,9 @@ class _WorkerSide:
     def counters(self) -> dict:
         with self.lock:
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.stats.items()}
-        if self.dd is not None:
-            links = self.dd.statistics()["links"]
+        dd = self.dd
+        if dd is not None:
+            links = dd.statistics()["links"]
             out["llmdd_bytes_read"] = sum(int(v.get("bytes_read", 0)) for v in links.values())
         out["block_bytes"] = self.block_bytes
         out["pid"] = os.getpid()

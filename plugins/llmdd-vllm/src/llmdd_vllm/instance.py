@@ -84,8 +84,9 @@ def _generate(llm, cmd: dict) -> dict:
             raise TimeoutError(f"generate: {len(res)} of {len(prompts)} requests done by the deadline")
         for out in engine.step():
             now = time.monotonic() - t0
-            i = int(out.request_id[len(base):].split("-")[0]) if out.request_id.startswith(base) else None
-            if i is None:
+            if out.request_id.startswith(base):
+                i = int(out.request_id[len(base):].split("-")[0])
+            else:
                 i = next(k for k, rid in enumerate(ids) if out.request_id.startswith(rid))
             if out.outputs and out.outputs[0].token_ids and i not in first:
                 first[i] = now
@@ -191,6 +192,10 @@ class Instance:
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log or subprocess.DEVNULL, text=True, env=full_env,
                                      start_new_session=True)
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        if stdin is None or stdout is None:   # both are pipes (stdin=PIPE, stdout=PIPE above)
+            raise RuntimeError("vLLM instance process started without its pipes")
+        self._stdin, self._stdout = stdin, stdout
         self._lines: list = []
         self._events: list = []
         self._cv = threading.Condition()
@@ -211,7 +216,7 @@ class Instance:
         return self.ready
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             if line.startswith(PREFIX):
                 obj = json.loads(line[len(PREFIX):])
                 with self._cv:
@@ -259,8 +264,8 @@ class Instance:
     def submit(self, **cmd: Any) -> None:
         """Send one command without waiting; :meth:`result` collects the answer."""
         self.wait_ready()
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        self._stdin.write(json.dumps(cmd) + "\n")
+        self._stdin.flush()
 
     def result(self, timeout: float = 300) -> dict:
         out = self._next(timeout)
@@ -291,7 +296,7 @@ class Instance:
         if self.proc.poll() is None and self.ready is not None:
             try:
                 self.call(op="quit", timeout=timeout)
-                self.proc.stdin.close()
+                self._stdin.close()
                 self.proc.wait(timeout)
             except (RuntimeError, TimeoutError, OSError, subprocess.TimeoutExpired):
                 pass
