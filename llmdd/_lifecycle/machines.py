@@ -12,7 +12,7 @@ change is built and handed to ``emit``; an illegal trigger raises :class:`Invali
 ``Tracked.offer`` is the same for a trigger that may arrive late: a pair the table lists in
 ``ABSORBED`` changes nothing and returns False; any other illegal pair still raises.
 ``Tracked.in_(GROUP)`` answers questions about a state with the named groups of ``tables.py``:
-no code outside this package compares or assigns a state (``tests/unit/test_layers.py``).
+no code outside this package compares or assigns a state (``tests/unit/lifecycle/test_state_rule.py``).
 """
 
 from __future__ import annotations
@@ -134,8 +134,7 @@ class Tracked:
         ``on_accept()`` runs once the trigger is accepted, before the new state is visible (for
         a record's fields that must never be seen behind its state: a plain setter, no I/O).
         """
-        event = self._fire((trigger,), error, defer, on_accept, info, absorb=False)
-        return None if event is _ABSORBED else event
+        return self._fire((trigger,), error, defer, on_accept, info, absorb=False)
 
     def _fire(self, triggers: tuple[str, ...], error: BaseException | None,
               defer: Callable[[Callable[[], None]], Any] | None, on_accept: Callable[[], None] | None,
@@ -144,13 +143,10 @@ class Tracked:
         fast = lc._fast
         with lc._stats_lock:   # the state and the statistics together (one lock per transition)
             source = self.state
-            trigger = triggers[0]
-            hit = fast.get((source, trigger))
-            if len(triggers) > 1:   # the first trigger that changes something, else the last one
-                for trigger in triggers:
-                    hit = fast.get((source, trigger))
-                    if hit is not None and hit[0] is not None:
-                        break
+            for trigger in triggers:   # the first trigger that changes something, else the last one
+                hit = fast.get((source, trigger))
+                if hit is not None and hit[0] is not None:
+                    break
             if hit is not None and hit[0] is None:   # an ABSORBED pair
                 if absorb:
                     lc._absorbed += 1
@@ -244,7 +240,7 @@ class Lifecycle:
             state = self._initial
             for trigger in triggers:
                 hit = self._fast.get((state, trigger))
-                if hit is None:
+                if hit is None or hit[0] is None:   # illegal, or absorbed (no change): not a path
                     raise InvalidStateError(f"{self.machine.value}: {triggers!r} is not a path from "
                                             f"{self._initial.value!r}", status_code=LLMStatusCode.LLM_FAILED)
                 state = hit[0]

@@ -157,6 +157,7 @@ CACHE_TRANSITIONS = [
 ]
 
 _OPEN_TASK = [T.CREATED, T.WAITING, T.RUNNING]
+_DONE_TASK = [T.COMPLETED, T.FAILED, T.TIMED_OUT, T.CANCELLED]
 
 TASK_TRANSITIONS = [
     _t("start", [T.CREATED, T.WAITING], T.RUNNING),
@@ -209,11 +210,10 @@ FINAL = {
     Machine.LINK: frozenset({L.CLOSED}),
     Machine.COMM_GROUP: frozenset({G.UNLINKED}),
     Machine.CACHE: frozenset({C.RELEASED}),
-    Machine.TASK: frozenset({T.COMPLETED, T.FAILED, T.TIMED_OUT, T.CANCELLED}),
+    Machine.TASK: frozenset(_DONE_TASK),
     Machine.LISTENER: frozenset({N.FAILED, N.CLOSED}),
 }
 
-_DONE_TASK = [T.COMPLETED, T.FAILED, T.TIMED_OUT, T.CANCELLED]
 
 #: (trigger, states) pairs a driver may offer late: absorbed (no change, no event), never an error.
 #: Each row says why the trigger can arrive after its resource moved on.
