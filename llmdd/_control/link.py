@@ -61,7 +61,7 @@ class Link:
     last_error: Optional[str] = None
     failure_status: Optional[LLMStatusCode] = None
     strand: Any = None                        # the link's tasks, in order, on the engine's pool
-    session: Any = None                       # server side: the accepting _ServerSession until LINKED
+    session: Any = None                       # server side: the accepting admission.ServerSession until LINKED
     setup_descriptor: Optional[dict] = attrs.field(default=None, repr=False)   # server side: the peer's data
     #                                           descriptor (it carries the peer's capability), until LINKED
     grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)

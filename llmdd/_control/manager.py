@@ -32,12 +32,9 @@ order is written in docs/architecture.md ("Locks").
 
 from __future__ import annotations
 
-import itertools
 import socket
 import time
 from typing import Any, Callable, Optional
-
-from msgspec.structs import replace as msgspec_replace
 
 from llmdd._base.enums import LLMRole
 from llmdd._base.log import get_logger
@@ -48,6 +45,7 @@ from llmdd._control.admission import Admission
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection
 from llmdd._control.dialer import Dialer
+from llmdd._control.exchange import LinkExchange, sync_remote_regions
 from llmdd._control.endpoints import Registrar, TransportEndpoints
 from llmdd._control.ioloop import IoLoop, PoolFull, Strand
 from llmdd._control.link import Link, Pending
@@ -59,11 +57,11 @@ from llmdd._control.protocol.codec import ProtocolError
 from llmdd._control.protocol.handshake import HandshakeConfig, PeerInfo, new_incarnation
 from llmdd._control.settings import MAX_CLUSTERS_PER_CALL, LinkSettings
 from llmdd._control.table import LinkTable
-from llmdd._data.port import DataService, RequestOp, request_op
+from llmdd._data.port import DataService, RequestOp
 from llmdd._extension.manager import Hooks
 from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._lifecycle.tables import (
-    LINK_BUSY, LINK_DOWN, LINK_FAILED, LINK_KEEPS_ALIVE, LINK_SETTING_UP, LINK_UNLINKING, Machine,
+    LINK_BUSY, LINK_FAILED, LINK_KEEPS_ALIVE, Machine,
 )
 from llmdd._memory.manager import MemoryManager
 from llmdd._seam.abc import Endpoint, TransportError
@@ -92,7 +90,6 @@ class LinkManager:
         self.incarnation = new_incarnation()
         self.host = m.HostIdentity.local()
         self._table = LinkTable(cluster_id=cluster_id, max_links=profile.max_links)
-        self._request_ids = itertools.count(1)
         self._closed = False
         self._io_error: Optional[str] = None
         # endpoint registrations and table announcements, one at a time, in order, with no lock held
@@ -100,34 +97,18 @@ class LinkManager:
         self.endpoints = TransportEndpoints(
             registry=self._hooks.register_transports(), options=options, settings=self.settings, memory=memory,
             registrar=self._registrar, data_host=self._data_host, on_data_port_failed=self._data_listener_failed)
-        self._message_handlers: dict[type, Callable[[Link, Any], None]] = {
-            m.RegionsUpdate: self._on_tables,
-            m.CacheTableUpdate: self._on_tables,
-            m.Keepalive: self._on_keepalive,
-            m.KeepaliveAck: self._on_keepalive_ack,
-            m.UnlinkRequest: self._on_unlink_request,
-            m.UnlinkAck: self._on_reply,
-            m.TransferReply: self._on_reply,
-            m.TransferRequest: self._on_transfer_request,
-            m.ReadDone: self._on_data_notice,
-            m.KeyConsumed: self._on_data_notice,
-            m.ReleaseKey: self._on_data_notice,
-            m.PushDone: self._on_data_notice,
-            m.TaggedDone: self._on_tagged_done,
-            m.Error: self._on_error,
-            m.Refuse: self._on_refuse,
-        }
         self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
         self.announcements = Announcements(memory=memory, endpoints=self.endpoints, registrar=self._registrar,
                                            table=self._table)
-        self._admission = Admission(host=self, table=self._table, endpoints=self.endpoints, hooks=hooks,
+        self.admission = Admission(host=self, table=self._table, endpoints=self.endpoints, hooks=hooks,
                                     announcements=self.announcements, profile=profile)
-        self._dialer = Dialer(host=self, table=self._table, endpoints=self.endpoints,
+        self.exchange = LinkExchange(host=self, hooks=hooks, admission=self.admission)
+        self.dialer = Dialer(host=self, table=self._table, endpoints=self.endpoints,
                               announcements=self.announcements)
         # the engine's listening sockets (control port, comm group ports, failed data ports)
         self.listeners = Listeners(loop=self.loop,
                                    lifecycle=listeners if listeners is not None else Lifecycle(Machine.LISTENER),
-                                   engine=engine, admit=self._admission.admit)
+                                   engine=engine, admit=self.admission.admit)
         self.loop.on_dead(self._on_loop_dead)
         self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
         memory.regions.add_listener(self.endpoints.on_regions_changed)
@@ -154,6 +135,7 @@ class LinkManager:
         if self._data is not None:
             raise RuntimeError("a data service is bound already")
         self._data = service
+        self.exchange.bind_data_service(service)
 
     def set_role(self, role: LLMRole) -> None:
         """The engine's role after ``switch_role`` (offered in later handshakes)."""
@@ -180,7 +162,7 @@ class LinkManager:
         listen_addr = self.listeners.listen_address
         if listen_addr is not None and listen_addr[0] not in ("0.0.0.0", ""):
             return listen_addr[0]
-        return self._dialer.client_host or "127.0.0.1"
+        return self.dialer.client_host or "127.0.0.1"
 
     def _data_listener_failed(self, name: str, ep: Endpoint, error: str) -> None:
         """An endpoint's data port cannot continue (on the endpoint's thread; never blocks): the
@@ -241,7 +223,7 @@ class LinkManager:
 
     # ------------------------------------------------------------------ link setup (Admission, Dialer)
     def link_clusters(self, clusters: list, timeout_ms: int) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        return self._dialer.link_clusters(clusters, timeout_ms)
+        return self.dialer.link_clusters(clusters, timeout_ms)
 
     def link_failures(self) -> dict:
         """remote_cluster_id -> {"status", "error", "at"} of its last failed link_clusters attempt
@@ -250,7 +232,7 @@ class LinkManager:
 
     def connect_peer(self, host: str, port: int, deadline: float, *, comm_id: Optional[int] = None) -> Link:
         """Client side of one link (:meth:`Dialer.connect_peer`)."""
-        return self._dialer.connect_peer(host, port, deadline, comm_id=comm_id)
+        return self.dialer.connect_peer(host, port, deadline, comm_id=comm_id)
 
     def handshake_config(self, role: LLMRole, *, offers: Optional[tuple] = None) -> HandshakeConfig:
         return HandshakeConfig(cluster_id=self.cluster_id, role=role, incarnation=self.incarnation, host=self.host,
@@ -281,7 +263,7 @@ class LinkManager:
             # the peer relinks: it has no entity any more (restart = new incarnation, or a force unlink)
             self.close_link(old, trigger="force_unlink", reason="replaced by a new link from the same cluster")
         fsm.fire("link" if is_client else "accept", transport=transport)
-        on_closed = lambda err: self.submit(link, self._on_closed, link, err)  # noqa: E731
+        on_closed = lambda err: self.submit(link, self.exchange.on_closed, link, err)  # noqa: E731
         if start:
             conn.attach(lambda msg: self.dispatch(link, msg), on_closed)
         else:
@@ -292,23 +274,7 @@ class LinkManager:
         ep = self.endpoint(link.transport)
         channel = ep.connect(peer_desc, timeout=max(0.1, deadline - time.monotonic()))
         link.channel = channel
-        self._sync_remote_regions(link)
-
-    def _sync_remote_regions(self, link: Link) -> None:
-        channel = link.channel
-        if channel is None:
-            return
-        name = link.transport
-        current = link.tables.regions
-        for rid in list(link.remote_regions):
-            desc = current.get(rid)
-            if desc is None:
-                channel.remove_remote_region(rid)
-                link.remote_regions.discard(rid)
-        for rid, desc in current.items():
-            if rid not in link.remote_regions and name in desc.transports:
-                channel.add_remote_region(rid, desc.size, desc.transports[name])
-                link.remote_regions.add(rid)
+        sync_remote_regions(link)
 
     # ------------------------------------------------------------------ lookups for the data plane
     def get(self, cluster_id: int) -> Optional[Link]:
@@ -334,176 +300,22 @@ class LinkManager:
     def has_links(self) -> bool:
         return self._table.has_links()
 
+    # ------------------------------------------------------------------ messages (LinkExchange)
     def request(self, link: Link, op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
         """Send a data-plane request (a TransferRequest) and wait for its reply until ``deadline``."""
-        return self._exchange(link, op.value, lambda rid: m.TransferRequest(request_id=rid, op=op.value, args=args),
-                              deadline)
+        return self.exchange.request(link, op, args, deadline=deadline)
 
     def ask(self, link: Link, message: m.TaggedDone, *, deadline: float) -> tuple[int, dict]:
         """Send an acknowledged notice (its request id is this side's) and wait for the reply."""
-        return self._exchange(link, message.op, lambda rid: msgspec_replace(message, request_id=rid), deadline)
-
-    def _exchange(self, link: Link, op: str, build: Callable[[int], Any], deadline: float) -> tuple[int, dict]:
-        rid = next(self._request_ids)
-        pending = Pending()
-        link.pending[rid] = pending
-        try:
-            # registered first, then checked: a failure either releases this waiter or is seen here
-            # (a request on a link that already failed must not wait out its deadline)
-            if link.fsm.in_(LINK_DOWN):
-                raise LLMException(f"link to {link.peer_cluster_id} is {link.state.value}",
-                                   status_code=link.failure_status or S.LLM_LINK_FAILED)
-            link.control.send(build(rid))
-            if not pending.event.wait(max(0.0, deadline - time.monotonic())):
-                raise LLMException(f"peer {link.peer_cluster_id} did not answer {op!r} in time",
-                                   status_code=S.LLM_TIMEOUT)
-            reply = pending.reply
-            if reply is None:
-                raise LLMException(f"link to {link.peer_cluster_id} went down during {op!r}",
-                                   status_code=S.LLM_LINK_FAILED)
-            return reply.status_code, dict(reply.result)
-        except ProtocolError as exc:
-            # the connection is gone: the link is FAILED by the time the caller hears it
-            self.fail(link, LLMException(f"control connection lost: {exc}", status_code=S.LLM_LINK_FAILED),
-                       trigger="peer_lost")
-            raise LLMException(f"link to {link.peer_cluster_id} failed: {exc}",
-                               status_code=S.LLM_LINK_FAILED) from None
-        finally:
-            link.pending.pop(rid, None)
+        return self.exchange.ask(link, message, deadline=deadline)
 
     def notify(self, link: Link, msg: Any) -> None:
         """Best-effort one-way message (ReadDone, KeyConsumed...)."""
-        try:
-            link.control.send(msg)
-        except ProtocolError as exc:
-            _log.debug("llmdd.link.notify_failed", peer=link.peer_cluster_id, error=str(exc))
-
-    # ------------------------------------------------------------------ message dispatch
-    #: cheap messages handled on the loop thread when the link's strand has nothing queued (in order)
-    _INLINE = frozenset({m.Keepalive, m.KeepaliveAck, m.TransferReply, m.UnlinkAck})
+        self.exchange.notify(link, msg)
 
     def dispatch(self, link: Link, msg: Any) -> None:
-        """A message arrived (loop thread): cheap ones now, the rest on the link's strand, in order."""
-        if self._hooks.drops_control_message(link.peer_cluster_id, msg):
-            return  # a plugin (fault injection) dropped it: as if the network lost it
-        link.liveness.received(time.monotonic())
-        if type(msg) in self._INLINE and link.strand.idle():
-            self._handle(link, msg)
-        else:
-            self.submit(link, self._handle_on_strand, link, msg)
-
-    def _handle(self, link: Link, msg: Any) -> None:
-        handler = self._message_handlers.get(type(msg))
-        if handler is None:
-            _log.warning("llmdd.link.unexpected_message", peer=link.peer_cluster_id, type=type(msg).__name__)
-            return
-        handler(link, msg)
-
-    def _handle_on_strand(self, link: Link, msg: Any) -> None:
-        try:
-            self._handle(link, msg)
-        except (OSError, ProtocolError, ValueError) as exc:   # e.g. a table update that does not apply
-            self._on_closed(link, exc)   # fails the link and tells the peer (a fatal Error) first
-            link.control.close()
-        except Exception as exc:  # a handler bug must not kill the link silently
-            _log.error("llmdd.link.handler_failed", peer=link.peer_cluster_id, error=repr(exc))
-            self._on_closed(link, exc)
-            link.control.close()
-
-    def _on_tables(self, link: Link, msg: Any) -> None:
-        link.tables.apply(msg)  # raises TableUpdateError (a ProtocolError): the link fails
-        if isinstance(msg, m.CacheTableUpdate) and link.tables.regions_version > 0:
-            first = not link.tables_ready.is_set()
-            link.tables_ready.set()
-            if first and link.session is not None:
-                self._admission.server_finish(link)   # server side: the peer's tables were the last thing missing
-                return
-        if link.channel is not None and isinstance(msg, m.RegionsUpdate):
-            self._sync_remote_regions(link)
-        if link.linked and isinstance(msg, m.RegionsUpdate):
-            link.fsm.fire("regions_updated", version=msg.version)
-
-    def _on_keepalive(self, link: Link, msg: m.Keepalive) -> None:
-        self.notify(link, m.KeepaliveAck(seq=msg.seq, echo_sent_at_ns=msg.sent_at_ns,
-                                         sent_at_ns=time.monotonic_ns()))
-
-    def _on_keepalive_ack(self, link: Link, msg: m.KeepaliveAck) -> None:
-        link.liveness.acked(time.monotonic_ns(), msg.echo_sent_at_ns)
-
-    def _on_reply(self, link: Link, msg: Any) -> None:
-        pending = link.pending.get(msg.request_id)
-        if pending is not None:
-            pending.reply = msg
-            pending.event.set()
-
-    def _on_unlink_request(self, link: Link, msg: m.UnlinkRequest) -> None:
-        self.notify(link, m.UnlinkAck(request_id=msg.request_id, status_code=0))
-        self.close_link(link, trigger="peer_unlinked", reason=msg.reason or "peer unlinked")
-
-    def _on_transfer_request(self, link: Link, msg: m.TransferRequest) -> None:
-        if msg.op == LINK_DESCRIPTOR_OP:   # the control plane's own request (deferred transport offers)
-            self._reply(link, msg.request_id, msg.op, self._admission.serve_link_descriptor, link, dict(msg.args))
-            return
-        op = request_op(msg.op)
-        if op is None or self._data is None:
-            self.notify(link, m.TransferReply(request_id=msg.request_id, status_code=S.LLM_PARAM_INVALID.value,
-                                              result={"error": f"unknown op {msg.op!r}"}))
-            return
-        self._reply(link, msg.request_id, msg.op, self._data.serve, link, op, dict(msg.args))
-
-    def _on_tagged_done(self, link: Link, msg: m.TaggedDone) -> None:
-        if self._data is not None:
-            self._reply(link, msg.request_id, "tagged_done", self._data.serve_tagged, link, msg)
-
-    def _reply(self, link: Link, request_id: int, op: str, serve: Callable[..., tuple[int, dict]],
-               *args: Any) -> None:
-        """Run a request's server and send its TransferReply (an exception answers its status)."""
-        try:
-            status, result = serve(*args)
-        except LLMException as exc:
-            status, result = exc.status_code.value, {"error": str(exc)}
-        except Exception as exc:
-            _log.error("llmdd.link.request_failed", op=op, error=repr(exc))
-            status, result = S.LLM_FAILED.value, {"error": repr(exc)}
-        self.notify(link, m.TransferReply(request_id=request_id, status_code=status, result=result))
-
-    def _on_data_notice(self, link: Link, msg: Any) -> None:
-        if self._data is not None:
-            self._data.on_notice(link, msg)
-
-    def _on_refuse(self, link: Link, msg: m.Refuse) -> None:
-        """The client refused our Welcome (e.g. it requires a secret this side does not use)."""
-        _log.warning("llmdd.link.refused_by_peer", peer=link.peer_cluster_id, reason=msg.reason)
-        if link.fsm.in_(LINK_SETTING_UP):
-            if link.session is not None:
-                self._admission.abort_setup(link, ProtocolError(f"the peer refused the link: {msg.reason}"))
-            else:
-                self.fail(link, ProtocolError(f"the peer refused the link: {msg.reason}"), trigger="handshake_failed")
-
-    def _on_error(self, link: Link, msg: m.Error) -> None:
-        _log.warning("llmdd.link.peer_error", peer=link.peer_cluster_id, code=msg.status_code, message=msg.message)
-        if msg.fatal:
-            self.fail(link, LLMException(msg.message, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
-
-    def _on_closed(self, link: Link, error: BaseException | None) -> None:
-        if link.fsm.is_final:
-            return
-        reason = f"control connection lost: {error}" if error else "peer closed the control connection"
-        if link.session is not None and link.fsm.in_(LINK_SETTING_UP):
-            # a server-side link still in its setup leaves nothing behind
-            self._admission.abort_setup(link, ProtocolError(f"the peer went away during the link setup ({reason})"))
-            return
-        if link.fsm.in_(LINK_UNLINKING):
-            # the peer acknowledged our unlink and closed: the unlink in progress ends the link
-            for pending in list(link.pending.values()):
-                pending.event.set()
-            return
-        self.fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
-        if isinstance(error, ProtocolError):
-            # the peer sent something this side refuses (a bad frame, an invalid table update): tell it
-            # the link is dead at once, instead of letting it find out from its liveness timeout
-            self.notify(link, m.Error(status_code=S.LLM_LINK_FAILED.value, message=f"link failed: {error}",
-                                      fatal=True))
+        """A message arrived (loop thread): :meth:`LinkExchange.dispatch`."""
+        self.exchange.dispatch(link, msg)
 
     # ------------------------------------------------------------------ failure and teardown
     def fail_link(self, link: Link, error: BaseException, *, status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
@@ -602,7 +414,7 @@ class LinkManager:
         if self._data is not None and not self._data.quiesce(link):
             return S.LLM_LINK_BUSY
         link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
-        rid = next(self._request_ids)
+        rid = self.exchange.new_request_id()
         pending = Pending()
         link.pending[rid] = pending
         try:
@@ -647,7 +459,7 @@ class LinkManager:
         self.listeners.close()
         for link in self.links():
             self.close_link(link, trigger="finalize", reason="finalize")
-        self._admission.drop_pending()
+        self.admission.drop_pending()
         try:
             self._memory.regions.remove_listener(self.endpoints.on_regions_changed)
         except (KeyError, ValueError):
@@ -670,7 +482,7 @@ class LinkManager:
 
     def io_statistics(self) -> dict:
         """The loop's view: listeners, pending handshakes, refusals, threads (``llmdd doctor``, tests)."""
-        admission = self._admission.statistics()
+        admission = self.admission.statistics()
         return {"listeners": self.listener_status(), "pending": admission["pending"],
                 "pending_addresses": admission["pending_addresses"], "io_error": self._io_error,
                 "threads": self.loop.threads() + self._registrar.threads(),
