@@ -15,7 +15,7 @@ import attrs
 from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
-from llmdd._control.protocol.handshake import DescriptorTables, TableAnnouncer
+from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
 from llmdd._control.connection import ControlConnection
 from llmdd._control.liveness import Liveness
