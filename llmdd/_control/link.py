@@ -8,19 +8,29 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import attrs
 
 from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
+from llmdd._control.protocol.handshake import PeerInfo
 from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
 from llmdd._control.connection import ControlConnection
+from llmdd._control.ioloop import Strand, Timer
 from llmdd._control.liveness import Liveness
 
-__all__ = ["Link", "Pending"]
+__all__ = ["Link", "Pending", "SetupSession"]
+
+
+class SetupSession(Protocol):
+    """The server-side setup a link belongs to until it is LINKED (``admission.ServerSession``)."""
+
+    done: bool            # LINKED or dropped: its deadline does nothing any more
+    accepted_at: float    # when the connection was accepted (the deadline runs from here)
+    timer: Timer          # the handshake deadline
 
 
 class Pending:
@@ -40,7 +50,7 @@ class Link:
     peer_cluster_id: int
     fsm: Tracked
     control: ControlConnection
-    peer: Any = None                                   # handshake PeerInfo
+    peer: Optional[PeerInfo] = None                    # the handshake's answer about the peer
     tables: DescriptorTables = attrs.field(factory=DescriptorTables)
     announcer: TableAnnouncer = attrs.field(factory=TableAnnouncer)
     transport: str = attrs.field(kw_only=True)        # the chosen transport's name (set when the link is adopted)
@@ -60,8 +70,8 @@ class Link:
     failures: int = 0
     last_error: Optional[str] = None
     failure_status: Optional[LLMStatusCode] = None
-    strand: Any = None                        # the link's tasks, in order, on the engine's pool
-    session: Any = None                       # server side: the accepting admission.ServerSession until LINKED
+    strand: Strand = attrs.field(kw_only=True)   # the link's tasks, in order, on the engine's pool
+    session: Optional[SetupSession] = None    # server side: the accepting admission.ServerSession until LINKED
     setup_descriptor: Optional[dict] = attrs.field(default=None, repr=False)   # server side: the peer's data
     #                                           descriptor (it carries the peer's capability), until LINKED
     grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)

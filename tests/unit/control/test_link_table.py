@@ -15,6 +15,7 @@ import pytest
 
 from llmdd._base.enums import LLMRole
 from llmdd._base.status import LLMStatusCode
+from llmdd._control.ioloop import Pool, Strand
 from llmdd._control.link import Link
 from llmdd._control.liveness import Liveness
 from llmdd._control.protocol import messages as m
@@ -42,7 +43,7 @@ def _ids(seed: int, n: int) -> list[int]:
 def _link(lc: Lifecycle, peer_id: int, *, client: bool, state: str, incarnation: bytes = b"i" * 16) -> Link:
     fsm = lc.create(peer_id, peer=peer_id)
     link = Link(peer_cluster_id=peer_id, fsm=fsm, control=None, peer=_Peer(incarnation),   # no connection: never used
-                is_client=client, transport="tcp",
+                is_client=client, transport="tcp", strand=Strand(Pool(1, "table-test")),
                 liveness=Liveness(peer=peer_id, timeout_s=5.0, last_rx=time.monotonic()))
     if state != "unlinked":
         fsm.fire("link" if client else "accept", transport="tcp")
