@@ -7,7 +7,6 @@ read.  Nothing in this module decides a state.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Optional, Protocol
 
 import attrs
@@ -19,7 +18,7 @@ from llmdd._control.protocol.handshake import PeerInfo
 from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
 from llmdd._control.connection import ControlConnection
-from llmdd._control.ioloop import Strand, Timer
+from llmdd._control.ioloop import Strand, Timer, Waiter
 from llmdd._control.liveness import Liveness
 
 __all__ = ["Link", "Pending", "SetupSession"]
@@ -38,8 +37,8 @@ class Pending:
 
     __slots__ = ("event", "reply")
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    def __init__(self, event: Waiter) -> None:
+        self.event = event              # from the link manager's loop (its clock and its way of waiting)
         self.reply: Any = None
 
 
@@ -56,14 +55,14 @@ class Link:
     transport: str = attrs.field(kw_only=True)        # the chosen transport's name (set when the link is adopted)
     transport_reason: str = ""
     channel: Optional[Channel] = None
-    tables_ready: threading.Event = attrs.field(factory=threading.Event)
+    tables_ready: Waiter = attrs.field(kw_only=True)   # the peer's first tables are in (from the loop)
     transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
     comm_id: Optional[int] = None
     engine_info: Optional[dict] = None        # the peer's pools and profile (asked once, when needed)
     is_client: bool = True
-    created_at: float = attrs.field(factory=time.monotonic)
+    created_at: float = attrs.field(kw_only=True)   # the loop's clock
     bytes_read: int = 0
     bytes_written: int = 0
     transfers: int = 0
@@ -76,13 +75,13 @@ class Link:
     #                                           descriptor (it carries the peer's capability), until LINKED
     grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)
     capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
-    settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
+    settled: Waiter = attrs.field(kw_only=True)   # LINKED, FAILED or closed (from the loop)
     claimed: bool = False                     # server side: a local link_clusters to the peer returned it
     liveness: Liveness = attrs.field(kw_only=True)   # keepalive state, sans-io (.liveness)
 
     @property
     def last_rx(self) -> float:
-        """When the peer was last heard (``time.monotonic``)."""
+        """When the peer was last heard (the loop's clock)."""
         return self.liveness.last_rx
 
     @property

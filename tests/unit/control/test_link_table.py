@@ -44,6 +44,7 @@ def _link(lc: Lifecycle, peer_id: int, *, client: bool, state: str, incarnation:
     fsm = lc.create(peer_id, peer=peer_id)
     link = Link(peer_cluster_id=peer_id, fsm=fsm, control=None, peer=_Peer(incarnation),   # no connection: never used
                 is_client=client, transport="tcp", strand=Strand(Pool(1, "table-test")),
+                tables_ready=threading.Event(), settled=threading.Event(), created_at=time.monotonic(),
                 liveness=Liveness(peer=peer_id, timeout_s=5.0, last_rx=time.monotonic()))
     if state != "unlinked":
         fsm.fire("link" if client else "accept", transport="tcp")
@@ -66,7 +67,7 @@ def lc() -> Lifecycle:
 
 def test_get_follows_aliases_and_remove_drops_only_the_current_entry(lc):
     me, peer, alias = _ids(1, 3)
-    table = LinkTable(cluster_id=me, max_links=None)
+    table = LinkTable(cluster_id=me, max_links=None, event=threading.Event)
     first = _link(lc, peer, client=True, state="linked")
     assert table.put(first) is None
     table.set_alias(alias, peer)
@@ -81,7 +82,7 @@ def test_get_follows_aliases_and_remove_drops_only_the_current_entry(lc):
 
 def test_reserve_answers_the_contract_status_and_hands_back_a_failed_link(lc):
     me, linked, setting_up, failed, fresh = _ids(2, 5)
-    table = LinkTable(cluster_id=me, max_links=None)
+    table = LinkTable(cluster_id=me, max_links=None, event=threading.Event)
     table.put(_link(lc, linked, client=True, state="linked"))
     table.put(_link(lc, setting_up, client=True, state="linking"))
     stale = _link(lc, failed, client=True, state="failed")
@@ -97,7 +98,7 @@ def test_reserve_answers_the_contract_status_and_hands_back_a_failed_link(lc):
 
 def test_the_link_limit_counts_links_that_are_not_closed(lc):
     me, *peers = _ids(3, 4)
-    table = LinkTable(cluster_id=me, max_links=2)
+    table = LinkTable(cluster_id=me, max_links=2, event=threading.Event)
     table.put(_link(lc, peers[0], client=True, state="linked"))
     assert table.reserve(peers[2]) == (None, None)   # control: one link of two
     table.release(peers[2])
@@ -109,11 +110,11 @@ def test_the_link_limit_counts_links_that_are_not_closed(lc):
 
 def test_a_cross_link_is_refused_only_by_the_lower_cluster_id(lc):
     low, high = sorted(_ids(4, 2))
-    lower = LinkTable(cluster_id=low, max_links=None)
+    lower = LinkTable(cluster_id=low, max_links=None, event=threading.Event)
     assert lower.reserve(high) == (None, None)            # the lower side is dialling the higher one
     over, cross, accepting = lower.begin_accept(_hello(high))
     assert cross and not over and accepting is None
-    higher = LinkTable(cluster_id=high, max_links=None)   # control: the higher side keeps the lower's link
+    higher = LinkTable(cluster_id=high, max_links=None, event=threading.Event)   # control: the higher side keeps the lower's link
     assert higher.reserve(low) == (None, None)
     over, cross, accepting = higher.begin_accept(_hello(low))
     assert not cross and accepting is not None
@@ -122,7 +123,7 @@ def test_a_cross_link_is_refused_only_by_the_lower_cluster_id(lc):
 
 def test_a_restarted_peer_is_no_cross_link(lc):
     low, high = sorted(_ids(5, 2))
-    table = LinkTable(cluster_id=low, max_links=None)
+    table = LinkTable(cluster_id=low, max_links=None, event=threading.Event)
     table.put(_link(lc, high, client=True, state="linked", incarnation=b"a" * 16))
     assert table.begin_accept(_hello(high, b"a" * 16))[1] is True     # same incarnation: cross
     over, cross, accepting = table.begin_accept(_hello(high, b"b" * 16))
@@ -132,7 +133,7 @@ def test_a_restarted_peer_is_no_cross_link(lc):
 
 def test_an_accept_in_progress_is_claimed_once_and_its_event_released(lc):
     me, peer = _ids(6, 2)
-    table = LinkTable(cluster_id=me, max_links=None)
+    table = LinkTable(cluster_id=me, max_links=None, event=threading.Event)
     over, cross, accepting = table.begin_accept(_hello(peer))
     assert accepting is not None and not accepting.is_set()
     assert table.begin_accept(_hello(peer))[2] is None      # a second accept of that peer waits on none
@@ -156,7 +157,7 @@ def test_an_accept_in_progress_is_claimed_once_and_its_event_released(lc):
 
 def test_link_failures_are_kept_until_an_attempt_succeeds():
     me, a, b = _ids(7, 3)
-    table = LinkTable(cluster_id=me, max_links=None)
+    table = LinkTable(cluster_id=me, max_links=None, event=threading.Event)
     table.record_attempt(a, S.LLM_LINK_FAILED, "refused")
     table.record_attempt(b, S.LLM_TIMEOUT, "slow")
     got = table.link_failures()
