@@ -4,8 +4,9 @@ Memory kinds
 ------------
 * **Pool memory** (a :class:`MemRegion` with ``shm_name``) lives in a POSIX shared-memory
   segment. Its owner describes it as ``(shm_name, shm_offset, size)``; a peer maps the whole
-  segment once per (segment, channel) at ``add_remote_region`` time and copies with
-  ``ctypes.memmove`` over coalesced runs. Peers map with ``shm_open`` + ``mmap`` and never touch
+  segment once per (segment, channel) at ``add_remote_region`` time and copies coalesced runs in
+  one C call per chunk (native path) or with numpy gathers and ``ctypes.memmove`` for long runs
+  (pure-Python path, :mod:`llmdd_shm._copy`). Peers map with ``shm_open`` + ``mmap`` and never touch
   ``multiprocessing``'s resource tracker and never unlink (see :mod:`llmdd_shm._seg`).
 * **User memory** (numpy arrays, torch tensors: no ``shm_name``) is described as
   ``(pid, addr, size)`` and moved with ``process_vm_readv`` / ``process_vm_writev``, iovec arrays
@@ -75,6 +76,7 @@ _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every succ
 
 from . import _quick, _seg
 from ._cma import FEW, IOV_MAX, Cma, CmaError, iovecs, probe_cma
+from ._copy import copy_runs
 
 #: the ``ABI`` constant this Python code expects of the C extension ``llmdd_shm._shmfast``
 NATIVE_ABI = 4
@@ -1224,13 +1226,10 @@ class _Plan:
                     ch._check_peer(self, batch, deadline, first=False)
                 nat.copy(int(write), 0, KIND_SHM, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
             return
-        dl, sl, nl = dst.tolist(), src.tolist(), ln.tolist()
-        mm = ctypes.memmove
-        for k, (s, e) in enumerate(bounds):
+        for k, (s, e) in enumerate(bounds):   # numpy gathers per chunk (llmdd_shm._copy)
             if k:
                 ch._check_peer(self, batch, deadline, first=False)
-            for d, s_, n in zip(dl[s:e], sl[s:e], nl[s:e]):
-                mm(d, s_, n)
+            copy_runs(dst[s:e], src[s:e], ln[s:e])
 
     def _cma(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float, chunk: int) -> None:
         la, ra, ln = _cap(self.clocal, self.cremote, self.clen, chunk)
