@@ -6,7 +6,7 @@ Memory kinds
   segment. Its owner describes it as ``(shm_name, shm_offset, size)``; a peer maps the whole
   segment once per (segment, channel) at ``add_remote_region`` time and copies coalesced runs in
   one C call per chunk (native path) or with numpy gathers and ``ctypes.memmove`` for long runs
-  (pure-Python path, :mod:`llmdd_shm._copy`). Peers map with ``shm_open`` + ``mmap`` and never touch
+  (pure-Python path, ``llmdd.lowlevel.copy_runs``). Peers map with ``shm_open`` + ``mmap`` and never touch
   ``multiprocessing``'s resource tracker and never unlink (see :mod:`llmdd_shm._seg`).
 * **User memory** (numpy arrays, torch tensors: no ``shm_name``) is described as
   ``(pid, addr, size)`` and moved with ``process_vm_readv`` / ``process_vm_writev``, iovec arrays
@@ -70,13 +70,12 @@ from llmdd.status import LLMStatusCode
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, as_ops
-from llmdd.lowlevel import map_os_error, segment_name
+from llmdd.lowlevel import copy_runs, map_os_error, segment_name
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
 
 from . import _quick, _seg
 from ._cma import FEW, IOV_MAX, Cma, CmaError, iovecs, probe_cma
-from ._copy import copy_runs
 
 #: the ``ABI`` constant this Python code expects of the C extension ``llmdd_shm._shmfast``
 NATIVE_ABI = 4
@@ -1226,7 +1225,7 @@ class _Plan:
                     ch._check_peer(self, batch, deadline, first=False)
                 nat.copy(int(write), 0, KIND_SHM, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
             return
-        for k, (s, e) in enumerate(bounds):   # numpy gathers per chunk (llmdd_shm._copy)
+        for k, (s, e) in enumerate(bounds):   # numpy gathers per chunk (llmdd.lowlevel.copy_runs)
             if k:
                 ch._check_peer(self, batch, deadline, first=False)
             copy_runs(dst[s:e], src[s:e], ln[s:e])

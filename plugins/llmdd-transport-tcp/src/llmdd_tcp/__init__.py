@@ -80,7 +80,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, TypeGuard, Union, cast
+from typing import Any, Callable, Mapping, Optional, TypeGuard, Union
 
 
 from llmdd.plugin import hookimpl
@@ -92,7 +92,7 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from llmdd.lowlevel import when_numpy_loaded
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout
-from llmdd.lowlevel import coalesce_ops, map_os_error, split_ops
+from llmdd.lowlevel import coalesce_ops, copy_runs, map_os_error, split_ops
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
 
@@ -210,13 +210,12 @@ def _advance(views: list, k: int) -> list:
 
 class _Where:
     """Where the regions of a batch (or a served request) live: sorted region ids and their base
-    addresses (the registry's snapshot taken when their pins were taken: it holds them), and, for
-    TLS only, memory views of the regions."""
+    addresses (the registry's snapshot taken when their pins were taken: it holds them)."""
 
-    __slots__ = ("ids", "addrs", "views")
+    __slots__ = ("ids", "addrs")
 
-    def __init__(self, ids: np.ndarray, addrs: np.ndarray, views: Mapping[int, memoryview]) -> None:
-        self.ids, self.addrs, self.views = ids, addrs, views
+    def __init__(self, ids: np.ndarray, addrs: np.ndarray) -> None:
+        self.ids, self.addrs = ids, addrs
 
 
 class _MsgHdr(ctypes.Structure):
@@ -286,22 +285,18 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
           deadline: Union[float, None], send: bool, abort_check: Union[Callable[[], bool], None] = None,
           head: Union[tuple, None] = None, total: Union[int, None] = None) -> int:
     """Send or receive the bytes of ops (``reg``, ``off``, ``ln``; ``total`` of them when the caller
-    knows it), ``head`` (a :func:`_static_buffer`) first in the same call; return the payload bytes.  Plain sockets: one iovec array for the whole
-    request, built with numpy (addresses by ``np.searchsorted`` over the regions), sent or received
-    window by window (IOV_MAX entries a call): no per-op Python object.  TLS: memoryview slices (an
-    SSL socket takes Python buffers only)."""
+    knows it), ``head`` (a :func:`_static_buffer`) first in the same call; return the payload bytes.
+    The ops' addresses come from numpy (``np.searchsorted`` over the regions).  Plain sockets: one iovec
+    array for the whole request, sent or received window by window (IOV_MAX entries a call).  TLS (an SSL
+    socket takes Python buffers only): :func:`_move_tls`.  No per-op Python object either way."""
     n = len(ln)
     if _is_tls(sock):
         if head is not None:
-            _send_tls(sock, [head[0].raw], deadline, abort_check)
-        moved_total = 0
-        for s in range(0, n, _WINDOW):
-            e = min(s + _WINDOW, n)
-            lens = ln[s:e].tolist()
-            views = [where.views[a][b:b + c] for a, b, c in zip(reg[s:e].tolist(), off[s:e].tolist(), lens)]
-            (_send_tls if send else _recv_tls)(sock, views, deadline, abort_check)
-            moved_total += sum(lens)
-        return moved_total
+            _tls_put(sock, head[0].raw, deadline, abort_check)
+        if not n:
+            return 0
+        addrs = where.addrs[np.searchsorted(where.ids, reg)] + off.astype(np.uint64, copy=False)
+        return _move_tls(sock, addrs, ln.astype(np.uint64, copy=False), deadline, send, abort_check)
     h = 0 if head is None else 1
     rows = n + h
     iov = np.empty((rows, 2), dtype=np.uint64)
@@ -321,17 +316,83 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
     return int(ends[-1]) - (head[2] if head is not None else 0)
 
 
+def _move_tls(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, deadline: Union[float, None], send: bool,
+              abort_check: Union[Callable[[], bool], None]) -> int:
+    """The bytes of ops at ``addrs`` (``ln`` each) over TLS, in order: consecutive ops of less than
+    ``_TLS_CHUNK`` bytes are staged in one buffer of up to ``_TLS_CHUNK`` (gathered with
+    ``llmdd.lowlevel.copy_runs`` before a send, scattered after a receive: one TLS write or read
+    sequence per stage, no Python object per op, and a receive writes a stage's ops only once all of
+    its bytes came); an op alone in its stage (one of ``_TLS_CHUNK`` bytes or more, or a lone one) moves
+    straight from or into its memory."""
+    n = len(ln)
+    if n == 1:
+        _tls_one(sock, _region_view(int(addrs[0]), int(ln[0])), deadline, send, abort_check)
+        return int(ln[0])
+    ends = np.cumsum(ln, dtype=np.uint64)
+    big = np.flatnonzero(ln >= np.uint64(_TLS_CHUNK))
+    s = 0
+    while s < n:
+        base = int(ends[s - 1]) if s else 0
+        e = s + 1
+        if int(ln[s]) < _TLS_CHUNK:
+            e = int(np.searchsorted(ends, np.uint64(base + _TLS_CHUNK), side="right"))
+            k = int(np.searchsorted(big, s))
+            if k < len(big):
+                e = min(e, int(big[k]))   # a large op ends the stage
+        if e == s + 1:
+            _tls_one(sock, _region_view(int(addrs[s]), int(ln[s])), deadline, send, abort_check)
+            s = e
+            continue
+        stage = _tls_stage()
+        at = ends[s:e] - ln[s:e] - np.uint64(base) + np.uint64(stage.ctypes.data)
+        buf = memoryview(stage)[:int(ends[e - 1]) - base]
+        if send:
+            copy_runs(at, addrs[s:e], ln[s:e])
+            _tls_put(sock, buf, deadline, abort_check)
+        else:
+            _recv_tls(sock, [buf], deadline, abort_check)
+            copy_runs(addrs[s:e], at, ln[s:e])
+        s = e
+    return int(ends[-1])
+
+
+def _tls_one(sock: ssl.SSLSocket, view: memoryview, deadline: Union[float, None], send: bool,
+             abort_check: Union[Callable[[], bool], None]) -> None:
+    """One op's memory over TLS, in place: sent in writes of at most ``_TLS_CHUNK``, or received into."""
+    if not send:
+        _recv_tls(sock, [view], deadline, abort_check)
+        return
+    for at in range(0, len(view), _TLS_CHUNK):
+        _tls_put(sock, view[at:at + _TLS_CHUNK], deadline, abort_check)
+
+
+_tls_local = threading.local()
+
+
+def _tls_stage() -> np.ndarray:
+    """This thread's staging buffer of ``_TLS_CHUNK`` bytes (kept: no allocation or page fault per stage)."""
+    stage = getattr(_tls_local, "stage", None)
+    if stage is None:
+        stage = _tls_local.stage = np.empty(_TLS_CHUNK, np.uint8)
+    return stage
+
+
+def _tls_put(sock: ssl.SSLSocket, buf, deadline: Union[float, None],
+             abort_check: Union[Callable[[], bool], None]) -> None:
+    if abort_check is not None and abort_check():
+        raise Cancelled("stream aborted")
+    _arm(sock, deadline)
+    sock.sendall(buf)
+
+
 def _send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
               abort_check: Union[Callable[[], bool], None] = None) -> None:
     """Send ``views`` in order over TLS (no sendmsg there): small ones staged into one buffer of up to
-    ``_TLS_CHUNK`` bytes (one TLS write instead of one record per op), large ones in slices of it."""
+    ``_TLS_CHUNK`` bytes (one TLS write instead of one record each), large ones in slices of it."""
     staged = bytearray()
 
     def put(buf) -> None:
-        if abort_check is not None and abort_check():
-            raise Cancelled("stream aborted")
-        _arm(sock, deadline)
-        sock.sendall(buf)
+        _tls_put(sock, buf, deadline, abort_check)
 
     for v in views:
         n = len(v)
@@ -520,17 +581,7 @@ def llmdd_register_transports(register: Callable[[type], Any]) -> None:
 
 
 class _Reg(RegisteredRegion):
-    __slots__ = ("view",)
-
-    def __init__(self, region: MemRegion) -> None:
-        super().__init__(region)
-        self.view = _region_view(region.addr, region.size)
-
-
-def _views(pinned: list[RegisteredRegion]) -> dict[int, memoryview]:
-    """``region_id -> memory view`` of pinned regions (TLS moves Python buffers)."""
-    # cast: a TCP endpoint's registry (RegionRegistry(_Reg)) pins only _Reg entries
-    return {e.region_id: cast(_Reg, e).view for e in pinned}
+    __slots__ = ()
 
 
 class _Batch(Batch):
@@ -742,8 +793,7 @@ class TcpEndpoint(Endpoint):
                 raise Cancelled("endpoint is closed")
             self._regs.pin(ops, remote, batch)
             regs = self._regs
-            where = _Where(regs.ids, regs.addrs,   # the snapshot holds the pinned regions
-                           _views(batch.pinned) if self._tls is not None else {})
+            where = _Where(regs.ids, regs.addrs)   # the snapshot holds the pinned regions
         return batch, where
 
     def _end_batch(self, batch: _Batch) -> None:
@@ -959,13 +1009,13 @@ class TcpEndpoint(Endpoint):
                 refused: Optional[str] = reason
             else:
                 refused = None
-                regions = wire["region"].tolist() if len(wire) <= _WINDOW else np.unique(wire["region"]).tolist()
+                # a few ops: their ids as ints (cheaper than numpy's fixed cost); more: the distinct ids only
+                regions = wire["region"].tolist() if len(wire) <= 8 else np.unique(wire["region"]).tolist()
                 ids = frozenset(regions)
                 served = Batch(ids)   # the request's pins: a deregistration drains them
                 self._regs.pin_entries(served, ids)
                 grant.busy += 1
-                where = _Where(self._regs.ids, self._regs.addrs,
-                               _views(served.pinned) if _is_tls(sock) else {})
+                where = _Where(self._regs.ids, self._regs.addrs)
                 self._serving[token] = (sock, ids)
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",

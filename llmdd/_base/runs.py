@@ -1,23 +1,23 @@
-"""In-process copies of address runs for the pure-Python path (mapped pool segments), without a Python
-object per op where that is faster.
+"""In-process copies of address runs without a Python object per run where that is faster
+(``llmdd.lowlevel.copy_runs``): the shm plugin's pure-Python path (mapped pool segments) and the tcp
+plugin's TLS staging use it.
 
-The native path copies a batch's runs in one C call.  Without it, :func:`copy_runs` copies the runs
-of one equal length (at most :data:`GATHER_MAX_LEN` bytes, at least :data:`GATHER_MIN_OPS` of them)
-with one numpy fancy-index assignment: a void-``L`` view of the address span of the sources and one of
-the destinations (an element starting at every byte; numpy touches only the elements it is indexed
-with, every one of them inside a validated, pinned region), gathered into a temporary and scattered.
-The remaining runs, long ones (where the copy dominates the call and one ``memmove`` beats the
-gather's two copies) and lengths with too few runs to pay numpy's fixed costs, are ``memmove``d one
-by one.  ``bench/shm_mapped_path.py`` and ``bench/shm_copy_micro.py`` measured the choice
-(bench/results-committed/issue17/): a batch-wide ``process_vm_readv`` on the own pid was slower than
-both at every shape.
+:func:`copy_runs` copies the runs of one equal length (at most :data:`GATHER_MAX_LEN` bytes, at least
+:data:`GATHER_MIN_OPS` of them) with one numpy fancy-index assignment: a void-``L`` view of the address
+span of the sources and one of the destinations (an element starting at every byte; numpy touches only
+the elements it is indexed with, which the caller guarantees are inside memory it holds), gathered into a
+temporary and scattered.  The remaining runs, long ones (where the copy dominates the call and one
+``memmove`` beats the gather's two copies) and lengths with too few runs to pay numpy's fixed costs, are
+``memmove``d one by one.  ``bench/shm_mapped_path.py`` and ``bench/shm_copy_micro.py`` measured the
+choice (bench/results-committed/issue17/): a batch-wide ``process_vm_readv`` on the own pid was slower
+than both at 13 of 14 shapes.
 """
 
 from __future__ import annotations
 
 import ctypes
 
-from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+from llmdd._base.lazy import np  # numpy at its first use: an idle engine needs none
 
 __all__ = ["GATHER_MAX_LEN", "GATHER_MIN_OPS", "copy_runs"]
 

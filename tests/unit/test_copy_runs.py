@@ -1,31 +1,30 @@
-"""The pure-Python path's in-process copy (llmdd_shm._copy.copy_runs) between two real shared-memory
-mappings: mixed run lengths, unaligned addresses, seeded bytes, the bytes around the runs untouched,
-and which runs took the numpy gather and which a memmove."""
+"""llmdd.lowlevel.copy_runs (the shm plugin's pure-Python copy, the tcp plugin's TLS staging) between two
+16 MiB buffers: mixed run lengths, unaligned addresses, seeded bytes, the bytes around the runs untouched,
+and which runs took the numpy gather and which a memmove.  (The shm plugin's conformance suite runs it
+over real shared-memory mappings of another endpoint, its python variant.)"""
 
 from __future__ import annotations
 
 import ctypes
-import os
 
 import numpy as np
 import pytest
 
-from llmdd_shm import _copy, _seg
+from llmdd._base import runs as _copy
 
 SLOT = 1 << 16
 SIZE = 256 * SLOT   # 16 MiB per mapping
 
 
+class _Buf:
+    def __init__(self, arr: np.ndarray) -> None:
+        self.addr = arr.ctypes.data
+
+
 @pytest.fixture
 def mappings():
-    names = [f"llmdd_test_copy_{os.getpid()}_{k}" for k in ("src", "dst")]
-    maps = [_seg.create(n, SIZE) for n in names]
-    try:
-        yield [np.ctypeslib.as_array((ctypes.c_uint8 * SIZE).from_address(m.addr)) for m in maps], maps
-    finally:
-        for m, n in zip(maps, names):
-            m.close()
-            _seg.unlink(n)
+    bufs = [np.empty(SIZE, np.uint8) for _ in range(2)]
+    return bufs, [_Buf(b) for b in bufs]
 
 
 def _layout(rng: np.random.Generator, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
