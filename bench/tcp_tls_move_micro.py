@@ -8,6 +8,7 @@ distinct blocks on both sides; every block checked after each round.
 """
 import importlib.util
 import os
+import queue
 import socket
 import ssl
 import sys
@@ -66,18 +67,28 @@ def run(mod, nops, blk, reps, rng):
     s, c = pair()
     ws, wd = where(mod, src), where(mod, dst)
     t = []
+    todo, done = queue.SimpleQueue(), queue.SimpleQueue()
+
+    def sender():   # one persistent thread, as the owner's worker threads are
+        while (job := todo.get()) is not None:
+            mod._move(s, ws, *job, None, True)
+            done.put(1)
+
+    th = threading.Thread(target=sender)
+    th.start()
     for _ in range(reps):
         nb = SIZE // blk
         so = rng.permutation(nb)[:nops].astype(np.uint64) * np.uint64(blk)
         do = rng.permutation(nb)[:nops].astype(np.uint64) * np.uint64(blk)
         reg = np.zeros(nops, np.uint32)
         ln = np.full(nops, blk, np.uint64)
-        th = threading.Thread(target=mod._move, args=(s, ws, reg, so, ln, None, True))
         t0 = time.perf_counter()
-        th.start()
+        todo.put((reg, so, ln))
         mod._move(c, wd, reg, do, ln, None, False)
-        th.join()
+        done.get()
         t.append(time.perf_counter() - t0)
+    todo.put(None)
+    th.join()
     for a_, b_ in zip(so.tolist(), do.tolist()):
         assert np.array_equal(dst[b_:b_ + blk], src[a_:a_ + blk])
     s.close()
