@@ -15,8 +15,8 @@ def run(mod, nops, blk, reps):
     for s in (a,b): s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4<<20); s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4<<20)
     reg = np.zeros(nops, np.uint32); off = (np.arange(nops, dtype=np.uint64) * blk); ln = np.full(nops, blk, np.uint64)
     if mod is new:
-        ws = new._Where(np.array([0], np.int64), np.array([src.ctypes.data], np.uint64), {})
-        wd = new._Where(np.array([0], np.int64), np.array([dst.ctypes.data], np.uint64), {})
+        ws = new._Where(np.array([0], np.int64), np.array([src.ctypes.data], np.uint64))
+        wd = new._Where(np.array([0], np.int64), np.array([dst.ctypes.data], np.uint64))
     else:
         ws = {0: old._region_view(src.ctypes.data, src.nbytes)}; wd = {0: old._region_view(dst.ctypes.data, dst.nbytes)}
     t = []

@@ -4,7 +4,8 @@
 batch with numpy before a byte moves; ``coalesce_ops`` / ``split_ops`` shape it;
 ``ThreadCompletion`` and ``DoneCompletion`` are ready-made ``Completion`` implementations;
 ``segment_name`` names a shared-memory segment so that a crash leftover of it is reclaimed by
-the next engine (and by ``llmdd doctor --reclaim-shm``).  ``IoLoop`` is the engine's selectors
+the next engine (and by ``llmdd doctor --reclaim-shm``); ``copy_runs`` copies a batch of address
+runs in this process with numpy gathers (no Python object per short run).  ``IoLoop`` is the engine's selectors
 loop with its bounded worker pool (a transport with a listening socket serves it from one, so its
 threads do not grow with connections; ``EVENT_READ`` / ``EVENT_WRITE`` are its readiness flags and
 ``PoolFull`` what a full pool raises); ``tls_config`` turns the engine's ``llmdd.tls_*`` options,
@@ -42,6 +43,7 @@ from llmdd._memory.segments import segment_name as segment_name
 from llmdd._base.options import TlsConfig as TlsConfig
 from llmdd._base.options import tls_config as tls_config
 from llmdd._base.log import get_logger as get_logger
+from llmdd._base.runs import copy_runs as copy_runs
 from llmdd._seam.kit import Batch as Batch
 from llmdd._seam.kit import BatchSet as BatchSet
 from llmdd._seam.kit import RegionRegistry as RegionRegistry
@@ -80,6 +82,7 @@ __all__ = [
     "Batch",
     "BatchSet",
     "map_os_error",
+    "copy_runs",
     "lazy_numpy",
     "when_numpy_loaded",
 ]

@@ -107,6 +107,52 @@ def test_two_processes_read_and_write_pool_and_user(owner):
     assert os.path.exists(f"/dev/shm/{seg_name}"), "a reader's close unlinked the owner's segment"
 
 
+def test_python_path_copies_short_pool_runs_in_gathers_and_long_ones_in_place(owner, monkeypatch):
+    """The pure-Python path (llmdd.shm.native=off) reading another process's pool region: 512 blocks of
+    1 KiB go in numpy gathers (llmdd.lowlevel.copy_runs, no memmove per op), 16 blocks of 64 KiB in one
+    memmove each; every block lands, the blocks not asked for stay zero."""
+    import ctypes
+
+    from llmdd._base import runs
+
+    p, conn, desc, descs, seg_name = owner
+    ep = ShmTransport({"llmdd.shm.native": "off"}).open_endpoint()
+    ch = ep.connect(desc, timeout=10)
+    gathers: list = []
+    moves: list = []
+    real_gather, real_mm = runs._gather, ctypes.memmove
+    monkeypatch.setattr(runs, "_gather", lambda d, s, n: (gathers.append((len(d), n)), real_gather(d, s, n)))
+    monkeypatch.setattr(ctypes, "memmove", lambda d, s, n: (moves.append(n), real_mm(d, s, n)))
+    try:
+        assert ep._native is None and ch._native is None
+        ch.add_remote_region(POOL_RID, SIZE, descs[POOL_RID])
+        dst = np.zeros(SIZE, dtype=np.uint8)
+        ep.register(MemRegion(region_id=1, addr=dst.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
+        expect = _content(1)
+        rng = np.random.default_rng(1701)
+        for block, n in ((1024, 512), (65536, 16)):
+            nb = SIZE // block
+            lb = rng.permutation(nb // 2)[:n] * 2   # even local blocks: no two ops continue each other
+            rb = rng.permutation(nb)[:n]
+            dst[:] = 0
+            gathers.clear()
+            moves.clear()
+            _ok(ch.read(make_ops(1, lb * block, POOL_RID, rb * block, block), deadline=time.monotonic() + 30))
+            got = dst.reshape(nb, block)
+            assert np.array_equal(got[lb], expect.reshape(nb, block)[rb]), block
+            rest = np.ones(nb, bool)
+            rest[lb] = False
+            assert not got[rest].any(), block
+            if block == 1024:
+                assert gathers == [(512, 1024)] and moves == [], (gathers, moves)
+            else:
+                assert gathers == [] and moves == [65536] * 16, (gathers, moves)
+        assert ch.statistics()["cma_calls"] <= 1   # the connect-time probe: pool memory never takes CMA
+    finally:
+        ch.close()
+        ep.close()
+
+
 _READER = textwrap.dedent("""
     import json, sys, time
     import numpy as np

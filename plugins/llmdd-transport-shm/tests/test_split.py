@@ -50,6 +50,9 @@ def owner():
 @pytest.fixture(params=["auto", "off"], ids=["native", "python"])
 def channel(request, owner):
     if request.param == "auto" and llmdd_shm._native is None:
+        if os.environ.get(llmdd_shm.ENV_NATIVE, "").strip().lower() in ("0", "off", "no", "false"):
+            # the suite's fallback run (.ci/run): "auto" is the pure-Python path there, the other param
+            pytest.skip(f"the C hot path is switched off in this run: {llmdd_shm.NATIVE_REASON}")
         pytest.fail("the C extension llmdd_shm._shmfast is not built")  # CI builds it: never skip silently
     conn, desc, descs = owner
     ep = ShmTransport(dict(SPLIT, **{"llmdd.shm.native": request.param})).open_endpoint()

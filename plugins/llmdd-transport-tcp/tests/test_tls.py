@@ -242,6 +242,33 @@ def test_many_small_and_mixed_ops_over_tls(certs):
         np.testing.assert_array_equal(dst, before)
 
 
+def test_blocks_over_tls_move_in_staged_gathers(certs, monkeypatch):
+    """Equal blocks over TLS (the engine's case): both ends stage them, up to 256 KiB a stage, with one
+    copy_runs call per stage (no Python object per op); every block lands, the blocks not asked for
+    stay as they were."""
+    import llmdd_tcp
+
+    calls: list = []
+    real = llmdd_tcp.copy_runs
+    monkeypatch.setattr(llmdd_tcp, "copy_runs", lambda d, s_, n: (calls.append(len(n)), real(d, s_, n)))
+    with _linked(_opts(certs), _opts(certs)) as (a, b, ch, src, dst, _):
+        rng = np.random.default_rng(9090)
+        blk, nb = 2048, SIZE // 2048
+        lb, rb = rng.permutation(nb // 2)[:200] * 2, rng.permutation(nb)[:200]   # even local blocks: none coalesce
+        ops = make_ops(1, lb.astype(np.uint64) * blk, 10, rb.astype(np.uint64) * blk, blk)
+        dst[:] = rng.integers(0, 256, SIZE, dtype=np.uint8)
+        before = dst.copy()
+        c = ch.read(ops, deadline=time.monotonic() + 20)
+        assert c.wait(30) and c.error is None, c.error
+        for l_, r_ in zip(lb.tolist(), rb.tolist()):
+            np.testing.assert_array_equal(dst[l_ * blk:(l_ + 1) * blk], src[r_ * blk:(r_ + 1) * blk])
+        untouched = np.ones(nb, bool)
+        untouched[lb] = False
+        np.testing.assert_array_equal(dst.reshape(nb, blk)[untouched], before.reshape(nb, blk)[untouched])
+        # the owner gathered and this side scattered: 200 blocks each, 128 (256 KiB) at most per call
+        assert sorted(calls) == [72, 72, 128, 128], calls
+
+
 def test_plaintext_client_on_a_tls_data_port_gets_no_byte_of_the_protocol(certs):
     t = TcpTransport(_opts(certs))
     b = t.open_endpoint()

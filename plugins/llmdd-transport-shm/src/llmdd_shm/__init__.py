@@ -4,8 +4,9 @@ Memory kinds
 ------------
 * **Pool memory** (a :class:`MemRegion` with ``shm_name``) lives in a POSIX shared-memory
   segment. Its owner describes it as ``(shm_name, shm_offset, size)``; a peer maps the whole
-  segment once per (segment, channel) at ``add_remote_region`` time and copies with
-  ``ctypes.memmove`` over coalesced runs. Peers map with ``shm_open`` + ``mmap`` and never touch
+  segment once per (segment, channel) at ``add_remote_region`` time and copies coalesced runs in
+  one C call per chunk (native path) or with numpy gathers and ``ctypes.memmove`` for long runs
+  (pure-Python path, ``llmdd.lowlevel.copy_runs``). Peers map with ``shm_open`` + ``mmap`` and never touch
   ``multiprocessing``'s resource tracker and never unlink (see :mod:`llmdd_shm._seg`).
 * **User memory** (numpy arrays, torch tensors: no ``shm_name``) is described as
   ``(pid, addr, size)`` and moved with ``process_vm_readv`` / ``process_vm_writev``, iovec arrays
@@ -69,7 +70,7 @@ from llmdd.status import LLMStatusCode
 from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, as_ops
-from llmdd.lowlevel import map_os_error, segment_name
+from llmdd.lowlevel import copy_runs, map_os_error, segment_name
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
 
@@ -1224,13 +1225,10 @@ class _Plan:
                     ch._check_peer(self, batch, deadline, first=False)
                 nat.copy(int(write), 0, KIND_SHM, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
             return
-        dl, sl, nl = dst.tolist(), src.tolist(), ln.tolist()
-        mm = ctypes.memmove
-        for k, (s, e) in enumerate(bounds):
+        for k, (s, e) in enumerate(bounds):   # numpy gathers per chunk (llmdd.lowlevel.copy_runs)
             if k:
                 ch._check_peer(self, batch, deadline, first=False)
-            for d, s_, n in zip(dl[s:e], sl[s:e], nl[s:e]):
-                mm(d, s_, n)
+            copy_runs(dst[s:e], src[s:e], ln[s:e])
 
     def _cma(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float, chunk: int) -> None:
         la, ra, ln = _cap(self.clocal, self.cremote, self.clen, chunk)

@@ -80,7 +80,7 @@ import ssl
 import struct
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, TypeGuard, Union, cast
+from typing import Any, Callable, Mapping, Optional, TypeGuard, Union
 
 
 from llmdd.plugin import hookimpl
@@ -92,7 +92,7 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from llmdd.lowlevel import when_numpy_loaded
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout
-from llmdd.lowlevel import coalesce_ops, map_os_error, split_ops
+from llmdd.lowlevel import coalesce_ops, copy_runs, map_os_error, split_ops
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
 
@@ -119,6 +119,8 @@ MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
 _WINDOW = 1024                             # iovec entries per sendmsg / recvmsg call (Linux IOV_MAX)
 _TLS_CHUNK = 256 * 1024                    # TLS: small pieces are staged up to this, large ones sent in slices of it
+_TLS_FEW = 8                               # TLS: batches of at most this many ops go as Python ints (latency path)
+_TLS_INPLACE = 8 * 1024                    # TLS: received ops of this size or more land in place, smaller ones are staged
 
 # options (engine options pass through; unknown keys such as "llm.RdmaTrafficClass" are ignored)
 OPT_STREAMS = "llmdd.tcp.streams"
@@ -142,10 +144,18 @@ _DIRECT = -1
 # --------------------------------------------------------------------------- low-level I/O
 
 
+_memview = ctypes.pythonapi.PyMemoryView_FromMemory
+_memview.restype = ctypes.py_object
+_memview.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PyBUF_WRITE = 0x200
+
+
 def _region_view(addr: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes at ``addr`` (PyMemoryView_FromMemory: a ctypes array type per
+    length would be created, ~20 us, and cached by ctypes for ever, for every length a batch brings)."""
     if size == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+    return _memview(addr, size, _PyBUF_WRITE)
 
 
 def _is_tls(sock: socket.socket) -> TypeGuard[ssl.SSLSocket]:
@@ -210,13 +220,12 @@ def _advance(views: list, k: int) -> list:
 
 class _Where:
     """Where the regions of a batch (or a served request) live: sorted region ids and their base
-    addresses (the registry's snapshot taken when their pins were taken: it holds them), and, for
-    TLS only, memory views of the regions."""
+    addresses (the registry's snapshot taken when their pins were taken: it holds them)."""
 
-    __slots__ = ("ids", "addrs", "views")
+    __slots__ = ("ids", "addrs")
 
-    def __init__(self, ids: np.ndarray, addrs: np.ndarray, views: Mapping[int, memoryview]) -> None:
-        self.ids, self.addrs, self.views = ids, addrs, views
+    def __init__(self, ids: np.ndarray, addrs: np.ndarray) -> None:
+        self.ids, self.addrs = ids, addrs
 
 
 class _MsgHdr(ctypes.Structure):
@@ -286,22 +295,18 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
           deadline: Union[float, None], send: bool, abort_check: Union[Callable[[], bool], None] = None,
           head: Union[tuple, None] = None, total: Union[int, None] = None) -> int:
     """Send or receive the bytes of ops (``reg``, ``off``, ``ln``; ``total`` of them when the caller
-    knows it), ``head`` (a :func:`_static_buffer`) first in the same call; return the payload bytes.  Plain sockets: one iovec array for the whole
-    request, built with numpy (addresses by ``np.searchsorted`` over the regions), sent or received
-    window by window (IOV_MAX entries a call): no per-op Python object.  TLS: memoryview slices (an
-    SSL socket takes Python buffers only)."""
+    knows it), ``head`` (a :func:`_static_buffer`) first in the same call; return the payload bytes.
+    The ops' addresses come from numpy (``np.searchsorted`` over the regions).  Plain sockets: one iovec
+    array for the whole request, sent or received window by window (IOV_MAX entries a call).  TLS (an SSL
+    socket takes Python buffers only): :func:`_move_tls`.  No per-op Python object either way."""
     n = len(ln)
     if _is_tls(sock):
         if head is not None:
-            _send_tls(sock, [head[0].raw], deadline, abort_check)
-        moved_total = 0
-        for s in range(0, n, _WINDOW):
-            e = min(s + _WINDOW, n)
-            lens = ln[s:e].tolist()
-            views = [where.views[a][b:b + c] for a, b, c in zip(reg[s:e].tolist(), off[s:e].tolist(), lens)]
-            (_send_tls if send else _recv_tls)(sock, views, deadline, abort_check)
-            moved_total += sum(lens)
-        return moved_total
+            _tls_put(sock, head[0].raw, deadline, abort_check)
+        if not n:
+            return 0
+        addrs = where.addrs[np.searchsorted(where.ids, reg)] + off.astype(np.uint64, copy=False)
+        return _move_tls(sock, addrs, ln.astype(np.uint64, copy=False), deadline, send, abort_check)
     h = 0 if head is None else 1
     rows = n + h
     iov = np.empty((rows, 2), dtype=np.uint64)
@@ -321,17 +326,136 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
     return int(ends[-1]) - (head[2] if head is not None else 0)
 
 
+def _move_tls(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, deadline: Union[float, None], send: bool,
+              abort_check: Union[Callable[[], bool], None]) -> int:
+    """The bytes of ops at ``addrs`` (``ln`` each) over TLS, in order: consecutive small ops are staged
+    in one buffer of up to ``_TLS_CHUNK`` (gathered with ``llmdd.lowlevel.copy_runs`` before a send,
+    scattered after a receive: one TLS write or read sequence per stage, no Python object per op, and a
+    receive writes a stage's ops only once all of its bytes came).  Small: under ``_TLS_CHUNK`` bytes
+    on a send (one write of a stage beats a write per op), under ``_TLS_INPLACE`` on a receive (from
+    there on, receiving into the op's memory, a slice of one view of the batch's address span, is
+    cheaper than the stage's extra copy of its bytes; bench/results-committed/issue17/
+    tcp_tls_move_micro-*.txt).  Other ops move straight from or into their memory.  At most
+    ``_TLS_FEW`` ops (the latency path) go as Python ints, without numpy's fixed costs."""
+    n = len(ln)
+    if n <= _TLS_FEW:
+        return _tls_few(sock, addrs.tolist(), ln.tolist(), deadline, send, abort_check)
+    ends = np.cumsum(ln, dtype=np.uint64)
+    big = np.flatnonzero(ln >= np.uint64(_TLS_CHUNK if send else _TLS_INPLACE))
+    if not len(big):
+        _tls_stages(sock, addrs, ln, ends, 0, n, deadline, send, abort_check)
+        return int(ends[-1])
+    # one view of the address span of the batch's large ops (nothing outside the ops is touched, and
+    # they lie inside the pinned regions); a slice of it per large op, runs of them in one call
+    lo = int(addrs[big].min())
+    span = _region_view(lo, int((addrs[big] + ln[big]).max()) - lo)
+    at, k = (addrs[big] - np.uint64(lo)).tolist(), ln[big].tolist()
+    s = 0
+    i = 0
+    for run in np.split(np.arange(len(big)), np.flatnonzero(np.diff(big) != 1) + 1):
+        b0, b1 = int(big[run[0]]), int(big[run[-1]])
+        if b0 > s:
+            _tls_stages(sock, addrs, ln, ends, s, b0, deadline, send, abort_check)
+        views = [span[at[j]:at[j] + k[j]] for j in range(i, i + len(run))]
+        if send:
+            for v in views:
+                _tls_one(sock, v, deadline, True, abort_check)
+        else:
+            _recv_tls(sock, views, deadline, abort_check)
+        i += len(run)
+        s = b1 + 1
+    if s < n:
+        _tls_stages(sock, addrs, ln, ends, s, n, deadline, send, abort_check)
+    return int(ends[-1])
+
+
+def _tls_few(sock: ssl.SSLSocket, al: list, ll: list, deadline: Union[float, None], send: bool,
+             abort_check: Union[Callable[[], bool], None]) -> int:
+    """:func:`_move_tls` for a few ops: sent through the stage (one write per ``_TLS_CHUNK``), received in place."""
+    if not send:
+        for a, k in zip(al, ll):
+            _recv_tls(sock, [_region_view(a, k)], deadline, abort_check)
+        return sum(ll)
+    sa = _tls_stage_addr()
+    stage = _tls_local.stage
+    used = 0
+    mm = ctypes.memmove
+    for a, k in zip(al, ll):
+        if used and (k >= _TLS_CHUNK or used + k > _TLS_CHUNK):
+            _tls_put(sock, memoryview(stage)[:used], deadline, abort_check)
+            used = 0
+        if k >= _TLS_CHUNK:
+            _tls_one(sock, _region_view(a, k), deadline, True, abort_check)
+            continue
+        mm(sa + used, a, k)
+        used += k
+    if used:
+        _tls_put(sock, memoryview(stage)[:used], deadline, abort_check)
+    return sum(ll)
+
+
+def _tls_stages(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, ends: np.ndarray, s: int, stop: int,
+                deadline: Union[float, None], send: bool, abort_check: Union[Callable[[], bool], None]) -> None:
+    """Ops ``s:stop`` (each under ``_TLS_CHUNK`` bytes) in stages: the ops starting in one ``_TLS_CHUNK``
+    of the batch's byte stream form a stage (under ``2 * _TLS_CHUNK`` bytes), all cut at once."""
+    e_ = ends[s:stop]
+    l_ = ln[s:stop]
+    a_ = addrs[s:stop]
+    starts = e_ - l_
+    key = starts // np.uint64(_TLS_CHUNK)
+    cuts = [0, *(np.flatnonzero(key[1:] != key[:-1]) + 1).tolist(), stop - s]
+    first = starts[cuts[:-1]]
+    at = starts - np.repeat(first, np.diff(cuts)) + np.uint64(_tls_stage_addr())
+    stage = _tls_local.stage
+    for i, j, base, end in zip(cuts[:-1], cuts[1:], first.tolist(), e_[np.array(cuts[1:]) - 1].tolist()):
+        buf = memoryview(stage)[:end - base]
+        if send:
+            copy_runs(at[i:j], a_[i:j], l_[i:j])
+            _tls_put(sock, buf, deadline, abort_check)
+        else:
+            _recv_tls(sock, [buf], deadline, abort_check)
+            copy_runs(a_[i:j], at[i:j], l_[i:j])
+
+
+def _tls_one(sock: ssl.SSLSocket, view: memoryview, deadline: Union[float, None], send: bool,
+             abort_check: Union[Callable[[], bool], None]) -> None:
+    """One op's memory over TLS, in place: sent in writes of at most ``_TLS_CHUNK``, or received into."""
+    if not send:
+        _recv_tls(sock, [view], deadline, abort_check)
+        return
+    for at in range(0, len(view), _TLS_CHUNK):
+        _tls_put(sock, view[at:at + _TLS_CHUNK], deadline, abort_check)
+
+
+_tls_local = threading.local()
+
+
+def _tls_stage_addr() -> int:
+    """The address of this thread's staging buffer (``_tls_local.stage``) of ``2 * _TLS_CHUNK`` bytes
+    (kept: no allocation or page fault per stage)."""
+    addr = getattr(_tls_local, "addr", None)
+    if addr is None:
+        _tls_local.stage = np.empty(2 * _TLS_CHUNK, np.uint8)
+        addr = _tls_local.addr = _tls_local.stage.ctypes.data
+    return addr
+
+
+def _tls_put(sock: ssl.SSLSocket, buf, deadline: Union[float, None],
+             abort_check: Union[Callable[[], bool], None]) -> None:
+    if abort_check is not None and abort_check():
+        raise Cancelled("stream aborted")
+    _arm(sock, deadline)
+    sock.sendall(buf)
+
+
 def _send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
               abort_check: Union[Callable[[], bool], None] = None) -> None:
     """Send ``views`` in order over TLS (no sendmsg there): small ones staged into one buffer of up to
-    ``_TLS_CHUNK`` bytes (one TLS write instead of one record per op), large ones in slices of it."""
+    ``_TLS_CHUNK`` bytes (one TLS write instead of one record each), large ones in slices of it."""
     staged = bytearray()
 
     def put(buf) -> None:
-        if abort_check is not None and abort_check():
-            raise Cancelled("stream aborted")
-        _arm(sock, deadline)
-        sock.sendall(buf)
+        _tls_put(sock, buf, deadline, abort_check)
 
     for v in views:
         n = len(v)
@@ -520,17 +644,7 @@ def llmdd_register_transports(register: Callable[[type], Any]) -> None:
 
 
 class _Reg(RegisteredRegion):
-    __slots__ = ("view",)
-
-    def __init__(self, region: MemRegion) -> None:
-        super().__init__(region)
-        self.view = _region_view(region.addr, region.size)
-
-
-def _views(pinned: list[RegisteredRegion]) -> dict[int, memoryview]:
-    """``region_id -> memory view`` of pinned regions (TLS moves Python buffers)."""
-    # cast: a TCP endpoint's registry (RegionRegistry(_Reg)) pins only _Reg entries
-    return {e.region_id: cast(_Reg, e).view for e in pinned}
+    __slots__ = ()
 
 
 class _Batch(Batch):
@@ -742,8 +856,7 @@ class TcpEndpoint(Endpoint):
                 raise Cancelled("endpoint is closed")
             self._regs.pin(ops, remote, batch)
             regs = self._regs
-            where = _Where(regs.ids, regs.addrs,   # the snapshot holds the pinned regions
-                           _views(batch.pinned) if self._tls is not None else {})
+            where = _Where(regs.ids, regs.addrs)   # the snapshot holds the pinned regions
         return batch, where
 
     def _end_batch(self, batch: _Batch) -> None:
@@ -959,13 +1072,13 @@ class TcpEndpoint(Endpoint):
                 refused: Optional[str] = reason
             else:
                 refused = None
-                regions = wire["region"].tolist() if len(wire) <= _WINDOW else np.unique(wire["region"]).tolist()
+                # a few ops: their ids as ints (cheaper than numpy's fixed cost); more: the distinct ids only
+                regions = wire["region"].tolist() if len(wire) <= 8 else np.unique(wire["region"]).tolist()
                 ids = frozenset(regions)
                 served = Batch(ids)   # the request's pins: a deregistration drains them
                 self._regs.pin_entries(served, ids)
                 grant.busy += 1
-                where = _Where(self._regs.ids, self._regs.addrs,
-                               _views(served.pinned) if _is_tls(sock) else {})
+                where = _Where(self._regs.ids, self._regs.addrs)
                 self._serving[token] = (sock, ids)
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
