@@ -63,7 +63,7 @@ def _raw_pull(agent, lp, lidx, rp, ridx, peer) -> float:
 
 
 def run(tls: str, runs: int) -> list:
-    from llmdd._seam.abc import make_ops
+    from llmdd._seam.ops import make_ops
     from llmdd.lowlevel import MemRegion
     from llmdd_ucx import UcxTransport
 

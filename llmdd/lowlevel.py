@@ -17,21 +17,21 @@ batches and its close-drain) and :func:`map_os_error` (an exception raised while
 the typed error the seam reports).  docs/writing-a-transport.md shows them at work.
 """
 
-from llmdd._seam.abc import Cancelled as Cancelled
+from llmdd._seam.errors import Cancelled as Cancelled
 from llmdd._seam.abc import Completion as Completion
-from llmdd._seam.abc import Corrupt as Corrupt
-from llmdd._seam.abc import DoneCompletion as DoneCompletion
+from llmdd._seam.errors import Corrupt as Corrupt
+from llmdd._seam.completions import DoneCompletion as DoneCompletion
 from llmdd._seam.abc import MemRegion as MemRegion
-from llmdd._seam.abc import PeerGone as PeerGone
-from llmdd._seam.abc import RegionTable as RegionTable
-from llmdd._seam.abc import Refused as Refused
-from llmdd._seam.abc import ThreadCompletion as ThreadCompletion
-from llmdd._seam.abc import TransportTimeout as TransportTimeout
-from llmdd._seam.abc import as_ops as as_ops
-from llmdd._seam.abc import check_ops as check_ops
-from llmdd._seam.abc import coalesce_ops as coalesce_ops
-from llmdd._seam.abc import make_ops as make_ops
-from llmdd._seam.abc import split_ops as split_ops
+from llmdd._seam.errors import PeerGone as PeerGone
+from llmdd._seam.ops import RegionTable as RegionTable
+from llmdd._seam.errors import Refused as Refused
+from llmdd._seam.completions import ThreadCompletion as ThreadCompletion
+from llmdd._seam.errors import TransportTimeout as TransportTimeout
+from llmdd._seam.ops import as_ops as as_ops
+from llmdd._seam.ops import check_ops as check_ops
+from llmdd._seam.ops import coalesce_ops as coalesce_ops
+from llmdd._seam.ops import make_ops as make_ops
+from llmdd._seam.ops import split_ops as split_ops
 from llmdd._control.ioloop import EVENT_READ as EVENT_READ
 from llmdd._base.lazy import np as lazy_numpy
 from llmdd._base.lazy import when_numpy_loaded as when_numpy_loaded
@@ -87,7 +87,7 @@ __all__ = [
 
 def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is first used (llmdd._base.lazy)
     if name == "OP_DTYPE":
-        from llmdd._seam import abc as _abc
+        from llmdd._seam import ops as _ops
 
-        return _abc.OP_DTYPE
+        return _ops.OP_DTYPE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

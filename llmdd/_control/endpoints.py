@@ -30,7 +30,8 @@ from llmdd._control.ioloop import Pool, PoolFull, Strand
 from llmdd._control.link import Link
 from llmdd._control.protocol import messages as m
 from llmdd._control.settings import LinkSettings
-from llmdd._seam.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
+from llmdd._base.status import TransportError
+from llmdd._seam.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion
 
 if TYPE_CHECKING:
     from llmdd._memory.manager import MemoryManager

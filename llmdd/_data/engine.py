@@ -21,8 +21,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
-from llmdd._seam import abc as _abc
-from llmdd._seam.abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
+from llmdd._seam import ops as _ops
+from llmdd._base.status import TransportError
+from llmdd._seam.errors import Cancelled, PeerGone, Refused, TransportTimeout
 from llmdd._base.enums import Placement
 from llmdd._base.lazy import np, when_numpy_loaded
 from llmdd._base.log import get_logger
@@ -125,13 +126,13 @@ def _op_rows(n: int) -> struct.Struct:
     return packer
 
 
-OP_DTYPE: Any   # llmdd._seam.abc.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded
 def _numpy_loaded(numpy: Any) -> None:
     global OP_DTYPE
-    OP_DTYPE = _abc.OP_DTYPE
+    OP_DTYPE = _ops.OP_DTYPE
     assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
 
 

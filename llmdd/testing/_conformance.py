@@ -44,15 +44,11 @@ from typing import Any, Callable, ContextManager, Iterator, Union
 
 import numpy as np
 
-from llmdd._seam.abc import (
-    OP_DTYPE,
-    Completion,
-    MemRegion,
-    PeerGone,
-    Refused,
-    TransportTimeout,
-    make_ops,
-)
+from llmdd._seam.abc import Completion, MemRegion
+
+from llmdd._seam.errors import PeerGone, Refused, TransportTimeout
+
+from llmdd._seam.ops import OP_DTYPE, make_ops
 from llmdd._base.enums import Placement
 from llmdd._base.status import TransportError
 

@@ -118,7 +118,8 @@ def self_test(transport: str, seconds: float = 3.0, *, size: int = SELF_TEST_BYT
 def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_bytes: int, *,
                    two: bool) -> SelfTestResult:
     from llmdd._base.enums import Placement
-    from llmdd._seam.abc import MemRegion, make_ops
+    from llmdd._seam.abc import MemRegion
+    from llmdd._seam.ops import make_ops
 
     result = functools.partial(SelfTestResult, transport=transport, region_bytes=size, op_bytes=op_bytes,
                                processes=2 if two else 1)

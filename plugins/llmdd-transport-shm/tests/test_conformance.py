@@ -24,7 +24,9 @@ import attrs
 import numpy as np
 import pytest
 
-from llmdd._seam.abc import DoneCompletion, as_ops
+from llmdd._seam.completions import DoneCompletion
+
+from llmdd._seam.ops import as_ops
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing import CONFORMANCE_CHECKS, run_check

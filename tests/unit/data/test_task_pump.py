@@ -25,7 +25,10 @@ from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import LINK_IN_USE, Machine, TaskState
 from llmdd._memory.manager import MemoryManager
-from llmdd._seam.abc import OP_DTYPE, Cancelled, Completion, Corrupt, PeerGone, Refused, TransportError
+from llmdd._base.status import TransportError
+from llmdd._seam.abc import Completion
+from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, Refused
+from llmdd._seam.ops import OP_DTYPE
 
 pytestmark = pytest.mark.timeout(30)
 
