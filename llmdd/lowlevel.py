@@ -1,6 +1,7 @@
 """Public helpers for transport authors: regions, the op dtype, typed errors, completions.
 
-``MemRegion`` and ``OP_DTYPE`` describe what moves; ``check_ops`` / ``RegionTable`` validate a
+``MemRegion`` and ``OP_DTYPE`` describe what moves (a region's ``backing``, a :class:`SharedSegment`,
+says which shared-memory segment also holds it); ``check_ops`` / ``RegionTable`` validate a
 batch with numpy before a byte moves; ``coalesce_ops`` / ``split_ops`` shape it;
 ``ThreadCompletion`` and ``DoneCompletion`` are ready-made ``Completion`` implementations;
 ``segment_name`` names a shared-memory segment so that a crash leftover of it is reclaimed by
@@ -22,6 +23,7 @@ from llmdd._seam.abc import Completion as Completion
 from llmdd._seam.errors import Corrupt as Corrupt
 from llmdd._seam.completions import DoneCompletion as DoneCompletion
 from llmdd._seam.abc import MemRegion as MemRegion
+from llmdd._base.backing import SharedSegment as SharedSegment
 from llmdd._seam.errors import PeerGone as PeerGone
 from llmdd._seam.ops import RegionTable as RegionTable
 from llmdd._seam.errors import Refused as Refused
@@ -60,6 +62,7 @@ __all__ = [
     "tls_config",
     "OP_DTYPE",
     "MemRegion",
+    "SharedSegment",
     "RegionTable",
     "Completion",
     "DoneCompletion",

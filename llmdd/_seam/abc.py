@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Un
 
 import attrs
 
+from llmdd._base.backing import SharedSegment
 from llmdd._base.status import TransportError
 
 if TYPE_CHECKING:
@@ -59,8 +60,10 @@ class MemRegion:
     size: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
     remote_accessible: bool = attrs.field(validator=attrs.validators.instance_of(bool))
     placement: int = attrs.field(converter=int)
-    shm_name: Union[str, None] = attrs.field(default=None)
-    shm_offset: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: where the range also lives, as the memory layer states it (``None``: nowhere else); a
+    #: same-host transport may map that segment, any other transport ignores it
+    backing: Union[SharedSegment, None] = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(SharedSegment)))
 
 
 @attrs.frozen(kw_only=True)

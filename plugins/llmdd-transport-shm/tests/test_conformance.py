@@ -2,7 +2,7 @@
 
 Two memory styles: *user* regions (plain numpy arrays: cross-memory attach) and *pool*
 regions (the suite's buffers allocated inside POSIX shared-memory segments and registered with
-``shm_name`` / ``shm_offset``, as the engine's pools are: mapped by the peer).
+a ``backing`` segment, as the engine's pools are: mapped by the peer).
 
 Three data paths: the pure-Python one (``llmdd.shm.native=off``), the C hot path
 (``llmdd.shm.native=on``; skipped with its reason when the extension is not built, which
@@ -27,6 +27,7 @@ import pytest
 from llmdd._seam.completions import DoneCompletion
 
 from llmdd._seam.ops import as_ops
+from llmdd.lowlevel import SharedSegment
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
@@ -64,7 +65,7 @@ class _PoolNumpy(types.ModuleType):
 
 
 class _PoolEndpoint:
-    """Registers the pool's buffers as pool regions (``shm_name`` set); everything else passes."""
+    """Registers the pool's buffers as pool regions (``backing`` set); everything else passes."""
 
     def __init__(self, ep, pool: _PoolNumpy) -> None:
         self._ep = ep
@@ -73,7 +74,7 @@ class _PoolEndpoint:
     def register(self, region):
         found = self._pool.lookup(region.addr)
         assert found is not None, "conformance buffer not from the pool"
-        return self._ep.register(attrs.evolve(region, shm_name=found[0], shm_offset=found[1]))
+        return self._ep.register(attrs.evolve(region, backing=SharedSegment(name=found[0], offset=found[1])))
 
     def __getattr__(self, name):
         return getattr(self._ep, name)

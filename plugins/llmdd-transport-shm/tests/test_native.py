@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import llmdd_shm
+from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion, PeerGone, Refused, make_ops
 from llmdd_shm import OPT_GIL, OPT_NATIVE, ShmTransport, data_path
 
@@ -136,8 +137,8 @@ class _Side:
         arr[:] = self.rng.integers(0, 256, size, dtype=np.uint8)
         self.bufs[rid] = arr
         self.descs[rid] = self.ep.register(MemRegion(region_id=rid, addr=arr.ctypes.data, size=size,
-                                                     remote_accessible=True, placement=0, shm_name=seg.name,
-                                                     shm_offset=4096))
+                                                     remote_accessible=True, placement=0, backing=SharedSegment(
+                                                         name=seg.name, offset=4096)))
         return arr
 
     def close(self) -> None:

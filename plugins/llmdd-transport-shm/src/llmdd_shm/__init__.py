@@ -2,12 +2,12 @@
 
 Memory kinds
 ------------
-* **Pool memory** (a :class:`MemRegion` with ``shm_name``) lives in a POSIX shared-memory
-  segment. Its owner describes it as ``(shm_name, shm_offset, size)``; a peer maps the whole
+* **Pool memory** (a :class:`MemRegion` whose ``backing`` is a :class:`SharedSegment`) lives in a POSIX shared-memory
+  segment. Its owner describes it as ``(segment name, offset, size)``; a peer maps the whole
   segment once per (segment, channel) at ``add_remote_region`` time and copies with
   ``ctypes.memmove`` over coalesced runs. Peers map with ``shm_open`` + ``mmap`` and never touch
   ``multiprocessing``'s resource tracker and never unlink (see :mod:`llmdd_shm._seg`).
-* **User memory** (numpy arrays, torch tensors: no ``shm_name``) is described as
+* **User memory** (numpy arrays, torch tensors: no ``backing``) is described as
   ``(pid, addr, size)`` and moved with ``process_vm_readv`` / ``process_vm_writev``, iovec arrays
   built with numpy, at most ``IOV_MAX`` per call, short transfers resumed at the exact byte
   (:mod:`llmdd_shm._cma`). It needs cross-memory attach to the peer's pid (``connect`` checks).
@@ -464,7 +464,7 @@ class ShmEndpoint(Endpoint):
                 s[1] = gen
                 s[2] = region.region_id
                 s[0] = _LIVE
-            if region.remote_accessible and region.shm_name is None:
+            if region.remote_accessible and region.backing is None:
                 self._user_regions += 1
             self._regs.add(_LocalReg(region, slot, gen))
             self._stats["regions"] = len(self._regs)
@@ -472,8 +472,8 @@ class ShmEndpoint(Endpoint):
                       "size": region.size, "remote_accessible": region.remote_accessible}
         if region.remote_accessible:
             desc.update(slot=slot, gen=gen)
-            if region.shm_name is not None:
-                desc.update(kind="shm", shm_name=region.shm_name, shm_offset=region.shm_offset)
+            if region.backing is not None:
+                desc.update(kind="shm", shm_name=region.backing.name, shm_offset=region.backing.offset)
             else:
                 desc.update(kind="cma", pid=os.getpid(), addr=region.addr)
         return desc
@@ -484,7 +484,7 @@ class ShmEndpoint(Endpoint):
         def dying(reg: _LocalReg) -> None:   # under the lock, the region already out of the tables
             if reg.slot >= 0:
                 self._ctl.slots[reg.slot][0] = _DYING
-                if reg.region.shm_name is None:
+                if reg.region.backing is None:
                     self._user_regions -= 1
             self._stats["regions"] = len(self._regs)
             epoch[0] = self._nb_epoch
