@@ -15,7 +15,9 @@ The books every transport keeps (``llmdd._seam.kit``): :class:`RegionRegistry` (
 with :class:`RegisteredRegion` entries, their check tables, pins, and cancel-then-drain on
 ``deregister`` / ``close``), :class:`Batch` (one batch in flight), :class:`BatchSet` (a channel's
 batches and its close-drain) and :func:`map_os_error` (an exception raised while moving bytes as
-the typed error the seam reports).  docs/writing-a-transport.md shows them at work.
+the typed error the seam reports).  :func:`encode_payload` / :func:`decode_payload` turn a
+transport's own fields into a descriptor's opaque payload and back, refusing a foreign, newer or
+malformed descriptor.  docs/writing-a-transport.md shows them at work.
 """
 
 from llmdd._seam.errors import Cancelled as Cancelled
@@ -49,6 +51,8 @@ from llmdd._seam.kit import BatchSet as BatchSet
 from llmdd._seam.kit import RegionRegistry as RegionRegistry
 from llmdd._seam.kit import RegisteredRegion as RegisteredRegion
 from llmdd._seam.kit import map_os_error as map_os_error
+from llmdd._seam.payload import decode_payload as decode_payload
+from llmdd._seam.payload import encode_payload as encode_payload
 from llmdd._base.status import TransportError as TransportError
 
 __all__ = [
@@ -83,6 +87,8 @@ __all__ = [
     "Batch",
     "BatchSet",
     "map_os_error",
+    "encode_payload",
+    "decode_payload",
     "lazy_numpy",
     "when_numpy_loaded",
 ]

@@ -6,8 +6,14 @@ A transport moves bytes between *registered regions*, one-sided, the way RDMA do
 
 * ``Transport`` is a class a plugin registers; ``probe()`` says whether it can run here.
 * ``Transport.open_endpoint()`` gives an ``Endpoint``: it registers local regions
-  (``register`` returns a per-region descriptor the peer needs), describes itself for the
-  link handshake (``describe``) and connects to a peer endpoint (``connect``).
+  (``register`` returns the :class:`RegionDescriptor` a peer needs), describes itself for the
+  link handshake (``describe``: an :class:`EndpointDescriptor`) and connects to a peer endpoint
+  (``connect``).  A descriptor is a frozen value: the transport's name, the version of its own
+  payload format and the payload, opaque bytes to llmdd, at most :data:`MAX_PAYLOAD_BYTES`
+  (each transport encodes its own, e.g. :func:`llmdd.lowlevel.encode_payload`).  A transport
+  refuses (:class:`Refused`) a descriptor of another transport or of a newer version than it
+  reads (:meth:`EndpointDescriptor.payload_for`).  What the control plane adds is typed too:
+  the capability it granted a link travels as :attr:`EndpointDescriptor.capability`.
 * A ``Channel`` performs batched ``read(ops)`` (remote -> local, a pull) and ``write(ops)``
   (local -> remote, a push). ``ops`` is always a numpy array of :data:`OP_DTYPE`; no
   per-op Python object crosses the seam.
@@ -31,18 +37,22 @@ import attrs
 
 from llmdd._base.backing import SharedSegment
 from llmdd._base.status import TransportError
+from llmdd._seam.errors import Refused
 
 if TYPE_CHECKING:
     from llmdd._base.lazy import np
 
 __all__ = [
     "MemRegion",
+    "SharedSegment",
     "TransportInfo",
+    "EndpointDescriptor",
+    "RegionDescriptor",
+    "MAX_PAYLOAD_BYTES",
     "Transport",
     "Endpoint",
     "Channel",
     "Completion",
-    "CAPABILITY_KEY",
     "CAPABILITY_BYTES",
 ]
 
@@ -74,6 +84,80 @@ class TransportInfo:
     available: bool
     reason: str = ""
     details: Mapping[str, Any] = attrs.field(factory=dict)
+
+
+#: the most payload bytes a descriptor carries: checked when a descriptor is built, so a peer's
+#: descriptor is bounded before any work proportional to its size (decoding, mapping)
+MAX_PAYLOAD_BYTES = 64 * 1024
+#: the longest transport name
+MAX_TRANSPORT_NAME = 64
+#: bytes in a capability (256 bits from :mod:`secrets`)
+CAPABILITY_BYTES = 32
+
+
+def _u32(_inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not int or not 0 <= value < 2**32:
+        raise Refused(f"descriptor {attribute.name} must be an int in [0, 2**32), got {value!r}")
+
+
+def _name(_inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not str or not 0 < len(value) <= MAX_TRANSPORT_NAME:
+        raise Refused(f"descriptor {attribute.name} must be a str of 1..{MAX_TRANSPORT_NAME} characters, "
+                      f"got {value!r:.80}")
+
+
+def _payload(_inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not bytes:
+        raise Refused(f"descriptor payload must be bytes, got {type(value).__name__}")
+    if len(value) > MAX_PAYLOAD_BYTES:
+        raise Refused(f"descriptor payload of {len(value)} bytes exceeds {MAX_PAYLOAD_BYTES}")
+
+
+#: the shortest and longest capability a descriptor carries (the link manager mints CAPABILITY_BYTES)
+MIN_CAPABILITY_BYTES, MAX_CAPABILITY_BYTES = 16, 64
+
+
+def _capability(_inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (type(value) is not bytes
+                              or not MIN_CAPABILITY_BYTES <= len(value) <= MAX_CAPABILITY_BYTES):
+        raise Refused(f"a capability is bytes, {MIN_CAPABILITY_BYTES}..{MAX_CAPABILITY_BYTES} long")
+
+
+@attrs.frozen(kw_only=True)
+class _Descriptor:
+    transport: str = attrs.field(validator=_name)
+    version: int = attrs.field(validator=_u32)
+    payload: bytes = attrs.field(validator=_payload, repr=lambda p: f"<{len(p)} bytes>")
+
+    def payload_for(self, transport: str, version: int) -> bytes:
+        """The payload, once this descriptor is found to be ``transport``'s and of a version it reads
+        (``version`` or older); raises :class:`Refused` with the reason otherwise."""
+        if self.transport != transport:
+            raise Refused(f"a {self.transport!r} descriptor given to the {transport!r} transport")
+        if self.version > version:
+            raise Refused(f"{transport} descriptor version {self.version} is newer than this side reads "
+                          f"(at most {version})")
+        return self.payload
+
+
+@attrs.frozen(kw_only=True)
+class EndpointDescriptor(_Descriptor):
+    """What ``Endpoint.describe()`` returns and ``Endpoint.connect()`` takes: how to reach an endpoint.
+
+    ``transport``, ``version`` and ``payload`` are the transport's own (the payload is opaque to
+    llmdd).  ``capability`` is the data-port capability the holder presents (see
+    :attr:`Endpoint.capabilities`): the link manager adds the one the endpoint's owner granted to
+    the link before the peer connects; an endpoint with capabilities that does not serve links only
+    puts its own in ``describe()`` (tools and tests wiring endpoints directly); otherwise ``None``.
+    Its repr never shows it."""
+
+    capability: Union[bytes, None] = attrs.field(default=None, validator=_capability, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class RegionDescriptor(_Descriptor):
+    """What ``Endpoint.register()`` returns and ``Channel.add_remote_region()`` takes: how a peer
+    reaches one region (the transport's own encoding, opaque to llmdd)."""
 
 
 # --------------------------------------------------------------------------- completions
@@ -111,7 +195,7 @@ class Channel(abc.ABC):
     """A connection from a local endpoint to one peer endpoint."""
 
     @abc.abstractmethod
-    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
         """Learn a peer region from the descriptor its owner's ``Endpoint.register`` returned."""
 
     @abc.abstractmethod
@@ -140,11 +224,11 @@ class Endpoint(abc.ABC):
     """One local attachment point of a transport: registrations, a listener, channels."""
 
     @abc.abstractmethod
-    def describe(self) -> dict:
-        """JSON-able (str/int/bool/bytes/list/dict) description sent in the link handshake."""
+    def describe(self) -> EndpointDescriptor:
+        """This endpoint's descriptor, sent in the link handshake (its ``capability`` is ``None``)."""
 
     @abc.abstractmethod
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         """Register a local region; return the descriptor a peer passes to ``add_remote_region``."""
 
     @abc.abstractmethod
@@ -153,8 +237,10 @@ class Endpoint(abc.ABC):
         returns the transport never touches the memory again."""
 
     @abc.abstractmethod
-    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> Channel:
-        """Open a channel to the endpoint that ``peer`` (its ``describe()``) names."""
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> Channel:
+        """Open a channel to the endpoint that ``peer`` (its ``describe()``, with the capability the
+        peer granted when it has ``capabilities``) names; :class:`Refused` for a foreign or newer
+        descriptor."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -167,8 +253,8 @@ class Endpoint(abc.ABC):
     # -------------------------------------------------------------- per-link capabilities
     #: True when this endpoint serves a data connection only to a peer that presents a capability
     #: granted with :meth:`grant` (the tcp transport).  The link manager then mints one capability
-    #: per link and incarnation, grants it here, and sends it to the peer inside this endpoint's
-    #: descriptor under :data:`CAPABILITY_KEY`; the peer's ``connect`` finds it there.  False (the
+    #: per link and incarnation, grants it here, and sends it to the peer beside this endpoint's
+    #: descriptor; the peer's ``connect`` finds it in :attr:`EndpointDescriptor.capability`.  False (the
     #: default): the transport has another trust boundary (docs/transports.md) and these calls are
     #: no-ops.
     capabilities: ClassVar[bool] = False
@@ -199,11 +285,6 @@ class Endpoint(abc.ABC):
         next link.  Default: never called (an endpoint without a listener of its own)."""
 
 
-#: the key under which a descriptor exchanged in the link handshake carries the capability that its
-#: owner granted to that link (see :attr:`Endpoint.capabilities`)
-CAPABILITY_KEY = "capability"
-#: bytes in a capability (256 bits from :mod:`secrets`)
-CAPABILITY_BYTES = 32
 
 
 class Transport(abc.ABC):
@@ -228,3 +309,7 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> Endpoint:
         """Open an endpoint bound to ``host`` only; ``secret`` makes peers authenticate."""
+
+
+# transitional: llmdd/_control/manager.py still names it until its call sites move to the typed capability
+CAPABILITY_KEY = "capability"

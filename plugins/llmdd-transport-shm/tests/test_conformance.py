@@ -32,7 +32,7 @@ from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
-from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
+from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg, region_fields
 
 
 class _PoolNumpy(types.ModuleType):
@@ -220,7 +220,7 @@ def test_pool_regions_take_the_mapped_path(pool_pair, user_pair):
                                  placement=0))
             d = b.register(MemRegion(region_id=2, addr=sb.ctypes.data, size=sb.size, remote_accessible=True,
                                      placement=0))
-            assert d["kind"] == ("shm" if mapped else "cma")
+            assert region_fields(d).kind == ("shm" if mapped else "cma")
             ch = a.connect(b.describe(), timeout=5)
             ch.add_remote_region(2, sb.size, d)
             c = ch.read(make_ops(1, 0, 2, 0, 1 << 16), deadline=time.monotonic() + 5)
