@@ -19,10 +19,21 @@ A transport moves bytes between *registered regions*, one-sided, the way RDMA do
   per-op Python object crosses the seam.
 * Each batch returns a ``Completion`` (``done``, ``wait``, ``error``, ``cancel``).
 
-The promise of a ``Completion`` (docs/concepts.md, "What done means"): once ``wait``
-returned with an error, or once ``cancel()`` returned, no byte of that batch is written into
-local memory any more: the transport drains or kills its I/O first (sockets shut down and
-worker threads joined for the tcp transport).
+The contract of a batch, stated once (the :class:`Channel` and :class:`Completion` docstrings and
+docs/writing-a-transport.md refer here):
+
+* **One refusal path.**  ``read()`` and ``write()`` never raise a ``TransportError``: every refusal
+  (ops that are not :data:`OP_DTYPE`, a region not registered, not granted or out of bounds, a
+  closed channel or endpoint, a deadline already past) and every failure is reported by the returned
+  completion's ``error``, and a refused batch moves nothing.
+* **The deadline is the transport's.**  A batch finishes by the deadline it was given: when it
+  passes, the transport fails the batch with :class:`TransportTimeout` and drains it, at the latest
+  inside ``wait`` (``wait()`` without a timeout therefore returns by the deadline plus the drain).
+  The caller waits on the completion; it adds no deadline arithmetic of its own.
+* **Nothing lands after an error** (docs/concepts.md, "What done means"): once ``wait`` returned with
+  an error, or once ``cancel()`` returned, no byte of that batch is written into local memory any
+  more: the transport drains or kills its I/O first (sockets shut down and worker threads joined for
+  the tcp transport).
 
 Deadlines are absolute ``time.monotonic()`` values. Errors are typed, subclasses of
 :class:`llmdd._base.status.TransportError` carrying upstream status codes.
@@ -164,7 +175,10 @@ class RegionDescriptor(_Descriptor):
 
 
 class Completion(abc.ABC):
-    """The outcome of one batch: ``done()``, ``wait(timeout)``, ``error``, ``cancel()``."""
+    """The outcome of one batch: ``done()``, ``wait(timeout)``, ``error``, ``cancel()``.
+
+    Its semantics are the seam's batch contract (this module's docstring): the only way a batch's
+    refusal or failure is reported, finished by the batch's deadline, nothing landing after an error."""
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -172,11 +186,9 @@ class Completion(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, timeout: Union[float, None] = None) -> bool:
-        """Block up to ``timeout`` seconds (``None``: until done); return ``done()``.
-
-        A batch never outlives its deadline: when the deadline passes during ``wait``,
-        the batch is failed with :class:`TransportTimeout` and drained before ``wait`` returns.
-        """
+        """Block up to ``timeout`` seconds (``None``: until done, which is by the batch's deadline);
+        return ``done()``.  When the deadline passes during ``wait`` the batch is failed with
+        :class:`TransportTimeout` and drained before ``wait`` returns."""
 
     @property
     @abc.abstractmethod
@@ -204,12 +216,13 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        """Pull: copy ``remote -> local`` for every op. Raises :class:`Refused` for ops that fail
-        :func:`check_ops`; other failures arrive through the completion."""
+        """Pull: copy ``remote -> local`` for every op, by ``deadline`` (absolute ``time.monotonic()``).
+        Never raises a ``TransportError``: a refusal (ops failing :func:`check_ops`, a closed channel...)
+        and any failure are the completion's ``error`` (the batch contract, this module's docstring)."""
 
     @abc.abstractmethod
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        """Push: copy ``local -> remote`` for every op (same error rules as :meth:`read`)."""
+        """Push: copy ``local -> remote`` for every op (same contract as :meth:`read`)."""
 
     @abc.abstractmethod
     def close(self) -> None:

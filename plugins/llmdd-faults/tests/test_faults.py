@@ -25,7 +25,7 @@ from llmdd_faults import (Fault, FaultInjector, FaultPlan, FaultyTransport, env_
                           plan_from_env, wrap)
 from llmdd_faults._wrapper import _cut
 import llmdd_tcp
-from llmdd_tcp import TcpTransport
+from llmdd_tcp import TcpTransport, endpoint_fields
 
 SENTINEL = 0xA5
 SIZE = 1 << 16
@@ -493,7 +493,7 @@ def test_kill_or_stall_the_described_peer_mid_transfer(action, expected):
     ep = wrap(TcpTransport, plan)({}).open_endpoint()
     try:
         peer_desc, region_desc = _receive(proc, 30)
-        assert peer_desc["pid"] == proc.pid
+        assert endpoint_fields(peer_desc).pid == proc.pid
         size = 64 << 20
         local = np.full(size, SENTINEL, np.uint8)
         ep.register(MemRegion(region_id=1, addr=local.ctypes.data, size=size, remote_accessible=False,

@@ -164,8 +164,8 @@ def test_owner_refuses_and_counts_and_binds_to_host_only():
         with pytest.raises(Refused):
             ch.add_remote_region(3, 4096, attrs.evolve(d, payload=encode_payload(
                     msgspec.structs.replace(region_fields(d), endpoint_id=b"x" * 16))))
-        with pytest.raises(Refused):
-            ch.read(np.zeros(3, dtype=np.uint64), deadline=time.monotonic() + 5)
+        c = ch.read(np.zeros(3, dtype=np.uint64), deadline=time.monotonic() + 5)   # not OP_DTYPE: refused
+        assert c.wait(5) and isinstance(c.error, Refused), c.error
         with pytest.raises(Refused):
             b.register(MemRegion(region_id=3, addr=src.ctypes.data, size=1, remote_accessible=True, placement=0))
         threads = [th for th in threading.enumerate() if th.name.startswith("llmdd-tcp")]

@@ -34,9 +34,9 @@ import msgspec
 import numpy as np
 
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
-from llmdd.lowlevel import (Batch, BatchSet, Cancelled, Corrupt, MemRegion, PeerGone, RegionRegistry, RegionTable,
-                            RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, decode_payload,
-                            encode_payload, map_os_error)
+from llmdd.lowlevel import (Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry,
+                            RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportError, TransportTimeout,
+                            decode_payload, encode_payload, map_os_error)
 from llmdd.plugin import hookimpl
 from llmdd.status import LLMStatusCode
 
@@ -342,10 +342,17 @@ class PipeChannel(Channel):
             self._table = RegionTable(self._remote)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(READ, ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(READ, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(WRITE, ops, deadline)
+        try:
+            return self._submit(WRITE, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, wait until they left

@@ -28,8 +28,8 @@ import msgspec
 
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
-from llmdd.lowlevel import (BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportError, TransportTimeout,
-                            as_ops, make_ops)
+from llmdd.lowlevel import (BatchSet, Cancelled, DoneCompletion, MemRegion, ThreadCompletion, TransportError,
+                            TransportTimeout, as_ops, make_ops)
 
 from ._plan import Fault, FaultPlan, current_peer
 
@@ -254,10 +254,17 @@ class FaultyChannel(Channel):
         self.inner.remove_remote_region(region_id)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("read", ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit("read", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("write", ops, deadline)
+        try:
+            return self._submit("write", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, drain them

@@ -840,10 +840,17 @@ class ShmChannel(Channel):
             self._release_map(old.mapping, ref=True)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(False, ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(False, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(True, ops, deadline)
+        try:
+            return self._submit(True, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         # the quick path's plans of this channel are void from now on (llmdd_shm._quick)

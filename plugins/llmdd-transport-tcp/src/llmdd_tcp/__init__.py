@@ -1252,10 +1252,17 @@ class TcpChannel(Channel):
             self._remote_table = RegionTable(self._remote)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(READ, ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(READ, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(WRITE, ops, deadline)
+        try:
+            return self._submit(WRITE, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         # refuse new batches, fail those in flight, wait until they left (the close-drain)

@@ -833,10 +833,17 @@ class UcxChannel(Channel):
             self._rebuild()
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("READ", ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit("READ", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("WRITE", ops, deadline)
+        try:
+            return self._submit("WRITE", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         if not self._batches.close(Cancelled("channel closed")):   # fail the batches in flight, drain them
