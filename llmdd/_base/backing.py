@@ -22,6 +22,7 @@ MAX_SEGMENT_NAME = 255
 class SharedSegment:
     """``[offset, offset + size)`` of the shared-memory segment ``name`` holds the region's bytes."""
 
-    name: str = attrs.field(validator=[attrs.validators.instance_of(str), attrs.validators.min_len(1),
-                                       attrs.validators.max_len(MAX_SEGMENT_NAME)])
+    name: str = attrs.field(validator=attrs.validators.and_(attrs.validators.instance_of(str),
+                                                            attrs.validators.min_len(1),
+                                                            attrs.validators.max_len(MAX_SEGMENT_NAME)))
     offset: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])

@@ -511,15 +511,13 @@ class ShmEndpoint(Endpoint):
                 self._user_regions += 1
             self._regs.add(_LocalReg(region, slot, gen))
             self._stats["regions"] = len(self._regs)
-        common = dict(endpoint_id=self._id, region_id=region.region_id, size=region.size,
-                      remote_accessible=region.remote_accessible)
-        if not region.remote_accessible:
-            fields = RegionFields(**common)
-        elif region.backing is not None:
-            fields = RegionFields(**common, slot=slot, gen=gen, kind="shm", shm_name=region.backing.name,
-                                  shm_offset=region.backing.offset)
-        else:
-            fields = RegionFields(**common, slot=slot, gen=gen, kind="cma", pid=os.getpid(), addr=region.addr)
+        fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
+                              remote_accessible=region.remote_accessible)
+        if region.backing is not None and region.remote_accessible:
+            fields = msgspec.structs.replace(fields, slot=slot, gen=gen, kind="shm", shm_name=region.backing.name,
+                                             shm_offset=region.backing.offset)
+        elif region.remote_accessible:
+            fields = msgspec.structs.replace(fields, slot=slot, gen=gen, kind="cma", pid=os.getpid(), addr=region.addr)
         return RegionDescriptor(transport="shm", version=VERSION, payload=encode_payload(fields))
 
     def deregister(self, region_id: int) -> None:

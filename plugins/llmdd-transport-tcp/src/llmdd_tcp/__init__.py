@@ -709,7 +709,7 @@ class TcpEndpoint(Endpoint):
             while grant.busy:
                 self._cond.wait()
 
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
