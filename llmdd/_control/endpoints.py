@@ -46,12 +46,10 @@ if TYPE_CHECKING:
     from llmdd.plugin import TransportRegistry
 
 __all__ = ["Registrar", "TransportEndpoints", "to_wire", "endpoint_descriptor", "region_descriptor", "offer_args",
-           "offer_from_args", "DEFERRED_KEY"]
+           "offer_from_args"]
 
 _log = get_logger("llmdd.link")
 
-# transitional: llmdd/_control/manager.py still names it until its call sites move to TransportOffer.deferred
-DEFERRED_KEY = "deferred"
 
 
 # ---------------------------------------------------------------------- descriptors on the wire

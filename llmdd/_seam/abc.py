@@ -290,6 +290,11 @@ class Endpoint(abc.ABC):
         closed, and when this returns no request of theirs touches memory any more. Idempotent."""
 
     # -------------------------------------------------------------- a listener that cannot continue
+    def listen_address(self) -> Union[tuple[str, int], None]:
+        """The ``(host, port)`` this endpoint's own listener (a data port) serves, for the engine's
+        records and ``llmdd doctor``; ``None`` (the default) for an endpoint without one."""
+        return None
+
     def on_listener_failed(self, callback: Callable[[str], None]) -> None:
         """Have ``callback(error)`` called once if this endpoint's own listener (a data port) cannot
         continue: it then accepts nothing more.  The call comes from the endpoint's own thread and
@@ -323,6 +328,3 @@ class Transport(abc.ABC):
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> Endpoint:
         """Open an endpoint bound to ``host`` only; ``secret`` makes peers authenticate."""
 
-
-# transitional: llmdd/_control/manager.py still names it until its call sites move to the typed capability
-CAPABILITY_KEY = "capability"

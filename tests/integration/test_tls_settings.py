@@ -20,6 +20,7 @@ import pytest
 
 from llmdd import LLMException, LLMStatusCode
 from llmdd.testing._harness import peers
+from llmdd_tcp import endpoint_fields
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers as P  # noqa: E402

@@ -142,6 +142,9 @@ class FaultyEndpoint(Endpoint):
     def on_listener_failed(self, callback) -> None:
         self.inner.on_listener_failed(callback)
 
+    def listen_address(self) -> Optional[tuple[str, int]]:
+        return self.inner.listen_address()
+
     def register(self, region: MemRegion) -> RegionDescriptor:
         desc = self.inner.register(region)
         with self._lock:

@@ -654,10 +654,8 @@ class TcpEndpoint(Endpoint):
             cap = None if self._links_only else self._direct
         return EndpointDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields), capability=cap)
 
-    @property
-    def port(self) -> int:
-        """The data port this endpoint listens on."""
-        return self._port
+    def listen_address(self) -> tuple[str, int]:
+        return (self._host, self._port)
 
     # ------------------------------------------------------------------ grants
 
