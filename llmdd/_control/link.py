@@ -62,7 +62,7 @@ class Link:
     last_error: Optional[str] = None
     failure_status: Optional[LLMStatusCode] = None
     strand: Any = None                        # the link's tasks, in order, on the engine's pool
-    session: Any = None                       # server side: the accepting _ServerSession until LINKED
+    session: Any = None                       # server side: the accepting admission.ServerSession until LINKED
     # server side: the peer's offer of the chosen transport (its descriptor and capability; deferred until
     # its link_descriptor request), until LINKED
     setup_descriptor: Optional[m.TransportOffer] = attrs.field(default=None, repr=False)

@@ -134,7 +134,7 @@ def descriptor_request(state: dict, remote: int) -> int:
     lm = state["dd"]._core.link_manager
     link = lm.require(remote)
     args = {"name": link.transport, "descriptor": {"x": 1}}
-    status, _ = lm._exchange(link, "link_descriptor",
-                             lambda rid: m.TransferRequest(request_id=rid, op="link_descriptor", args=args),
-                             time.monotonic() + 3)
+    status, _ = lm.exchange._exchange(link, "link_descriptor",
+                                      lambda rid: m.TransferRequest(request_id=rid, op="link_descriptor", args=args),
+                                      time.monotonic() + 3)
     return status

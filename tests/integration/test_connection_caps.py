@@ -238,7 +238,7 @@ class _FlakyAccept:
 
 def test_accept_failures_refuse_one_attempt_and_the_listener_goes_on(server):
     dd, lm, port, rec = server()
-    listener = lm._listener
+    listener = lm.listeners.control
     listener.sock = _FlakyAccept(listener.sock, [OSError(errno.EMFILE, "Too many open files")] * 5
                                  + [OSError(errno.ECONNABORTED, "aborted"), MemoryError()])
     with peers("d", env=ENV) as (d,):
@@ -253,7 +253,7 @@ def test_a_listener_that_cannot_continue_is_logged_once_recorded_and_links_fail_
     from llmdd._tools.doctor import check_engine
 
     dd, lm, port, rec = server()
-    listener = lm._listener
+    listener = lm.listeners.control
     listener.sock = _FlakyAccept(listener.sock, [OSError(errno.EBADF, "Bad file descriptor")])
     with peers("d", env=ENV) as (d,):
         d.call(P.start, "DECODER", 2, key=False)

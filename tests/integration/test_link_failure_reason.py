@@ -85,12 +85,12 @@ def test_a_handshake_whose_deadline_passed_before_any_attempt_says_so():
     try:
         lm = dec._core.link_manager
         with pytest.raises(Exception) as err:
-            lm._client_handshake("127.0.0.1", _closed_port(), time.monotonic() - 1.0, capability=b"")
+            lm.dialer._client_handshake("127.0.0.1", _closed_port(), time.monotonic() - 1.0, capability=b"")
         assert err.value.status_code == LLMStatusCode.LLM_LINK_FAILED
         assert "before a connection could be tried" in str(err.value), str(err.value)
         assert "refusing" not in str(err.value)
         with pytest.raises(Exception) as err:
-            lm._client_handshake("127.0.0.1", _closed_port(), time.monotonic() + 2.0, capability=b"")
+            lm.dialer._client_handshake("127.0.0.1", _closed_port(), time.monotonic() + 2.0, capability=b"")
         assert err.value.status_code == LLMStatusCode.LLM_LINK_FAILED
         assert str(err.value).startswith("cannot connect to 127.0.0.1:"), str(err.value)
         assert "Connection refused" in str(err.value), str(err.value)

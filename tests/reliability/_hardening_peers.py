@@ -156,9 +156,9 @@ def request_raw(state: dict, remote: int, op: str, args: dict, deadline_s: float
     lm = state["dd"]._core.link_manager
     try:
         # any op string, as a hostile peer would send it (the engine's own calls take a RequestOp)
-        status, result = lm._exchange(_link_to(state, remote), op,
-                                      lambda rid: m.TransferRequest(request_id=rid, op=op, args=args),
-                                      time.monotonic() + deadline_s)
+        status, result = lm.exchange._exchange(_link_to(state, remote), op,
+                                               lambda rid: m.TransferRequest(request_id=rid, op=op, args=args),
+                                               time.monotonic() + deadline_s)
         out = {"status": status, "error": result.get("error", "")}
     except LLMException as exc:
         out = {"status": exc.status_code.name, "error": str(exc)}
