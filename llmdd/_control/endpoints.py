@@ -10,7 +10,7 @@
 
 Descriptors: the seam's :class:`~llmdd.abc.EndpointDescriptor` / :class:`~llmdd.abc.RegionDescriptor`
 travel as :class:`~llmdd._control.protocol.messages.TransportDescriptor` (:func:`to_wire`,
-:func:`endpoint_descriptor`, :func:`region_descriptor`); the control plane's own facts about an
+:func:`endpoint_descriptor`, :func:`peer_region_descriptor`); the control plane's own facts about an
 offer (deferred, the link's capability) are typed fields of the offer, never keys inside a
 transport's payload.
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from llmdd._memory.manager import MemoryManager
     from llmdd.plugin import TransportRegistry
 
-__all__ = ["Registrar", "TransportEndpoints", "to_wire", "endpoint_descriptor", "region_descriptor", "offer_args",
+__all__ = ["Registrar", "TransportEndpoints", "to_wire", "endpoint_descriptor", "peer_region_descriptor", "offer_args",
            "offer_from_args"]
 
 _log = get_logger("llmdd.link")
@@ -69,7 +69,7 @@ def endpoint_descriptor(offer: m.TransportOffer) -> EndpointDescriptor:
                               capability=offer.capability)
 
 
-def region_descriptor(region: m.RegionDescriptor, name: str) -> Optional[RegionDescriptor]:
+def peer_region_descriptor(region: m.RegionDescriptor, name: str) -> Optional[RegionDescriptor]:
     """The descriptor of transport ``name`` in a peer's region announcement (what
     ``Channel.add_remote_region`` takes), or None when the peer registered the region without it."""
     d = region.transport(name)
