@@ -29,7 +29,7 @@ import numpy as np
 
 from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion, make_ops
-from llmdd_shm import ShmTransport
+from llmdd_shm import ShmTransport, endpoint_fields
 from llmdd_shm._cma import IOV_MAX, libc_syscalls
 
 TENSORS = 64
@@ -91,7 +91,7 @@ def main() -> None:
     try:
         assert parent.poll(120), "prompt did not start"
         desc, descs, user_addr = parent.recv()
-        pid = desc["pid"]
+        pid = endpoint_fields(desc).pid
         dst = np.empty(TOTAL, dtype=np.uint8)
         dst[:] = 1  # pre-fault
         ep = ShmTransport({}).open_endpoint()
