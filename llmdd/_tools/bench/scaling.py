@@ -104,7 +104,9 @@ class _Client:
         self.endpoint = TcpTransport({"llmdd.max_pending_connections": "100000",
                                       "llmdd.max_pending_per_address": "100000",
                                       "llmdd.tcp.pending_timeout_ms": "600000"}).open_endpoint(host="127.0.0.1")
-        self.offer = m.TransportOffer(name="tcp", descriptor=to_wire(self.endpoint.describe()))
+        # not serving links only: its own description opens its data port, the capability beside it in the offer
+        desc = self.endpoint.describe()
+        self.offer = m.TransportOffer(name="tcp", descriptor=to_wire(desc), capability=desc.capability)
         self.HandshakeConfig = HandshakeConfig
         self.new_incarnation = new_incarnation
         self.sel = selectors.DefaultSelector()
