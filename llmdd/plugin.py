@@ -19,15 +19,13 @@ import inspect
 import re
 import threading
 import types
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, final
+from typing import Any, Iterable, Mapping, Optional, final
 
 import attrs
 import pluggy
 
 from llmdd._base.log import get_logger
-
-if TYPE_CHECKING:
-    from llmdd._seam.abc import Transport, TransportInfo
+from llmdd._seam.abc import Transport, TransportInfo
 
 __all__ = [
     "PROJECT",
@@ -248,8 +246,6 @@ def _check_transport_class(cls: Any) -> None:
 
 
 def _safe_probe(cls: type[Transport]) -> TransportInfo:
-    from llmdd._seam.abc import TransportInfo
-
     try:
         info = cls.probe()
     except Exception as exc:  # noqa: BLE001 - a broken probe makes the transport unavailable

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import collections
 import socket
-import threading
-import time
 from typing import Any, Optional
 
 from msgspec.structs import replace as msgspec_replace
@@ -29,7 +27,7 @@ from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection, TlsFailed
 from llmdd._control.endpoints import TransportEndpoints, endpoint_descriptor, offer_from_args, to_wire
-from llmdd._control.ioloop import PoolFull
+from llmdd._control.ioloop import PoolFull, Waiter
 from llmdd._control.link import Link
 from llmdd._control.linking import CROSS_LINK_REASON, NO_TRANSPORT, LinkHost, transport_reason
 from llmdd._control.listener import Listener, close_quietly, refuse_busy
@@ -72,7 +70,7 @@ class ServerSession:
         self.timer = adm.host.loop.call_later(adm.host.settings.handshake_s, self.expire)
         self.pending = True
         self.link: Optional[Link] = None
-        self.accepted_at = time.monotonic()
+        self.accepted_at = adm.host.loop.monotonic()
         self.done = False
 
     def on_message(self, msg: Any) -> None:
@@ -220,7 +218,7 @@ class Admission:
         link's strand); the session's deadline bounds all of it."""
         hs, conn, addr = sess.hs, sess.conn, sess.addr
         link: Optional[Link] = None
-        accepting: Optional[threading.Event] = None
+        accepting: Optional[Waiter] = None
         grant_name: Optional[str] = None
         grant_id: Optional[int] = None
         capability: Optional[bytes] = None
@@ -304,7 +302,7 @@ class Admission:
             if link.setup_descriptor is None or link.setup_descriptor.deferred:
                 raise ProtocolError(f"the peer chose {link.transport!r} from a deferred offer but sent no descriptor")
             self.host.connect_channel(link, endpoint_descriptor(link.setup_descriptor), deadline)
-            link.liveness.restart(time.monotonic())   # liveness counts from LINKED, not from a slow handshake
+            link.liveness.restart(self.host.loop.monotonic())   # liveness counts from LINKED, not from a slow handshake
             # LINKED before our tables leave: the peer is LINKED only once they arrive, so by the time its
             # link_clusters returns this side already is
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-import time
 from typing import Any, Callable, Optional
 
-from llmdd._control.ioloop import EVENT_READ, EVENT_WRITE, IoLoop
+from llmdd._control.ioloop import EVENT_READ, EVENT_WRITE, Runtime
 from llmdd._base.log import get_logger
 from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 
@@ -39,7 +38,7 @@ class ControlConnection:
     MAX_OUTBOUND = 64 * 1024 * 1024   # a peer that reads nothing while this much waits is dropped
     RECV_SIZE = 256 * 1024
 
-    def __init__(self, loop: IoLoop, sock: socket.socket, *, name: str, tls_handshake: bool = False) -> None:
+    def __init__(self, loop: Runtime, sock: socket.socket, *, name: str, tls_handshake: bool = False) -> None:
         self.loop = loop
         self.sock = sock
         self.codec = Connection()
@@ -69,7 +68,7 @@ class ControlConnection:
             msg = self.codec.next_message()
             if msg is not NEED_DATA:
                 return msg
-            left = deadline - time.monotonic()
+            left = deadline - self.loop.monotonic()
             if left <= 0:
                 raise TimeoutError("handshake timed out")
             try:
@@ -107,7 +106,7 @@ class ControlConnection:
                 if n >= len(data):
                     return
                 self._out += memoryview(data)[n:]
-                self.stalled_since = time.monotonic()
+                self.stalled_since = self.loop.monotonic()
                 over = False
         if over:
             self.close()

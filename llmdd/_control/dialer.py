@@ -17,7 +17,6 @@ import ipaddress
 import random
 import socket
 import ssl
-import time
 from typing import Any, Optional
 
 from llmdd._base.log import get_logger
@@ -65,7 +64,7 @@ class Dialer:
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             codes = [S.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
             return S.LLM_CLUSTER_NUM_EXCEED_LIMIT, codes
-        deadline = time.monotonic() + timeout_ms / 1000.0
+        deadline = self.host.loop.monotonic() + timeout_ms / 1000.0
         if len(clusters) == 1:
             codes = [self._link_one_safe(clusters[0], deadline)]
         else:
@@ -135,7 +134,7 @@ class Dialer:
         return it from this side's ``link_clusters`` (one link per pair, transfers both ways)."""
         while True:
             link, accepting = self._table.peer_link(remote_id)
-            left = deadline - time.monotonic()
+            left = deadline - self.host.loop.monotonic()
             if link is not None and not link.is_client:
                 if link.fsm.in_(LINK_SETTING_UP) and left > 0:
                     link.settled.wait(left)
@@ -152,7 +151,7 @@ class Dialer:
             if accepting is not None:
                 accepting.wait(min(left, 0.5))
             else:
-                time.sleep(min(left, 0.01))   # the peer's connection has not arrived yet
+                self.host.loop.sleep(min(left, 0.01))   # the peer's connection has not arrived yet
 
     def connect_peer(self, host: str, port: int, deadline: float, *, comm_id: Optional[int] = None) -> Link:
         """Client side of one link: connect and handshake (retrying), tables, data channel.
@@ -164,7 +163,7 @@ class Dialer:
         if not any(True for _ in LazyCandidates(self.endpoints.registry)):   # probes until one transport can run
             raise LLMException(f"cannot link to {host}:{port}: {NO_TRANSPORT}", status_code=S.LLM_LINK_FAILED)
         if self.host.settings.total_time_s is not None and comm_id is not None:
-            deadline = min(deadline, time.monotonic() + self.host.settings.total_time_s)
+            deadline = min(deadline, self.host.loop.monotonic() + self.host.settings.total_time_s)
         grant_id, capability = self.endpoints.mint()
         while True:
             conn, peer, offers = self._client_handshake(host, port, deadline, capability=capability)
@@ -174,7 +173,7 @@ class Dialer:
             # the server chose a transport offered deferred that cannot run here: hand the server's
             # half-made link back (it fails and goes) and offer again without it
             conn.close()
-            if time.monotonic() >= deadline:
+            if self.host.loop.monotonic() >= deadline:
                 raise LLMException(f"link to {host}:{port} failed: no time left after {deferred.name!r} turned out "
                                    f"unusable here", status_code=S.LLM_LINK_FAILED)
         link: Optional[Link] = None
@@ -195,13 +194,13 @@ class Dialer:
                 self.host.notify(link, m.TransferRequest(request_id=0, op=LINK_DESCRIPTOR_OP,
                                                     args=offer_args(offer)))
             self._announcements.send_initial_tables(link)
-            link.tables_ready.wait(max(0.0, deadline - time.monotonic()))
+            link.tables_ready.wait(max(0.0, deadline - self.host.loop.monotonic()))
             if not link.tables_ready.is_set():
                 raise TimeoutError("the peer did not send its tables in time")
             if not link.fsm.in_(LINK_SETTING_UP):
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             self.host.connect_channel(link, endpoint_descriptor(peer.transport), deadline)
-            link.liveness.restart(time.monotonic())   # liveness counts from LINKED, not from a slow handshake
+            link.liveness.restart(self.host.loop.monotonic())   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
             link.settled.set()
             return link
@@ -227,26 +226,26 @@ class Dialer:
         last: BaseException | None = None
         offers = self.endpoints.with_capability(self.endpoints.offers(), capability)
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - self.host.loop.monotonic()
             if left <= 0:
                 if last is None:
                     last = TimeoutError("no time left")
                 break
             try:
-                sock = socket.create_connection((host, port), timeout=left)
+                sock = self.host.loop.create_connection((host, port), left)
             except OSError as exc:
                 last = exc
                 failures += 1
                 if failures >= attempts:
                     raise LLMException(f"cannot connect to {host}:{port}: {exc}",
                                        status_code=S.LLM_LINK_FAILED) from None
-                time.sleep(min(0.05 * failures, max(0.0, deadline - time.monotonic())))
+                self.host.loop.sleep(min(0.05 * failures, max(0.0, deadline - self.host.loop.monotonic())))
                 continue
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 client_tls = self.host.settings.client_tls
                 if client_tls is not None:
-                    sock.settimeout(max(0.1, deadline - time.monotonic()))
+                    sock.settimeout(max(0.1, deadline - self.host.loop.monotonic()))
                     sock = self._wrap_client_tls(client_tls, sock, host)
             except (OSError, ssl.SSLError) as exc:
                 sock.close()
@@ -303,10 +302,9 @@ class Dialer:
             return self.host.settings.client_tls_named.wrap_socket(sock, server_hostname=name)
         return client_tls.wrap_socket(sock)
 
-    @staticmethod
-    def _busy_pause(attempt: int, deadline: float) -> None:
+    def _busy_pause(self, attempt: int, deadline: float) -> None:
         pause = min(0.5, 0.01 * (2 ** min(attempt, 6))) * (0.5 + random.random())
-        time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+        self.host.loop.sleep(max(0.0, min(pause, deadline - self.host.loop.monotonic())))
 
 
 def _is_ip_literal(host: str) -> bool:

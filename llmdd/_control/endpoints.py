@@ -20,7 +20,6 @@ business: it is told through ``on_data_port_failed`` and calls :meth:`TransportE
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import itertools
 import secrets
@@ -33,7 +32,7 @@ import msgspec
 
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
-from llmdd._control.ioloop import Pool, PoolFull, Strand
+from llmdd._control.ioloop import PoolFull, Runtime, Strand
 from llmdd._control.link import Link
 from llmdd._control.protocol import messages as m
 from llmdd._control.settings import LinkSettings
@@ -100,8 +99,9 @@ def offer_from_args(args: Mapping[str, Any]) -> m.TransportOffer:
 class Registrar:
     """One thread running endpoint registrations and table announcements, in order, no lock held."""
 
-    def __init__(self, name: str) -> None:
-        self._pool = Pool(1, name)
+    def __init__(self, name: str, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._pool = runtime.make_pool(1, name)
         self._strand = Strand(self._pool)
         self._local = threading.local()
 
@@ -116,19 +116,25 @@ class Registrar:
         """Run ``fn`` on the registrar (inline when already there) and return its result."""
         if getattr(self._local, "active", False):
             return fn(*args)
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        done = self._runtime.event()
+        outcome: list = []   # [True, result] or [False, exception], set once by run()
 
         def run() -> None:
             try:
-                fut.set_result(self._run_marked(fn, *args))
+                outcome[:] = [True, self._run_marked(fn, *args)]
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(exc)
+                outcome[:] = [False, exc]
+            done.set()
 
         try:
             self._strand.submit(run)
         except PoolFull:
             run()  # closed (finalize) or no thread to be had: run here, still outside any lock
-        return fut.result()
+        done.wait()
+        ok, value = outcome
+        if not ok:
+            raise value
+        return value
 
     def post(self, fn: Callable, *args: Any, run_here_if_full: bool) -> None:
         """Queue ``fn`` without waiting for it; when the registrar takes nothing more (closed or no

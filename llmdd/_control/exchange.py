@@ -13,7 +13,6 @@ goes back to :class:`~llmdd._control.admission.Admission`.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any, Callable, Optional
 
 from msgspec.structs import replace as msgspec_replace
@@ -83,7 +82,7 @@ class LinkExchange:
 
     def _exchange(self, link: Link, op: str, build: Callable[[int], Any], deadline: float) -> tuple[int, dict]:
         rid = self.new_request_id()
-        pending = Pending()
+        pending = Pending(self.host.loop.event())
         link.pending[rid] = pending
         try:
             # registered first, then checked: a failure either releases this waiter or is seen here
@@ -92,7 +91,7 @@ class LinkExchange:
                 raise LLMException(f"link to {link.peer_cluster_id} is {link.state.value}",
                                    status_code=link.failure_status or S.LLM_LINK_FAILED)
             link.control.send(build(rid))
-            if not pending.event.wait(max(0.0, deadline - time.monotonic())):
+            if not pending.event.wait(max(0.0, deadline - self.host.loop.monotonic())):
                 raise LLMException(f"peer {link.peer_cluster_id} did not answer {op!r} in time",
                                    status_code=S.LLM_TIMEOUT)
             reply = pending.reply
@@ -123,7 +122,7 @@ class LinkExchange:
         """A message arrived (loop thread): cheap ones now, the rest on the link's strand, in order."""
         if self._hooks.drops_control_message(link.peer_cluster_id, msg):
             return  # a plugin (fault injection) dropped it: as if the network lost it
-        link.liveness.received(time.monotonic())
+        link.liveness.received(self.host.loop.monotonic())
         if type(msg) in self._INLINE and link.strand.idle():
             self._handle(link, msg)
         else:
@@ -162,10 +161,10 @@ class LinkExchange:
 
     def _on_keepalive(self, link: Link, msg: m.Keepalive) -> None:
         self.notify(link, m.KeepaliveAck(seq=msg.seq, echo_sent_at_ns=msg.sent_at_ns,
-                                         sent_at_ns=time.monotonic_ns()))
+                                         sent_at_ns=self.host.loop.monotonic_ns()))
 
     def _on_keepalive_ack(self, link: Link, msg: m.KeepaliveAck) -> None:
-        link.liveness.acked(time.monotonic_ns(), msg.echo_sent_at_ns)
+        link.liveness.acked(self.host.loop.monotonic_ns(), msg.echo_sent_at_ns)
 
     def _on_reply(self, link: Link, msg: Any) -> None:
         pending = link.pending.get(msg.request_id)

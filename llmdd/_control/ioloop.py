@@ -20,6 +20,14 @@ Rules of the loop (see docs/architecture.md, "The I/O loop"):
   :meth:`IoLoop.call_soon`);
 * a callback that raises is logged and contained; if the loop itself cannot continue (the
   selector fails), every ``on_dead`` callback is told once and the loop thread ends.
+
+The loop is also the control plane's one source of time, waiting and sockets (:class:`Runtime`):
+the link manager, its connections and listeners read the clock with :meth:`IoLoop.monotonic`,
+wait on :meth:`IoLoop.event` objects, pause with :meth:`IoLoop.sleep` and open sockets with
+:meth:`IoLoop.create_connection` / :meth:`IoLoop.create_server`, never with ``time``,
+``threading`` or ``socket`` directly.  The engine runs on this class; the link protocol's unit
+tests run the same code on a deterministic simulation of it (one thread, a fake clock, in-memory
+sockets: ``llmdd/testing/_linksim.py``), like asyncio's loop is the one seam of its time and I/O.
 """
 
 from __future__ import annotations
@@ -31,16 +39,79 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from llmdd._base.log import get_logger
 
-__all__ = ["IoLoop", "Pool", "Strand", "Timer", "PoolFull"]
+__all__ = ["IoLoop", "Pool", "Strand", "Timer", "PoolFull", "Runtime", "Waiter", "Executor"]
 
 _log = get_logger("llmdd.io")
 
 EVENT_READ = selectors.EVENT_READ
 EVENT_WRITE = selectors.EVENT_WRITE
+
+
+class Waiter(Protocol):
+    """A one-shot flag a thread can wait on (``threading.Event``'s surface)."""
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+
+
+class Executor(Protocol):
+    """Where blocking work runs (a :class:`Pool`); :class:`Strand` orders tasks on one."""
+
+    name: str
+
+    def submit(self, fn: Callable, *args: Any) -> None: ...
+
+    def threads(self) -> int: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
+
+
+class Runtime(Protocol):
+    """What the control plane needs of time, threads, waiting and sockets: :class:`IoLoop` here,
+    a deterministic simulation in the link protocol's unit tests."""
+
+    name: str
+    pool: Executor
+    dead: Optional[BaseException]
+
+    def monotonic(self) -> float: ...
+
+    def monotonic_ns(self) -> int: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+    def event(self) -> Waiter: ...
+
+    def make_pool(self, size: int, name: str) -> Executor: ...
+
+    def create_connection(self, address: tuple[str, int], timeout: float) -> socket.socket: ...
+
+    def create_server(self, address: tuple[str, int], backlog: int) -> socket.socket: ...
+
+    def in_loop(self) -> bool: ...
+
+    def call_soon(self, fn: Callable, *args: Any) -> None: ...
+
+    def call_later(self, delay: float, fn: Callable, *args: Any) -> "Timer": ...
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None: ...
+
+    def set_events(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]]) -> None: ...
+
+    def forget(self, fileobj: Any) -> None: ...
+
+    def watched(self) -> int: ...
+
+    def threads(self) -> int: ...
+
+    def close(self, timeout: float = 5.0) -> None: ...
 
 
 class PoolFull(RuntimeError):
@@ -159,7 +230,7 @@ class Strand:
 
     __slots__ = ("_pool", "_lock", "_queue", "_running")
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Executor) -> None:
         self._pool = pool
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
@@ -215,9 +286,38 @@ class IoLoop:
         self._stopping = False
         self.dead: Optional[BaseException] = None
         self._on_dead: list[Callable[[BaseException], None]] = []
-        self.pool = Pool(workers, f"{name}-work")
+        self.pool: Executor = Pool(workers, f"{name}-work")
         self._thread = threading.Thread(target=self._run, name=f"llmdd-io-{name}", daemon=True)
         self._thread.start()
+
+    # ------------------------------------------------------------------ time, waiting, sockets (any thread)
+    @staticmethod
+    def monotonic() -> float:
+        return time.monotonic()
+
+    @staticmethod
+    def monotonic_ns() -> int:
+        return time.monotonic_ns()
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+    @staticmethod
+    def event() -> Waiter:
+        return threading.Event()
+
+    @staticmethod
+    def make_pool(size: int, name: str) -> Executor:
+        return Pool(size, name)
+
+    @staticmethod
+    def create_connection(address: tuple[str, int], timeout: float) -> socket.socket:
+        return socket.create_connection(address, timeout=timeout)
+
+    @staticmethod
+    def create_server(address: tuple[str, int], backlog: int) -> socket.socket:
+        return socket.create_server(address, backlog=backlog, reuse_port=False)
 
     # ------------------------------------------------------------------ scheduling (any thread)
     def in_loop(self) -> bool:

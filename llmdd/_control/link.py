@@ -7,8 +7,7 @@ read.  Nothing in this module decides a state.
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import attrs
 
@@ -16,12 +15,22 @@ from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
 from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.handshake import DescriptorTables, TableAnnouncer
+from llmdd._control.protocol.handshake import PeerInfo
+from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
 from llmdd._control.connection import ControlConnection
+from llmdd._control.ioloop import Strand, Timer, Waiter
 from llmdd._control.liveness import Liveness
 
-__all__ = ["Link", "Pending"]
+__all__ = ["Link", "Pending", "SetupSession"]
+
+
+class SetupSession(Protocol):
+    """The server-side setup a link belongs to until it is LINKED (``admission.ServerSession``)."""
+
+    done: bool            # LINKED or dropped: its deadline does nothing any more
+    accepted_at: float    # when the connection was accepted (the deadline runs from here)
+    timer: Timer          # the handshake deadline
 
 
 class Pending:
@@ -29,8 +38,8 @@ class Pending:
 
     __slots__ = ("event", "reply")
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
+    def __init__(self, event: Waiter) -> None:
+        self.event = event              # from the link manager's loop (its clock and its way of waiting)
         self.reply: Any = None
 
 
@@ -41,40 +50,40 @@ class Link:
     peer_cluster_id: int
     fsm: Tracked
     control: ControlConnection
-    peer: Any = None                                   # handshake PeerInfo
+    peer: Optional[PeerInfo] = None                    # the handshake's answer about the peer
     tables: DescriptorTables = attrs.field(factory=DescriptorTables)
     announcer: TableAnnouncer = attrs.field(factory=TableAnnouncer)
     transport: str = attrs.field(kw_only=True)        # the chosen transport's name (set when the link is adopted)
     transport_reason: str = ""
     channel: Optional[Channel] = None
-    tables_ready: threading.Event = attrs.field(factory=threading.Event)
+    tables_ready: Waiter = attrs.field(kw_only=True)   # the peer's first tables are in (from the loop)
     transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
     comm_id: Optional[int] = None
     engine_info: Optional[dict] = None        # the peer's pools and profile (asked once, when needed)
     is_client: bool = True
-    created_at: float = attrs.field(factory=time.monotonic)
+    created_at: float = attrs.field(kw_only=True)   # the loop's clock
     bytes_read: int = 0
     bytes_written: int = 0
     transfers: int = 0
     failures: int = 0
     last_error: Optional[str] = None
     failure_status: Optional[LLMStatusCode] = None
-    strand: Any = None                        # the link's tasks, in order, on the engine's pool
-    session: Any = None                       # server side: the accepting admission.ServerSession until LINKED
+    strand: Strand = attrs.field(kw_only=True)   # the link's tasks, in order, on the engine's pool
+    session: Optional[SetupSession] = None    # server side: the accepting admission.ServerSession until LINKED
     # server side: the peer's offer of the chosen transport (its descriptor and capability; deferred until
     # its link_descriptor request), until LINKED
     setup_descriptor: Optional[m.TransportOffer] = attrs.field(default=None, repr=False)
     grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)
     capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
-    settled: threading.Event = attrs.field(factory=threading.Event)   # LINKED, FAILED or closed
+    settled: Waiter = attrs.field(kw_only=True)   # LINKED, FAILED or closed (from the loop)
     claimed: bool = False                     # server side: a local link_clusters to the peer returned it
     liveness: Liveness = attrs.field(kw_only=True)   # keepalive state, sans-io (.liveness)
 
     @property
     def last_rx(self) -> float:
-        """When the peer was last heard (``time.monotonic``)."""
+        """When the peer was last heard (the loop's clock)."""
         return self.liveness.last_rx
 
     @property

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from llmdd._base.enums import LLMRole
 from llmdd._control.connection import ControlConnection
-from llmdd._control.ioloop import IoLoop
+from llmdd._control.ioloop import Runtime
 from llmdd._control.link import Link
 from llmdd._control.protocol import messages as m
 from llmdd._control.protocol.handshake import HandshakeConfig, PeerInfo
@@ -40,7 +40,7 @@ class LinkHost(Protocol):
     """The link manager as link setup sees it (implemented by ``LinkManager``)."""
 
     @property
-    def loop(self) -> IoLoop: ...
+    def loop(self) -> Runtime: ...
 
     @property
     def settings(self) -> LinkSettings: ...

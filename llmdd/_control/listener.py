@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import errno
 import socket
-import time
 from typing import Callable, Optional
 
-from llmdd._control.ioloop import EVENT_READ, IoLoop, PoolFull
+from llmdd._control.ioloop import EVENT_READ, PoolFull, Runtime
 from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._lifecycle.tables import LISTENER_OPEN
 from llmdd._base.log import get_logger
@@ -85,7 +84,7 @@ class Listener:
 
     def _transient(self, exc: BaseException) -> None:
         self.accept_errors += 1
-        now = time.monotonic()
+        now = self.owner.loop.monotonic()
         if now - self._last_warning > 5.0:   # at most one line per 5 s however hard the host is pressed
             self._last_warning = now
             _log.warning("llmdd.link.accept_failed", listener=self.kind, address=f"{self.address[0]}:{self.address[1]}",
@@ -144,7 +143,7 @@ class Listeners:
     hears of it (``listener_failed``).  ``admit`` gets each accepted connection (loop thread).
     """
 
-    def __init__(self, *, loop: IoLoop, lifecycle: Lifecycle, engine: Optional[Tracked],
+    def __init__(self, *, loop: Runtime, lifecycle: Lifecycle, engine: Optional[Tracked],
                  admit: Callable[[Listener, socket.socket, object], None]) -> None:
         self.loop = loop
         self.lifecycle = lifecycle      # the engine's listening sockets' machines
@@ -164,10 +163,9 @@ class Listeners:
         _log.info("llmdd.link.listening", host=self._listen_addr[0], port=self._listen_addr[1])
         return self._listen_addr
 
-    @staticmethod
-    def _bind(host: str, port: int, *, backlog: int, status: LLMStatusCode) -> socket.socket:
+    def _bind(self, host: str, port: int, *, backlog: int, status: LLMStatusCode) -> socket.socket:
         try:
-            return socket.create_server((host, port), backlog=backlog, reuse_port=False)
+            return self.loop.create_server((host, port), backlog)
         except OSError as exc:
             raise LLMException(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
                                status_code=status) from None

@@ -33,7 +33,6 @@ order is written in docs/architecture.md ("Locks").
 from __future__ import annotations
 
 import socket
-import time
 from typing import Any, Callable, Optional
 
 from llmdd._base.enums import LLMRole
@@ -47,7 +46,7 @@ from llmdd._control.connection import ControlConnection
 from llmdd._control.dialer import Dialer
 from llmdd._control.exchange import LinkExchange, sync_remote_regions
 from llmdd._control.endpoints import Registrar, TransportEndpoints
-from llmdd._control.ioloop import IoLoop, PoolFull, Strand
+from llmdd._control.ioloop import PoolFull, Runtime, Strand
 from llmdd._control.link import Link, Pending
 from llmdd._control.linking import LINK_DESCRIPTOR_OP
 from llmdd._control.listener import Listeners
@@ -78,8 +77,9 @@ class LinkManager:
 
     def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
                  links: Lifecycle, memory: MemoryManager, profile: ChipProfile,
-                 engine: Optional[Tracked] = None, listeners: Optional[Lifecycle] = None) -> None:
+                 loop: Runtime, engine: Optional[Tracked] = None, listeners: Optional[Lifecycle] = None) -> None:
         self._options = options
+        self.loop = loop   # the engine's I/O loop: its clock, timers, pool, waiters and sockets
         self._hooks = hooks
         self._lc = links
         self._memory = memory
@@ -89,15 +89,14 @@ class LinkManager:
         self.cluster_id = cluster_id
         self.incarnation = new_incarnation()
         self.host = m.HostIdentity.local()
-        self._table = LinkTable(cluster_id=cluster_id, max_links=profile.max_links)
+        self._table = LinkTable(cluster_id=cluster_id, max_links=profile.max_links, event=loop.event)
         self._closed = False
         self._io_error: Optional[str] = None
         # endpoint registrations and table announcements, one at a time, in order, with no lock held
-        self._registrar = Registrar(f"registrar-{self.cluster_id & 0xffff:x}")
+        self._registrar = Registrar(f"registrar-{self.cluster_id & 0xffff:x}", loop)
         self.endpoints = TransportEndpoints(
             registry=self._hooks.register_transports(), options=options, settings=self.settings, memory=memory,
             registrar=self._registrar, data_host=self._data_host, on_data_port_failed=self._data_listener_failed)
-        self.loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=self.settings.io_workers)
         self.announcements = Announcements(memory=memory, endpoints=self.endpoints, registrar=self._registrar,
                                            table=self._table)
         self.admission = Admission(host=self, table=self._table, endpoints=self.endpoints, hooks=hooks,
@@ -255,8 +254,9 @@ class LinkManager:
         fsm = self._lc.create(peer.cluster_id, peer=peer.cluster_id)
         link = Link(peer_cluster_id=peer.cluster_id, fsm=fsm, control=conn, peer=peer, is_client=is_client,
                     transport=transport, transport_reason=reason, strand=Strand(self.loop.pool),
+                    tables_ready=self.loop.event(), settled=self.loop.event(), created_at=self.loop.monotonic(),
                     liveness=Liveness(peer=peer.cluster_id, timeout_s=self.settings.peer_timeout_s,
-                                      last_rx=time.monotonic()))
+                                      last_rx=self.loop.monotonic()))
         old = self._table.put(link)
         if old is not None:
             # the peer relinks: it has no entity any more (restart = new incarnation, or a force unlink)
@@ -271,7 +271,7 @@ class LinkManager:
 
     def connect_channel(self, link: Link, peer_desc: EndpointDescriptor, deadline: float) -> None:
         ep = self.endpoint(link.transport)
-        channel = ep.connect(peer_desc, timeout=max(0.1, deadline - time.monotonic()))
+        channel = ep.connect(peer_desc, timeout=max(0.1, deadline - self.loop.monotonic()))
         link.channel = channel
         sync_remote_regions(link)
 
@@ -383,7 +383,7 @@ class LinkManager:
     def unlink_clusters(self, clusters: list, timeout_ms: int, force: bool) -> tuple[LLMStatusCode, list]:
         if len(clusters) > MAX_CLUSTERS_PER_CALL:
             return S.LLM_CLUSTER_NUM_EXCEED_LIMIT, [S.LLM_CLUSTER_NUM_EXCEED_LIMIT] * len(clusters)
-        deadline = time.monotonic() + timeout_ms / 1000.0
+        deadline = self.loop.monotonic() + timeout_ms / 1000.0
         codes = []
         for cluster in clusters:
             try:
@@ -414,17 +414,22 @@ class LinkManager:
             return S.LLM_LINK_BUSY
         link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
         rid = self.exchange.new_request_id()
-        pending = Pending()
+        pending = Pending(self.loop.event())
         link.pending[rid] = pending
         try:
             link.control.send(m.UnlinkRequest(request_id=rid, force=False, reason="unlink_clusters"))
-            acked = pending.event.wait(max(0.0, deadline - time.monotonic())) and pending.reply is not None
+            acked = pending.event.wait(max(0.0, deadline - self.loop.monotonic())) and pending.reply is not None
         except ProtocolError:
             acked = False
         if acked:
             self.close_link(link, trigger="unlink_succeeded", reason="unlinked")
             return S.LLM_SUCCESS
-        self.close_link(link, trigger="force_unlink", reason="peer did not acknowledge the unlink")
+        # the peer could not be told: the link failed (the event says why), and is torn down here
+        # anyway (the peer finds out by its liveness, or unlinks itself)
+        reason = "the peer did not acknowledge the unlink before the deadline"
+        self.fail(link, LLMException(reason, status_code=S.LLM_NOTIFY_PROMPT_UNLINK_FAILED), trigger="unlink_failed",
+                  status=S.LLM_NOTIFY_PROMPT_UNLINK_FAILED)
+        self.close_link(link, trigger="force_unlink", reason=reason)
         return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
 
     # ------------------------------------------------------------------ liveness
@@ -432,7 +437,7 @@ class LinkManager:
         """Every ``keepalive_s`` on the loop thread: silent peers fail, live ones get a keepalive."""
         if self._closed:
             return
-        now = time.monotonic()
+        now = self.loop.monotonic()
         for link in self.links():
             if not link.fsm.in_(LINK_KEEPS_ALIVE):
                 continue
@@ -440,12 +445,12 @@ class LinkManager:
             if isinstance(action, PeerLost):
                 self.submit(link, self._check_liveness, link)   # failing a link is blocking work
                 continue
-            self.notify(link, m.Keepalive(seq=action.seq, sent_at_ns=time.monotonic_ns()))
+            self.notify(link, m.Keepalive(seq=action.seq, sent_at_ns=self.loop.monotonic_ns()))
         self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
 
     def _check_liveness(self, link: Link) -> None:
         """On the link's strand: still lost now (a message may have arrived meanwhile)? Fail it."""
-        reason = link.liveness.lost(time.monotonic(), link.control.stalled_since)
+        reason = link.liveness.lost(self.loop.monotonic(), link.control.stalled_since)
         if reason is not None:
             self.fail(link, LLMException(reason, status_code=S.LLM_LINK_FAILED), trigger="peer_lost")
 

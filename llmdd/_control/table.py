@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from llmdd._base.status import LLMStatusCode
+from llmdd._control.ioloop import Waiter
 from llmdd._control.link import Link
 from llmdd._control.protocol import messages as m
 from llmdd._lifecycle.tables import LINK_CLAIMABLE, LINK_FAILED, LINK_PROCESSING
@@ -28,14 +29,15 @@ S = LLMStatusCode
 class LinkTable:
     """The links of one engine and the links being made, under one lock."""
 
-    def __init__(self, *, cluster_id: int, max_links: Optional[int]) -> None:
+    def __init__(self, *, cluster_id: int, max_links: Optional[int], event: Callable[[], Waiter]) -> None:
         self.cluster_id = cluster_id
+        self._event = event             # the loop's waiters (threading.Event on the engine's loop)
         self._max_links = max_links
         self._lock = threading.RLock()
         self._links: dict[int, Link] = {}           # peer cluster id -> live link
         self._aliases: dict[int, int] = {}          # remote_cluster_id given by the user -> peer id
         self._linking: set[int] = set()             # remote_cluster_ids with a link_clusters in progress
-        self._accepting: dict[int, threading.Event] = {}   # peers whose incoming link is being accepted
+        self._accepting: dict[int, Waiter] = {}   # peers whose incoming link is being accepted
         # remote_cluster_id -> why its last link_clusters attempt failed (dropped when one succeeds);
         # a failed link is never made, so it has no Link.last_error (LLMDataDist.statistics()["link_failures"])
         self._link_failures: dict[int, dict] = {}
@@ -86,18 +88,18 @@ class LinkTable:
         return limit is not None and sum(1 for lk in self._links.values() if not lk.fsm.is_final) >= limit
 
     # ------------------------------------------------------------------ server side: a link being accepted
-    def begin_accept(self, hello: m.Hello) -> tuple[bool, bool, Optional[threading.Event]]:
+    def begin_accept(self, hello: m.Hello) -> tuple[bool, bool, Optional[Waiter]]:
         """A peer authenticated: is this engine over its link limit, is it a cross link, and (when it
         is neither and no other accept of that peer runs) the event its ``link_clusters`` may wait on."""
-        accepting: Optional[threading.Event] = None
+        accepting: Optional[Waiter] = None
         with self._lock:
             over = self._link_limit_reached() and hello.cluster_id not in self._links
             cross = self._is_cross_link(hello)
             if not over and not cross and hello.cluster_id not in self._accepting:
-                accepting = self._accepting[hello.cluster_id] = threading.Event()
+                accepting = self._accepting[hello.cluster_id] = self._event()
         return over, cross, accepting
 
-    def end_accept(self, peer_id: int, accepting: threading.Event) -> None:
+    def end_accept(self, peer_id: int, accepting: Waiter) -> None:
         with self._lock:
             if self._accepting.get(peer_id) is accepting:
                 del self._accepting[peer_id]
@@ -150,7 +152,7 @@ class LinkTable:
         with self._lock:
             self._linking.discard(remote_id)
 
-    def peer_link(self, remote_id: int) -> tuple[Optional[Link], Optional[threading.Event]]:
+    def peer_link(self, remote_id: int) -> tuple[Optional[Link], Optional[Waiter]]:
         """The link the peer ``remote_id`` started (or None), and the event of its accept in progress."""
         with self._lock:
             return self._links.get(remote_id), self._accepting.get(remote_id)

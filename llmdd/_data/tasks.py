@@ -143,7 +143,7 @@ class AsyncTransfer:
     def start(self) -> None:
         try:
             for config in self._configs:
-                self._links.append(self._engine._link_for(config.dst_cluster_id))
+                self._links.append(self._engine.link_for(config.dst_cluster_id))
             self._engine.claim_links(self._distinct_links())
         except LLMException:
             self._engine._async.discard(self)

@@ -17,7 +17,9 @@ from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
 from llmdd._base.profiles import check_pool_options, profile_from_options
 from llmdd._control.comm_group import CommGroups
+from llmdd._control.ioloop import IoLoop
 from llmdd._control.manager import LinkManager
+from llmdd._control.settings import LinkSettings
 from llmdd._data.engine import TransferEngine
 from llmdd._extension.manager import Hooks
 from llmdd._lifecycle.machines import Lifecycle, Tracked
@@ -63,10 +65,13 @@ class EngineCore:
         link_manager: Optional[LinkManager] = None
         transfers: Optional[TransferEngine] = None
         comm_group_set: Optional[CommGroups] = None
+        loop: Optional[IoLoop] = None
         try:
+            # the I/O loop goes to the control plane, which closes it last (after its links and listeners)
+            loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=LinkSettings.from_options(options).io_workers)
             link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
                                        hooks=self.hooks, links=self.links, memory=self.memory,
-                                       profile=self.profile, engine=engine,
+                                       profile=self.profile, loop=loop, engine=engine,
                                        listeners=self.listeners)
             transfers = TransferEngine(port=link_manager, memory=self.memory, tasks=self.tasks,
                                        hooks=self.hooks, options=options, profile=self.profile)
@@ -74,7 +79,7 @@ class EngineCore:
             comm_group_set = CommGroups(cluster_id=self.cluster_id, links=link_manager,
                                         lifecycle=self.comm_groups)
         except BaseException:
-            _close_parts((comm_group_set, transfers, link_manager, self.memory))   # the ones built
+            _close_parts((comm_group_set, transfers, link_manager, loop, self.memory))   # the ones built
             raise
         # every part exists for the whole life of the object: none of them is Optional
         self.link_manager: LinkManager = link_manager

@@ -27,6 +27,7 @@ manager's hook execution, so ``add_hookcall_monitoring`` (``LLMDD_TRACE_HOOKS``,
 from __future__ import annotations
 
 import collections
+import logging
 import functools
 import importlib
 import os
@@ -41,7 +42,9 @@ from llmdd import hookspecs
 from llmdd._lifecycle.events import TransitionEvent
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import Machine
+from llmdd._base import log as log_module
 from llmdd._base.log import get_logger
+from llmdd._extension.builtin import log_events
 from llmdd.plugin import PROJECT, EngineConfig, LinkInfo, TransferTask, TransportCandidate, TransportRegistry
 
 __all__ = [
@@ -459,11 +462,6 @@ class Hooks:
         hook = self._transition_hooks[machine]
         pm = self._pm
         state: list = [None, False, False]  # [generation seen, others subscribe, log observer subscribes]
-        import logging
-
-        from llmdd._base import log as log_module
-        from llmdd._extension.builtin import log_events
-
         # the log observer's own rule (log_events.log_event): nothing is built below its level
         logger = log_events._STDLIB[machine]
         level = log_events.LEVELS[machine]

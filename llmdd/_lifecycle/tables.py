@@ -233,6 +233,9 @@ ABSORBED = {
         ("finalize", (L.CLOSED,)),
         ("peer_unlinked", (L.CLOSED,)),
         ("unlink_succeeded", (L.CLOSED,)),
+        # an unanswered unlink whose link the peer's own unlink closed first (both sides unlinking at
+        # once: each answers the other's request and closes), or whose peer was lost meanwhile
+        ("unlink_failed", (L.FAILED, L.CLOSED)),
     ),
     Machine.COMM_GROUP: (
         # the group was unlinked (or the engine finalized) while its members were still linking

@@ -32,6 +32,7 @@ from llmdd._base.types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, Cache
                       check_cache_key, _timeout_seconds)
 from llmdd._base.validation import INVALID_ID, check_dict, check_int32, check_int64, check_isinstance, check_uint32, \
     check_uint64
+from llmdd._api.v1.offsets import pull_with_offsets
 from llmdd._api.v1.tensor import Tensor, TensorDesc
 
 __all__ = ["KvCacheManager"]
@@ -260,7 +261,6 @@ class KvCacheManager:
         raise_if_false(batch_index < rec.rows, "[pull_cache] batch_index ({0}) out of range [0, {1})",
                        batch_index, rec.rows)
         if src_offset >= 0 or dst_offset >= 0:
-            from llmdd._api.v1.offsets import pull_with_offsets
 
             pull_with_offsets(self._memory, self._transfers(), cache_key, rec, batch_index=batch_index, size=size,
                               src_offset=max(src_offset, 0), dst_offset=max(dst_offset, 0),

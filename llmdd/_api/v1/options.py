@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 import attrs
 
 from llmdd._base.enums import LLMRole
+from llmdd._base.profiles import profile_from_options
 from llmdd._base.status import LLMException, LLMStatusCode
 
 __all__ = ["V1Settings", "prepare_v1_options", "parse_v1_listen_ip_info", "DEFAULT_FLOW_GRAPH_MEM_MAX_SIZE",
@@ -141,7 +142,6 @@ def prepare_v1_options(opts: dict, role: LLMRole, cluster_id: int) -> tuple[dict
     pool (``llm.MemPoolConfig``, from ``ge.flowGraphMemMaxSize`` x ``llm.MemoryUtilization``);
     a host pool option has no meaning in v1 and is dropped.
     """
-    from llmdd._base.profiles import profile_from_options
 
     profile = profile_from_options(opts)
     if profile.require_cache_manager:

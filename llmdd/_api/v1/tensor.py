@@ -13,7 +13,8 @@ from typing import List, Optional, Tuple, Union
 
 from llmdd._base.lazy import np
 
-from llmdd._base.enums import DataType
+from llmdd._base import enums as _enums
+from llmdd._base.enums import DataType, get_python_dtype_from_wrapper_dtype
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._base.validation import check_isinstance
 
@@ -44,8 +45,6 @@ class TensorDesc:
 
 
 def _np_maps():
-    from llmdd._base import enums as _enums
-
     return _enums.dtype_to_np_dtype, _enums.np_dtype_to_dtype
 
 
@@ -76,7 +75,6 @@ class Tensor:
     def from_tensor_tuple(tensor_tuple: Tuple[int, int, List[int]]) -> "Tensor":
         """Upstream builds a Tensor from its wrapper's ``(tensor handle, dtype, shape)`` tuple; the
         desc is checked here, and the handle is refused as in ``Tensor(int)``."""
-        from llmdd._base.enums import get_python_dtype_from_wrapper_dtype
 
         check_isinstance("tensor_tuple", tensor_tuple, (tuple, list), allow_none=False)
         if len(tensor_tuple) != 3:

@@ -1,8 +1,9 @@
-"""Sans-io control-plane protocol of llmdd: messages, framing codec, handshake.
+"""Sans-io control-plane protocol of llmdd: messages (and their bounds, ``wire``), framing codec,
+handshake, descriptor tables.
 
 Nothing in this package touches a socket: the link manager moves bytes, these modules decide
 what the bytes mean (h11 style).  See ``codec`` for the frame format and ``handshake`` for the
-theory of operation.
+theory of operation, ``tables`` for what a link's peers announce.
 """
 
 from llmdd._control.protocol.codec import (
@@ -17,12 +18,14 @@ from llmdd._control.protocol.handshake import (
     PRE_AUTH_MAX_FRAME_SIZE as PRE_AUTH_MAX_FRAME_SIZE,
     PROTOCOL_VERSION as PROTOCOL_VERSION,
     ClientHandshake as ClientHandshake,
-    DescriptorTables as DescriptorTables,
     HandshakeConfig as HandshakeConfig,
     HandshakeRefused as HandshakeRefused,
     HandshakeState as HandshakeState,
     PeerInfo as PeerInfo,
     ServerHandshake as ServerHandshake,
+)
+from llmdd._control.protocol.tables import (
+    DescriptorTables as DescriptorTables,
     TableAnnouncer as TableAnnouncer,
     TableUpdateError as TableUpdateError,
 )

@@ -53,6 +53,7 @@ import msgspec
 
 from llmdd._base.status import LLMStatusCode, LocalUsageError, TransportError
 from llmdd._control.protocol import messages as m
+from llmdd._control.protocol import wire
 from llmdd._control.protocol.messages import MAX_COUNT as MAX_COUNT, MAX_NAME as MAX_NAME
 
 __all__ = [
@@ -189,8 +190,8 @@ def _decode_checked(code: int, payload: Any, max_depth: int) -> Any:
         if code not in _BULK and _encode(msg) != payload:
             raise ProtocolError(f"non-canonical encoding of {cls.__name__}")
         if max_depth < _MAX_DEPTH_LIMIT and code in _WITH_DICTS:
-            for d in m.descriptor_dicts(msg):
-                m.check_descriptor(d, "descriptor", 1, max_depth)
+            for d in wire.descriptor_dicts(msg):
+                wire.check_descriptor(d, "descriptor", 1, max_depth)
     except ProtocolError:
         raise
     except _DECODE_ERRORS as exc:

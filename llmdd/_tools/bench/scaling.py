@@ -127,7 +127,8 @@ class _Client:
     def setup(self) -> float:
         """One link, set up now; returns its setup seconds (connect to the server's tables in)."""
         from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED
-        from llmdd._control.protocol.handshake import ClientHandshake, HandshakeRefused, TableAnnouncer
+        from llmdd._control.protocol.handshake import ClientHandshake, HandshakeRefused
+        from llmdd._control.protocol.tables import TableAnnouncer
         from llmdd._base.status import LLMStatusCode
 
         m = self.m

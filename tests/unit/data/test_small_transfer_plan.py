@@ -14,7 +14,7 @@ from llmdd._lifecycle.tables import Machine, TaskState
 from llmdd._data.planner import CacheLayout, plan_blocks
 from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._base.status import LocalUsageError
-from llmdd._data.engine import _QuickPlan
+from llmdd._data.quick import QuickPlan as _QuickPlan
 from llmdd.plugin import hookimpl
 
 pytestmark = pytest.mark.timeout(60)

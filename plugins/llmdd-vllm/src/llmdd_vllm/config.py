@@ -1,0 +1,84 @@
+"""The connector's configuration: ``kv_connector_extra_config`` keys and their checks, the llmdd engine
+options it sets, what one instance's two sides share (:class:`ConnectorSettings`), and the KV layout
+fingerprint both instances must agree on."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["DEFAULTS", "ENGINE_DEFAULTS", "REQUIRED", "MODEL_ID", "LINK_ATTEMPTS", "MAX_TAG", "ConnectorSettings",
+           "options", "layout_of"]
+
+#: keys of ``kv_connector_extra_config`` and their defaults (docs/vllm.md lists them)
+DEFAULTS: dict = {
+    "host": "127.0.0.1",        # the address the prefill worker listens on and announces
+    "port": 0,                  # its llmdd listen port (0: any free port, announced to the scheduler)
+    "local_host": None,         # decode side: this host's address for its own data endpoints (cross-host
+                                # tcp: the address the prefill host reaches; default loopback)
+    "cluster_id": None,         # the llmdd cluster id of this instance (default: from vLLM's engine_id)
+    "transport": None,          # force "shm" or "tcp" (default: llmdd's automatic choice)
+    "sync_kv_timeout_ms": 5000,  # deadline of one transfer step (llmdd sync_kv_timeout)
+    "link_timeout_ms": 30000,   # deadline of linking to a prefill instance (attempts of a third each)
+    "free_timeout_s": 480,      # prefill side: free unread blocks after this (NixlConnector's
+                                # VLLM_NIXL_ABORT_REQUEST_TIMEOUT default)
+    "llmdd_options": {},        # further llmdd engine options, passed to init as given (over ENGINE_DEFAULTS)
+}
+#: llmdd engine options the connector sets unless llmdd_options overrides them: vLLM's workers are
+#: busy processes (and a loaded host may deschedule them for seconds), so a link is declared lost
+#: after 30 s of silence instead of llmdd's 5 s; a killed peer is still seen at once (its sockets close)
+ENGINE_DEFAULTS: dict = {"llmdd.peer_timeout_ms": "30000", "llmdd.keepalive_interval_ms": "2000"}
+#: the parameters a decode request needs from the prefill instance (all set by request_finished)
+REQUIRED = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port", "remote_cluster_id",
+             "llmdd_layout")
+MODEL_ID = 0
+LINK_ATTEMPTS = 3
+MAX_TAG = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """What the scheduler side and the worker side of one instance read of its configuration."""
+
+    opts: dict                  # kv_connector_extra_config over DEFAULTS, checked (options())
+    producer: bool              # kv_role kv_producer or kv_both: serves its blocks
+    consumer: bool              # kv_role kv_consumer or kv_both: pulls blocks
+    block_size: int             # vLLM's tokens per block
+    engine_id: Any              # vLLM's kv_transfer_config.engine_id
+
+
+def options(vllm_config: "VllmConfig") -> dict:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    unknown = sorted(set(extra) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"LlmddConnector: unknown kv_connector_extra_config keys {unknown}; "
+                         f"known: {sorted(DEFAULTS)}")
+    out = {**DEFAULTS, **extra}
+    if out["transport"] not in (None, "shm", "tcp"):
+        raise ValueError(f"LlmddConnector: transport must be 'shm', 'tcp' or unset, not {out['transport']!r}")
+    for key in ("port", "sync_kv_timeout_ms", "link_timeout_ms"):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 0:
+            raise ValueError(f"LlmddConnector: {key} must be a non-negative integer, not {out[key]!r}")
+    if not isinstance(out["free_timeout_s"], (int, float)) or out["free_timeout_s"] <= 0:
+        raise ValueError(f"LlmddConnector: free_timeout_s must be a positive number, not {out['free_timeout_s']!r}")
+    if out["cluster_id"] is None:
+        digest = hashlib.sha256(str(vllm_config.kv_transfer_config.engine_id).encode()).digest()
+        out["cluster_id"] = int.from_bytes(digest[:8], "little") >> 1
+    return out
+
+
+def layout_of(kv_caches: dict) -> tuple[list, str]:
+    """The tensors of vLLM's KV cache in layer order and a fingerprint of their per-block layout
+    (equal on both sides or a pull would move bytes of another shape)."""
+    names = list(kv_caches)
+    first = kv_caches[names[0]]
+    shapes = {tuple(t.shape) for t in kv_caches.values()}
+    dtypes = {t.dtype for t in kv_caches.values()}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise ValueError(f"LlmddConnector: every KV layer must have one shape and dtype, got {shapes} {dtypes}")
+    block_shape = "x".join(str(d) for d in first.shape[1:])
+    return [kv_caches[n] for n in names], f"{len(names)}L:{block_shape}:{str(first.dtype).replace('torch.', '')}"

@@ -1,0 +1,117 @@
+"""The connector's scheduler side: decides per request, from vLLM's scheduler loop, what is pulled
+and what is handed over (it never waits for a link or a transfer)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from .config import MAX_TAG, REQUIRED, ConnectorSettings
+from .metadata import LlmddConnectorMetadata, LlmddHandshake, RecvJob
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide"]
+
+_log = logging.getLogger("vllm.llmdd_vllm")
+
+
+class SchedulerSide:
+    """The scheduler-side half (engine-core process): which requests load remote blocks, which hand theirs over."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.s = settings
+        self.handshake: Optional[LlmddHandshake] = None
+        self.recv: list = []
+        self.send: dict = {}
+
+    def set_handshake(self, metadata: dict) -> None:
+        metas = [m for m in metadata.values() if isinstance(m, LlmddHandshake)]
+        if metas:
+            self.handshake = metas[0]
+
+    @staticmethod
+    def _remote(request: "Request") -> Optional[dict]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        return params
+
+    def _valid(self, request: "Request", params: dict) -> bool:
+        """Bound what the prefill instance (via the client) sent against this request."""
+        if not all(k in params for k in REQUIRED):
+            _log.warning("llmdd_vllm: request %s has do_remote_prefill without %s: computed locally",
+                         request.request_id, [k for k in REQUIRED if k not in params])
+            return False
+        blocks = params["remote_block_ids"]
+        # one list (NixlConnector sends one per KV cache group; single-group layouts only)
+        if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
+            blocks = blocks[0]
+        need = math.ceil(request.num_prompt_tokens / self.s.block_size)
+        ok = (isinstance(blocks, (list, tuple)) and len(blocks) >= need
+              and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2 ** 32 for b in blocks)
+              and isinstance(params["remote_port"], int) and 0 < params["remote_port"] < 65536
+              and isinstance(params["remote_cluster_id"], int) and 0 <= params["remote_cluster_id"] < 2 ** 64
+              and isinstance(params["remote_request_id"], str)
+              and len(params["remote_request_id"].encode()) <= MAX_TAG
+              and isinstance(params["remote_host"], str))
+        if not ok:
+            _log.warning("llmdd_vllm: request %s has malformed kv_transfer_params (%d prompt blocks needed): "
+                         "computed locally", request.request_id, need)
+        return ok
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._remote(request)
+        if params is None or not self.s.consumer or not self._valid(request, params):
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        params = self._remote(request)
+        if params is None or not self.s.consumer:
+            return
+        params["do_remote_prefill"] = False            # one transfer per request
+        if num_external_tokens <= 0:
+            return                                      # all local (prefix cache): the owner frees by timeout
+        bs = self.s.block_size
+        n_prompt = request.num_prompt_tokens
+        first = (n_prompt - num_external_tokens) // bs  # local prefix hits are block aligned
+        need = math.ceil(n_prompt / bs)
+        local = list(blocks.get_block_ids()[0])
+        remote = params["remote_block_ids"]
+        if len(remote) == 1 and isinstance(remote[0], (list, tuple)):
+            remote = remote[0]
+        self.recv.append(RecvJob(req_id=request.request_id, remote_request_id=params["remote_request_id"],
+                                 cluster_id=params["remote_cluster_id"], host=params["remote_host"],
+                                 port=params["remote_port"], src=list(remote[first:need]),
+                                 dst=local[first:need], layout=params["llmdd_layout"]))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = LlmddConnectorMetadata(recv=self.recv, send=self.send)
+        self.recv, self.send = [], {}
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode") or not self.s.producer:
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None                          # aborted: nothing to hand over
+        if not block_ids or self.handshake is None:
+            return False, None
+        self.send[request.request_id] = float(self.s.opts["free_timeout_s"])
+        hs = self.handshake
+        return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=list(block_ids),
+                          remote_engine_id=self.s.engine_id,
+                          remote_request_id=request.request_id, remote_host=hs.host, remote_port=hs.port,
+                          remote_cluster_id=hs.cluster_id, remote_num_tokens=request.num_computed_tokens,
+                          llmdd_layout=hs.layout)
