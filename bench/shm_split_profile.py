@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion, make_ops
 import llmdd_shm
 from llmdd_shm import ShmTransport
@@ -53,7 +54,7 @@ def _prompt(conn) -> None:
         off = t * TENSOR_BYTES
         descs[POOL_BASE + t] = ep.register(MemRegion(region_id=POOL_BASE + t, addr=seg.addr + off,
                                                      size=TENSOR_BYTES, remote_accessible=True, placement=0,
-                                                     shm_name=seg.name, shm_offset=off))
+                                                     backing=SharedSegment(name=seg.name, offset=off)))
     conn.send((ep.describe(), descs))
     conn.recv()
     ep.close()

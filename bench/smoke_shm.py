@@ -2,7 +2,7 @@
 """Smoke bench (not a test): pull paged KV through the shm transport vs a raw process_vm_readv.
 
 A spawned "prompt" process holds 1 GiB twice: (a) in a POSIX shared-memory pool segment
-(regions registered with ``shm_name``: the decoder maps the segment) and (b) in a plain numpy
+(regions registered with a ``backing`` segment: the decoder maps the segment) and (b) in a plain numpy
 array (user memory: cross-memory attach). This process pulls every block with one batch of
 random block tables (src and dst permuted per tensor) for
 
@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
+from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion, make_ops
-from llmdd_shm import ShmTransport
+from llmdd_shm import ShmTransport, endpoint_fields
 from llmdd_shm._cma import IOV_MAX, libc_syscalls
 
 TENSORS = 64
@@ -52,7 +53,7 @@ def _prompt(conn) -> None:
         off = t * TENSOR_BYTES
         descs[POOL_BASE + t] = ep.register(MemRegion(region_id=POOL_BASE + t, addr=seg.addr + off,
                                                      size=TENSOR_BYTES, remote_accessible=True, placement=0,
-                                                     shm_name=seg.name, shm_offset=off))
+                                                     backing=SharedSegment(name=seg.name, offset=off)))
         descs[USER_BASE + t] = ep.register(MemRegion(region_id=USER_BASE + t, addr=user.ctypes.data + off,
                                                      size=TENSOR_BYTES, remote_accessible=True, placement=0))
     conn.send((ep.describe(), descs, user.ctypes.data))
@@ -90,7 +91,7 @@ def main() -> None:
     try:
         assert parent.poll(120), "prompt did not start"
         desc, descs, user_addr = parent.recv()
-        pid = desc["pid"]
+        pid = endpoint_fields(desc).pid
         dst = np.empty(TOTAL, dtype=np.uint8)
         dst[:] = 1  # pre-fault
         ep = ShmTransport({}).open_endpoint()

@@ -63,9 +63,9 @@ def _raw_pull(agent, lp, lidx, rp, ridx, peer) -> float:
 
 
 def run(tls: str, runs: int) -> list:
-    from llmdd._seam.abc import make_ops
+    from llmdd._seam.ops import make_ops
     from llmdd.lowlevel import MemRegion
-    from llmdd_ucx import UcxTransport
+    from llmdd_ucx import UcxTransport, region_fields
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
@@ -82,7 +82,7 @@ def run(tls: str, runs: int) -> list:
         ch = ep.connect(peer, timeout=30)
         ch.add_remote_region(10, GiB, desc)
         agent, remote = ep._agent, ch._peer_name
-        raddr = int(desc["addr"])
+        raddr = region_fields(desc).addr
         rng = np.random.default_rng(0)
         for nt, nb, blk in WORKLOADS:
             n = nt * nb

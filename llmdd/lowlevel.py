@@ -1,6 +1,7 @@
 """Public helpers for transport authors: regions, the op dtype, typed errors, completions.
 
-``MemRegion`` and ``OP_DTYPE`` describe what moves; ``check_ops`` / ``RegionTable`` validate a
+``MemRegion`` and ``OP_DTYPE`` describe what moves (a region's ``backing``, a :class:`SharedSegment`,
+says which shared-memory segment also holds it); ``check_ops`` / ``RegionTable`` validate a
 batch with numpy before a byte moves; ``coalesce_ops`` / ``split_ops`` shape it;
 ``ThreadCompletion`` and ``DoneCompletion`` are ready-made ``Completion`` implementations;
 ``segment_name`` names a shared-memory segment so that a crash leftover of it is reclaimed by
@@ -15,24 +16,27 @@ The books every transport keeps (``llmdd._seam.kit``): :class:`RegionRegistry` (
 with :class:`RegisteredRegion` entries, their check tables, pins, and cancel-then-drain on
 ``deregister`` / ``close``), :class:`Batch` (one batch in flight), :class:`BatchSet` (a channel's
 batches and its close-drain) and :func:`map_os_error` (an exception raised while moving bytes as
-the typed error the seam reports).  docs/writing-a-transport.md shows them at work.
+the typed error the seam reports).  :func:`encode_payload` / :func:`decode_payload` turn a
+transport's own fields into a descriptor's opaque payload and back, refusing a foreign, newer or
+malformed descriptor.  docs/writing-a-transport.md shows them at work.
 """
 
-from llmdd._seam.abc import Cancelled as Cancelled
+from llmdd._seam.errors import Cancelled as Cancelled
 from llmdd._seam.abc import Completion as Completion
-from llmdd._seam.abc import Corrupt as Corrupt
-from llmdd._seam.abc import DoneCompletion as DoneCompletion
+from llmdd._seam.errors import Corrupt as Corrupt
+from llmdd._seam.completions import DoneCompletion as DoneCompletion
 from llmdd._seam.abc import MemRegion as MemRegion
-from llmdd._seam.abc import PeerGone as PeerGone
-from llmdd._seam.abc import RegionTable as RegionTable
-from llmdd._seam.abc import Refused as Refused
-from llmdd._seam.abc import ThreadCompletion as ThreadCompletion
-from llmdd._seam.abc import TransportTimeout as TransportTimeout
-from llmdd._seam.abc import as_ops as as_ops
-from llmdd._seam.abc import check_ops as check_ops
-from llmdd._seam.abc import coalesce_ops as coalesce_ops
-from llmdd._seam.abc import make_ops as make_ops
-from llmdd._seam.abc import split_ops as split_ops
+from llmdd._base.backing import SharedSegment as SharedSegment
+from llmdd._seam.errors import PeerGone as PeerGone
+from llmdd._seam.ops import RegionTable as RegionTable
+from llmdd._seam.errors import Refused as Refused
+from llmdd._seam.completions import ThreadCompletion as ThreadCompletion
+from llmdd._seam.errors import TransportTimeout as TransportTimeout
+from llmdd._seam.ops import as_ops as as_ops
+from llmdd._seam.ops import check_ops as check_ops
+from llmdd._seam.ops import coalesce_ops as coalesce_ops
+from llmdd._seam.ops import make_ops as make_ops
+from llmdd._seam.ops import split_ops as split_ops
 from llmdd._control.ioloop import EVENT_READ as EVENT_READ
 from llmdd._base.lazy import np as lazy_numpy
 from llmdd._base.lazy import when_numpy_loaded as when_numpy_loaded
@@ -49,6 +53,8 @@ from llmdd._seam.kit import BatchSet as BatchSet
 from llmdd._seam.kit import RegionRegistry as RegionRegistry
 from llmdd._seam.kit import RegisteredRegion as RegisteredRegion
 from llmdd._seam.kit import map_os_error as map_os_error
+from llmdd._seam.payload import decode_payload as decode_payload
+from llmdd._seam.payload import encode_payload as encode_payload
 from llmdd._base.status import TransportError as TransportError
 
 __all__ = [
@@ -62,6 +68,7 @@ __all__ = [
     "tls_config",
     "OP_DTYPE",
     "MemRegion",
+    "SharedSegment",
     "RegionTable",
     "Completion",
     "DoneCompletion",
@@ -83,6 +90,8 @@ __all__ = [
     "BatchSet",
     "map_os_error",
     "copy_runs",
+    "encode_payload",
+    "decode_payload",
     "lazy_numpy",
     "when_numpy_loaded",
 ]
@@ -90,7 +99,7 @@ __all__ = [
 
 def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is first used (llmdd._base.lazy)
     if name == "OP_DTYPE":
-        from llmdd._seam import abc as _abc
+        from llmdd._seam import ops as _ops
 
-        return _abc.OP_DTYPE
+        return _ops.OP_DTYPE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,12 +19,14 @@ import collections
 import socket
 from typing import Any, Optional
 
+from msgspec.structs import replace as msgspec_replace
+
 from llmdd._base.log import get_logger
 from llmdd._base.profiles import ChipProfile
 from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection, TlsFailed
-from llmdd._control.endpoints import DEFERRED_KEY, TransportEndpoints
+from llmdd._control.endpoints import TransportEndpoints, endpoint_descriptor, offer_from_args, to_wire
 from llmdd._control.ioloop import PoolFull, Waiter
 from llmdd._control.link import Link
 from llmdd._control.linking import CROSS_LINK_REASON, NO_TRANSPORT, LinkHost, transport_reason
@@ -35,7 +37,7 @@ from llmdd._control.protocol.handshake import PRE_AUTH_MAX_FRAME_SIZE, Handshake
 from llmdd._control.table import LinkTable
 from llmdd._extension.manager import Hooks, LazyCandidates
 from llmdd._lifecycle.tables import LINK_SETTING_UP
-from llmdd._seam.abc import CAPABILITY_KEY, TransportError
+from llmdd._seam.abc import TransportError
 from llmdd.plugin import LinkInfo
 
 __all__ = ["Admission", "ServerSession"]
@@ -253,20 +255,20 @@ class Admission:
                 sess.drop()
                 return
             ep = self.endpoints.endpoint(name)
-            desc = ep.describe()
+            offer = m.TransportOffer(name=name, descriptor=to_wire(ep.describe()))
             if ep.capabilities:
                 grant_id, capability = self.endpoints.mint()
                 ep.grant(grant_id, capability, ())
                 grant_name = name
-                desc = dict(desc, **{CAPABILITY_KEY: capability})
-            welcome = hs.accept(m.TransportOffer(name=name, descriptor=desc))
+                offer = msgspec_replace(offer, capability=capability)
+            welcome = hs.accept(offer)
             link = self.host.adopt(hs.result(), conn, is_client=False, transport=name,
                                   reason=transport_reason(info, name),
                                start=False)
             link.grant_id, link.capability = grant_id, capability
             link.comm_id = sess.listener.comm_id
             link.session = sess
-            link.setup_descriptor = offered[name].descriptor
+            link.setup_descriptor = offered[name]
             sess.link = link
             conn.codec.max_frame_size = 16 * 1024 * 1024
             conn.send(welcome)
@@ -297,9 +299,9 @@ class Admission:
             if not link.fsm.in_(LINK_SETTING_UP) or sess is None or sess.done:
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
             deadline = sess.accepted_at + self.host.settings.handshake_s
-            if (link.setup_descriptor or {}).get(DEFERRED_KEY):
+            if link.setup_descriptor is None or link.setup_descriptor.deferred:
                 raise ProtocolError(f"the peer chose {link.transport!r} from a deferred offer but sent no descriptor")
-            self.host.connect_channel(link, link.setup_descriptor or {}, deadline)
+            self.host.connect_channel(link, endpoint_descriptor(link.setup_descriptor), deadline)
             link.liveness.restart(self.host.loop.monotonic())   # liveness counts from LINKED, not from a slow handshake
             # LINKED before our tables leave: the peer is LINKED only once they arrive, so by the time its
             # link_clusters returns this side already is
@@ -327,12 +329,15 @@ class Admission:
 
     def serve_link_descriptor(self, link: Link, args: dict) -> tuple[int, dict]:
         """Server side: the descriptor of the client's endpoint for a transport it offered deferred."""
-        desc = args.get("descriptor")
-        if (link.is_client or not link.fsm.in_(LINK_SETTING_UP) or link.session is None
-                or args.get("name") != link.transport or not isinstance(desc, dict)
-                or not (link.setup_descriptor or {}).get(DEFERRED_KEY) or desc.get(DEFERRED_KEY)):
+        try:
+            offer: Optional[m.TransportOffer] = offer_from_args(args)
+        except (TypeError, ValueError):   # InvalidMessage(Type): not an offer the wire could carry
+            offer = None
+        if (link.is_client or not link.fsm.in_(LINK_SETTING_UP) or link.session is None or offer is None
+                or offer.name != link.transport or link.setup_descriptor is None
+                or not link.setup_descriptor.deferred):
             return S.LLM_PARAM_INVALID.value, {"error": "no deferred transport offer waits for a descriptor"}
-        link.setup_descriptor = desc
+        link.setup_descriptor = offer
         return 0, {}
 
     def drop_pending(self) -> None:

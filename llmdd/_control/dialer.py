@@ -24,7 +24,7 @@ from llmdd._base.options import is_local_address
 from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection
-from llmdd._control.endpoints import DEFERRED_KEY, TransportEndpoints
+from llmdd._control.endpoints import TransportEndpoints, endpoint_descriptor, offer_args, to_wire
 from llmdd._control.link import Link
 from llmdd._control.linking import (
     CROSS_LINK_REASON, LINK_DESCRIPTOR_OP, NO_TRANSPORT, CrossLink, LinkHost, transport_reason,
@@ -167,8 +167,7 @@ class Dialer:
         grant_id, capability = self.endpoints.mint()
         while True:
             conn, peer, offers = self._client_handshake(host, port, deadline, capability=capability)
-            deferred = next((o for o in offers if o.name == peer.transport.name and o.descriptor.get(DEFERRED_KEY)),
-                            None)
+            deferred = next((o for o in offers if o.name == peer.transport.name and o.deferred), None)
             if deferred is None or self.endpoints.open_deferred(deferred.name) is not None:
                 break
             # the server chose a transport offered deferred that cannot run here: hand the server's
@@ -189,18 +188,18 @@ class Dialer:
             link.grant_id, link.capability = grant_id, capability
             self.endpoints.grant(link, ())
             if deferred is not None:   # our endpoint's descriptor, before the tables the server waits for
-                desc = self.endpoints.endpoint(link.transport).describe()
+                desc = to_wire(self.endpoints.endpoint(link.transport).describe())
                 (offer,) = self.endpoints.with_capability((m.TransportOffer(name=link.transport, descriptor=desc),),
                                                  capability)
                 self.host.notify(link, m.TransferRequest(request_id=0, op=LINK_DESCRIPTOR_OP,
-                                                    args={"name": link.transport, "descriptor": offer.descriptor}))
+                                                    args=offer_args(offer)))
             self._announcements.send_initial_tables(link)
             link.tables_ready.wait(max(0.0, deadline - self.host.loop.monotonic()))
             if not link.tables_ready.is_set():
                 raise TimeoutError("the peer did not send its tables in time")
             if not link.fsm.in_(LINK_SETTING_UP):
                 raise ProtocolError(f"the peer went away during the link setup ({link.last_error})")
-            self.host.connect_channel(link, peer.transport.descriptor, deadline)
+            self.host.connect_channel(link, endpoint_descriptor(peer.transport), deadline)
             link.liveness.restart(self.host.loop.monotonic())   # liveness counts from LINKED, not from a slow handshake
             link.fsm.fire("handshake_succeeded", transport=link.transport, reason=link.transport_reason)
             link.settled.set()

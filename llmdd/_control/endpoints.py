@@ -8,6 +8,12 @@
   handshake's transport offers (deferred ones in automatic mode: by name, neither probed nor
   opened), and grants or revokes a link's capability on its transport's data port.
 
+Descriptors: the seam's :class:`~llmdd.abc.EndpointDescriptor` / :class:`~llmdd.abc.RegionDescriptor`
+travel as :class:`~llmdd._control.protocol.messages.TransportDescriptor` (:func:`to_wire`,
+:func:`endpoint_descriptor`, :func:`peer_region_descriptor`); the control plane's own facts about an
+offer (deferred, the link's capability) are typed fields of the offer, never keys inside a
+transport's payload.
+
 What a data port that cannot continue means for the links over it is the link manager's
 business: it is told through ``on_data_port_failed`` and calls :meth:`TransportEndpoints.forget`.
 """
@@ -22,6 +28,7 @@ import types
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 import attrs
+import msgspec
 
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
@@ -29,18 +36,64 @@ from llmdd._control.ioloop import PoolFull, Runtime, Strand
 from llmdd._control.link import Link
 from llmdd._control.protocol import messages as m
 from llmdd._control.settings import LinkSettings
-from llmdd._seam.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Endpoint, MemRegion, TransportError
+from llmdd._seam.errors import Refused
+from llmdd._base.status import TransportError
+from llmdd._seam.abc import CAPABILITY_BYTES, Endpoint, EndpointDescriptor, MemRegion, RegionDescriptor
 
 if TYPE_CHECKING:
     from llmdd._memory.manager import MemoryManager
     from llmdd.plugin import TransportRegistry
 
-__all__ = ["Registrar", "TransportEndpoints", "DEFERRED_KEY"]
+__all__ = ["Registrar", "TransportEndpoints", "to_wire", "endpoint_descriptor", "peer_region_descriptor", "offer_args",
+           "offer_from_args"]
 
 _log = get_logger("llmdd.link")
 
-#: the descriptor of a transport offered by name only (not probed, endpoint not opened; see offers())
-DEFERRED_KEY = "deferred"
+
+
+# ---------------------------------------------------------------------- descriptors on the wire
+def to_wire(desc: "EndpointDescriptor | RegionDescriptor") -> m.TransportDescriptor:
+    """A seam descriptor as the wire carries it (an endpoint descriptor's capability is not carried:
+    the control plane sends the link's own in :attr:`TransportOffer.capability`)."""
+    return m.TransportDescriptor(transport=desc.transport, version=desc.version, payload=desc.payload)
+
+
+def endpoint_descriptor(offer: m.TransportOffer) -> EndpointDescriptor:
+    """The peer endpoint's descriptor in ``offer``, with the capability the peer granted the link:
+    what ``Endpoint.connect`` takes.  :class:`~llmdd.lowlevel.Refused` for a deferred offer."""
+    d = offer.descriptor
+    if d is None:
+        raise Refused(f"the peer offered {offer.name!r} deferred and has sent no descriptor for it")
+    return EndpointDescriptor(transport=d.transport, version=d.version, payload=d.payload,
+                              capability=offer.capability)
+
+
+def peer_region_descriptor(region: m.RegionDescriptor, name: str) -> Optional[RegionDescriptor]:
+    """The descriptor of transport ``name`` in a peer's region announcement (what
+    ``Channel.add_remote_region`` takes), or None when the peer registered the region without it."""
+    d = region.transport(name)
+    if d is None:
+        return None
+    return RegionDescriptor(transport=d.transport, version=d.version, payload=d.payload)
+
+
+def offer_args(offer: m.TransportOffer) -> dict:
+    """``offer`` (not deferred) as the arguments of a ``link_descriptor`` request."""
+    d = offer.descriptor
+    if d is None:
+        raise ValueError(f"offer {offer.name!r} is deferred: no descriptor to send")
+    return {"name": offer.name, "transport": d.transport, "version": d.version, "payload": d.payload,
+            "capability": offer.capability}
+
+
+def offer_from_args(args: Mapping[str, Any]) -> m.TransportOffer:
+    """The offer a ``link_descriptor`` request carries; :class:`~llmdd._control.protocol.messages.InvalidMessage`
+    when its arguments do not make one (types and bounds as the typed wire checks them)."""
+    try:
+        desc = m.TransportDescriptor(transport=args["transport"], version=args["version"], payload=args["payload"])
+        return m.TransportOffer(name=args["name"], descriptor=desc, capability=args.get("capability"))
+    except KeyError as exc:
+        raise m.InvalidMessage(f"link_descriptor request without {exc.args[0]!r}") from None
 
 
 class Registrar:
@@ -113,7 +166,8 @@ class TransportEndpoints:
         self._data_host = data_host
         self._on_data_port_failed = on_data_port_failed
         self._endpoints: dict[str, Endpoint] = {}
-        self._region_descs: dict[int, dict] = {}     # local region id -> {transport: desc} (registrar only)
+        # local region id -> {transport: its descriptor} (registrar only)
+        self._region_descs: dict[int, dict[str, RegionDescriptor]] = {}
         self._unavailable: set[str] = set()          # transports found unusable here after a deferred offer
         self._grant_ids = itertools.count(1)
         self._opening = True
@@ -173,7 +227,7 @@ class TransportEndpoints:
         forcing client is honoured even though the server side decides).
 
         In automatic mode a transport whose endpoint is not open yet is offered *deferred*: by name,
-        with the descriptor ``{DEFERRED_KEY: True}``, neither probed nor opened (a probe or an
+        without a descriptor (``TransportOffer.deferred``), neither probed nor opened (a probe or an
         endpoint may be costly: NIXL's take about half a second).  When the server picks a
         deferred offer the client probes and opens that one transport and sends the endpoint's
         descriptor in a ``link_descriptor`` request before its tables (``LinkManager.connect_peer``)."""
@@ -184,7 +238,7 @@ class TransportEndpoints:
                 continue
             if not forced and name not in self._endpoints:
                 if name not in self._unavailable:
-                    offers.append(m.TransportOffer(name=name, descriptor={DEFERRED_KEY: True}))
+                    offers.append(m.TransportOffer(name=name, deferred=True))
                 continue
             if not self.registry.probe(name).available:
                 continue
@@ -193,7 +247,7 @@ class TransportEndpoints:
             except (TransportError, OSError) as exc:
                 _log.warning("llmdd.transport.endpoint_failed", transport=name, error=str(exc))
                 continue
-            offers.append(m.TransportOffer(name=name, descriptor=desc))
+            offers.append(m.TransportOffer(name=name, descriptor=to_wire(desc)))
         return tuple(offers)
 
     def open_deferred(self, name: str) -> Optional[Endpoint]:
@@ -215,13 +269,12 @@ class TransportEndpoints:
         return next(self._grant_ids), secrets.token_bytes(CAPABILITY_BYTES)
 
     def with_capability(self, offers: tuple, capability: bytes) -> tuple:
-        """``offers`` with ``capability`` in the descriptor of every transport that uses capabilities."""
+        """``offers`` with ``capability`` in the offer of every open transport that uses capabilities."""
         out = []
         for offer in offers:
             ep = self._endpoints.get(offer.name)
-            if ep is not None and ep.capabilities:
-                offer = m.TransportOffer(name=offer.name,
-                                         descriptor=dict(offer.descriptor, **{CAPABILITY_KEY: capability}))
+            if ep is not None and ep.capabilities and not offer.deferred:
+                offer = msgspec.structs.replace(offer, capability=capability)
             out.append(offer)
         return tuple(out)
 
@@ -261,7 +314,7 @@ class TransportEndpoints:
         return m.RegionDescriptor(
             region_id=region.region_id, cache_id=region.cache_id, addr=region.addr, size=region.size,
             placement=region.placement, remote_accessible=self.granted(region),
-            transports=dict(self._region_descs.get(region.region_id, {})))
+            transports=tuple(to_wire(d) for d in self._region_descs.get(region.region_id, {}).values()))
 
     def on_regions_changed(self, kind: str, regions: tuple, version: int) -> None:
         """The memory manager's region listener: synchronous, so a removed region is deregistered

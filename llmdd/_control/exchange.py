@@ -20,6 +20,7 @@ from msgspec.structs import replace as msgspec_replace
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._control.admission import Admission
+from llmdd._control.endpoints import peer_region_descriptor
 from llmdd._control.link import Link, Pending
 from llmdd._control.linking import LINK_DESCRIPTOR_OP, LinkHost
 from llmdd._control.protocol import messages as m
@@ -254,7 +255,10 @@ def sync_remote_regions(link: Link) -> None:
             channel.remove_remote_region(rid)
             link.remote_regions.discard(rid)
     for rid, desc in current.items():
-        if rid not in link.remote_regions and name in desc.transports:
-            channel.add_remote_region(rid, desc.size, desc.transports[name])
+        if rid not in link.remote_regions:
+            rdesc = peer_region_descriptor(desc, name)
+            if rdesc is None:    # the owner registered it without this transport
+                continue
+            channel.add_remote_region(rid, desc.size, rdesc)
             link.remote_regions.add(rid)
 

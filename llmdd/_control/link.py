@@ -14,6 +14,7 @@ import attrs
 from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
+from llmdd._control.protocol import messages as m
 from llmdd._control.protocol.handshake import PeerInfo
 from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
@@ -71,8 +72,9 @@ class Link:
     failure_status: Optional[LLMStatusCode] = None
     strand: Strand = attrs.field(kw_only=True)   # the link's tasks, in order, on the engine's pool
     session: Optional[SetupSession] = None    # server side: the accepting admission.ServerSession until LINKED
-    setup_descriptor: Optional[dict] = attrs.field(default=None, repr=False)   # server side: the peer's data
-    #                                           descriptor (it carries the peer's capability), until LINKED
+    # server side: the peer's offer of the chosen transport (its descriptor and capability; deferred until
+    # its link_descriptor request), until LINKED
+    setup_descriptor: Optional[m.TransportOffer] = attrs.field(default=None, repr=False)
     grant_id: Optional[int] = None            # this side's data-port grant to the peer (Endpoint.grant)
     capability: Optional[bytes] = attrs.field(default=None, repr=False)   # never logged, never shown
     settled: Waiter = attrs.field(kw_only=True)   # LINKED, FAILED or closed (from the loop)

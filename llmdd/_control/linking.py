@@ -18,6 +18,7 @@ from llmdd._control.link import Link
 from llmdd._control.protocol import messages as m
 from llmdd._control.protocol.handshake import HandshakeConfig, PeerInfo
 from llmdd._control.settings import LinkSettings
+from llmdd._seam.abc import EndpointDescriptor
 from llmdd.plugin import LinkInfo
 
 __all__ = ["LinkHost", "LINK_DESCRIPTOR_OP", "NO_TRANSPORT", "CROSS_LINK_REASON", "CrossLink", "transport_reason"]
@@ -78,7 +79,7 @@ class LinkHost(Protocol):
         """Run ``fn`` on the link's strand, in order with its other tasks."""
         ...
 
-    def connect_channel(self, link: Link, peer_desc: dict, deadline: float) -> None:
+    def connect_channel(self, link: Link, peer_desc: EndpointDescriptor, deadline: float) -> None:
         """Connect the link's data channel to the peer's endpoint."""
         ...
 

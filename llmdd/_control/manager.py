@@ -63,7 +63,7 @@ from llmdd._lifecycle.tables import (
     LINK_BUSY, LINK_FAILED, LINK_KEEPS_ALIVE, Machine,
 )
 from llmdd._memory.manager import MemoryManager
-from llmdd._seam.abc import Endpoint, TransportError
+from llmdd._seam.abc import Endpoint, EndpointDescriptor, TransportError
 
 __all__ = ["LinkManager", "Link", "LinkSettings", "LINK_DESCRIPTOR_OP"]
 
@@ -172,8 +172,7 @@ class LinkManager:
 
     def _retire_endpoint(self, name: str, ep: Endpoint, error: str) -> None:
         try:
-            desc = ep.describe()
-            address = (str(desc.get("host", "?")), desc.get("port", "?"))
+            address = ep.listen_address() or ("?", "?")
         except Exception:  # noqa: BLE001 - recorded without its address
             address = ("?", "?")
         self.endpoints.forget(name, ep)
@@ -270,7 +269,7 @@ class LinkManager:
             conn.attach(None, on_closed)
         return link
 
-    def connect_channel(self, link: Link, peer_desc: dict, deadline: float) -> None:
+    def connect_channel(self, link: Link, peer_desc: EndpointDescriptor, deadline: float) -> None:
         ep = self.endpoint(link.transport)
         channel = ep.connect(peer_desc, timeout=max(0.1, deadline - self.loop.monotonic()))
         link.channel = channel

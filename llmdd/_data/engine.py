@@ -28,7 +28,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from llmdd._seam.abc import Cancelled, PeerGone, Refused, TransportError, TransportTimeout
+from llmdd._base.status import TransportError
+from llmdd._seam.errors import Cancelled, PeerGone, Refused, TransportTimeout
 from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
 from llmdd._data.planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
@@ -217,9 +218,10 @@ class TransferEngine:
         if channel is None:
             raise PeerGone("the link has no data channel any more")
         completion = (channel.write if write else channel.read)(ops, deadline=deadline)
-        if not completion.wait(max(0.0, deadline - time.monotonic())):
-            completion.cancel()
-            raise TransportTimeout(f"transfer not done within sync_kv_timeout ({self.timeout_s:.3f} s)")
+        # the seam's batch contract (llmdd/_seam/abc.py): refusals and failures are the completion's
+        # error, and the transport finishes the batch by its deadline (TransportTimeout, drained), so a
+        # wait without a limit of ours returns by then; no deadline arithmetic or cancel here
+        completion.wait()
         if completion.error is not None:
             raise completion.error
 

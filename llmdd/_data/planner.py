@@ -14,7 +14,7 @@ sizes, block indices on both sides) and raises :class:`~llmdd._base.status.Local
 is returned never touches a byte outside ``[0, tensor_size)`` of a tensor's region on either
 side (or outside ``[0, region_size)`` of a raw destination region).
 
-The result is a numpy array of :data:`~llmdd._seam.abc.OP_DTYPE`. The ``local_*`` fields describe
+The result is a numpy array of :data:`~llmdd._seam.ops.OP_DTYPE`. The ``local_*`` fields describe
 the side that runs the transfer (``local="dst"`` for a pull, ``local="src"`` for a push), the
 ``remote_*`` fields the peer. Ops are ordered tensor by tensor, then in block-list order.
 
@@ -31,7 +31,7 @@ from typing import Any, Sequence, Union
 
 import attrs
 
-from llmdd._seam import abc as _abc
+from llmdd._seam import ops as _ops
 from llmdd._base.lazy import np, when_numpy_loaded
 from llmdd._base.status import LLMStatusCode, LocalUsageError
 
@@ -51,13 +51,13 @@ __all__ = [
 #: A block list as the API accepts it: a list/tuple of ``int`` or a 1-d numpy integer array.
 BlockList = Union[Sequence[int], "np.ndarray"]
 
-OP_DTYPE: Any   # llmdd._seam.abc.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded
 def _numpy_loaded(numpy: Any) -> None:
     global OP_DTYPE
-    OP_DTYPE = _abc.OP_DTYPE
+    OP_DTYPE = _ops.OP_DTYPE
 
 _U32 = 2**32
 _I63 = 2**63

@@ -23,7 +23,7 @@ from llmdd._data.notices import READ, OwnerNotices
 from llmdd._data.planner import CacheLayout, plan_blocks, tensor_range
 from llmdd._data.port import ControlPort
 from llmdd._extension.manager import Hooks
-from llmdd._seam import abc as _abc
+from llmdd._seam import ops as _ops
 
 if TYPE_CHECKING:
     from llmdd._lifecycle.machines import Lifecycle
@@ -42,13 +42,13 @@ def _op_rows(n: int) -> struct.Struct:
     return packer
 
 
-OP_DTYPE: Any   # llmdd._seam.abc.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded
 def _numpy_loaded(numpy: Any) -> None:
     global OP_DTYPE
-    OP_DTYPE = _abc.OP_DTYPE
+    OP_DTYPE = _ops.OP_DTYPE
     assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
 
 

@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 import attrs
 
+from llmdd._base.backing import SharedSegment
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.enums import Placement
 from llmdd._lifecycle.machines import Lifecycle, Tracked
@@ -372,10 +373,10 @@ class MemoryManager:
         rows = desc.shape[0]
         key_slots = self._key_indices(keys, rows) if keys else []
         cache_id = self._next_id
-        shm_name = pool.segment.name if pool is not None else None
         specs = [RegionSpec(cache_id=cache_id, tensor_index=i, addr=a, size=size, placement=desc.placement,
-                            remote_accessible=remote_accessible, owned=owned, shm_name=shm_name,
-                            shm_offset=pool.offset_of(a) if pool is not None else 0)
+                            remote_accessible=remote_accessible, owned=owned,
+                            backing=SharedSegment(name=pool.segment.name, offset=pool.offset_of(a))
+                            if pool is not None else None)
                  for i, a in enumerate(addrs)]
         regions = self.regions.add_many(specs, defer=self._defer)
         try:

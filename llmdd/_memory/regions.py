@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import attrs
 
+from llmdd._base.backing import SharedSegment
 from llmdd._base.enums import Placement
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
@@ -46,8 +47,7 @@ class Region:
     placement: Placement
     remote_accessible: bool
     owned: bool                   # True: drawn from an llmdd pool; False: the caller's memory
-    shm_name: Optional[str] = None  # the pool segment holding it (same-host peers map it)
-    shm_offset: int = 0
+    backing: Optional[SharedSegment] = None  # the pool segment holding it (same-host peers map it)
     generation: int = 0           # bumped by every remap of the region
 
     @property
@@ -58,7 +58,7 @@ class Region:
         """The transport seam's view of this region (:class:`llmdd._seam.abc.MemRegion`)."""
         return MemRegion(region_id=self.region_id, addr=self.addr, size=self.size,
                          remote_accessible=self.remote_accessible, placement=int(self.placement),
-                         shm_name=self.shm_name, shm_offset=self.shm_offset)
+                         backing=self.backing)
 
 
 @attrs.frozen(kw_only=True)
@@ -72,8 +72,7 @@ class RegionSpec:
     placement: Placement
     remote_accessible: bool
     owned: bool
-    shm_name: Optional[str] = None
-    shm_offset: int = 0
+    backing: Optional[SharedSegment] = None
 
 
 #: ``listener(kind, regions, version)`` with kind ``"add"``, ``"remove"`` or ``"remap"``

@@ -6,17 +6,34 @@ A transport moves bytes between *registered regions*, one-sided, the way RDMA do
 
 * ``Transport`` is a class a plugin registers; ``probe()`` says whether it can run here.
 * ``Transport.open_endpoint()`` gives an ``Endpoint``: it registers local regions
-  (``register`` returns a per-region descriptor the peer needs), describes itself for the
-  link handshake (``describe``) and connects to a peer endpoint (``connect``).
+  (``register`` returns the :class:`RegionDescriptor` a peer needs), describes itself for the
+  link handshake (``describe``: an :class:`EndpointDescriptor`) and connects to a peer endpoint
+  (``connect``).  A descriptor is a frozen value: the transport's name, the version of its own
+  payload format and the payload, opaque bytes to llmdd, at most :data:`MAX_PAYLOAD_BYTES`
+  (each transport encodes its own, e.g. :func:`llmdd.lowlevel.encode_payload`).  A transport
+  refuses (:class:`Refused`) a descriptor of another transport or of a newer version than it
+  reads (:meth:`EndpointDescriptor.payload_for`).  What the control plane adds is typed too:
+  the capability it granted a link travels as :attr:`EndpointDescriptor.capability`.
 * A ``Channel`` performs batched ``read(ops)`` (remote -> local, a pull) and ``write(ops)``
   (local -> remote, a push). ``ops`` is always a numpy array of :data:`OP_DTYPE`; no
   per-op Python object crosses the seam.
 * Each batch returns a ``Completion`` (``done``, ``wait``, ``error``, ``cancel``).
 
-The promise of a ``Completion`` (docs/concepts.md, "What done means"): once ``wait``
-returned with an error, or once ``cancel()`` returned, no byte of that batch is written into
-local memory any more: the transport drains or kills its I/O first (sockets shut down and
-worker threads joined for the tcp transport).
+The contract of a batch, stated once (the :class:`Channel` and :class:`Completion` docstrings and
+docs/writing-a-transport.md refer here):
+
+* **One refusal path.**  ``read()`` and ``write()`` never raise a ``TransportError``: every refusal
+  (ops that are not :data:`OP_DTYPE`, a region not registered, not granted or out of bounds, a
+  closed channel or endpoint, a deadline already past) and every failure is reported by the returned
+  completion's ``error``, and a refused batch moves nothing.
+* **The deadline is the transport's.**  A batch finishes by the deadline it was given: when it
+  passes, the transport fails the batch with :class:`TransportTimeout` and drains it, at the latest
+  inside ``wait`` (``wait()`` without a timeout therefore returns by the deadline plus the drain).
+  The caller waits on the completion; it adds no deadline arithmetic of its own.
+* **Nothing lands after an error** (docs/concepts.md, "What done means"): once ``wait`` returned with
+  an error, or once ``cancel()`` returned, no byte of that batch is written into local memory any
+  more: the transport drains or kills its I/O first (sockets shut down and worker threads joined for
+  the tcp transport).
 
 Deadlines are absolute ``time.monotonic()`` values. Errors are typed, subclasses of
 :class:`llmdd._base.status.TransportError` carrying upstream status codes.
@@ -25,62 +42,30 @@ Deadlines are absolute ``time.monotonic()`` values. Errors are typed, subclasses
 from __future__ import annotations
 
 import abc
-import functools
-import threading
-import time
-from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
 import attrs
 
-from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
-from llmdd._base.log import get_logger
-from llmdd._base.status import LLMStatusCode, TransportError
+from llmdd._base.backing import SharedSegment
+from llmdd._base.status import TransportError
+from llmdd._seam.errors import Refused
+
+if TYPE_CHECKING:
+    from llmdd._base.lazy import np
 
 __all__ = [
-    "OP_DTYPE",
     "MemRegion",
+    "SharedSegment",
     "TransportInfo",
-    "TransportTimeout",
-    "PeerGone",
-    "Refused",
-    "Corrupt",
-    "Cancelled",
+    "EndpointDescriptor",
+    "RegionDescriptor",
+    "MAX_PAYLOAD_BYTES",
     "Transport",
     "Endpoint",
     "Channel",
     "Completion",
-    "ThreadCompletion",
-    "DoneCompletion",
-    "RegionTable",
-    "check_ops",
-    "make_ops",
-    "coalesce_ops",
-    "split_ops",
-    "as_ops",
-    "CAPABILITY_KEY",
     "CAPABILITY_BYTES",
 ]
-
-_log = get_logger("llmdd.abc")
-
-#: One op of a batch: (local region, offset, remote region, offset, length), packed (a numpy
-#: dtype, defined when numpy is first used: see llmdd._base.lazy).
-OP_DTYPE: Any
-
-
-@when_numpy_loaded
-def _define_dtypes(numpy: Any) -> None:
-    global OP_DTYPE
-    OP_DTYPE = numpy.dtype([
-        ("local_region", "<u4"),
-        ("local_offset", "<u8"),
-        ("remote_region", "<u4"),
-        ("remote_offset", "<u8"),
-        ("length", "<u8"),
-    ])
-
-
-__getattr__ = numpy_constants(globals(), "OP_DTYPE")
 
 
 # --------------------------------------------------------------------------- value types
@@ -96,8 +81,10 @@ class MemRegion:
     size: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
     remote_accessible: bool = attrs.field(validator=attrs.validators.instance_of(bool))
     placement: int = attrs.field(converter=int)
-    shm_name: Union[str, None] = attrs.field(default=None)
-    shm_offset: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: where the range also lives, as the memory layer states it (``None``: nowhere else); a
+    #: same-host transport may map that segment, any other transport ignores it
+    backing: Union[SharedSegment, None] = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(SharedSegment)))
 
 
 @attrs.frozen(kw_only=True)
@@ -110,213 +97,88 @@ class TransportInfo:
     details: Mapping[str, Any] = attrs.field(factory=dict)
 
 
-# --------------------------------------------------------------------------- errors
+#: the most payload bytes a descriptor carries: checked when a descriptor is built, so a peer's
+#: descriptor is bounded before any work proportional to its size (decoding, mapping)
+MAX_PAYLOAD_BYTES = 64 * 1024
+#: the longest transport name
+MAX_TRANSPORT_NAME = 64
+#: bytes in a capability (256 bits from :mod:`secrets`)
+CAPABILITY_BYTES = 32
 
 
-class _TypedTransportError(TransportError):
-    default_status: ClassVar[LLMStatusCode] = LLMStatusCode.LLM_FAILED
-
-    def __init__(self, *args: Any, status_code: Union[LLMStatusCode, None] = None) -> None:
-        super().__init__(*args, status_code=status_code if status_code is not None else self.default_status)
+def _u32(_inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not int or not 0 <= value < 2**32:
+        raise Refused(f"descriptor {attribute.name} must be an int in [0, 2**32), got {value!r}")
 
 
-class TransportTimeout(_TypedTransportError):
-    """The batch did not finish by its deadline (upstream: ``LLM_TIMEOUT``)."""
-
-    default_status = LLMStatusCode.LLM_TIMEOUT
-
-
-class PeerGone(_TypedTransportError):
-    """The peer closed, crashed or became unreachable (upstream: ``LLM_LINK_FAILED``)."""
-
-    default_status = LLMStatusCode.LLM_LINK_FAILED
+def _name(_inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not str or not 0 < len(value) <= MAX_TRANSPORT_NAME:
+        raise Refused(f"descriptor {attribute.name} must be a str of 1..{MAX_TRANSPORT_NAME} characters, "
+                      f"got {value!r:.80}")
 
 
-class Refused(_TypedTransportError):
-    """An op names a region or range that its owner does not grant; nothing was moved.
-
-    Status ``LLM_PARAM_INVALID``: a transport sees regions and byte ranges, not caches.
-    A refused op is a bad address in the request (a block index or offset out of range,
-    a region that is not registered or not remote-accessible), which is what upstream
-    reports as ``LLM_PARAM_INVALID`` for a bad block index. ``LLM_KV_CACHE_NOT_EXIST``
-    belongs to the cache layer above, which knows cache ids and keys and maps a missing
-    cache to it before any op is built. Callers may still pass another ``status_code``
-    (e.g. ``LLM_LINK_FAILED`` for a failed authentication).
-    """
-
-    default_status = LLMStatusCode.LLM_PARAM_INVALID
+def _payload(_inst: Any, attribute: Any, value: Any) -> None:
+    if type(value) is not bytes:
+        raise Refused(f"descriptor payload must be bytes, got {type(value).__name__}")
+    if len(value) > MAX_PAYLOAD_BYTES:
+        raise Refused(f"descriptor payload of {len(value)} bytes exceeds {MAX_PAYLOAD_BYTES}")
 
 
-class Corrupt(_TypedTransportError):
-    """The peer sent something that breaks the protocol (upstream: ``LLM_FAILED``)."""
-
-    default_status = LLMStatusCode.LLM_FAILED
+#: the shortest and longest capability a descriptor carries (the link manager mints CAPABILITY_BYTES)
+MIN_CAPABILITY_BYTES, MAX_CAPABILITY_BYTES = 16, 64
 
 
-class Cancelled(_TypedTransportError):
-    """The batch was cancelled (``cancel()``, channel or endpoint closed, region deregistered).
-
-    Upstream has no "cancelled" code; ``LLM_FAILED`` is what its engine reports for an
-    interrupted transfer.
-    """
-
-    default_status = LLMStatusCode.LLM_FAILED
+def _capability(_inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (type(value) is not bytes
+                              or not MIN_CAPABILITY_BYTES <= len(value) <= MAX_CAPABILITY_BYTES):
+        raise Refused(f"a capability is bytes, {MIN_CAPABILITY_BYTES}..{MAX_CAPABILITY_BYTES} long")
 
 
-# --------------------------------------------------------------------------- op helpers
+@attrs.frozen(kw_only=True)
+class _Descriptor:
+    transport: str = attrs.field(validator=_name)
+    version: int = attrs.field(validator=_u32)
+    payload: bytes = attrs.field(validator=_payload, repr=lambda p: f"<{len(p)} bytes>")
+
+    def payload_for(self, transport: str, version: int) -> bytes:
+        """The payload, once this descriptor is found to be ``transport``'s and of a version it reads
+        (``version`` or older); raises :class:`Refused` with the reason otherwise."""
+        if self.transport != transport:
+            raise Refused(f"a {self.transport!r} descriptor given to the {transport!r} transport")
+        if self.version > version:
+            raise Refused(f"{transport} descriptor version {self.version} is newer than this side reads "
+                          f"(at most {version})")
+        return self.payload
 
 
-#: batches of at most this many ops are checked with plain Python integers
-_SMALL_BATCH = 8
+@attrs.frozen(kw_only=True)
+class EndpointDescriptor(_Descriptor):
+    """What ``Endpoint.describe()`` returns and ``Endpoint.connect()`` takes: how to reach an endpoint.
+
+    ``transport``, ``version`` and ``payload`` are the transport's own (the payload is opaque to
+    llmdd).  ``capability`` is the data-port capability the holder presents (see
+    :attr:`Endpoint.capabilities`): the link manager adds the one the endpoint's owner granted to
+    the link before the peer connects; an endpoint with capabilities that does not serve links only
+    puts its own in ``describe()`` (tools and tests wiring endpoints directly); otherwise ``None``.
+    Its repr never shows it."""
+
+    capability: Union[bytes, None] = attrs.field(default=None, validator=_capability, repr=False)
 
 
-class RegionTable:
-    """An immutable snapshot ``region_id -> size`` kept as sorted numpy arrays.
-
-    Endpoints rebuild it on register/deregister (rare) so that validating a batch is a few
-    vectorised numpy calls, whatever its length.
-    """
-
-    __slots__ = ("ids", "sizes", "by_id", "private")
-
-    def __init__(self, sizes: Union[Mapping[int, Any], Iterable[tuple[int, Any]]] = (), *,
-                 private: Sequence[int] = ()) -> None:
-        items = sorted((int(k), int(v.size if hasattr(v, "size") else v)) for k, v in dict(sizes).items())
-        self.ids = np.fromiter((k for k, _ in items), dtype=np.int64, count=len(items))
-        self.sizes = np.fromiter((v for _, v in items), dtype=np.uint64, count=len(items))
-        #: the same table as a dict, for batches of a few ops (no numpy fixed costs)
-        self.by_id = dict(items)
-        #: ids registered by the owner but not remote-accessible: refused as such, not as "not registered"
-        self.private = frozenset(int(k) for k in private)
-
-    def _missing(self, side: str, rid: int) -> Refused:
-        """The one refusal for an op naming a region outside this table."""
-        if rid in self.private:
-            return Refused(f"{side} region {rid} is not remote-accessible")
-        return Refused(f"{side} region {rid} is not registered")
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __contains__(self, region_id: object) -> bool:
-        i = int(np.searchsorted(self.ids, region_id))
-        return i < len(self.ids) and int(self.ids[i]) == region_id
-
-    def check(self, ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, side: str) -> None:
-        """Raise :class:`Refused` unless every ``(id, offset, length)`` lies inside its region."""
-        n = len(ids)
-        if not n:
-            return
-        if n <= _SMALL_BATCH:
-            # plain integer compares: same checks, same messages, without numpy's per-call costs
-            by_id = self.by_id
-            for i, (rid, off, ln) in enumerate(zip(ids.tolist(), offsets.tolist(), lengths.tolist())):
-                size = by_id.get(rid)
-                if size is None:
-                    raise self._missing(side, rid)
-                if off < 0 or ln < 0 or off > size or ln > size - off:
-                    raise Refused(f"{side} op {i} out of bounds: region {rid} offset {off % 2**64} "
-                                  f"length {ln % 2**64} size {size}")
-            return
-        ids = ids.astype(np.int64, copy=False)
-        if not len(self.ids):
-            raise self._missing(side, int(ids[0]))
-        pos = np.searchsorted(self.ids, ids)
-        np.minimum(pos, len(self.ids) - 1, out=pos)
-        found = self.ids[pos] == ids
-        if not found.all():
-            raise self._missing(side, int(ids[np.argmin(found)]))
-        size = self.sizes[pos]
-        offsets = offsets.astype(np.uint64, copy=False)
-        lengths = lengths.astype(np.uint64, copy=False)
-        inside = offsets <= size
-        # size - offsets is only evaluated (and only meaningful) where offsets <= size
-        ok = inside & (lengths <= np.where(inside, size - np.minimum(offsets, size), 0))
-        if not ok.all():
-            i = int(np.argmin(ok))
-            raise Refused(f"{side} op {i} out of bounds: region {int(ids[i])} offset {int(offsets[i])} "
-                          f"length {int(lengths[i])} size {int(size[i])}")
-
-
-def _as_table(regions: Union[RegionTable, Mapping[int, Any]]) -> RegionTable:
-    return regions if isinstance(regions, RegionTable) else RegionTable(regions)
-
-
-def as_ops(ops: Any) -> np.ndarray:
-    """Return ``ops`` as a 1-d C-contiguous array of :data:`OP_DTYPE` (no copy when it already is)."""
-    if type(ops) is np.ndarray and ops.dtype is OP_DTYPE and ops.ndim == 1 and ops.flags.c_contiguous:
-        return ops
-    arr = np.asarray(ops)
-    if arr.dtype != OP_DTYPE:
-        raise Refused(f"ops must be a numpy array of OP_DTYPE, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr.reshape(-1))
-
-
-def check_ops(ops: Any, local_regions: Union[RegionTable, Mapping[int, Any]],
-              remote_regions: Union[RegionTable, Mapping[int, Any]]) -> np.ndarray:
-    """Validate every op against both sides' region bounds before a byte moves.
-
-    ``local_regions`` / ``remote_regions`` map region id -> size (an int or anything with
-    ``.size``, e.g. a :class:`MemRegion`), or are :class:`RegionTable` snapshots.
-    Returns the ops as a contiguous :data:`OP_DTYPE` array; raises :class:`Refused`.
-    """
-    arr = as_ops(ops)
-    _as_table(local_regions).check(arr["local_region"], arr["local_offset"], arr["length"], "local")
-    _as_table(remote_regions).check(arr["remote_region"], arr["remote_offset"], arr["length"], "remote")
-    return arr
-
-
-def make_ops(local_region: Any, local_offset: Any, remote_region: Any, remote_offset: Any,
-             length: Any) -> np.ndarray:
-    """Build an :data:`OP_DTYPE` array from scalars or arrays (broadcast)."""
-    cols = np.broadcast_arrays(*(np.asarray(x) for x in
-                                 (local_region, local_offset, remote_region, remote_offset, length)))
-    out = np.empty(cols[0].size, dtype=OP_DTYPE)
-    for name, col in zip(OP_DTYPE.names, cols):
-        out[name] = col.reshape(-1)
-    return out
-
-
-def coalesce_ops(ops: np.ndarray, *, sort: bool = True) -> np.ndarray:
-    """Merge ops that continue each other on both sides into one op (vectorised).
-
-    With ``sort`` the batch is first ordered by (remote region, remote offset, local region,
-    local offset): ops of a batch are unordered, and block tables that are runs on both
-    sides then merge into a few large ops. Zero-length ops are dropped.
-    """
-    ops = ops[ops["length"] > 0]
-    if len(ops) < 2:
-        return np.ascontiguousarray(ops)
-    if sort:
-        order = np.lexsort((ops["local_offset"], ops["local_region"], ops["remote_offset"], ops["remote_region"]))
-        ops = ops[order]
-    lr, lo, rr, ro, ln = (ops[n] for n in ("local_region", "local_offset", "remote_region", "remote_offset", "length"))
-    cont = ((lr[1:] == lr[:-1]) & (rr[1:] == rr[:-1])
-            & (lo[:-1] + ln[:-1] == lo[1:]) & (ro[:-1] + ln[:-1] == ro[1:]))
-    if not cont.any():
-        return np.ascontiguousarray(ops)
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
-    out = ops[starts].copy()
-    out["length"] = np.add.reduceat(ln, starts)
-    return out
-
-
-def split_ops(ops: np.ndarray, parts: int) -> list[np.ndarray]:
-    """Split ``ops`` into at most ``parts`` consecutive slices of about equal bytes."""
-    if parts <= 1 or len(ops) < 2:
-        return [ops]
-    ends = np.cumsum(ops["length"], dtype=np.uint64)
-    total = int(ends[-1])
-    cuts = np.searchsorted(ends, [total * k // parts for k in range(1, parts)], side="left") + 1
-    cuts = np.unique(np.clip(cuts, 1, len(ops) - 1))
-    return [p for p in np.split(ops, cuts) if len(p)]
+@attrs.frozen(kw_only=True)
+class RegionDescriptor(_Descriptor):
+    """What ``Endpoint.register()`` returns and ``Channel.add_remote_region()`` takes: how a peer
+    reaches one region (the transport's own encoding, opaque to llmdd)."""
 
 
 # --------------------------------------------------------------------------- completions
 
 
 class Completion(abc.ABC):
-    """The outcome of one batch: ``done()``, ``wait(timeout)``, ``error``, ``cancel()``."""
+    """The outcome of one batch: ``done()``, ``wait(timeout)``, ``error``, ``cancel()``.
+
+    Its semantics are the seam's batch contract (this module's docstring): the only way a batch's
+    refusal or failure is reported, finished by the batch's deadline, nothing landing after an error."""
 
     @abc.abstractmethod
     def done(self) -> bool:
@@ -324,11 +186,9 @@ class Completion(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, timeout: Union[float, None] = None) -> bool:
-        """Block up to ``timeout`` seconds (``None``: until done); return ``done()``.
-
-        A batch never outlives its deadline: when the deadline passes during ``wait``,
-        the batch is failed with :class:`TransportTimeout` and drained before ``wait`` returns.
-        """
+        """Block up to ``timeout`` seconds (``None``: until done, which is by the batch's deadline);
+        return ``done()``.  When the deadline passes during ``wait`` the batch is failed with
+        :class:`TransportTimeout` and drained before ``wait`` returns."""
 
     @property
     @abc.abstractmethod
@@ -340,212 +200,6 @@ class Completion(abc.ABC):
         """Stop the batch; when this returns no byte of it is written any more. No-op when done."""
 
 
-class DoneCompletion(Completion):
-    """An already finished batch (synchronous transports, inline small batches)."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: Union[TransportError, None] = None) -> None:
-        self._error = error
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: Union[float, None] = None) -> bool:
-        return True
-
-    @property
-    def error(self) -> Union[TransportError, None]:
-        return self._error
-
-    def cancel(self) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return f"<DoneCompletion error={self._error!r}>"
-
-
-def _wrap_error(exc: BaseException) -> TransportError:
-    if isinstance(exc, TransportError):
-        return exc
-    if isinstance(exc, (ConnectionError, EOFError)):  # reset, broken pipe, refused, aborted
-        return PeerGone(f"peer connection lost: {exc!r}")
-    if isinstance(exc, (TimeoutError,)):
-        return TransportTimeout(f"transport worker timed out: {exc!r}")
-    return Corrupt(f"transport worker failed: {exc!r}")
-
-
-class ThreadCompletion(Completion):
-    """A batch run by one or more workers; reusable by any transport.
-
-    ``workers`` are callables, each run in its own daemon thread, or, with ``pool``, the first in
-    the thread that calls :meth:`start` and the others handed to ``pool(fn)`` (a persistent thread
-    pool's submit: no thread start per batch).  ``abort`` must make every worker return promptly
-    (shut its sockets down, set a flag it checks between chunks); it is called once, on the first
-    worker error, on :meth:`cancel`, and when ``deadline`` passes during :meth:`wait`.  ``on_done``
-    runs once, after every worker has returned and before ``done()`` turns true (release resources
-    there; :attr:`recorded_error` is the batch's error then).  The first error wins, except that an
-    error set by :meth:`fail` (cancel, deadline, deregistration) wins over what the aborted workers
-    raise.  A worker's exception becomes a typed error through ``map_error`` (default: a
-    :class:`~llmdd.lowlevel.TransportError` as it is, a lost connection :class:`PeerGone`, a timeout
-    :class:`TransportTimeout`, anything else :class:`Corrupt`); an interrupt (``KeyboardInterrupt``)
-    fails the batch :class:`Cancelled` and, in the caller's own part, goes on.  With ``start=False``
-    nothing runs before :meth:`start` (publish the completion first, e.g. where a concurrent
-    deregistration finds it).
-    """
-
-    def __init__(self, workers: Sequence[Callable[[], None]], *, deadline: Union[float, None] = None,
-                 abort: Union[Callable[[], None], None] = None,
-                 on_done: Union[Callable[["ThreadCompletion"], object], None] = None,
-                 name: str = "llmdd-io",
-                 pool: Union[Callable[[Callable[[], None]], Any], None] = None,
-                 map_error: Union[Callable[[BaseException], TransportError], None] = None,
-                 start: bool = True) -> None:
-        self._deadline = deadline
-        self._abort = abort
-        self._on_done = on_done
-        self._name = name
-        self._pool = pool
-        self._map_error = map_error if map_error is not None else _wrap_error
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._error: Union[TransportError, None] = None
-        self._forced: Union[TransportError, None] = None
-        self._aborted = False
-        self._pending = len(workers)
-        self._workers: list = list(workers)
-        self._threads: list[threading.Thread] = []
-        self._runners: set[int] = set()   # pool mode: idents of the threads running a part now
-        if start:
-            self.start()
-
-    def start(self) -> "ThreadCompletion":
-        """Run the workers (once); returns self, which may already be done (pool mode)."""
-        workers, self._workers = self._workers, []
-        if not workers:
-            if self._pending == 0 and not self._done.is_set():
-                self._finish()
-            return self
-        if self._pool is None:
-            self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{self._name}-{i}", daemon=True)
-                             for i, w in enumerate(workers)]
-            for t in self._threads:
-                t.start()
-            return self
-        for w in workers[1:]:
-            self._pool(functools.partial(self._run, w))
-        self._run(workers[0], inline=True)
-        return self
-
-    @property
-    def recorded_error(self) -> Union[TransportError, None]:
-        """The error recorded so far (what ``error`` will be; readable in ``on_done``)."""
-        return self._error
-
-    # worker side
-    def _run(self, work: Callable[[], None], inline: bool = False) -> None:
-        me = threading.get_ident()
-        if self._pool is not None:
-            with self._lock:
-                self._runners.add(me)
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
-            if isinstance(exc, Exception):
-                self._record(self._map_error(exc))
-            else:
-                self._record(Cancelled(f"interrupted: {exc!r}"))
-                if inline:
-                    raise
-        finally:
-            with self._lock:
-                self._runners.discard(me)
-                self._pending -= 1
-                last = self._pending == 0
-            if last:
-                self._finish()
-
-    def _record(self, err: TransportError) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = err
-        self._do_abort()
-
-    def _do_abort(self) -> None:
-        with self._lock:
-            if self._aborted:
-                return
-            self._aborted = True
-        if self._abort is not None:
-            try:
-                self._abort()
-            except Exception as exc:  # noqa: BLE001
-                _log.warning("llmdd.transport.abort_failed", error=repr(exc))
-
-    def _finish(self) -> None:
-        with self._lock:
-            if self._forced is not None:
-                self._error = self._forced
-        if self._on_done is not None:
-            try:
-                self._on_done(self)
-            except Exception as exc:  # noqa: BLE001
-                _log.warning("llmdd.transport.on_done_failed", error=repr(exc))
-        self._done.set()
-
-    # caller side
-    def fail(self, err: TransportError) -> None:
-        """Fail the batch with ``err`` (unless already done), abort and drain it."""
-        with self._lock:
-            if self._done.is_set():
-                return
-            if self._forced is None and self._error is None:
-                self._forced = err
-        self._do_abort()
-        self._join()
-
-    def _join(self) -> None:
-        me = threading.current_thread()
-        for t in self._threads:
-            if t is not me:
-                t.join()
-        if me in self._threads:
-            return
-        with self._lock:
-            if me.ident in self._runners:
-                return   # a part failing its own batch: the others drain, it returns
-        self._done.wait()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Union[float, None] = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self._done.is_set():
-            now = time.monotonic()
-            limits = [t for t in (end, self._deadline) if t is not None]
-            until = min(limits) if limits else None
-            if until is not None and now >= until:
-                if self._deadline is not None and now >= self._deadline:
-                    self.fail(TransportTimeout("batch missed its deadline"))
-                    return True
-                return False
-            self._done.wait(None if until is None else until - now)
-        return True
-
-    @property
-    def error(self) -> Union[TransportError, None]:
-        return self._error if self._done.is_set() else None
-
-    def cancel(self) -> None:
-        if not self._done.is_set():
-            self.fail(Cancelled("batch cancelled"))
-
-    def __repr__(self) -> str:
-        state = "done" if self._done.is_set() else "running"
-        return f"<ThreadCompletion {state} error={self.error!r}>"
-
-
 # --------------------------------------------------------------------------- the seam
 
 
@@ -553,7 +207,7 @@ class Channel(abc.ABC):
     """A connection from a local endpoint to one peer endpoint."""
 
     @abc.abstractmethod
-    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
         """Learn a peer region from the descriptor its owner's ``Endpoint.register`` returned."""
 
     @abc.abstractmethod
@@ -562,12 +216,13 @@ class Channel(abc.ABC):
 
     @abc.abstractmethod
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        """Pull: copy ``remote -> local`` for every op. Raises :class:`Refused` for ops that fail
-        :func:`check_ops`; other failures arrive through the completion."""
+        """Pull: copy ``remote -> local`` for every op, by ``deadline`` (absolute ``time.monotonic()``).
+        Never raises a ``TransportError``: a refusal (ops failing :func:`check_ops`, a closed channel...)
+        and any failure are the completion's ``error`` (the batch contract, this module's docstring)."""
 
     @abc.abstractmethod
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        """Push: copy ``local -> remote`` for every op (same error rules as :meth:`read`)."""
+        """Push: copy ``local -> remote`` for every op (same contract as :meth:`read`)."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -582,11 +237,11 @@ class Endpoint(abc.ABC):
     """One local attachment point of a transport: registrations, a listener, channels."""
 
     @abc.abstractmethod
-    def describe(self) -> dict:
-        """JSON-able (str/int/bool/bytes/list/dict) description sent in the link handshake."""
+    def describe(self) -> EndpointDescriptor:
+        """This endpoint's descriptor, sent in the link handshake (its ``capability`` is ``None``)."""
 
     @abc.abstractmethod
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         """Register a local region; return the descriptor a peer passes to ``add_remote_region``."""
 
     @abc.abstractmethod
@@ -595,8 +250,10 @@ class Endpoint(abc.ABC):
         returns the transport never touches the memory again."""
 
     @abc.abstractmethod
-    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> Channel:
-        """Open a channel to the endpoint that ``peer`` (its ``describe()``) names."""
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> Channel:
+        """Open a channel to the endpoint that ``peer`` (its ``describe()``, with the capability the
+        peer granted when it has ``capabilities``) names; :class:`Refused` for a foreign or newer
+        descriptor."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -609,8 +266,8 @@ class Endpoint(abc.ABC):
     # -------------------------------------------------------------- per-link capabilities
     #: True when this endpoint serves a data connection only to a peer that presents a capability
     #: granted with :meth:`grant` (the tcp transport).  The link manager then mints one capability
-    #: per link and incarnation, grants it here, and sends it to the peer inside this endpoint's
-    #: descriptor under :data:`CAPABILITY_KEY`; the peer's ``connect`` finds it there.  False (the
+    #: per link and incarnation, grants it here, and sends it to the peer beside this endpoint's
+    #: descriptor; the peer's ``connect`` finds it in :attr:`EndpointDescriptor.capability`.  False (the
     #: default): the transport has another trust boundary (docs/transports.md) and these calls are
     #: no-ops.
     capabilities: ClassVar[bool] = False
@@ -633,6 +290,11 @@ class Endpoint(abc.ABC):
         closed, and when this returns no request of theirs touches memory any more. Idempotent."""
 
     # -------------------------------------------------------------- a listener that cannot continue
+    def listen_address(self) -> Union[tuple[str, int], None]:
+        """The ``(host, port)`` this endpoint's own listener (a data port) serves, for the engine's
+        records and ``llmdd doctor``; ``None`` (the default) for an endpoint without one."""
+        return None
+
     def on_listener_failed(self, callback: Callable[[str], None]) -> None:
         """Have ``callback(error)`` called once if this endpoint's own listener (a data port) cannot
         continue: it then accepts nothing more.  The call comes from the endpoint's own thread and
@@ -641,11 +303,6 @@ class Endpoint(abc.ABC):
         next link.  Default: never called (an endpoint without a listener of its own)."""
 
 
-#: the key under which a descriptor exchanged in the link handshake carries the capability that its
-#: owner granted to that link (see :attr:`Endpoint.capabilities`)
-CAPABILITY_KEY = "capability"
-#: bytes in a capability (256 bits from :mod:`secrets`)
-CAPABILITY_BYTES = 32
 
 
 class Transport(abc.ABC):
@@ -670,3 +327,4 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> Endpoint:
         """Open an endpoint bound to ``host`` only; ``secret`` makes peers authenticate."""
+

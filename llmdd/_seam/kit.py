@@ -29,7 +29,9 @@ from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar
 
 from llmdd._base.lazy import np  # numpy at its first use: an idle engine needs none
 
-from llmdd._seam.abc import Cancelled, Corrupt, PeerGone, RegionTable, Refused, TransportTimeout, check_ops
+from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, Refused, TransportTimeout
+
+from llmdd._seam.ops import RegionTable, check_ops
 from llmdd._base.status import LLMStatusCode, TransportError
 
 __all__ = ["RegisteredRegion", "RegionRegistry", "Batch", "BatchSet", "map_os_error"]

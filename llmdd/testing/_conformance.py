@@ -36,23 +36,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
+import pickle
 import multiprocessing
 import threading
 import time
 from typing import Any, Callable, ContextManager, Iterator, Union
 
+import attrs
 import numpy as np
 
-from llmdd._seam.abc import (
-    OP_DTYPE,
-    Completion,
-    MemRegion,
-    PeerGone,
-    Refused,
-    TransportTimeout,
-    make_ops,
-)
+from llmdd._seam.abc import MAX_PAYLOAD_BYTES, EndpointDescriptor, RegionDescriptor, Completion, MemRegion
+
+from llmdd._seam.errors import PeerGone, Refused, TransportTimeout
+
+from llmdd._seam.ops import OP_DTYPE, make_ops
 from llmdd._base.enums import Placement
 from llmdd._base.status import TransportError
 
@@ -73,7 +70,7 @@ class _Side:
         self.ep = ep
         self.rng = np.random.default_rng(seed)
         self.bufs: dict[int, np.ndarray] = {}
-        self.descs: dict[int, dict] = {}
+        self.descs: dict[int, RegionDescriptor] = {}
 
     def region(self, rid: int, size: int, *, remote: bool = True, fill: Union[str, int] = "random") -> np.ndarray:
         buf = np.empty(size, dtype=np.uint8)
@@ -107,12 +104,21 @@ def _learn(ch: Any, side: _Side, rid: int, size: Union[int, None] = None) -> Non
     ch.add_remote_region(rid, len(side.bufs[rid]) if size is None else size, side.descs[rid])
 
 
-def _run(fn: Callable[..., Completion], ops: np.ndarray, timeout: float = 5.0) -> Union[TransportError, None]:
-    """Submit, wait, return the error: a refusal may be raised at submit or reported later."""
+def _submit(fn: Callable[..., Completion], ops: np.ndarray, deadline: float) -> Completion:
+    """Submit a batch.  The seam's one refusal path: read()/write() never raise a TransportError, every
+    failure (a refusal, a closed channel, a past deadline) is the returned completion's error."""
     try:
-        c = fn(ops, deadline=time.monotonic() + timeout)
+        c = fn(ops, deadline=deadline)
     except TransportError as exc:
-        return exc
+        raise AssertionError(f"{getattr(fn, '__name__', 'submit')}() raised {exc!r}: the seam reports every "
+                             "refusal and failure through the returned completion") from None
+    assert isinstance(c, Completion), f"{getattr(fn, '__name__', 'submit')}() returned {c!r}, not a Completion"
+    return c
+
+
+def _run(fn: Callable[..., Completion], ops: np.ndarray, timeout: float = 5.0) -> Union[TransportError, None]:
+    """Submit, wait, return the completion's error."""
+    c = _submit(fn, ops, time.monotonic() + timeout)
     assert c.wait(timeout + 5.0), "completion did not finish after its deadline"
     assert c.done()
     return c.error
@@ -142,14 +148,44 @@ def _expect_copied(ops: np.ndarray, dst: dict, src: dict, *, read: bool) -> None
 # --------------------------------------------------------------------------- checks
 
 
+def _refused(fn: Callable[[], Any], what: str) -> None:
+    try:
+        got = fn()
+    except Refused:
+        return
+    except TransportError as exc:
+        raise AssertionError(f"{what}: expected Refused, got {exc!r}") from None
+    close = getattr(got, "close", None)
+    if close is not None:
+        close()
+    raise AssertionError(f"{what} was accepted")
+
+
 def check_describe_and_connect(make_pair: MakePair) -> None:
-    """describe() is JSON-able (bytes allowed); both directions connect; statistics are dicts."""
+    """describe() and register() return frozen descriptors (the transport's name, a version, an opaque
+    payload of at most MAX_PAYLOAD_BYTES) that survive pickling (they cross processes); both directions
+    connect; a descriptor of another transport or of a newer version is refused with Refused, at
+    connect and at add_remote_region; statistics are dicts."""
     with _pair(make_pair) as (a, b, ch):
         for side in (a, b):
             d = side.ep.describe()
-            assert isinstance(d, dict)
-            json.dumps(d, default=lambda o: o.hex() if isinstance(o, bytes) else repr(o))
-            assert all(isinstance(v, (str, int, bool, bytes, list, dict, type(None))) for v in d.values())
+            assert type(d) is EndpointDescriptor, f"describe() returned {type(d).__name__}"
+            assert d.transport and isinstance(d.payload, bytes) and len(d.payload) <= MAX_PAYLOAD_BYTES
+            assert pickle.loads(pickle.dumps(d)) == d
+        b.region(10, 4096)
+        rd = b.descs[10]
+        assert type(rd) is RegionDescriptor and rd.transport == b.ep.describe().transport
+        assert pickle.loads(pickle.dumps(rd)) == rd
+        peer = b.ep.describe()
+        _refused(lambda: a.ep.connect(attrs.evolve(peer, transport=peer.transport + "-other"), timeout=_TIMEOUT),
+                 "connect with another transport's descriptor")
+        _refused(lambda: a.ep.connect(attrs.evolve(peer, version=peer.version + 1), timeout=_TIMEOUT),
+                 "connect with a descriptor of a newer version")
+        _refused(lambda: ch.add_remote_region(10, 4096, attrs.evolve(rd, transport=rd.transport + "-other")),
+                 "add_remote_region with another transport's descriptor")
+        _refused(lambda: ch.add_remote_region(10, 4096, attrs.evolve(rd, version=rd.version + 1)),
+                 "add_remote_region with a descriptor of a newer version")
+        _learn(ch, b, 10)   # control: the descriptor as it was returned is accepted
         back = b.ep.connect(a.ep.describe(), timeout=_TIMEOUT)
         assert isinstance(ch.statistics(), dict) and isinstance(back.statistics(), dict)
         assert isinstance(a.ep.statistics(), dict)
@@ -278,7 +314,7 @@ def check_deadline(make_pair: MakePair, stall: Union[Stall, None] = None) -> Non
         b.region(10, size)
         _learn(ch, b, 10)
         ops = make_ops(1, 0, 10, 0, 4096)
-        err = _run(lambda o, deadline: ch.read(o, deadline=time.monotonic() - 1.0), ops)
+        err = _run(lambda o, deadline: ch.read(o, deadline=deadline - 6.0), ops)   # a deadline 1 s ago
         assert isinstance(err, TransportTimeout), f"past deadline: expected TransportTimeout, got {err!r}"
         assert (a.bufs[1] == _SENTINEL).all()
         if stall is None:
@@ -288,12 +324,8 @@ def check_deadline(make_pair: MakePair, stall: Union[Stall, None] = None) -> Non
             with stall(b.ep):
                 t0 = time.monotonic()
                 deadline = t0 + 0.5
-                got: Union[TransportError, str, None]
-                try:
-                    c = ch.read(ops, deadline=deadline)
-                    got = c.error if c.wait(10.0) else "not done"
-                except TransportError as exc:
-                    got = exc
+                c = _submit(ch.read, ops, deadline)
+                got: Union[TransportError, str, None] = c.error if c.wait(10.0) else "not done"
                 took = time.monotonic() - t0
                 assert isinstance(got, TransportTimeout), f"stalled peer, {n} B: got {got!r}"
                 assert took < 0.5 + 2.0, f"stalled peer: failed after {took:.2f}s for a 0.5s deadline"
@@ -333,7 +365,8 @@ def check_peer_close(make_pair: MakePair) -> None:
 
 
 def check_double_close(make_pair: MakePair) -> None:
-    """close() of channels and endpoints is idempotent; using a closed channel raises or fails."""
+    """close() of channels and endpoints is idempotent; a batch on a closed channel fails through its
+    completion (read() does not raise)."""
     with _pair(make_pair) as (a, b, ch):
         a.region(1, 4096, fill=0)
         b.region(10, 4096)
@@ -429,8 +462,8 @@ def check_concurrent_batches(make_pair: MakePair) -> None:
 
 
 def check_foreign_descriptor(make_pair: MakePair) -> None:
-    """A region descriptor that a third endpoint returned is refused by a channel to another peer
-    (at ``add_remote_region`` or at the batch), and no byte moves to or from either endpoint."""
+    """A region descriptor that a third endpoint returned is refused by a channel to another peer at
+    ``add_remote_region`` (Refused), and no byte moves to or from either endpoint."""
     with _pair(make_pair) as (a, b, ch):
         c_ep, d_ep = make_pair()
         c, d = _Side(c_ep, 3), _Side(d_ep, 4)
@@ -439,16 +472,11 @@ def check_foreign_descriptor(make_pair: MakePair) -> None:
             b.region(10, 1 << 16, fill=_SENTINEL)
             c.region(10, 1 << 16)              # the same region id, at another endpoint
             want = c.bufs[10].copy()
-            try:
-                ch.add_remote_region(10, 1 << 16, c.descs[10])
-            except Refused:
-                pass
-            else:
-                for fn in (ch.read, ch.write):
-                    err = _run(fn, make_ops(1, 0, 10, 0, 4096))
-                    if err is None:
-                        raise AssertionError("a batch through a descriptor of a foreign endpoint succeeded")
-                    assert isinstance(err, TransportError), f"foreign descriptor: got {err!r}"
+            _refused(lambda: ch.add_remote_region(10, 1 << 16, c.descs[10]),
+                     "add_remote_region with a descriptor of a third endpoint")
+            for fn in (ch.read, ch.write):   # the region stays unknown: batches naming it are refused
+                err = _run(fn, make_ops(1, 0, 10, 0, 4096))
+                assert isinstance(err, Refused), f"a batch naming a refused region: got {err!r}"
             assert (a.bufs[1] == _SENTINEL).all(), "bytes of the foreign endpoint landed locally"
             assert (b.bufs[10] == _SENTINEL).all(), "the peer's region changed"
             assert np.array_equal(c.bufs[10], want), "the foreign endpoint's region changed"

@@ -6,7 +6,7 @@ import time
 from typing import Optional
 
 from llmdd import LLMConfig, LLMDataDist, LLMRole
-from llmdd.abc import Endpoint, Transport, TransportInfo
+from llmdd.abc import Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.plugin import hookimpl
 from llmdd._control.protocol import messages as m
 
@@ -37,11 +37,11 @@ class _IdleEndpoint(Endpoint):
     def __init__(self) -> None:
         type(self).opened += 1
 
-    def describe(self) -> dict:
-        return {"idle": True}
+    def describe(self) -> EndpointDescriptor:
+        return EndpointDescriptor(transport="unusable", version=1, payload=b"idle")
 
-    def register(self, region) -> dict:
-        return {}
+    def register(self, region) -> RegionDescriptor:
+        return RegionDescriptor(transport="unusable", version=1, payload=b"")
 
     def deregister(self, region_id: int) -> None:
         return None
@@ -116,8 +116,16 @@ def transports(state: dict) -> dict:
     """What this engine probed and opened, and the offers a client handshake would carry now."""
     lm = state["dd"]._core.link_manager
     return {"probed": sorted(lm.registry._infos), "open": sorted(lm.endpoints.open),
-            "offers": {o.name: dict(o.descriptor) for o in lm.offers()}, "unusable": sorted(lm.endpoints.unavailable),
+            "offers": {o.name: _offer_view(o) for o in lm.offers()}, "unusable": sorted(lm.endpoints.unavailable),
             "idle_endpoints_opened": _IdleEndpoint.opened}
+
+
+def _offer_view(offer) -> dict:
+    """An offer as the tests read it: ``{"deferred": True}`` when offered by name only, else its descriptor."""
+    if offer.deferred:
+        return {"deferred": True}
+    d = offer.descriptor
+    return {"transport": d.transport, "version": d.version, "payload": d.payload}
 
 
 def timed_link(state: dict, remote: int, port: int) -> dict:

@@ -23,6 +23,7 @@ import pytest
 from llmdd import LLMStatusCode
 from llmdd._control.ioloop import Pool
 from llmdd.plugin import hookimpl
+from llmdd_tcp import endpoint_fields
 from llmdd.testing._harness import peers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -283,7 +284,7 @@ def test_idle_tcp_data_connections_are_cut_by_their_deadline(server):
     extra = {"llmdd.transport": "tcp", "llmdd.tcp.pending_timeout_ms": "800"}
     dd, lm, port, _ = server(extra)
     ep = lm.endpoint("tcp")
-    data_port = ep.describe()["port"]
+    data_port = endpoint_fields(ep.describe()).port
     fds0 = _fds()
     with peers("d", env=ENV) as (d,):
         d.call(P.start, "DECODER", 2, key=False, extra=extra)
@@ -332,7 +333,7 @@ def test_a_full_tcp_data_port_still_takes_a_links_stream(server):
     extra = {"llmdd.transport": "tcp"}
     dd, lm, port, _ = server(extra)
     ep = lm.endpoint("tcp")
-    data_port = ep.describe()["port"]
+    data_port = endpoint_fields(ep.describe()).port
     fds0 = _fds()
     with peers("d", env=ENV) as (d,):
         d.call(P.start, "DECODER", 2, key=False, extra=extra)
@@ -370,7 +371,7 @@ def test_a_tcp_data_port_that_cannot_continue_is_recorded_and_the_next_link_gets
         d.call(P.start, "DECODER", 2, key=False, extra=extra)
         assert d.call(P.link, [(1, HOST, port)]) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         ep = lm.endpoint("tcp")
-        old_port = ep.describe()["port"]
+        old_port = endpoint_fields(ep.describe()).port
         ep._lsock.__class__ = _BrokenListeningSocket   # its next accept fails; closing it still works
         with caplog.at_level("ERROR", logger="llmdd"):
             socket.create_connection((HOST, old_port), timeout=5.0).close()
@@ -390,7 +391,7 @@ def test_a_tcp_data_port_that_cannot_continue_is_recorded_and_the_next_link_gets
         assert state in ("failed", None), state
         d.call(P.unlink, [(1, HOST, port)])
         _good_link(d, port)
-        assert lm.endpoint("tcp").describe()["port"] != old_port
+        assert endpoint_fields(lm.endpoint("tcp").describe()).port != old_port
 
 
 def test_an_io_loop_that_cannot_continue_fails_links_typed_and_is_reported(server):

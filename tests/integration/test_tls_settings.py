@@ -20,6 +20,7 @@ import pytest
 
 from llmdd import LLMException, LLMStatusCode
 from llmdd.testing._harness import peers
+from llmdd_tcp import endpoint_fields
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _peers as P  # noqa: E402
@@ -142,9 +143,11 @@ def _settled(p, base: dict, seconds: float = 10.0) -> dict:
 def _stolen_read(opts: dict, view: dict) -> tuple:
     """Open the owner's data port from this process with ``view``'s capability under ``opts``; read
     the head of every region.  Returns ``(error or None, {region: bytes})``."""
-    from llmdd.abc import CAPABILITY_KEY
-    from llmdd.lowlevel import MemRegion, make_ops
-    from llmdd_tcp import TcpTransport
+    import attrs
+
+    from llmdd.abc import RegionDescriptor
+    from llmdd.lowlevel import MemRegion, encode_payload, make_ops
+    from llmdd_tcp import VERSION, RegionFields, TcpTransport, endpoint_fields
 
     ep = TcpTransport(opts).open_endpoint()
     buf = np.zeros(4096, np.uint8)
@@ -152,12 +155,15 @@ def _stolen_read(opts: dict, view: dict) -> tuple:
         ep.register(MemRegion(region_id=1, addr=buf.ctypes.data, size=buf.size, remote_accessible=False,
                               placement=0))
         try:
-            ch = ep.connect(dict(view["desc"], **{CAPABILITY_KEY: view["capability"]}), timeout=5)
+            ch = ep.connect(attrs.evolve(view["desc"], capability=view["capability"]), timeout=5)
         except Exception as exc:  # noqa: BLE001 - the outcome under test
             return exc, {}
         got = {}
         for rid, (size, head) in view["regions"].items():
-            ch.add_remote_region(rid, size, {})
+            forged = RegionFields(endpoint_id=endpoint_fields(view["desc"]).endpoint_id, region_id=rid, size=size,
+                                  remote_accessible=True)   # what the thief would write for the region
+            ch.add_remote_region(rid, size, RegionDescriptor(transport="tcp", version=VERSION,
+                                                              payload=encode_payload(forged)))
             c = ch.read(make_ops(1, 0, rid, 0, len(head)), deadline=time.monotonic() + 5)
             assert c.wait(10)
             if c.error is not None:
@@ -182,7 +188,7 @@ def test_tls_covers_the_tcp_data_connections(certs):
         _pull_ok(d, 1, 5)
         assert d.call(data_streams, 1) == [(True, None)]      # an IP target and no name: the CA is checked
         view = p.call(data_port_view, 2)
-        assert view["desc"]["tls"] is True and view["regions"]
+        assert endpoint_fields(view["desc"]).tls is True and view["regions"]
         base = p.call(data_usage)
         assert base["tls"] is True
 
@@ -190,7 +196,7 @@ def test_tls_covers_the_tcp_data_connections(certs):
         rng = np.random.default_rng(1405)
         for payload in (bytes(64), rng.integers(0, 256, 512, dtype=np.uint8).tobytes()):
             got = b""
-            with socket.create_connection((HOST, view["desc"]["port"]), timeout=5) as s:
+            with socket.create_connection((HOST, endpoint_fields(view["desc"]).port), timeout=5) as s:
                 s.sendall(payload)
                 s.settimeout(5)
                 with contextlib.suppress(ConnectionResetError):

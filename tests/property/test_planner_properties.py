@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmdd._seam.abc import coalesce_ops
+from llmdd._seam.ops import coalesce_ops
 from llmdd._data.planner import (  # noqa: I001
     last_pair_wins,
     CacheLayout,

@@ -43,11 +43,19 @@ descriptors = st.dictionaries(text, values, max_size=4)
 
 hosts = st.builds(m.HostIdentity, boot_id=text, machine_id=text, uid=i64, pid=i64,
                   namespaces=st.dictionaries(text, text, max_size=3))
-offers = st.builds(m.TransportOffer, name=text, descriptor=descriptors)
+tnames = st.text(min_size=1, max_size=12)
+payloads = st.binary(max_size=64)
+capabilities = st.none() | st.binary(min_size=16, max_size=64)
+tdescs = st.builds(m.TransportDescriptor, transport=tnames, version=u32, payload=payloads)
+offers = (st.builds(lambda n, v, p, c: m.TransportOffer(name=n, descriptor=m.TransportDescriptor(transport=n, version=v,
+                                                                                                payload=p),
+                                                        capability=c), tnames, u32, payloads, capabilities)
+          | st.builds(lambda n: m.TransportOffer(name=n, deferred=True), tnames))
 roles = st.sampled_from(list(LLMRole))
 placements = st.sampled_from(list(Placement))
 regions = st.builds(m.RegionDescriptor, region_id=u32, cache_id=i64, addr=u64, size=u64, placement=placements,
-                    remote_accessible=st.booleans(), transports=descriptors)
+                    remote_accessible=st.booleans(),
+                    transports=st.lists(tdescs, max_size=3, unique_by=lambda d: d.transport).map(tuple))
 keyrefs = st.one_of(
     st.builds(m.KeyRef.for_req, u64, any64),
     st.builds(m.KeyRef.for_prefix, u64, any64),

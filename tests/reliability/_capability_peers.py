@@ -66,14 +66,14 @@ def own_capability(state: dict, peer_cluster_id: int) -> dict:
 
 
 def data_port(state: dict) -> int:
-    return int(state["dd"]._core.link_manager.endpoint("tcp").describe()["port"])
+    from llmdd_tcp import endpoint_fields
+
+    return endpoint_fields(state["dd"]._core.link_manager.endpoint("tcp").describe()).port
 
 
 def describe_has_capability(state: dict) -> bool:
     """Does the engine's tcp endpoint description carry a capability? (It must not: links only.)"""
-    from llmdd.abc import CAPABILITY_KEY
-
-    return CAPABILITY_KEY in state["dd"]._core.link_manager.endpoint("tcp").describe()
+    return state["dd"]._core.link_manager.endpoint("tcp").describe().capability is not None
 
 
 def owner_usage(state: dict) -> dict:

@@ -405,7 +405,9 @@ def tcp_data_endpoint(state: dict) -> dict:
     desc = ep.describe()
     regions = [{"id": r.region_id, "addr": r.addr, "size": r.size, "remote": bool(r.remote_accessible)}
                for r in core.memory.regions.regions()]
-    return {"port": desc["port"], "regions": regions}
+    from llmdd_tcp import endpoint_fields
+
+    return {"port": endpoint_fields(desc).port, "regions": regions}
 
 
 def allocate_status(state: dict, name: str, num_tensors: int, shape: list, keys: tuple = ()) -> str:

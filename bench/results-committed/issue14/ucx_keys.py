@@ -35,13 +35,15 @@ def attacker(conn):
     agent, peer = ep._agent, ch._peer_name
     # everything a linked peer is sent: the description above and both regions' descriptors, whose
     # remote keys (where present) are loaded into NIXL as the channel would
-    for d in (info["acc"], info["noacc"]):
-        if d.get("metadata"):
-            agent.add_remote_agent(bytes(d["metadata"]))
-    out_keys = {"key sent for the remote-accessible region": bool(info["acc"].get("metadata")),
-                "key sent for the region NOT remote-accessible": bool(info["noacc"].get("metadata"))}
+    from llmdd_ucx import region_fields
+    fields = {k: region_fields(info[k]) for k in ("acc", "noacc")}
+    for d in fields.values():
+        if d.metadata:
+            agent.add_remote_agent(d.metadata)
+    out_keys = {"key sent for the remote-accessible region": bool(fields["acc"].metadata),
+                "key sent for the region NOT remote-accessible": bool(fields["noacc"].metadata)}
     out = dict(out_keys)
-    for what, addr in (("remote-accessible region", info["acc"]["addr"]), ("region NOT remote-accessible", info["noacc"]["addr"]),
+    for what, addr in (("remote-accessible region", fields["acc"].addr), ("region NOT remote-accessible", fields["noacc"].addr),
                        ("memory never registered", info["unreg_addr"])):
         dst[:] = 0
         try:
@@ -61,10 +63,13 @@ def attacker(conn):
     from llmdd.lowlevel import make_ops
     try:
         ch.add_remote_region(2, SIZE, info["noacc"])
+        # the seam's one refusal path (issue 17): the refusal is the completion's error, never raised
         c = ch.read(make_ops(9, 0, 2, 0, 64), deadline=time.monotonic() + 5); c.wait(10)
-        out["llmdd channel, region NOT remote-accessible"] = f"error: {c.error!r}"
+        err = c.error
+        out["llmdd channel, region NOT remote-accessible"] = (f"refused: {type(err).__name__}: {err}" if err is not None
+                                                              else f"moved, bytes: {dst[:64].tobytes().hex()}")
     except Exception as exc:
-        out["llmdd channel, region NOT remote-accessible"] = f"refused: {type(exc).__name__}: {exc}"
+        out["llmdd channel, region NOT remote-accessible"] = f"raised: {type(exc).__name__}: {exc}"
     out["ucx tls"] = os.environ.get("UCX_TLS", "(default)")
     conn.send(out)
     ch.close(); ep.close()

@@ -120,8 +120,35 @@ def test_the_suite_fails_a_transport_that_breaks_its_rules(monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(llmdd_pipe.PipeChannel, "add_remote_region", trusting)
-        with pytest.raises(AssertionError, match="foreign endpoint succeeded"):
+        with pytest.raises(AssertionError, match="descriptor of a third endpoint was accepted"):
             check_foreign_descriptor(make_pair)
+
+
+def test_the_suite_fails_a_transport_that_raises_a_refusal_or_reads_a_newer_descriptor(monkeypatch):
+    """Controls for the seam's rules: a read() that raises its refusal (instead of reporting it through the
+    completion) fails check_refusals; a transport that reads a descriptor of a newer version than it knows
+    fails check_describe_and_connect."""
+    checks = {c.__name__: c for c in CONFORMANCE_CHECKS}
+    real_submit = llmdd_pipe.PipeChannel._submit
+
+    def raising(self, kind, ops, deadline):
+        c = real_submit(self, kind, ops, deadline)
+        if c.done() and c.error is not None:
+            raise c.error            # the old second path: refusals raised at submit
+        return c
+
+    with monkeypatch.context() as m:
+        m.setattr(llmdd_pipe.PipeChannel, "_submit", raising)
+        m.setattr(llmdd_pipe.PipeChannel, "read", lambda self, ops, *, deadline: self._submit(1, ops, deadline))
+        with pytest.raises(AssertionError, match="reports every refusal"):
+            checks["check_refusals"](make_pair)
+    with monkeypatch.context() as m:
+        real_decode = llmdd_pipe.decode_payload   # reads whatever version a peer sends
+        m.setattr(llmdd_pipe, "decode_payload",
+                  lambda desc, *, transport, version, type: real_decode(desc, transport=transport, version=2**32 - 1,
+                                                                         type=type))
+        with pytest.raises(AssertionError, match="newer version was accepted"):
+            checks["check_describe_and_connect"](make_pair)
 
 
 def test_the_docs_show_this_source():

@@ -167,8 +167,7 @@ _CLASS_BY_CODE: dict[int, type] = {code: cls for cls, code in MESSAGE_TYPES.item
 #: the bulk notice: neither re-encoded on decode (canonical check) nor decoded on encode (local check)
 _BULK = frozenset({MESSAGE_TYPES[m.ReadDone]})
 #: message types that may hold a descriptor dict (the only ones a lower connection depth limit affects)
-_WITH_DICTS = frozenset(MESSAGE_TYPES[c] for c in (m.Hello, m.Welcome, m.RegionsUpdate, m.TransferRequest,
-                                                    m.TransferReply))
+_WITH_DICTS = frozenset(MESSAGE_TYPES[c] for c in (m.Hello, m.Welcome, m.TransferRequest, m.TransferReply))
 
 # What decoding may raise: all become ProtocolError (ValidationError is a DecodeError; __post_init__
 # checks raise ValueError/TypeError, which msgspec turns into ValidationError).

@@ -32,8 +32,11 @@ Message families
   :class:`TaggedDone` (a tagged transfer ended, acknowledged), each carrying :class:`TransferDone`;
 * generic request/response: :class:`TransferRequest` / :class:`TransferReply`, and :class:`Error`.
 
-Descriptor dicts (``TransportOffer.descriptor``, ``RegionDescriptor.transports``, request bodies)
-hold str, int (-2**63 .. 2**64-1), bytes, bool, float, None, list and dict with str keys, nested at
+Transport descriptors (:class:`TransportDescriptor`, in ``TransportOffer.descriptor`` and
+``RegionDescriptor.transports``) are typed: the transport's name, the version of its payload format
+and the payload, opaque bytes of at most :data:`MAX_DESCRIPTOR_PAYLOAD`; the control plane's own
+facts about an offer (offered ``deferred``, the link's ``capability``) are fields of the offer.
+Descriptor dicts (request bodies, host namespaces) hold str, int (-2**63 .. 2**64-1), bytes, bool, float, None, list and dict with str keys, nested at
 most :data:`MAX_DESCRIPTOR_DEPTH` deep (the top-level dict counts as 1).  Lists decode as ``list``
 (tuples encode as lists).  ``msgspec.structs.replace`` is the way to derive a modified message.
 """
@@ -83,6 +86,7 @@ from llmdd._control.protocol.wire import (
     Wire,
     descriptor_dicts as descriptor_dicts,
 )
+from llmdd._seam.abc import MAX_CAPABILITY_BYTES, MAX_PAYLOAD_BYTES, MAX_TRANSPORT_NAME, MIN_CAPABILITY_BYTES
 
 __all__ = [
     "U8_MAX",
@@ -103,6 +107,7 @@ __all__ = [
     "MAX_NOTICE_BATCH",
     "KeyKind",
     "HostIdentity",
+    "TransportDescriptor",
     "TransportOffer",
     "RegionDescriptor",
     "KeyRef",
@@ -134,6 +139,13 @@ __all__ = [
     "MESSAGE_CLASSES",
     "descriptor_dicts",
 ]
+
+
+MAX_DESCRIPTOR_PAYLOAD = MAX_PAYLOAD_BYTES   # bytes of one transport descriptor's payload (llmdd.abc)
+MAX_REGION_TRANSPORTS = 64   # per-transport descriptors of one region
+TransportName = Annotated[str, Meta(min_length=1, max_length=MAX_TRANSPORT_NAME)]
+Payload = Annotated[bytes, Meta(max_length=MAX_DESCRIPTOR_PAYLOAD)]
+Capability = Annotated[bytes, Meta(min_length=MIN_CAPABILITY_BYTES, max_length=MAX_CAPABILITY_BYTES)]
 
 # --------------------------------------------------------------------------- building blocks
 
@@ -202,19 +214,41 @@ class HostIdentity(Checked, frozen=True, kw_only=True):
         return True
 
 
-def _redacted(descriptor: dict) -> str:
-    """A descriptor's repr without the data-port capability it may carry (llmdd.abc.CAPABILITY_KEY)."""
-    return repr({k: ("<redacted>" if k == "capability" else v) for k, v in descriptor.items()})
+class TransportDescriptor(Checked, frozen=True, kw_only=True):
+    """A transport's descriptor of an endpoint or a region, as the wire carries it: the transport's
+    name, the version of its payload format and the payload (the transport's own bytes, opaque to the
+    control plane; :class:`llmdd.abc.EndpointDescriptor` / :class:`llmdd.abc.RegionDescriptor` on the
+    seam's side)."""
+
+    transport: TransportName
+    version: U32 = 0
+    payload: Payload = b""
+
+    def __repr__(self) -> str:
+        return f"TransportDescriptor(transport={self.transport!r}, version={self.version}, payload=<{len(self.payload)} bytes>)"
 
 
 class TransportOffer(Checked, frozen=True, kw_only=True):
-    """One transport a side can use, with what the peer needs to reach it (address, segment...)."""
+    """One transport a side can use: its endpoint's descriptor, or ``deferred`` (offered by name
+    only: not probed, no endpoint opened; the descriptor follows in a ``link_descriptor`` request
+    when the server picks it), and the data-port ``capability`` the offering side granted the link
+    (transports with per-link capabilities; never shown by repr)."""
 
-    name: Name
-    descriptor: Descriptor = {}
+    name: TransportName
+    descriptor: Optional[TransportDescriptor] = None
+    deferred: bool = False
+    capability: Optional[Capability] = None
+
+    def _check(self) -> None:
+        if self.deferred != (self.descriptor is None):
+            raise InvalidMessage(f"transport offer {self.name!r}: a descriptor exactly when not deferred")
+        if self.descriptor is not None and self.descriptor.transport != self.name:
+            raise InvalidMessage(f"transport offer {self.name!r} carries a {self.descriptor.transport!r} descriptor")
 
     def __repr__(self) -> str:
-        return f"TransportOffer(name={self.name!r}, descriptor={_redacted(self.descriptor)})"
+        cap = "None" if self.capability is None else "<redacted>"
+        return (f"TransportOffer(name={self.name!r}, descriptor={self.descriptor!r}, deferred={self.deferred}, "
+                f"capability={cap})")
 
 
 class RegionDescriptor(Checked, frozen=True, kw_only=True):
@@ -226,7 +260,19 @@ class RegionDescriptor(Checked, frozen=True, kw_only=True):
     size: U64
     placement: Placement = Placement.HOST
     remote_accessible: bool = True
-    transports: Descriptor = {}  # per-transport descriptor
+    # one descriptor per transport the owner registered the region with (distinct transport names)
+    transports: Annotated[tuple[TransportDescriptor, ...], Meta(max_length=MAX_REGION_TRANSPORTS)] = ()
+
+    def _check(self) -> None:
+        if len({d.transport for d in self.transports}) != len(self.transports):
+            raise InvalidMessage(f"region {self.region_id}: two descriptors of one transport")
+
+    def transport(self, name: str) -> Optional[TransportDescriptor]:
+        """The descriptor of transport ``name``, or None."""
+        for d in self.transports:
+            if d.transport == name:
+                return d
+        return None
 
     @property
     def end(self) -> int:

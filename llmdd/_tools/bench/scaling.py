@@ -91,6 +91,7 @@ class _Client:
     def __init__(self, index: int, port: int) -> None:
         from llmdd_tcp import TcpTransport
 
+        from llmdd._control.endpoints import to_wire
         from llmdd._control.protocol import messages as m
         from llmdd._control.protocol.codec import Connection
         from llmdd._control.protocol.handshake import HandshakeConfig, new_incarnation
@@ -103,7 +104,9 @@ class _Client:
         self.endpoint = TcpTransport({"llmdd.max_pending_connections": "100000",
                                       "llmdd.max_pending_per_address": "100000",
                                       "llmdd.tcp.pending_timeout_ms": "600000"}).open_endpoint(host="127.0.0.1")
-        self.offer = m.TransportOffer(name="tcp", descriptor=self.endpoint.describe())
+        # not serving links only: its own description opens its data port, the capability beside it in the offer
+        desc = self.endpoint.describe()
+        self.offer = m.TransportOffer(name="tcp", descriptor=to_wire(desc), capability=desc.capability)
         self.HandshakeConfig = HandshakeConfig
         self.new_incarnation = new_incarnation
         self.sel = selectors.DefaultSelector()

@@ -13,11 +13,18 @@ import tempfile
 import time
 from typing import Any, Mapping, Optional
 
+import attrs
+
+from llmdd._seam.abc import EndpointDescriptor, RegionDescriptor
+
 
 
 def _encode(value: Any) -> Any:
     if isinstance(value, bytes):
         return {"__bytes__": value.hex()}
+    if isinstance(value, (EndpointDescriptor, RegionDescriptor)):   # a transport's descriptor, field by field
+        return {"__descriptor__": type(value).__name__,
+                **{k: _encode(v) for k, v in attrs.asdict(value, recurse=False).items()}}
     if isinstance(value, Mapping):
         return {str(k): _encode(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -29,6 +36,10 @@ def _decode(value: Any) -> Any:
     if isinstance(value, dict):
         if set(value) == {"__bytes__"}:
             return bytes.fromhex(value["__bytes__"])
+        if "__descriptor__" in value:
+            fields = {k: _decode(v) for k, v in value.items() if k != "__descriptor__"}
+            kind = EndpointDescriptor if value["__descriptor__"] == "EndpointDescriptor" else RegionDescriptor
+            return kind(**fields)
         return {k: _decode(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_decode(v) for v in value]

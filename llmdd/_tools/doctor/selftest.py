@@ -40,6 +40,7 @@ class _Owned:
     def __init__(self, transport_cls: type, size: int) -> None:
         from llmdd._base.enums import Placement
         from llmdd._memory.backend import HostBackend
+        from llmdd._base.backing import SharedSegment
         from llmdd._seam.abc import MemRegion
 
         self.backend = HostBackend()
@@ -51,7 +52,7 @@ class _Owned:
             self.endpoint = transport_cls({}).open_endpoint(host="127.0.0.1")
             self.desc = self.endpoint.register(MemRegion(
                 region_id=1, addr=segment.addr, size=size, remote_accessible=True,
-                placement=int(Placement.HOST), shm_name=segment.name, shm_offset=0))
+                placement=int(Placement.HOST), backing=SharedSegment(name=segment.name, offset=0)))
             self.peer = self.endpoint.describe()
         except BaseException:
             self.close()
@@ -118,7 +119,8 @@ def self_test(transport: str, seconds: float = 3.0, *, size: int = SELF_TEST_BYT
 def _self_test_run(cls: type, transport: str, seconds: float, size: int, op_bytes: int, *,
                    two: bool) -> SelfTestResult:
     from llmdd._base.enums import Placement
-    from llmdd._seam.abc import MemRegion, make_ops
+    from llmdd._seam.abc import MemRegion
+    from llmdd._seam.ops import make_ops
 
     result = functools.partial(SelfTestResult, transport=transport, region_bytes=size, op_bytes=op_bytes,
                                processes=2 if two else 1)

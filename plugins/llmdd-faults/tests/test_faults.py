@@ -25,7 +25,7 @@ from llmdd_faults import (Fault, FaultInjector, FaultPlan, FaultyTransport, env_
                           plan_from_env, wrap)
 from llmdd_faults._wrapper import _cut
 import llmdd_tcp
-from llmdd_tcp import TcpTransport
+from llmdd_tcp import TcpTransport, endpoint_fields
 
 SENTINEL = 0xA5
 SIZE = 1 << 16
@@ -493,7 +493,7 @@ def test_kill_or_stall_the_described_peer_mid_transfer(action, expected):
     ep = wrap(TcpTransport, plan)({}).open_endpoint()
     try:
         peer_desc, region_desc = _receive(proc, 30)
-        assert peer_desc["pid"] == proc.pid
+        assert endpoint_fields(peer_desc).pid == proc.pid
         size = 64 << 20
         local = np.full(size, SENTINEL, np.uint8)
         ep.register(MemRegion(region_id=1, addr=local.ctypes.data, size=size, remote_accessible=False,
@@ -711,7 +711,7 @@ def test_a_wrapped_tcp_endpoint_keeps_its_per_link_capabilities():
     (control), and a revoked one opens nothing more."""
     import secrets
 
-    from llmdd.abc import CAPABILITY_KEY
+    import attrs
 
     cls = wrap(TcpTransport, FaultPlan([]))
     t = cls({})
@@ -728,7 +728,7 @@ def test_a_wrapped_tcp_endpoint_keeps_its_per_link_capabilities():
             a.connect(b.describe(), timeout=5.0)
         cap = secrets.token_bytes(32)
         b.grant(3, cap, [10])
-        ch = a.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5.0)
+        ch = a.connect(attrs.evolve(b.describe(), capability=cap), timeout=5.0)
         ch.add_remote_region(10, SIZE, d10)
         c = ch.read(make_ops(1, 0, 10, 0, 4096), deadline=time.monotonic() + 5.0)
         assert c.wait(10.0) and c.error is None
@@ -736,7 +736,7 @@ def test_a_wrapped_tcp_endpoint_keeps_its_per_link_capabilities():
         ch.close()
         b.revoke(3)
         with pytest.raises(Refused):
-            a.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5.0)
+            a.connect(attrs.evolve(b.describe(), capability=cap), timeout=5.0)
     finally:
         a.close()
         b.close()

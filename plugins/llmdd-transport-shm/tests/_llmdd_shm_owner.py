@@ -6,6 +6,7 @@ import hashlib
 
 import numpy as np
 
+from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion
 from llmdd_shm import ShmTransport
 
@@ -33,7 +34,7 @@ def _owner_main(conn) -> None:
     descs = {}
     for rid, addr, off in ((POOL_RID, seg.addr + off_src, off_src), (POOL_SINK, seg.addr + off_sink, off_sink)):
         descs[rid] = ep.register(MemRegion(region_id=rid, addr=addr, size=SIZE, remote_accessible=True,
-                                           placement=0, shm_name=seg.name, shm_offset=off))
+                                           placement=0, backing=SharedSegment(name=seg.name, offset=off)))
     for rid, arr in ((USER_RID, user), (USER_SINK, user_sink)):
         descs[rid] = ep.register(MemRegion(region_id=rid, addr=arr.ctypes.data, size=SIZE, remote_accessible=True,
                                            placement=0))

@@ -2,7 +2,7 @@
 
 Two memory styles: *user* regions (plain numpy arrays: cross-memory attach) and *pool*
 regions (the suite's buffers allocated inside POSIX shared-memory segments and registered with
-``shm_name`` / ``shm_offset``, as the engine's pools are: mapped by the peer).
+a ``backing`` segment, as the engine's pools are: mapped by the peer).
 
 Three data paths: the pure-Python one (``llmdd.shm.native=off``), the C hot path
 (``llmdd.shm.native=on``; skipped with its reason when the extension is not built, which
@@ -24,12 +24,15 @@ import attrs
 import numpy as np
 import pytest
 
-from llmdd._seam.abc import DoneCompletion, as_ops
+from llmdd._seam.completions import DoneCompletion
+
+from llmdd._seam.ops import as_ops
+from llmdd.lowlevel import SharedSegment
 from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
-from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
+from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg, region_fields
 
 
 class _PoolNumpy(types.ModuleType):
@@ -62,7 +65,7 @@ class _PoolNumpy(types.ModuleType):
 
 
 class _PoolEndpoint:
-    """Registers the pool's buffers as pool regions (``shm_name`` set); everything else passes."""
+    """Registers the pool's buffers as pool regions (``backing`` set); everything else passes."""
 
     def __init__(self, ep, pool: _PoolNumpy) -> None:
         self._ep = ep
@@ -71,7 +74,7 @@ class _PoolEndpoint:
     def register(self, region):
         found = self._pool.lookup(region.addr)
         assert found is not None, "conformance buffer not from the pool"
-        return self._ep.register(attrs.evolve(region, shm_name=found[0], shm_offset=found[1]))
+        return self._ep.register(attrs.evolve(region, backing=SharedSegment(name=found[0], offset=found[1])))
 
     def __getattr__(self, name):
         return getattr(self._ep, name)
@@ -217,7 +220,7 @@ def test_pool_regions_take_the_mapped_path(pool_pair, user_pair):
                                  placement=0))
             d = b.register(MemRegion(region_id=2, addr=sb.ctypes.data, size=sb.size, remote_accessible=True,
                                      placement=0))
-            assert d["kind"] == ("shm" if mapped else "cma")
+            assert region_fields(d).kind == ("shm" if mapped else "cma")
             ch = a.connect(b.describe(), timeout=5)
             ch.add_remote_region(2, sb.size, d)
             c = ch.read(make_ops(1, 0, 2, 0, 1 << 16), deadline=time.monotonic() + 5)

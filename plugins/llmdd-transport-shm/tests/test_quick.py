@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import llmdd_shm
+from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion, make_ops
 from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
 
@@ -48,7 +49,7 @@ class _Side:
             seg = self.backend.allocate_segment(size + 8192)
             self.segs.append(seg)
             arr = seg.array()[4096:4096 + size]
-            extra = {"shm_name": seg.name, "shm_offset": 4096}
+            extra = {"backing": SharedSegment(name=seg.name, offset=4096)}
         else:
             arr = np.empty(size, np.uint8)
             extra = {}

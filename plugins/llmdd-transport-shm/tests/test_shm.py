@@ -15,12 +15,14 @@ import sys
 import textwrap
 import time
 
+import attrs
+import msgspec
 import numpy as np
 import pytest
 
 from llmdd._base.status import LLMStatusCode
-from llmdd.lowlevel import MemRegion, PeerGone, Refused, make_ops
-from llmdd_shm import ShmChannel, ShmTransport, _cma, hookimpl, llmdd_register_transports
+from llmdd.lowlevel import MemRegion, PeerGone, Refused, encode_payload, make_ops
+from llmdd_shm import ShmChannel, ShmTransport, _cma, endpoint_fields, hookimpl, llmdd_register_transports
 from llmdd_shm._cma import Cma, CmaError, iovecs, probe_cma
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +51,7 @@ def owner():
     # an owner killed by a test leaves its names behind; the test process cleans up for it
     from llmdd_shm import _seg
 
-    for name in (seg_name, desc["ctl"]):
+    for name in (seg_name, endpoint_fields(desc).ctl):
         if p.exitcode not in (0, None):
             _seg.unlink(name)
 
@@ -157,18 +159,20 @@ _READER = textwrap.dedent("""
     import json, sys, time
     import numpy as np
     from llmdd.lowlevel import MemRegion, make_ops
-    from llmdd_shm import ShmTransport
+    from llmdd.abc import EndpointDescriptor, RegionDescriptor
+    from llmdd_shm import ShmTransport, region_fields
     info = json.loads(sys.stdin.read())
-    desc = {k: (bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith("hex:") else v)
-            for k, v in info["desc"].items()}
-    d = {k: (bytes.fromhex(v[4:]) if isinstance(v, str) and v.startswith("hex:") else v)
-         for k, v in info["region"].items()}
+    desc = EndpointDescriptor(transport="shm", version=info["desc"]["version"],
+                              payload=bytes.fromhex(info["desc"]["payload"]))
+    d = RegionDescriptor(transport="shm", version=info["region"]["version"],
+                         payload=bytes.fromhex(info["region"]["payload"]))
+    rf = region_fields(d)
     ep = ShmTransport({}).open_endpoint()
     ch = ep.connect(desc, timeout=10)
-    ch.add_remote_region(d["region_id"], d["size"], d)
-    dst = np.zeros(d["size"], dtype=np.uint8)
+    ch.add_remote_region(rf.region_id, rf.size, d)
+    dst = np.zeros(rf.size, dtype=np.uint8)
     ep.register(MemRegion(region_id=1, addr=dst.ctypes.data, size=dst.size, remote_accessible=False, placement=0))
-    c = ch.read(make_ops(1, 0, d["region_id"], 0, d["size"]), deadline=time.monotonic() + 20)
+    c = ch.read(make_ops(1, 0, rf.region_id, 0, rf.size), deadline=time.monotonic() + 20)
     assert c.wait(30) and c.error is None, c.error
     import os
     print(os.getpid(), int(dst.astype(np.uint64).sum()))
@@ -177,7 +181,7 @@ _READER = textwrap.dedent("""
 
 
 def _jsonable(d):
-    return {k: ("hex:" + v.hex() if isinstance(v, bytes) else v) for k, v in d.items()}
+    return {"version": d.version, "payload": d.payload.hex()}
 
 
 def test_segment_survives_reader_exit_and_is_never_unlinked_by_it(owner):
@@ -189,7 +193,7 @@ def test_segment_survives_reader_exit_and_is_never_unlinked_by_it(owner):
     assert int(r.stdout.split()[1]) == int(_content(1).astype(np.uint64).sum())
     time.sleep(0.2)  # let a (wrongly) tracking resource tracker finish its cleanup
     assert os.path.exists(f"/dev/shm/{seg_name}"), "the reader's exit removed the owner's segment"
-    assert os.path.exists(f"/dev/shm/{desc['ctl']}"), "the reader's exit removed the owner's control segment"
+    assert os.path.exists(f"/dev/shm/{endpoint_fields(desc).ctl}"), "the reader's exit removed the owner's control segment"
     reader_pid, total = (int(x) for x in r.stdout.split())
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(f"llmdd_{reader_pid}_")]
     assert not leftovers, f"the reader left its own control segment behind: {leftovers}"
@@ -211,7 +215,7 @@ def test_segment_survives_reader_exit_and_is_never_unlinked_by_it(owner):
     assert conn.poll(20) and conn.recv() == "bye"
     p.join(20)
     assert not os.path.exists(f"/dev/shm/{seg_name}")
-    assert not os.path.exists(f"/dev/shm/{desc['ctl']}")
+    assert not os.path.exists(f"/dev/shm/{endpoint_fields(desc).ctl}")
 
 
 def test_killed_owner_is_peer_gone_within_deadline(owner):
@@ -297,11 +301,12 @@ def test_connect_refuses_another_host():
     a, b = t.open_endpoint(), t.open_endpoint()
     try:
         for key, value in (("boot_id", "00000000-0000-0000-0000-000000000000"), ("machine_id", "elsewhere")):
-            peer = dict(b.describe(), **{key: value})
+            fields = msgspec.structs.replace(endpoint_fields(b.describe()), **{key: value})
+            peer = attrs.evolve(b.describe(), payload=encode_payload(fields))
             with pytest.raises(Refused, match="not on this host"):
                 a.connect(peer, timeout=5)
         with pytest.raises(Refused):
-            a.connect({"transport": "tcp"}, timeout=5)
+            a.connect(attrs.evolve(b.describe(), transport="tcp"), timeout=5)
     finally:
         a.close()
         b.close()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llmdd._base.status import LLMStatusCode
-from llmdd.abc import CAPABILITY_KEY
+import attrs
 from llmdd.lowlevel import MemRegion, PeerGone, Refused, TransportError, make_ops
 from llmdd_tcp import TcpTransport
 
@@ -50,7 +50,7 @@ def pair():
 
 
 def _channel(a, b, cap: bytes, descs: dict):
-    ch = a.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5)
+    ch = a.connect(attrs.evolve(b.describe(), capability=cap), timeout=5)
     for rid, d in descs.items():
         ch.add_remote_region(rid, SIZE, d)
     return ch
@@ -61,10 +61,10 @@ def test_links_only_endpoint_describes_no_capability_and_refuses_its_old_descrip
     a, b = t.open_endpoint(), t.open_endpoint()
     try:
         direct = b.describe()
-        assert CAPABILITY_KEY in direct          # used directly, the description opens the port
+        assert direct.capability is not None         # used directly, the description opens the port
         a.connect(direct, timeout=5).close()
         b.serve_links_only()
-        assert CAPABILITY_KEY not in b.describe()
+        assert b.describe().capability is None
         with pytest.raises(Refused) as info:     # no capability at all: refused before connecting
             a.connect(b.describe(), timeout=5)
         assert info.value.status_code is LLMStatusCode.LLM_LINK_FAILED
@@ -163,11 +163,11 @@ def test_secret_binds_the_capability():
         cap = secrets.token_bytes(32)
         b.grant(1, cap, None)
         with pytest.raises(Refused):             # the right capability, the wrong secret
-            a.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5)
+            a.connect(attrs.evolve(b.describe(), capability=cap), timeout=5)
         assert b.statistics()["auth_failures"] >= 1
         good = t.open_endpoint(secret=b"s3cret")
         try:
-            good.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5).close()
+            good.connect(attrs.evolve(b.describe(), capability=cap), timeout=5).close()
         finally:
             good.close()
     finally:

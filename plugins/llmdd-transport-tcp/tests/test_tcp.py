@@ -11,12 +11,14 @@ import sys
 import threading
 import time
 
+import attrs
+import msgspec
 import numpy as np
 import pytest
 
 from llmdd._base.status import LLMStatusCode
-from llmdd.lowlevel import MemRegion, PeerGone, Refused, make_ops
-from llmdd_tcp import TcpTransport, hookimpl, llmdd_register_transports
+from llmdd.lowlevel import MemRegion, PeerGone, Refused, encode_payload, make_ops
+from llmdd_tcp import TcpTransport, endpoint_fields, region_fields, hookimpl, llmdd_register_transports
 
 MiB = 1 << 20
 
@@ -146,7 +148,7 @@ def test_owner_refuses_and_counts_and_binds_to_host_only():
     t = TcpTransport({})
     a, b = t.open_endpoint(host="127.0.0.1"), t.open_endpoint(host="127.0.0.1")
     try:
-        assert b.describe()["host"] == "127.0.0.1"
+        assert endpoint_fields(b.describe()).host == "127.0.0.1"
         assert b._lsock.getsockname()[0] == "127.0.0.1"
         src = np.ones(4096, dtype=np.uint8)
         dst = np.zeros(4096, dtype=np.uint8)
@@ -160,9 +162,10 @@ def test_owner_refuses_and_counts_and_binds_to_host_only():
         assert not dst.any()
         assert b.statistics()["refused"] == 1 and "out of bounds" in b.statistics()["last_error"]
         with pytest.raises(Refused):
-            ch.add_remote_region(3, 4096, dict(d, endpoint_id=b"x" * 16))
-        with pytest.raises(Refused):
-            ch.read(np.zeros(3, dtype=np.uint64), deadline=time.monotonic() + 5)
+            ch.add_remote_region(3, 4096, attrs.evolve(d, payload=encode_payload(
+                    msgspec.structs.replace(region_fields(d), endpoint_id=b"x" * 16))))
+        c = ch.read(np.zeros(3, dtype=np.uint64), deadline=time.monotonic() + 5)   # not OP_DTYPE: refused
+        assert c.wait(5) and isinstance(c.error, Refused), c.error
         with pytest.raises(Refused):
             b.register(MemRegion(region_id=3, addr=src.ctypes.data, size=1, remote_accessible=True, placement=0))
         threads = [th for th in threading.enumerate() if th.name.startswith("llmdd-tcp")]
@@ -194,9 +197,9 @@ def test_interpreter_exits_promptly_with_transfer_in_flight():
         "t = TcpTransport({}); a = t.open_endpoint(); b = t.open_endpoint()\n"
         "buf = np.zeros(8 << 20, dtype=np.uint8)\n"
         "for e, r in ((a, 1), (b, 2)):\n"
-        "    e.register(MemRegion(region_id=r, addr=buf.ctypes.data, size=buf.size, remote_accessible=True,"
+        "    d = e.register(MemRegion(region_id=r, addr=buf.ctypes.data, size=buf.size, remote_accessible=True,"
         " placement=0))\n"
-        "ch = a.connect(b.describe(), timeout=5); ch.add_remote_region(2, buf.size, {})\n"
+        "ch = a.connect(b.describe(), timeout=5); ch.add_remote_region(2, buf.size, d)\n"
         "ev = threading.Event(); b._serve_request = lambda *a: ev.wait()\n"
         "c = ch.read(make_ops(1, 0, 2, 0, buf.size), deadline=time.monotonic() + 600)\n"
         "print('leaving', flush=True)\n"

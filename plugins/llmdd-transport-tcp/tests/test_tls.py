@@ -22,10 +22,12 @@ import numpy as np
 import pytest
 
 from llmdd import LLMException, LLMStatusCode
-from llmdd.abc import CAPABILITY_KEY
-from llmdd.lowlevel import MemRegion, Refused, make_ops
+import attrs
+import msgspec
+from llmdd.lowlevel import MemRegion, Refused, encode_payload, make_ops
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
-from llmdd_tcp import TcpTransport
+from llmdd.abc import RegionDescriptor
+from llmdd_tcp import VERSION, RegionFields, TcpTransport, endpoint_fields
 
 pytestmark = pytest.mark.timeout(120)
 SIZE = 1 << 20
@@ -156,10 +158,11 @@ def _linked(opts_a: dict, opts_b: dict, *, via_recorder: bool = False):
         _reg(a, 1, dst, False)
         cap = secrets.token_bytes(32)
         b.grant(1, cap, [10])
-        peer = dict(b.describe(), **{CAPABILITY_KEY: cap})
+        peer = attrs.evolve(b.describe(), capability=cap)
         if via_recorder:
-            rec = Recorder(("127.0.0.1", peer["port"]))
-            peer["port"] = rec.port
+            fields = endpoint_fields(peer)
+            rec = Recorder(("127.0.0.1", fields.port))
+            peer = attrs.evolve(peer, payload=encode_payload(msgspec.structs.replace(fields, port=rec.port)))
         ch = a.connect(peer, timeout=5)
         ch.add_remote_region(10, SIZE, desc)
         yield a, b, ch, src, dst, rec
@@ -184,7 +187,7 @@ def _pull_and_push(ch, src, dst) -> None:
 
 def test_data_goes_over_tls_and_a_plain_pair_shows_its_bytes(certs):
     with _linked(_opts(certs), _opts(certs), via_recorder=True) as (a, b, ch, src, dst, rec):
-        assert b.describe()["tls"] is True and b.statistics()["tls"] is True
+        assert endpoint_fields(b.describe()).tls is True and b.statistics()["tls"] is True
         pulled = src.copy()
         _pull_and_push(ch, src, dst)
         assert _wait(lambda: len(rec.down) > SIZE and len(rec.up) > SIZE)
@@ -195,7 +198,7 @@ def test_data_goes_over_tls_and_a_plain_pair_shows_its_bytes(certs):
         assert _shows(up, src) == 0, "pushed bytes visible on the wire"
     # the control: the same recorder on a plain pair sees the payload and the headers
     with _linked({}, {}, via_recorder=True) as (a, b, ch, src, dst, rec):
-        assert b.describe()["tls"] is False
+        assert endpoint_fields(b.describe()).tls is False
         pulled = src.copy()
         _pull_and_push(ch, src, dst)
         assert _wait(lambda: len(rec.down) > SIZE and len(rec.up) > SIZE)
@@ -234,9 +237,12 @@ def test_many_small_and_mixed_ops_over_tls(certs):
         # the owner's bounds hold inside TLS: out of range (refused here) and an unknown region (refused by
         # the owner) move nothing
         before = dst.copy()
-        with pytest.raises(Refused):
-            ch.read(make_ops(1, 0, 10, SIZE - 8, 16), deadline=time.monotonic() + 5)
-        ch.add_remote_region(11, SIZE, {})
+        c = ch.read(make_ops(1, 0, 10, SIZE - 8, 16), deadline=time.monotonic() + 5)
+        assert c.wait(10) and isinstance(c.error, Refused), c.error
+        unknown = RegionFields(endpoint_id=endpoint_fields(b.describe()).endpoint_id, region_id=11, size=SIZE,
+                               remote_accessible=True)   # the owner has no region 11
+        ch.add_remote_region(11, SIZE, RegionDescriptor(transport="tcp", version=VERSION,
+                                                         payload=encode_payload(unknown)))
         c = ch.read(make_ops(1, 0, 11, 0, 16), deadline=time.monotonic() + 5)
         assert c.wait(10) and isinstance(c.error, Refused), c.error
         np.testing.assert_array_equal(dst, before)
@@ -276,7 +282,7 @@ def test_plaintext_client_on_a_tls_data_port_gets_no_byte_of_the_protocol(certs)
         b.serve_links_only()
         cap = secrets.token_bytes(32)
         b.grant(1, cap, None)
-        port = b.describe()["port"]
+        port = endpoint_fields(b.describe()).port
         rng = np.random.default_rng(9)
         # what a plain llmdd-tcp client would send first, and random bytes: the TLS handshake fails
         for payload in (bytes(64), rng.integers(0, 256, 300, dtype=np.uint8).tobytes()):
@@ -297,7 +303,7 @@ def test_plaintext_client_on_a_tls_data_port_gets_no_byte_of_the_protocol(certs)
         plain = TcpTransport({}).open_endpoint()
         try:
             with pytest.raises(Refused) as info:
-                plain.connect(dict(b.describe(), **{CAPABILITY_KEY: cap}), timeout=5)
+                plain.connect(attrs.evolve(b.describe(), capability=cap), timeout=5)
             assert info.value.status_code is LLMStatusCode.LLM_LINK_FAILED and "requires TLS" in str(info.value)
         finally:
             plain.close()
@@ -334,7 +340,7 @@ def test_peer_the_data_port_does_not_trust_fails_typed(certs, who):
         server.grant(1, cap, None)
         started = time.monotonic()
         with pytest.raises(Refused) as info:
-            client.connect(dict(server.describe(), **{CAPABILITY_KEY: cap}), timeout=5)
+            client.connect(attrs.evolve(server.describe(), capability=cap), timeout=5)
         assert time.monotonic() - started < 4.0
         assert info.value.status_code is LLMStatusCode.LLM_LINK_FAILED, info.value
         assert "TLS" in str(info.value), info.value
@@ -362,7 +368,7 @@ def test_tls_without_a_ca_is_refused_unless_insecure(certs):
     assert info.value.status_code is LLMStatusCode.LLM_PARAM_INVALID and "llmdd.tls_insecure" in str(info.value)
     insecure = dict(cert_only, **{"llmdd.tls_insecure": "1"})
     with _linked(insecure, insecure) as (a, b, ch, src, dst, _):
-        assert b.describe()["tls"] is True
+        assert endpoint_fields(b.describe()).tls is True
         c = ch.read(make_ops(1, 0, 10, 0, 4096), deadline=time.monotonic() + 5)
         assert c.wait(10) and c.error is None
         np.testing.assert_array_equal(dst[:4096], src[:4096])

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from llmdd.lowlevel import MemRegion, TransportTimeout
-from llmdd._seam.abc import make_ops
+from llmdd._seam.ops import make_ops
 import llmdd_ucx
 from llmdd_ucx import UcxTransport, _nixl, _ucx_env
 
@@ -141,7 +141,7 @@ def test_process_using_the_plugin_exits_cleanly():
     r = _run_py("""
         import os, time, numpy as np
         from llmdd.lowlevel import MemRegion
-        from llmdd._seam.abc import make_ops
+        from llmdd._seam.ops import make_ops
         from llmdd_ucx import UcxTransport
         assert UcxTransport.probe().available
         assert os.environ["UCX_MODULES"] == "^ib"
@@ -179,7 +179,7 @@ _TWO_PROC = """
 import multiprocessing as mp, os, sys, time
 import numpy as np
 from llmdd.lowlevel import MemRegion
-from llmdd._seam.abc import make_ops
+from llmdd._seam.ops import make_ops
 from llmdd_ucx import UcxTransport
 
 SIZE = 8 << 20

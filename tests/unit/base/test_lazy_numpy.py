@@ -28,14 +28,14 @@ def _run(code: str) -> dict:
 def test_import_loads_no_numpy_and_constants_come_with_their_first_read():
     got = _run("""
         import json, sys
-        import llmdd, llmdd.lowlevel, llmdd.abc, llmdd._memory, llmdd._seam.abc, llmdd._data.planner
+        import llmdd, llmdd.lowlevel, llmdd.abc, llmdd._memory, llmdd._seam.abc, llmdd._seam.ops, llmdd._data.planner
         before = "numpy" in sys.modules
         from llmdd.lowlevel import OP_DTYPE
         after = "numpy" in sys.modules
         import numpy as np
         from llmdd._memory import COPY_OP_DTYPE
         print(json.dumps({"before": before, "after": after, "op": OP_DTYPE.descr, "itemsize": OP_DTYPE.itemsize,
-                          "copy": COPY_OP_DTYPE.descr, "same": OP_DTYPE is llmdd._seam.abc.OP_DTYPE,
+                          "copy": COPY_OP_DTYPE.descr, "same": OP_DTYPE is llmdd._seam.ops.OP_DTYPE,
                           "planner": llmdd._data.planner.OP_DTYPE is OP_DTYPE}))
     """)
     assert got["before"] is False and got["after"] is True
@@ -51,7 +51,7 @@ def test_arrays_from_the_callers_numpy_work_before_llmdd_used_numpy():
         import json, sys
         import numpy as np                      # the caller's numpy, before llmdd touched its own proxy
         import llmdd
-        from llmdd._seam.abc import coalesce_ops
+        from llmdd._seam.ops import coalesce_ops
         from llmdd._memory import copy as c
         rng = np.random.default_rng(7)
         dt = np.dtype([("local_region", "<u4"), ("local_offset", "<u8"), ("remote_region", "<u4"),

@@ -47,10 +47,12 @@ from llmdd._base.status import (
 INC_A = bytes(range(16))
 INC_B = bytes(range(16, 32))
 HOST = m.HostIdentity(boot_id="b", machine_id="mid", uid=1000, pid=42, namespaces={"ipc": "ipc:[1]", "mnt": "mnt:[2]"})
-TCP = m.TransportOffer(name="tcp", descriptor={"host": "127.0.0.1", "port": 26000})
-SHM = m.TransportOffer(name="shm", descriptor={"segment": "llmdd-1", "nonce": b"\x00\x01"})
+TCP = m.TransportOffer(name="tcp", descriptor=m.TransportDescriptor(transport="tcp", version=2, payload=b"127.0.0.1:26000"))
+SHM = m.TransportOffer(name="shm", descriptor=m.TransportDescriptor(transport="shm", version=1, payload=b"llmdd-1\x00\x01"))
 REGION = m.RegionDescriptor(region_id=7, cache_id=3, addr=0x7F00_0000_0000, size=1 << 20, placement=Placement.DEVICE,
-                            remote_accessible=True, transports={"tcp": {"rkey": 5}, "shm": {"name": "seg", "off": 0}})
+                            remote_accessible=True,
+                            transports=(m.TransportDescriptor(transport="tcp", version=2, payload=b"\x05"),
+                                        m.TransportDescriptor(transport="shm", version=1, payload=b"seg\x00")))
 KEY_REQ = m.KeyRef.for_req(req_id=11, model_id=0)
 KEY_BLOCKS = m.KeyRef.for_blocks(model_id=2**63 + 5)
 CACHE = m.CacheEntry(cache_id=3, addrs=(0x7F00_0000_0000, 0x7F00_0008_0000), tensor_size=1 << 19, shape=(4, 16, 128),
@@ -397,10 +399,32 @@ def test_receive_after_eof_is_caller_error():
     lambda: m.Refuse(status_code=0, reason="r" * (m.MAX_TEXT + 1)),
     lambda: m.TransferRequest(request_id=0, op="x", args={"x": {"y": object()}}),
     lambda: m.RegionsUpdate(version=0, added=(REGION, "not a region")),
+    # typed transport descriptors: bounded payload, name and capability; a descriptor exactly when not deferred
+    lambda: m.TransportDescriptor(transport="tcp", payload=b"p" * (m.MAX_DESCRIPTOR_PAYLOAD + 1)),
+    lambda: m.TransportDescriptor(transport="", payload=b""),
+    lambda: m.TransportDescriptor(transport="t" * 65, payload=b""),
+    lambda: m.TransportDescriptor(transport="tcp", version=2**32, payload=b""),
+    lambda: m.TransportOffer(name="tcp"),
+    lambda: m.TransportOffer(name="tcp", deferred=True, descriptor=TCP.descriptor),
+    lambda: m.TransportOffer(name="shm", descriptor=TCP.descriptor),
+    lambda: m.TransportOffer(name="tcp", descriptor=TCP.descriptor, capability=b"short"),
+    lambda: m.RegionDescriptor(region_id=1, cache_id=0, addr=0, size=0, transports=(TCP.descriptor, TCP.descriptor)),
 ])
 def test_message_validators(build):
     with pytest.raises((ValueError, TypeError)):
         build()
+
+
+def test_decoding_refuses_an_oversized_descriptor_payload_before_building_it():
+    """The typed decoder bounds a peer's descriptor payload (MAX_DESCRIPTOR_PAYLOAD) while it parses; the
+    control, one byte less, decodes."""
+    at_cap = m.TransportOffer(name="tcp", descriptor=m.TransportDescriptor(
+        transport="tcp", payload=b"p" * m.MAX_DESCRIPTOR_PAYLOAD))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(at_cap), type=m.TransportOffer) == at_cap
+    over = msgspec.msgpack.encode(["tcp", ["tcp", 0, b"p" * (m.MAX_DESCRIPTOR_PAYLOAD + 1)], False, None])
+    with pytest.raises(msgspec.ValidationError, match="length"):
+        msgspec.msgpack.decode(over, type=m.TransportOffer)
+    assert "secret" not in repr(m.TransportOffer(name="tcp", descriptor=TCP.descriptor, capability=b"secret" * 4))
 
 
 def test_construction_converts_lists_and_enums():
@@ -508,7 +532,8 @@ class Pair:
                 wire += self.c_conn.send_many(self.client.receive(msg))
 
 
-SERVER_TCP = m.TransportOffer(name="tcp", descriptor={"host": "10.0.0.1", "port": 26000})
+SERVER_TCP = m.TransportOffer(name="tcp", descriptor=m.TransportDescriptor(transport="tcp", version=2,
+                                                                          payload=b"10.0.0.1:26000"))
 
 
 def test_handshake_ok_without_secret():
@@ -613,7 +638,7 @@ def test_tampered_hello_fails_authentication():
     client = ClientHandshake(config(1, secret=b"k"))
     server = ServerHandshake(config(2, secret=b"k"))
     hello = client.start()
-    forged = replace(hello, transports=(m.TransportOffer(name="tcp", descriptor={"host": "evil"}),))
+    forged = replace(hello, transports=(m.TransportOffer(name="tcp", descriptor=m.TransportDescriptor(transport="tcp", payload=b"evil")),))
     (challenge,) = server.receive(forged)
     (response,) = client.receive(challenge)
     (refusal,) = server.receive(response)
@@ -653,7 +678,7 @@ def test_accept_checks():
     with pytest.raises(LocalUsageError):
         server.accept("shm")
     assert server.state is HandshakeState.AUTHENTICATED
-    server.accept(m.TransportOffer(name="shm"))
+    server.accept(m.TransportOffer(name="shm", deferred=True))
     assert server.state is HandshakeState.ESTABLISHED
 
 
@@ -934,7 +959,7 @@ def test_region_descriptors_are_held_within_a_per_region_and_a_per_peer_byte_bud
     descriptors together MAX_PEER_DESCRIPTOR_BYTES; a refused update changes nothing, a removal gives
     its bytes back, a snapshot starts the count again."""
     t = DescriptorTables()
-    big = {"x": b"d" * tb.MAX_REGION_DESCRIPTOR_BYTES}
+    big = (m.TransportDescriptor(transport="x", payload=b"d" * tb.MAX_REGION_DESCRIPTOR_BYTES),)
     with pytest.raises(TableUpdateError, match="per region"):
         t.apply(m.RegionsUpdate(version=1, added=(m.RegionDescriptor(region_id=1, cache_id=-1, addr=0x1000, size=16,
                                                                       transports=big),)))
@@ -942,10 +967,11 @@ def test_region_descriptors_are_held_within_a_per_region_and_a_per_peer_byte_bud
     per = tb.MAX_REGION_DESCRIPTOR_BYTES - 64
     n = tb.MAX_PEER_DESCRIPTOR_BYTES // (per + 8)
     full = tuple(m.RegionDescriptor(region_id=i, cache_id=-1, addr=0x1000 * (i + 1), size=16,
-                                    transports={"x": b"d" * per}) for i in range(n))
+                                    transports=(m.TransportDescriptor(transport="x", payload=b"d" * per),))
+                 for i in range(n))
     t.apply(m.RegionsUpdate(version=1, full=True, added=full))
     one_more = m.RegionDescriptor(region_id=n, cache_id=-1, addr=0x1000 * (n + 1), size=16,
-                                  transports={"x": b"d" * per})
+                                  transports=(m.TransportDescriptor(transport="x", payload=b"d" * per),))
     with pytest.raises(TableUpdateError, match="bytes of region descriptors"):
         t.apply(m.RegionsUpdate(version=2, added=(one_more,)))
     assert len(t.regions) == n and t.regions_version == 1

@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 import pytest
 
-from llmdd._seam.abc import OP_DTYPE
+from llmdd._seam.ops import OP_DTYPE
 from llmdd._data.planner import (
     CacheLayout,
     block_array,

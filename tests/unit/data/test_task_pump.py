@@ -25,7 +25,10 @@ from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import LINK_IN_USE, Machine, TaskState
 from llmdd._memory.manager import MemoryManager
-from llmdd._seam.abc import OP_DTYPE, Cancelled, Completion, Corrupt, PeerGone, Refused, TransportError
+from llmdd._base.status import TransportError
+from llmdd._seam.abc import Completion
+from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, Refused, TransportTimeout
+from llmdd._seam.ops import OP_DTYPE
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,7 +36,9 @@ S = LLMStatusCode
 
 
 class PumpCompletion(Completion):
-    """A batch of the pump: finished at once, or never (a stalled peer)."""
+    """A batch of the pump: finished at once, or stalled (a peer that never answers).  It keeps the seam's
+    contract: a stalled batch is failed TransportTimeout and drained (``cancelled``) by the transport when
+    its deadline passes during ``wait`` (modelled without a real wait: the deadline has passed)."""
 
     def __init__(self, error: Optional[TransportError], finished: bool) -> None:
         self._error = error
@@ -44,7 +49,11 @@ class PumpCompletion(Completion):
         return self._finished
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._finished          # a stalled batch: the engine's deadline passed (no real wait)
+        if not self._finished:         # stalled: its deadline passes, the transport fails and drains it
+            self._error = TransportTimeout("batch missed its deadline")
+            self.cancelled = True
+            self._finished = True
+        return True
 
     @property
     def error(self) -> Optional[TransportError]:

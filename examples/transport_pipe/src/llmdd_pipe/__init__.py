@@ -30,11 +30,13 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
+import msgspec
 import numpy as np
 
-from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
-from llmdd.lowlevel import (Batch, BatchSet, Cancelled, Corrupt, MemRegion, PeerGone, RegionRegistry, RegionTable,
-                            RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, map_os_error)
+from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
+from llmdd.lowlevel import (Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry,
+                            RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportError, TransportTimeout,
+                            decode_payload, encode_payload, map_os_error)
 from llmdd.plugin import hookimpl
 from llmdd.status import LLMStatusCode
 
@@ -45,6 +47,18 @@ _REQ = struct.Struct("<BxxxI")            # kind, op count
 _RSP = struct.Struct("<BxxxI")            # status (0 ok, 1 refused), message length
 _WIRE = np.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 _MAX_OPS = 1 << 20
+#: the version of this transport's descriptor payloads (a peer's newer one is refused)
+VERSION = 1
+
+
+class _EndpointFields(msgspec.Struct, frozen=True):
+    path: str                   # the endpoint's Unix-domain socket
+    endpoint_id: bytes
+
+
+class _RegionFields(msgspec.Struct, frozen=True):
+    endpoint_id: bytes
+    size: int
 
 
 def _mac(secret: Optional[bytes], endpoint_id: bytes, nonce: bytes) -> bytes:
@@ -169,15 +183,17 @@ class PipeEndpoint(Endpoint):
         self._accepter.start()
 
     # ------------------------------------------------------------------ the seam
-    def describe(self) -> dict:
-        return {"transport": "pipe", "path": self._path, "endpoint_id": self._id}
+    def describe(self) -> EndpointDescriptor:
+        payload = encode_payload(_EndpointFields(self._path, self._id))
+        return EndpointDescriptor(transport="pipe", version=VERSION, payload=payload)
 
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
             self._regs.add(_Region(region))
-        return {"transport": "pipe", "endpoint_id": self._id, "region_id": region.region_id, "size": region.size}
+        payload = encode_payload(_RegionFields(self._id, region.size))
+        return RegionDescriptor(transport="pipe", version=VERSION, payload=payload)
 
     def deregister(self, region_id: int) -> None:
         def stop_serving(_entry: _Region) -> None:     # under the lock: requests using it end now
@@ -187,12 +203,12 @@ class PipeEndpoint(Endpoint):
         # fail this side's batches on it, then wait until no batch or served request pins it
         self._regs.deregister(region_id, locked=stop_serving)
 
-    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "PipeChannel":
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "PipeChannel":
         if self._closed:
             raise Cancelled("endpoint is closed")
-        if peer.get("transport") != "pipe":
-            raise Refused(f"not a pipe endpoint description: {peer.get('transport')!r}")
-        ch = PipeChannel(self, str(peer["path"]), bytes(peer["endpoint_id"]))
+        # Refused for another transport's descriptor, a newer version or a malformed payload
+        fields = decode_payload(peer, transport="pipe", version=VERSION, type=_EndpointFields)
+        ch = PipeChannel(self, fields.path, fields.endpoint_id)
         ch._open(time.monotonic() + timeout).close()   # reachable, same incarnation, authenticated
         return ch
 
@@ -312,11 +328,12 @@ class PipeChannel(Channel):
         self._stats = {"batches": 0, "failed": 0, "last_error": None}
 
     # ------------------------------------------------------------------ the seam
-    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
-        if desc.get("transport") != "pipe" or desc.get("endpoint_id") != self._peer_id:
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
+        fields = decode_payload(desc, transport="pipe", version=VERSION, type=_RegionFields)
+        if fields.endpoint_id != self._peer_id:
             raise Refused(f"the descriptor of region {region_id} belongs to another endpoint")
         with self._lock:
-            self._remote[int(region_id)] = min(int(size), int(desc["size"]))
+            self._remote[int(region_id)] = min(int(size), fields.size)
             self._table = RegionTable(self._remote)
 
     def remove_remote_region(self, region_id: int) -> None:
@@ -325,10 +342,17 @@ class PipeChannel(Channel):
             self._table = RegionTable(self._remote)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(READ, ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(READ, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(WRITE, ops, deadline)
+        try:
+            return self._submit(WRITE, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, wait until they left

@@ -24,10 +24,12 @@ from typing import Any, ClassVar, Mapping, Optional, Union
 
 
 from llmdd.lowlevel import get_logger
-from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+import msgspec
+
+from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
-from llmdd.lowlevel import (BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportError, TransportTimeout,
-                            as_ops, make_ops)
+from llmdd.lowlevel import (BatchSet, Cancelled, DoneCompletion, MemRegion, ThreadCompletion, TransportError,
+                            TransportTimeout, as_ops, make_ops)
 
 from ._plan import Fault, FaultPlan, current_peer
 
@@ -120,7 +122,7 @@ class FaultyEndpoint(Endpoint):
         self._scratch: Optional[np.ndarray] = None
         self._scratch_lock = threading.Lock()
 
-    def describe(self) -> dict:
+    def describe(self) -> EndpointDescriptor:
         return self.inner.describe()
 
     # the inner endpoint's trust boundary is kept whole: its per-link capabilities and its listener
@@ -140,7 +142,10 @@ class FaultyEndpoint(Endpoint):
     def on_listener_failed(self, callback) -> None:
         self.inner.on_listener_failed(callback)
 
-    def register(self, region: MemRegion) -> dict:
+    def listen_address(self) -> Optional[tuple[str, int]]:
+        return self.inner.listen_address()
+
+    def register(self, region: MemRegion) -> RegionDescriptor:
         desc = self.inner.register(region)
         with self._lock:
             self._regions[region.region_id] = region
@@ -154,13 +159,13 @@ class FaultyEndpoint(Endpoint):
             b.fail(Cancelled(f"local region {region_id} deregistered"))
         self.inner.deregister(region_id)
 
-    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "FaultyChannel":
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "FaultyChannel":
         cluster = current_peer()
         deadline = time.monotonic() + timeout
         for f in self.plan.match("connect", cluster):
             _apply_connect_fault(self.plan, f, peer, deadline)
         inner = self.inner.connect(peer, timeout=max(1e-3, deadline - time.monotonic()))
-        return FaultyChannel(self, inner, dict(peer), cluster)
+        return FaultyChannel(self, inner, _payload_map(peer), cluster)
 
     def close(self) -> None:
         self._batches.close(Cancelled("endpoint closed"))   # fail the batches in flight, drain them
@@ -199,7 +204,18 @@ class FaultyEndpoint(Endpoint):
             return self._scratch
 
 
-def _apply_connect_fault(plan: FaultPlan, f: Fault, peer: Mapping[str, Any], deadline: float) -> None:
+def _payload_map(peer: EndpointDescriptor) -> dict:
+    """The peer descriptor's payload read as a MessagePack map (the built-in transports encode one, with
+    the peer's ``pid``), for a kill or stop fault to find whom to signal; ``{}`` for any other payload.
+    Nothing else of the payload is read: it stays the transport's own."""
+    try:
+        got = msgspec.msgpack.decode(peer.payload)
+    except (msgspec.DecodeError, TypeError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _apply_connect_fault(plan: FaultPlan, f: Fault, peer: EndpointDescriptor, deadline: float) -> None:
     never = lambda: False  # noqa: E731 - connect has no abort but its timeout
     if f.action == "delay":
         until = time.monotonic() + f.delay
@@ -216,7 +232,7 @@ def _apply_connect_fault(plan: FaultPlan, f: Fault, peer: Mapping[str, Any], dea
     elif f.action == "fail":
         raise f.error_type(f"connect failed (fault {f.label})")
     elif f.action in ("kill_peer", "stall_peer"):
-        plan.signal_peer(f, peer)
+        plan.signal_peer(f, _payload_map(peer))
 
 
 class FaultyChannel(Channel):
@@ -234,17 +250,24 @@ class FaultyChannel(Channel):
         self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._fired = 0
 
-    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
         self.inner.add_remote_region(region_id, size, desc)
 
     def remove_remote_region(self, region_id: int) -> None:
         self.inner.remove_remote_region(region_id)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("read", ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit("read", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("write", ops, deadline)
+        try:
+            return self._submit("write", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, drain them

@@ -2,13 +2,13 @@
 
 Memory kinds
 ------------
-* **Pool memory** (a :class:`MemRegion` with ``shm_name``) lives in a POSIX shared-memory
-  segment. Its owner describes it as ``(shm_name, shm_offset, size)``; a peer maps the whole
-  segment once per (segment, channel) at ``add_remote_region`` time and copies coalesced runs in
-  one C call per chunk (native path) or with numpy gathers and ``ctypes.memmove`` for long runs
+* **Pool memory** (a :class:`MemRegion` whose ``backing`` is a :class:`SharedSegment`) lives in a POSIX
+  shared-memory segment. Its owner describes it as ``(segment name, offset, size)``; a peer maps the
+  whole segment once per (segment, channel) at ``add_remote_region`` time and copies coalesced runs
+  in one C call per chunk (native path) or with numpy gathers and ``ctypes.memmove`` for long runs
   (pure-Python path, ``llmdd.lowlevel.copy_runs``). Peers map with ``shm_open`` + ``mmap`` and never touch
   ``multiprocessing``'s resource tracker and never unlink (see :mod:`llmdd_shm._seg`).
-* **User memory** (numpy arrays, torch tensors: no ``shm_name``) is described as
+* **User memory** (numpy arrays, torch tensors: no ``backing``) is described as
   ``(pid, addr, size)`` and moved with ``process_vm_readv`` / ``process_vm_writev``, iovec arrays
   built with numpy, at most ``IOV_MAX`` per call, short transfers resumed at the exact byte
   (:mod:`llmdd_shm._cma`). It needs cross-memory attach to the peer's pid (``connect`` checks).
@@ -67,10 +67,12 @@ from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
-from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+import msgspec
+
+from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, as_ops
-from llmdd.lowlevel import copy_runs, map_os_error, segment_name
+from llmdd.lowlevel import copy_runs, decode_payload, encode_payload, map_os_error, segment_name
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
 
@@ -179,6 +181,48 @@ def host_identity() -> dict:
     return {"boot_id": _read_text("/proc/sys/kernel/random/boot_id"),
             "machine_id": _read_text("/etc/machine-id") or _read_text("/var/lib/dbus/machine-id"),
             "pidns": int(pidns), "ipcns": int(ipcns)}
+
+
+class EndpointFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a shm :class:`~llmdd.abc.EndpointDescriptor` (version :data:`VERSION`)."""
+
+    endpoint_id: bytes
+    pid: int
+    uid: int
+    ctl: str                 # the control segment's name
+    probe_addr: int          # an 8-byte word that cross-memory attach reads to check it reached the peer
+    user_regions: int = 0    # remote-accessible regions without a backing segment (they need CMA)
+    cma: bool = False
+    boot_id: str = ""
+    machine_id: str = ""
+    pidns: int = 0
+    ipcns: int = 0
+
+
+class RegionFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a shm :class:`~llmdd.abc.RegionDescriptor` (version :data:`VERSION`)."""
+
+    endpoint_id: bytes
+    region_id: int
+    size: int
+    remote_accessible: bool
+    kind: str = ""           # "shm" (a backing segment), "cma" (the owner's memory) or "" (not accessible)
+    slot: int = -1
+    gen: int = 0
+    shm_name: str = ""
+    shm_offset: int = 0
+    pid: int = 0
+    addr: int = 0
+
+
+def endpoint_fields(desc: EndpointDescriptor) -> EndpointFields:
+    """The fields of a shm endpoint descriptor (:class:`Refused` for another's, a newer or a malformed one)."""
+    return decode_payload(desc, transport="shm", version=VERSION, type=EndpointFields)
+
+
+def region_fields(desc: RegionDescriptor) -> RegionFields:
+    """The fields of a shm region descriptor (:class:`Refused` for another's, a newer or a malformed one)."""
+    return decode_payload(desc, transport="shm", version=VERSION, type=RegionFields)
 
 
 def _dev_shm_usable() -> tuple[bool, str]:
@@ -442,14 +486,13 @@ class ShmEndpoint(Endpoint):
 
     # ------------------------------------------------------------------ public API
 
-    def describe(self) -> dict:
-        d = {"transport": "shm", "version": VERSION, "endpoint_id": self._id, "pid": os.getpid(),
-             "uid": os.getuid(), "ctl": self._ctl_name, "probe_addr": ctypes.addressof(self._probe),
-             "user_regions": self._user_regions, "cma": bool(self._cma_info["cma"])}
-        d.update(host_identity())
-        return d
+    def describe(self) -> EndpointDescriptor:
+        fields = EndpointFields(endpoint_id=self._id, pid=os.getpid(), uid=os.getuid(), ctl=self._ctl_name,
+                                probe_addr=ctypes.addressof(self._probe), user_regions=self._user_regions,
+                                cma=bool(self._cma_info["cma"]), **host_identity())
+        return EndpointDescriptor(transport="shm", version=VERSION, payload=encode_payload(fields))
 
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
@@ -465,19 +508,18 @@ class ShmEndpoint(Endpoint):
                 s[1] = gen
                 s[2] = region.region_id
                 s[0] = _LIVE
-            if region.remote_accessible and region.shm_name is None:
+            if region.remote_accessible and region.backing is None:
                 self._user_regions += 1
             self._regs.add(_LocalReg(region, slot, gen))
             self._stats["regions"] = len(self._regs)
-        desc: dict = {"transport": "shm", "endpoint_id": self._id, "region_id": region.region_id,
-                      "size": region.size, "remote_accessible": region.remote_accessible}
-        if region.remote_accessible:
-            desc.update(slot=slot, gen=gen)
-            if region.shm_name is not None:
-                desc.update(kind="shm", shm_name=region.shm_name, shm_offset=region.shm_offset)
-            else:
-                desc.update(kind="cma", pid=os.getpid(), addr=region.addr)
-        return desc
+        fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
+                              remote_accessible=region.remote_accessible)
+        if region.backing is not None and region.remote_accessible:
+            fields = msgspec.structs.replace(fields, slot=slot, gen=gen, kind="shm", shm_name=region.backing.name,
+                                             shm_offset=region.backing.offset)
+        elif region.remote_accessible:
+            fields = msgspec.structs.replace(fields, slot=slot, gen=gen, kind="cma", pid=os.getpid(), addr=region.addr)
+        return RegionDescriptor(transport="shm", version=VERSION, payload=encode_payload(fields))
 
     def deregister(self, region_id: int) -> None:
         epoch = [0]
@@ -485,7 +527,7 @@ class ShmEndpoint(Endpoint):
         def dying(reg: _LocalReg) -> None:   # under the lock, the region already out of the tables
             if reg.slot >= 0:
                 self._ctl.slots[reg.slot][0] = _DYING
-                if reg.region.shm_name is None:
+                if reg.region.backing is None:
                     self._user_regions -= 1
             self._stats["regions"] = len(self._regs)
             epoch[0] = self._nb_epoch
@@ -502,13 +544,12 @@ class ShmEndpoint(Endpoint):
                 self._ctl.slots[reg.slot][0] = _FREE
                 self._free_slots.append(reg.slot)
 
-    def connect(self, peer: TMapping[str, Any], *, timeout: float) -> "ShmChannel":
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "ShmChannel":
         if self._closed:
             raise Cancelled("endpoint is closed")
-        if peer.get("transport") != "shm":
-            raise Refused(f"not a shm endpoint description: {peer.get('transport')!r}")
+        fields = endpoint_fields(peer)
         try:
-            ch = ShmChannel(self, peer, time.monotonic() + timeout)
+            ch = ShmChannel(self, fields, time.monotonic() + timeout)
         except (KeyError, TypeError, ValueError) as exc:
             raise Refused(f"bad shm endpoint description: {exc!r}") from None
         with self._lock:
@@ -645,15 +686,15 @@ class _Remote:
 class ShmChannel(Channel):
     """A same-host peer: its control segment and pool segments mapped, its pid attached."""
 
-    def __init__(self, endpoint: ShmEndpoint, peer: TMapping[str, Any], deadline: float) -> None:
+    def __init__(self, endpoint: ShmEndpoint, peer: EndpointFields, deadline: float) -> None:
         self._ep = endpoint
         self._cfg = endpoint._cfg
-        self._peer_id = bytes(peer["endpoint_id"])
-        self._pid = int(peer["pid"])
+        self._peer_id = peer.endpoint_id
+        self._pid = peer.pid
         mine = host_identity()
         for key in ("boot_id", "machine_id", "pidns", "ipcns"):
-            if str(peer.get(key)) != str(mine[key]):
-                raise Refused(f"peer endpoint is not on this host (its {key} {peer.get(key)!r} differs from "
+            if str(getattr(peer, key)) != str(mine[key]):
+                raise Refused(f"peer endpoint is not on this host (its {key} {getattr(peer, key)!r} differs from "
                               f"ours {mine[key]!r}); the shm transport is same-host only",
                               status_code=LLMStatusCode.LLM_LINK_FAILED)
         if time.monotonic() > deadline:
@@ -674,7 +715,7 @@ class ShmChannel(Channel):
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
                                        "batches": 0, "failed": 0, "cma_calls": 0, "segments_mapped": 0,
                                        "last_error": None, "native_batches": 0, "native_fallbacks": 0}
-        self._ctl_name = str(peer["ctl"])
+        self._ctl_name = peer.ctl
         try:
             ctl_map = _seg.attach(self._ctl_name)
         except FileNotFoundError:
@@ -708,18 +749,18 @@ class ShmChannel(Channel):
         self._cma = Cma()
         self._iov_max = self._cma.iov_max
         self._cma_ok, self._cma_reason = self._check_cma(peer)
-        if not self._cma_ok and int(peer.get("user_regions", 0)) > 0:
+        if not self._cma_ok and peer.user_regions > 0:
             self._teardown()
             raise Refused(f"peer {self._pid} has user-memory regions but cross-memory attach to it does not "
                           f"work: {self._cma_reason}", status_code=LLMStatusCode.LLM_LINK_FAILED)
         self._rebuild()
 
-    def _check_cma(self, peer: TMapping[str, Any]) -> tuple[bool, str]:
+    def _check_cma(self, peer: EndpointFields) -> tuple[bool, str]:
         if not self._cma.available:
             return False, "process_vm_readv is not available"
         out = np.zeros(1, np.uint64)
         liov = iovecs(np.array([out.ctypes.data], np.uint64), np.array([8], np.uint64))
-        riov = iovecs(np.array([int(peer["probe_addr"])], np.uint64), np.array([8], np.uint64))
+        riov = iovecs(np.array([peer.probe_addr], np.uint64), np.array([8], np.uint64))
         try:
             self._cma.transfer(self._pid, liov, riov, write=False)
         except CmaError as exc:
@@ -732,51 +773,16 @@ class ShmChannel(Channel):
 
     # ------------------------------------------------------------------ public API
 
-    def add_remote_region(self, region_id: int, size: int, desc: TMapping[str, Any]) -> None:
-        if desc.get("endpoint_id") not in (None, self._peer_id):
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
+        fields = region_fields(desc)
+        if fields.endpoint_id != self._peer_id:
             raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
         region_id = int(region_id)
-        size = min(int(size), int(desc.get("size", size)))
-        if not desc.get("remote_accessible", False) or "slot" not in desc:
+        size = min(int(size), fields.size)
+        if not fields.remote_accessible or not fields.kind:
             rem = _Remote(size, KIND_CMA, 0, -1, 0, None, False)
         else:
-            slot, gen = int(desc["slot"]), int(desc["gen"])
-            if not 0 <= slot < MAX_SLOTS:
-                raise Refused(f"descriptor of region {region_id} names slot {slot}")
-            if desc.get("kind") == "shm":
-                name, off = str(desc["shm_name"]), int(desc["shm_offset"])
-                with self._lock:
-                    if self._batches.closed:
-                        raise Cancelled("channel closed")
-                    m = self._maps.get(name)
-                if m is None:
-                    try:
-                        m = _seg.attach(name)
-                    except (OSError, ValueError) as exc:
-                        if not self._live.alive():
-                            raise PeerGone(f"peer process {self._pid} is gone") from None
-                        raise Refused(f"cannot map segment {name} of region {region_id}: {exc}") from None
-                    with self._lock:
-                        other = self._maps.get(name)
-                        if other is None:
-                            self._maps[name] = m
-                            self._stats["segments_mapped"] += 1
-                        else:
-                            m.close()
-                            m = other
-                if off < 0 or off + size > m.size:
-                    self._drop_map_if_unused(m)
-                    raise Refused(f"region {region_id} ({off}+{size}) exceeds segment {name} ({m.size} bytes)")
-                rem = _Remote(size, KIND_SHM, m.addr + off, slot, gen, m, True)
-            elif desc.get("kind") == "cma":
-                if int(desc["pid"]) != self._pid:
-                    raise Refused(f"descriptor of region {region_id} names pid {desc['pid']}, peer is {self._pid}")
-                if not self._cma_ok:
-                    raise Refused(f"user-memory region {region_id} needs cross-memory attach to pid {self._pid}, "
-                                  f"which does not work: {self._cma_reason}")
-                rem = _Remote(size, KIND_CMA, int(desc["addr"]), slot, gen, None, True)
-            else:
-                raise Refused(f"descriptor of region {region_id} has unknown kind {desc.get('kind')!r}")
+            rem = self._remote_of(region_id, size, fields)
         with self._lock:
             if rem.mapping is not None:
                 rem.mapping.refs += 1
@@ -786,6 +792,45 @@ class ShmChannel(Channel):
         if old is not None and old.mapping is not None:
             self._release_map(old.mapping, ref=True)
 
+    def _remote_of(self, region_id: int, size: int, desc: RegionFields) -> _Remote:
+        """A remote-accessible peer region: its segment mapped (kind shm) or its pid checked (kind cma)."""
+        slot, gen = desc.slot, desc.gen
+        if not 0 <= slot < MAX_SLOTS:
+            raise Refused(f"descriptor of region {region_id} names slot {slot}")
+        if desc.kind == "shm":
+            name, off = desc.shm_name, desc.shm_offset
+            with self._lock:
+                if self._batches.closed:
+                    raise Cancelled("channel closed")
+                m = self._maps.get(name)
+            if m is None:
+                try:
+                    m = _seg.attach(name)
+                except (OSError, ValueError) as exc:
+                    if not self._live.alive():
+                        raise PeerGone(f"peer process {self._pid} is gone") from None
+                    raise Refused(f"cannot map segment {name} of region {region_id}: {exc}") from None
+                with self._lock:
+                    other = self._maps.get(name)
+                    if other is None:
+                        self._maps[name] = m
+                        self._stats["segments_mapped"] += 1
+                    else:
+                        m.close()
+                        m = other
+            if off < 0 or off + size > m.size:
+                self._drop_map_if_unused(m)
+                raise Refused(f"region {region_id} ({off}+{size}) exceeds segment {name} ({m.size} bytes)")
+            return _Remote(size, KIND_SHM, m.addr + off, slot, gen, m, True)
+        if desc.kind == "cma":
+            if desc.pid != self._pid:
+                raise Refused(f"descriptor of region {region_id} names pid {desc.pid}, peer is {self._pid}")
+            if not self._cma_ok:
+                raise Refused(f"user-memory region {region_id} needs cross-memory attach to pid {self._pid}, "
+                              f"which does not work: {self._cma_reason}")
+            return _Remote(size, KIND_CMA, desc.addr, slot, gen, None, True)
+        raise Refused(f"descriptor of region {region_id} has unknown kind {desc.kind!r}")
+
     def remove_remote_region(self, region_id: int) -> None:
         with self._lock:
             old = self._remote.pop(int(region_id), None)
@@ -794,10 +839,17 @@ class ShmChannel(Channel):
             self._release_map(old.mapping, ref=True)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(False, ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(False, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(True, ops, deadline)
+        try:
+            return self._submit(True, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         # the quick path's plans of this channel are void from now on (llmdd_shm._quick)

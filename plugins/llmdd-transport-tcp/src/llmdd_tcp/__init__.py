@@ -87,14 +87,18 @@ from llmdd.plugin import hookimpl
 from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PoolFull, TlsConfig, get_logger, tls_config
 from llmdd.lowlevel import TransportError
 from llmdd.status import LLMStatusCode
-from llmdd.abc import CAPABILITY_BYTES, CAPABILITY_KEY, Channel, Completion, Endpoint, Transport, TransportInfo
+import msgspec
+
+from llmdd.abc import CAPABILITY_BYTES, Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor
+from llmdd.abc import Transport, TransportInfo
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import when_numpy_loaded
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportTimeout
-from llmdd.lowlevel import coalesce_ops, copy_runs, map_os_error, split_ops
+from llmdd.lowlevel import coalesce_ops, copy_runs, decode_payload, encode_payload, map_os_error, split_ops
 
-__all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "hookimpl", "llmdd_register_transports"]
+__all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "EndpointFields", "RegionFields", "endpoint_fields",
+           "region_fields", "hookimpl", "llmdd_register_transports"]
 
 
 _log = get_logger("llmdd.transport.tcp")
@@ -602,6 +606,41 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+# --------------------------------------------------------------------------- descriptors
+
+
+class EndpointFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a tcp :class:`~llmdd.abc.EndpointDescriptor` (version :data:`VERSION`); the
+    data capability travels beside it, in the descriptor's ``capability``."""
+
+    host: str
+    port: int
+    endpoint_id: bytes
+    auth: bool = False
+    tls: bool = False
+    pid: int = 0
+    hostname: str = ""
+
+
+class RegionFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a tcp :class:`~llmdd.abc.RegionDescriptor` (version :data:`VERSION`)."""
+
+    endpoint_id: bytes
+    region_id: int
+    size: int
+    remote_accessible: bool
+
+
+def endpoint_fields(desc: EndpointDescriptor) -> EndpointFields:
+    """The fields of a tcp endpoint descriptor (:class:`Refused` for another's, a newer or a malformed one)."""
+    return decode_payload(desc, transport="tcp", version=VERSION, type=EndpointFields)
+
+
+def region_fields(desc: RegionDescriptor) -> RegionFields:
+    """The fields of a tcp region descriptor (:class:`Refused` for another's, a newer or a malformed one)."""
+    return decode_payload(desc, transport="tcp", version=VERSION, type=RegionFields)
+
+
 # --------------------------------------------------------------------------- transport
 
 
@@ -720,14 +759,17 @@ class TcpEndpoint(Endpoint):
 
     # ------------------------------------------------------------------ public API
 
-    def describe(self) -> dict:
-        desc = {"transport": "tcp", "version": VERSION, "host": self._host, "port": self._port,
-                "endpoint_id": self._id, "auth": self._secret is not None, "tls": self._tls is not None,
-                "pid": os.getpid(), "hostname": socket.gethostname()}
+    def describe(self) -> EndpointDescriptor:
+        fields = EndpointFields(host=self._host, port=self._port, endpoint_id=self._id,
+                                auth=self._secret is not None, tls=self._tls is not None, pid=os.getpid(),
+                                hostname=socket.gethostname())
         with self._lock:
-            if not self._links_only:
-                desc[CAPABILITY_KEY] = self._direct   # not serving links only: the description opens it
-        return desc
+            # not serving links only: the description itself opens the port
+            cap = None if self._links_only else self._direct
+        return EndpointDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields), capability=cap)
+
+    def listen_address(self) -> tuple[str, int]:
+        return (self._host, self._port)
 
     # ------------------------------------------------------------------ grants
 
@@ -779,13 +821,14 @@ class TcpEndpoint(Endpoint):
             while grant.busy:
                 self._cond.wait()
 
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
             self._regs.add(_Reg(region))
-        return {"transport": "tcp", "endpoint_id": self._id, "region_id": region.region_id,
-                "size": region.size, "remote_accessible": region.remote_accessible}
+        fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
+                              remote_accessible=region.remote_accessible)
+        return RegionDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields))
 
     def deregister(self, region_id: int) -> None:
         def stop_serving(_reg: _Reg) -> None:   # under the lock: requests serving it end (their streams die)
@@ -795,13 +838,12 @@ class TcpEndpoint(Endpoint):
         # cancel the batches touching it, then drain: wait until no batch or request pins it
         self._regs.deregister(region_id, locked=stop_serving)
 
-    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "TcpChannel":
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "TcpChannel":
         if self._closed:
             raise Cancelled("endpoint is closed")
-        if peer.get("transport") != "tcp":
-            raise Refused(f"not a tcp endpoint description: {peer.get('transport')!r}")
+        fields = endpoint_fields(peer)
         try:
-            ch = TcpChannel(self, peer)
+            ch = TcpChannel(self, fields, peer.capability)
         except (KeyError, TypeError, ValueError) as exc:
             raise Refused(f"bad tcp endpoint description: {exc!r}") from None
         sock = ch._open_stream(time.monotonic() + timeout)
@@ -1278,17 +1320,15 @@ def _wait_readable(sock: socket.socket, seconds: float) -> bool:
 class TcpChannel(Channel):
     """Streams to one peer endpoint, pooled; a batch takes one or two of them."""
 
-    def __init__(self, endpoint: TcpEndpoint, peer: Mapping[str, Any]) -> None:
+    def __init__(self, endpoint: TcpEndpoint, peer: EndpointFields, cap: Optional[bytes]) -> None:
         self._ep = endpoint
-        self._peer = dict(peer)
-        self._addr = (str(peer["host"]), int(peer["port"]))
-        self._peer_id = bytes(peer["endpoint_id"])
-        cap = peer.get(CAPABILITY_KEY)
-        if not isinstance(cap, (bytes, bytearray)) or len(cap) < 16:
+        self._peer = peer
+        self._addr = (peer.host, peer.port)
+        self._peer_id = peer.endpoint_id
+        if cap is None or len(cap) < 16:
             raise Refused("the tcp endpoint description carries no data capability (the owner grants one per "
                           "link, in the link handshake)", status_code=LLMStatusCode.LLM_LINK_FAILED)
-        self._peer.pop(CAPABILITY_KEY, None)
-        peer_tls = bool(peer.get("tls", False))
+        peer_tls = peer.tls
         if peer_tls and endpoint._tls is None:
             raise Refused(f"the tcp data port at {self._addr[0]}:{self._addr[1]} requires TLS and this side has no "
                           "llmdd.tls_* options", status_code=LLMStatusCode.LLM_LINK_FAILED)
@@ -1310,8 +1350,8 @@ class TcpChannel(Channel):
 
     # ------------------------------------------------------------------ public API
 
-    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
-        if desc.get("endpoint_id") not in (None, self._peer_id):
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
+        if region_fields(desc).endpoint_id != self._peer_id:
             raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
         with self._lock:
             self._remote[int(region_id)] = int(size)
@@ -1323,10 +1363,17 @@ class TcpChannel(Channel):
             self._remote_table = RegionTable(self._remote)
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(READ, ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(READ, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit(WRITE, ops, deadline)
+        try:
+            return self._submit(WRITE, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         # refuse new batches, fail those in flight, wait until they left (the close-drain)

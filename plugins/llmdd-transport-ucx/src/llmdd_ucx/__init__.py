@@ -58,14 +58,18 @@ from typing import Any, Callable, Mapping, Optional, Union
 from llmdd.plugin import hookimpl
 from llmdd.lowlevel import get_logger
 from llmdd.lowlevel import TransportError
-from llmdd.abc import Channel, Completion, Endpoint, Transport, TransportInfo
+import msgspec
+
+from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry
 from llmdd.lowlevel import RegionTable, RegisteredRegion, Refused, TransportTimeout, check_ops, coalesce_ops
+from llmdd.lowlevel import decode_payload, encode_payload
 
 from . import _nixl, _proto
 
-__all__ = ["UcxTransport", "UcxEndpoint", "UcxChannel", "hookimpl", "llmdd_register_transports"]
+__all__ = ["UcxTransport", "UcxEndpoint", "UcxChannel", "EndpointFields", "RegionFields", "endpoint_fields",
+           "region_fields", "hookimpl", "llmdd_register_transports"]
 
 
 _log = get_logger("llmdd.transport.ucx")
@@ -120,6 +124,43 @@ def _ucx_env(options: Mapping[str, Any]) -> dict:
     if sl not in (None, ""):
         env["UCX_IB_SL"] = str(int(sl))
     return env
+
+
+# --------------------------------------------------------------------------- descriptors
+
+
+class EndpointFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a ucx :class:`~llmdd.abc.EndpointDescriptor` (version :data:`VERSION`)."""
+
+    agent: str
+    metadata: bytes          # the NIXL agent's connection metadata (no region key)
+    host: str = ""
+    hostname: str = ""
+    pid: int = 0
+
+
+class RegionFields(msgspec.Struct, frozen=True, kw_only=True):
+    """The payload of a ucx :class:`~llmdd.abc.RegionDescriptor` (version :data:`VERSION`)."""
+
+    agent: str
+    region_id: int
+    addr: int
+    size: int
+    dev_id: int = 0
+    mem: str = "DRAM"
+    gen: int = 0
+    remote_accessible: bool = True
+    metadata: bytes = b""    # the NIXL partial metadata with this region's key (remote-accessible only)
+
+
+def endpoint_fields(desc: EndpointDescriptor) -> EndpointFields:
+    """The fields of a ucx endpoint descriptor (:class:`Refused` for another's, a newer or a malformed one)."""
+    return decode_payload(desc, transport="ucx", version=VERSION, type=EndpointFields)
+
+
+def region_fields(desc: RegionDescriptor) -> RegionFields:
+    """The fields of a ucx region descriptor (:class:`Refused` for another's, a newer or a malformed one)."""
+    return decode_payload(desc, transport="ucx", version=VERSION, type=RegionFields)
 
 
 # --------------------------------------------------------------------------- transport
@@ -477,11 +518,12 @@ class UcxEndpoint(Endpoint):
     def agent_name(self) -> str:
         return self._name
 
-    def describe(self) -> dict:
-        return {"transport": "ucx", "version": VERSION, "agent": self._name, "metadata": self._metadata,
-                "host": self._host, "hostname": socket.gethostname(), "pid": os.getpid()}
+    def describe(self) -> EndpointDescriptor:
+        fields = EndpointFields(agent=self._name, metadata=bytes(self._metadata), host=self._host,
+                                hostname=socket.gethostname(), pid=os.getpid())
+        return EndpointDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))
 
-    def register(self, region: MemRegion) -> dict:
+    def register(self, region: MemRegion) -> RegionDescriptor:
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
@@ -498,9 +540,9 @@ class UcxEndpoint(Endpoint):
                     raise _nixl_error(exc, f"registering region {region.region_id}") from None
             self._gen += 1
             self._regs.add(_LocalReg(region, dlist, self._gen))
-        return {"transport": "ucx", "agent": self._name, "region_id": region.region_id, "addr": region.addr,
-                "size": region.size, "dev_id": 0, "mem": "DRAM", "gen": self._gen,
-                "remote_accessible": region.remote_accessible, "metadata": partial}
+        fields = RegionFields(agent=self._name, region_id=region.region_id, addr=region.addr, size=region.size,
+                              gen=self._gen, remote_accessible=region.remote_accessible, metadata=bytes(partial))
+        return RegionDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))
 
     def deregister(self, region_id: int) -> None:
         # this side: fail the batches touching it and drain them (requests in flight polled out)
@@ -518,19 +560,18 @@ class UcxEndpoint(Endpoint):
                 except Exception as exc:  # noqa: BLE001
                     self._log.warning("llmdd.transport.ucx.deregister_failed", region=region_id, error=repr(exc))
 
-    def connect(self, peer: Mapping[str, Any], *, timeout: float) -> "UcxChannel":
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "UcxChannel":
         deadline = time.monotonic() + timeout
         if self._closed:
             raise Cancelled("endpoint is closed")
-        if peer.get("transport") != "ucx" or not isinstance(peer.get("metadata"), (bytes, bytearray)):
-            raise Refused(f"not a ucx endpoint description: {peer.get('transport')!r}")
+        fields = endpoint_fields(peer)
         try:
-            name = self._agent.add_remote_agent(bytes(peer["metadata"]))
+            name = self._agent.add_remote_agent(fields.metadata)
         except Exception as exc:  # noqa: BLE001
             raise PeerGone(f"cannot load the peer's NIXL metadata: {_nixl_error(exc, 'add_remote_agent')}") from None
         name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != peer.get("agent"):
-            raise Corrupt(f"peer metadata names agent {name!r}, description says {peer.get('agent')!r}")
+        if name != fields.agent:
+            raise Corrupt(f"peer metadata names agent {name!r}, description says {fields.agent!r}")
         ch = UcxChannel(self, name)
         with self._lock:
             self._channels.add(ch)
@@ -771,17 +812,17 @@ class UcxChannel(Channel):
 
     # ------------------------------------------------------------------ public API
 
-    def add_remote_region(self, region_id: int, size: int, desc: Mapping[str, Any]) -> None:
-        if desc.get("transport", "ucx") != "ucx" or desc.get("agent") != self._peer_name:
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
+        fields = region_fields(desc)
+        if fields.agent != self._peer_name:
             raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
-        md = desc.get("metadata")
+        md = fields.metadata
         if md:
             try:  # the region's remote key (registered after the link may have been made)
                 self._ep._agent.add_remote_agent(bytes(md))
             except Exception as exc:  # noqa: BLE001
                 raise _nixl_error(exc, f"loading the key of remote region {region_id}") from None
-        r = _Remote(min(int(size), int(desc["size"])), int(desc["addr"]), int(desc.get("dev_id", 0)),
-                    int(desc.get("gen", 0)), bool(desc.get("remote_accessible", True)))
+        r = _Remote(min(int(size), fields.size), fields.addr, fields.dev_id, fields.gen, fields.remote_accessible)
         with self._lock:
             self._remote[int(region_id)] = r
             self._rebuild()
@@ -792,10 +833,17 @@ class UcxChannel(Channel):
             self._rebuild()
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("READ", ops, deadline)
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit("READ", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        return self._submit("WRITE", ops, deadline)
+        try:
+            return self._submit("WRITE", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
 
     def close(self) -> None:
         if not self._batches.close(Cancelled("channel closed")):   # fail the batches in flight, drain them
