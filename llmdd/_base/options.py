@@ -222,7 +222,7 @@ class TlsConfig:
         """TLS on a connected client socket: the server's certificate must name ``server_name`` when
         it is set, else ``host`` when that is a name rather than an IP literal (with a CA only)."""
         name = self.server_name
-        if name is None and self.client_named is not None and not _is_ip_literal(host):
+        if name is None and self.client_named is not None and not is_ip_literal(host):
             name = host
         if name is not None and self.client_named is not None:
             return self.client_named.wrap_socket(sock, server_hostname=name, **kwargs)
@@ -272,7 +272,8 @@ def _tls_contexts(cert: Optional[str], key: Optional[str], ca: Optional[str], *,
     return server, client
 
 
-def _is_ip_literal(host: str) -> bool:
+def is_ip_literal(host: str) -> bool:
+    """``host`` is an IPv4 or IPv6 literal (bracketed or not), not a name."""
     try:
         ipaddress.ip_address(host.strip("[]"))
     except ValueError:

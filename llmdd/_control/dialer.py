@@ -13,14 +13,13 @@ channel; the connection moves to the I/O loop once authenticated.
 from __future__ import annotations
 
 import concurrent.futures
-import ipaddress
 import random
 import socket
 import ssl
 from typing import Any, Optional
 
 from llmdd._base.log import get_logger
-from llmdd._base.options import is_local_address
+from llmdd._base.options import is_ip_literal, is_local_address
 from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection
@@ -296,7 +295,7 @@ class Dialer:
         """TLS on a client socket: the server's certificate must name ``llmdd.tls_server_name`` when it
         is set, else ``host`` when that is a name rather than an IP literal (with a CA; see docs)."""
         name = self.host.settings.tls_server_name
-        if name is None and self.host.settings.client_tls_named is not None and not _is_ip_literal(host):
+        if name is None and self.host.settings.client_tls_named is not None and not is_ip_literal(host):
             name = host
         if name is not None and self.host.settings.client_tls_named is not None:
             return self.host.settings.client_tls_named.wrap_socket(sock, server_hostname=name)
@@ -305,14 +304,6 @@ class Dialer:
     def _busy_pause(self, attempt: int, deadline: float) -> None:
         pause = min(0.5, 0.01 * (2 ** min(attempt, 6))) * (0.5 + random.random())
         self.host.loop.sleep(max(0.0, min(pause, deadline - self.host.loop.monotonic())))
-
-
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-    except ValueError:
-        return False
-    return True
 
 
 def _closed_at_once(exc: BaseException) -> bool:

@@ -256,17 +256,23 @@ def test_nobody_listening_fails_at_once_with_connection_refused(world):
 # ---------------------------------------------------------------------------------------------- setup failures
 
 
-def scenario_server_setup_deadline(world: World) -> tuple[Engine, Engine]:
-    """The client's tables never reach the server (its sends are lost from the moment its link
-    exists): the server's setup ends at its handshake deadline; the client sees the peer go."""
+def setup_with_fault(world: World, fault: str, timeout_ms: int) -> tuple[Engine, Engine]:
+    """A decoder links to a prompt engine; the moment the decoder's link exists (``link`` fired),
+    its end of the control connection gets ``fault``; link_clusters must fail."""
     server = make(world, 2, listen=True)
     client = make(world, 1, LLMRole.DECODER)
     t0 = world.now
-    client.at("link", lambda: setattr(ends(world)[0], "cut", True))
-    assert client.link(server, timeout_ms=5000) is S.LLM_LINK_FAILED
+    client.at("link", lambda: setattr(ends(world)[0], fault, True))
+    assert client.link(server, timeout_ms=timeout_ms) is S.LLM_LINK_FAILED
     world.settle()
     world.t0 = t0   # type: ignore[attr-defined]
     return client, server
+
+
+def scenario_server_setup_deadline(world: World) -> tuple[Engine, Engine]:
+    """The client's tables never reach the server (its sends are lost from the moment its link
+    exists): the server's setup ends at its handshake deadline; the client sees the peer go."""
+    return setup_with_fault(world, "cut", 5000)
 
 
 def test_a_server_side_setup_fails_at_its_handshake_deadline_and_leaves_nothing(world):
@@ -286,15 +292,9 @@ def test_a_server_side_setup_fails_at_its_handshake_deadline_and_leaves_nothing(
 
 def scenario_client_setup_deadline(world: World) -> tuple[Engine, Engine]:
     """The server's tables never reach the client (its loop reads nothing once the handshake is
-    done): the client's link setup fails at the link_clusters deadline."""
-    server = make(world, 2, listen=True)
-    client = make(world, 1, LLMRole.DECODER)
-    t0 = world.now
-    client.at("link", lambda: setattr(ends(world)[0], "frozen", True))
-    assert client.link(server, timeout_ms=2000) is S.LLM_LINK_FAILED
-    world.settle()
-    world.t0 = t0   # type: ignore[attr-defined]
-    return client, server
+    done; the handshake itself is read by the blocking client): the client's link setup fails at
+    the link_clusters deadline."""
+    return setup_with_fault(world, "frozen", 2000)
 
 
 def test_a_client_side_setup_fails_at_the_link_deadline(world):
