@@ -41,10 +41,11 @@ def _load() -> list[float]:
 def worker(cprofile: str = "") -> dict:
     import numpy as np
     import llmdd_shm
+    from llmdd_shm import _hotpath
     from llmdd._memory.backend import HostBackend
     from llmdd.lowlevel import MemRegion, make_ops
 
-    assert llmdd_shm._native is None, "run with LLMDD_SHM_NATIVE=0"
+    assert _hotpath._native is None, "run with LLMDD_SHM_NATIVE=0"
     t = llmdd_shm.ShmTransport({llmdd_shm.OPT_NATIVE: "off"})
     a, b = t.open_endpoint(), t.open_endpoint()
     be = HostBackend()

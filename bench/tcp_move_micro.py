@@ -4,9 +4,11 @@ sendmsg/recvmsg (new).  Median microseconds per move over REPS, three rounds, an
 
     python bench/tcp_move_micro.py OLD_TREE NEW_TREE     # e.g. a `git archive` of the older commit, .
 """
-import importlib.util, socket, sys, threading, time, numpy as np
+import importlib.util, os, socket, sys, threading, time, numpy as np
 def load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path); m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); return m
+    # the tree's llmdd_tcp as package `name`; the module that holds _move: the package itself, or its _io module
+    # once issue 16 (5) split the transport into modules
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[os.path.dirname(path)]); m = importlib.util.module_from_spec(spec); sys.modules[name] = m; spec.loader.exec_module(m); return sys.modules.get(name + "._io", m)
 new = load(sys.argv[2] + "/plugins/llmdd-transport-tcp/src/llmdd_tcp/__init__.py", "tcp_new")
 old = load(sys.argv[1] + "/plugins/llmdd-transport-tcp/src/llmdd_tcp/__init__.py", "tcp_old")
 src = np.random.default_rng(1).integers(0, 256, 8 << 20, dtype=np.uint8); dst = np.zeros_like(src)

@@ -20,10 +20,14 @@ import trustme
 
 
 def load(tree, name):
-    spec = importlib.util.spec_from_file_location(name, tree + "/plugins/llmdd-transport-tcp/src/llmdd_tcp/__init__.py")
+    """The tree's llmdd_tcp as package ``name``; the module that holds ``_move``: the package itself, or its
+    ``_io`` module once issue 16 (5) split the transport into modules."""
+    pkg = tree + "/plugins/llmdd-transport-tcp/src/llmdd_tcp"
+    spec = importlib.util.spec_from_file_location(name, pkg + "/__init__.py", submodule_search_locations=[pkg])
     m = importlib.util.module_from_spec(spec)
+    sys.modules[name] = m
     spec.loader.exec_module(m)
-    return m
+    return sys.modules.get(name + "._io", m)
 
 
 new = load(sys.argv[2], "tcp_new")
@@ -43,7 +47,7 @@ def where(mod, arr):
     ids, addrs = np.array([0], np.int64), np.array([arr.ctypes.data], np.uint64)
     try:
         return mod._Where(ids, addrs, {0: mod._region_view(arr.ctypes.data, arr.nbytes)})   # the old signature
-    except TypeError:
+    except (TypeError, AttributeError):   # AttributeError: the split package's _io, with no _region_view
         return mod._Where(ids, addrs)
 
 

@@ -23,7 +23,7 @@ from llmdd.plugin import LinkInfo
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
 from llmdd_faults import (Fault, FaultInjector, FaultPlan, FaultyTransport, env_plan, peer_scope,
                           plan_from_env, wrap)
-from llmdd_faults._wrapper import _cut
+from llmdd_faults._batch import _cut
 import llmdd_tcp
 from llmdd_tcp import TcpTransport, endpoint_fields
 

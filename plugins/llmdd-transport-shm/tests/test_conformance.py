@@ -32,7 +32,7 @@ from llmdd._memory.backend import HostBackend
 from llmdd.testing import _conformance
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
-from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg, region_fields
+from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _hotpath, _seg, region_fields
 
 
 class _PoolNumpy(types.ModuleType):
@@ -143,7 +143,7 @@ class _QuickEndpoint:
 @pytest.fixture(params=["python", "native", "quick"])
 def user_pair(request):
     """``make_pair`` on one data path; every endpoint it makes is checked to be on that path."""
-    if request.param != "python" and llmdd_shm._native is None:
+    if request.param != "python" and _hotpath._native is None:
         pytest.skip(f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
     mode = "off" if request.param == "python" else "on"
 

@@ -22,10 +22,10 @@ import pytest
 import llmdd_shm
 from llmdd.lowlevel import SharedSegment
 from llmdd.lowlevel import MemRegion, make_ops
-from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _seg
+from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _hotpath, _seg
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(llmdd_shm._native is None,
+              pytest.mark.skipif(_hotpath._native is None,
                                  reason=f"C hot path not active: {llmdd_shm.NATIVE_REASON}")]
 
 KiB = 1 << 10

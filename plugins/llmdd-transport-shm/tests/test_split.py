@@ -15,7 +15,7 @@ import pytest
 
 import llmdd_shm
 from llmdd.lowlevel import Cancelled, MemRegion, PeerGone, TransportTimeout, make_ops
-from llmdd_shm import ShmTransport
+from llmdd_shm import ShmTransport, _copypool, _hotpath
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _llmdd_shm_owner import POOL_RID, SIZE, USER_RID, USER_SINK, _content, _owner_main  # noqa: E402
@@ -49,7 +49,7 @@ def owner():
 
 @pytest.fixture(params=["auto", "off"], ids=["native", "python"])
 def channel(request, owner):
-    if request.param == "auto" and llmdd_shm._native is None:
+    if request.param == "auto" and _hotpath._native is None:
         if os.environ.get(llmdd_shm.ENV_NATIVE, "").strip().lower() in ("0", "off", "no", "false"):
             # the suite's fallback run (.ci/run): "auto" is the pure-Python path there, the other param
             pytest.skip(f"the C hot path is switched off in this run: {llmdd_shm.NATIVE_REASON}")
@@ -100,7 +100,7 @@ def test_a_split_read_runs_in_the_caller_and_one_pool_thread_and_moves_every_byt
         untouched = np.ones(SIZE // BLOCK, bool)
         untouched[lb] = False
         assert not local.reshape(-1, BLOCK)[untouched].any()
-        counts.append(llmdd_shm._pool.threads())
+        counts.append(_copypool._pool.threads())
     me = threading.current_thread().name
     assert len(seen) == 8  # two parts per batch
     for i in range(0, 8, 2):
@@ -185,15 +185,15 @@ def test_a_forked_child_gets_a_fresh_copy_pool(channel):
     lb, rb = _tables(17, 160)
     c = ch.read(make_ops(1, lb * BLOCK, USER_RID, rb * BLOCK, BLOCK), deadline=time.monotonic() + 30)
     assert c.wait(30) and c.error is None
-    assert llmdd_shm._pool.threads() >= 1
+    assert _copypool._pool.threads() >= 1
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no inherited copy thread, and the pool's lock is usable
         try:
-            ok = llmdd_shm._pool.threads() == 0
+            ok = _copypool._pool.threads() == 0
             done = threading.Event()
-            llmdd_shm._pool.submit(done.set)
-            ok = ok and done.wait(10) and llmdd_shm._pool.threads() == 1
+            _copypool._pool.submit(done.set)
+            ok = ok and done.wait(10) and _copypool._pool.threads() == 1
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)

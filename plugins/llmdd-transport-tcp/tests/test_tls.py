@@ -252,11 +252,11 @@ def test_blocks_over_tls_move_in_staged_gathers(certs, monkeypatch):
     """Equal blocks over TLS (the engine's case): both ends stage them, up to 256 KiB a stage, with one
     copy_runs call per stage (no Python object per op); every block lands, the blocks not asked for
     stay as they were."""
-    import llmdd_tcp
+    from llmdd_tcp import _tls_io   # the module whose stages look copy_runs up
 
     calls: list = []
-    real = llmdd_tcp.copy_runs
-    monkeypatch.setattr(llmdd_tcp, "copy_runs", lambda d, s_, n: (calls.append(len(n)), real(d, s_, n)))
+    real = _tls_io.copy_runs
+    monkeypatch.setattr(_tls_io, "copy_runs", lambda d, s_, n: (calls.append(len(n)), real(d, s_, n)))
     with _linked(_opts(certs), _opts(certs)) as (a, b, ch, src, dst, _):
         rng = np.random.default_rng(9090)
         blk, nb = 2048, SIZE // 2048

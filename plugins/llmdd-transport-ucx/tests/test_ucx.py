@@ -17,7 +17,8 @@ import pytest
 from llmdd.lowlevel import MemRegion, TransportTimeout
 from llmdd._seam.ops import make_ops
 import llmdd_ucx
-from llmdd_ucx import UcxTransport, _nixl, _ucx_env
+from llmdd_ucx import UcxTransport, _nixl
+from llmdd_ucx._options import _ucx_env
 
 _INFO = UcxTransport.probe()
 needs_nixl = pytest.mark.skipif(not _INFO.available, reason=f"ucx transport unavailable: {_INFO.reason}")
@@ -90,7 +91,7 @@ def test_chunking_bounds_bytes_and_descriptors():
     ld = np.array([[0, 10, 0], [100, 3, 0], [200, 25, 0]], dtype=np.uint64)
     rd = ld.copy()
     rd[:, 0] += 1000
-    chunks = llmdd_ucx._chunk(ld, rd, 8, 2)
+    chunks = llmdd_ucx._xfer._chunk(ld, rd, 8, 2)
     lens = np.concatenate([c[0][:, 1] for c in chunks])
     assert int(lens.sum()) == 38 and lens.max() <= 8
     assert all(len(c[0]) <= 2 and int(c[0][:, 1].sum()) <= 8 for c in chunks)
@@ -116,7 +117,7 @@ def test_a_broadcast_to_many_clients_starts_no_thread_per_client():
     ep._waiters = {}
     ep._kick = threading.Event()
     ep._stats = {"control_timeouts": 0}
-    ep._log = llmdd_ucx._log
+    ep._log = llmdd_ucx._endpoint._log
     threads0 = threading.active_count()
     sent = []
 

@@ -27,6 +27,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
+from . import _seg
+from ._format import KIND_CMA
+
 #: the C side's header: magic, ep_ctr, ep_ver, ch_ctr, ch_ver, ctl_addr, write, pid, pidfd, lock_fd,
 #: bs, su, du, npairs, nslots, iov_max, max_bytes, slot_lo, slot_hi (see _shmfast.c, qhdr_t)
 _HDR = struct.Struct("<6Q4q9Q")
@@ -88,8 +91,6 @@ def quick_plan(ch: Any, pairs: Sequence[tuple[int, int]], block_bytes: int, src_
             if reg is None:
                 return None
             local[lid] = (int(reg.region.addr), int(reg.region.size))
-    from . import KIND_CMA, _seg   # the package imports this module lazily, at the first plan
-
     with ch._lock:   # the remote table, its version and the channel's lock fd together
         if ch._batches.closed:
             return None

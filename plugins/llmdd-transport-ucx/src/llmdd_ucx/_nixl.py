@@ -1,4 +1,5 @@
-"""Lazy access to NIXL: environment set-up before UCX loads, the import, scoped UCX config.
+"""Lazy access to NIXL: environment set-up before UCX loads, the import, scoped UCX config, and
+the mapping of NIXL's exceptions to llmdd's typed errors.
 
 Nothing here imports NIXL at module import. :func:`load` is called by ``probe()`` and when the
 first endpoint opens; it sets ``UCX_MODULES=^ib`` (unless the user set ``UCX_MODULES``) *before*
@@ -16,6 +17,8 @@ import os
 import threading
 from types import ModuleType
 from typing import Iterator, Mapping, Optional
+
+from llmdd.lowlevel import Corrupt, PeerGone, Refused, TransportError
 
 __all__ = ["load", "load_error", "scoped_env", "version_info", "PACKAGES"]
 
@@ -110,3 +113,17 @@ def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
         finally:
             for k in saved:
                 os.environ.pop(k, None)
+
+
+def _nixl_error(exc: BaseException, what: str) -> TransportError:
+    """Map an exception of NIXL's bindings (``nixlRemoteDisconnectError``...) to a typed error."""
+    if isinstance(exc, TransportError):
+        return exc
+    kind = type(exc).__name__
+    if "Disconnect" in kind or "Unreach" in kind:
+        return PeerGone(f"{what}: the peer agent is gone ({kind})")
+    if "NotFound" in kind or "InvalidParam" in kind or "NotAllowed" in kind:
+        return Refused(f"{what}: NIXL refused the descriptors ({kind}: {exc})")
+    if "Backend" in kind:
+        return PeerGone(f"{what}: the UCX backend failed ({kind}: {exc})")
+    return Corrupt(f"{what}: unexpected NIXL failure ({kind}: {exc!r})")

@@ -1,0 +1,335 @@
+"""The client side of the tcp transport: :class:`TcpChannel` (streams to one peer endpoint, pooled: the
+OPEN exchange, batches split over streams and segments, stale idle streams retried once) and
+:class:`_Batch` (a batch's sockets, so that cancel, deadline and deregistration can shut them down)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from llmdd.abc import Channel, Completion, RegionDescriptor
+from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, Refused, RegionTable
+from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, coalesce_ops, split_ops
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+from llmdd.status import LLMStatusCode
+
+from . import _wire
+from ._descriptors import EndpointFields, region_fields
+from ._grants import _cap_key, _handle, _mac
+from ._io import _move, _sendmsg_all, _Where
+from ._options import OPT_INLINE, OPT_SEGMENT, OPT_SPLIT, OPT_STREAMS
+from ._sock import _arm, _close, _map_exc, _readable, _recv_exact, _shutdown, _StaleStream, _tune
+from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _M_REQ, _OPEN, _REQ, _RSP, MAX_OPS_PER_REQUEST, READ, ST_OK
+from ._wire import ST_REFUSED, VERSION, WRITE, _parse_rsp, _recv_rsp
+
+if TYPE_CHECKING:   # the endpoint opens channels (it imports this module); a channel only calls back into it
+    from ._endpoint import TcpEndpoint
+
+
+class _Batch(Batch):
+    """A batch and its sockets, so that cancel/deadline/deregister can kill them."""
+
+    __slots__ = ("socks", "lock")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.socks: list[socket.socket] = []
+        self.lock = threading.Lock()
+
+    def adopt(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.socks.append(sock)
+            if not self.aborted:
+                return
+        _shutdown(sock)
+        raise Cancelled("batch aborted")
+
+    def on_abort(self) -> None:
+        with self.lock:
+            socks = list(self.socks)
+        for s in socks:
+            _shutdown(s)
+
+
+class TcpChannel(Channel):
+    """Streams to one peer endpoint, pooled; a batch takes one or two of them."""
+
+    def __init__(self, endpoint: TcpEndpoint, peer: EndpointFields, cap: Optional[bytes]) -> None:
+        self._ep = endpoint
+        self._peer = peer
+        self._addr = (peer.host, peer.port)
+        self._peer_id = peer.endpoint_id
+        if cap is None or len(cap) < 16:
+            raise Refused("the tcp endpoint description carries no data capability (the owner grants one per "
+                          "link, in the link handshake)", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        peer_tls = peer.tls
+        if peer_tls and endpoint._tls is None:
+            raise Refused(f"the tcp data port at {self._addr[0]}:{self._addr[1]} requires TLS and this side has no "
+                          "llmdd.tls_* options", status_code=LLMStatusCode.LLM_LINK_FAILED)
+        if endpoint._tls is not None and not peer_tls:
+            raise Refused(f"TLS is configured here but the tcp data port at {self._addr[0]}:{self._addr[1]} is "
+                          "plaintext: refused rather than sending data unencrypted",
+                          status_code=LLMStatusCode.LLM_LINK_FAILED)
+        self._handle = _handle(bytes(cap))
+        self._key = _cap_key(bytes(cap), endpoint._secret)
+        self._lock = threading.Lock()
+        self._idle: list[socket.socket] = []
+        self._remote: dict[int, int] = {}
+        self._remote_table = RegionTable()
+        self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
+        self._cfg = endpoint._cfg
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
+                                       "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
+
+    # ------------------------------------------------------------------ public API
+
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
+        if region_fields(desc).endpoint_id != self._peer_id:
+            raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
+        with self._lock:
+            self._remote[int(region_id)] = int(size)
+            self._remote_table = RegionTable(self._remote)
+
+    def remove_remote_region(self, region_id: int) -> None:
+        with self._lock:
+            self._remote.pop(int(region_id), None)
+            self._remote_table = RegionTable(self._remote)
+
+    def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit(READ, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
+
+    def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        try:
+            return self._submit(WRITE, ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
+
+    def close(self) -> None:
+        # refuse new batches, fail those in flight, wait until they left (the close-drain)
+        if not self._batches.close(Cancelled("channel closed")):
+            return
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            _close(s)
+        self._ep._forget_channel(self)
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, idle_streams=len(self._idle), remote_regions=len(self._remote),
+                        closed=self._batches.closed)
+
+    # ------------------------------------------------------------------ streams
+
+    def _open_stream(self, deadline: float) -> socket.socket:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TransportTimeout("deadline passed before connecting")
+        try:
+            sock = socket.create_connection(self._addr, timeout=left)
+        except OSError as exc:
+            raise _map_exc(exc) from None
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+            tls = self._ep._tls
+            if tls is not None:
+                _tune(sock)
+                plain = sock
+                try:
+                    # the server's certificate is checked as on control connections (llmdd.tls_server_name)
+                    sock = tls.wrap_client(plain, self._addr[0])
+                except BaseException:
+                    plain.close()
+                    raise
+            magic, version, auth, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            if magic != _M_HELLO or version != VERSION:
+                raise Corrupt(f"peer at {self._addr} does not speak llmdd-tcp v{VERSION}")
+            if peer_id != self._peer_id:
+                raise PeerGone(f"peer at {self._addr} is another endpoint incarnation")
+            secret = self._ep._secret
+            if auth and secret is None:
+                raise Refused("peer requires a shared secret", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            if not auth and secret is not None:
+                raise Refused("peer does not authenticate but a secret is configured",
+                              status_code=LLMStatusCode.LLM_LINK_FAILED)
+            nonce_c = os.urandom(16)
+            sock.sendall(_OPEN.pack(nonce_c, self._handle, _mac(self._key, b"c", peer_id, nonce_s, nonce_c)))
+            status, mac_s = _AUTH_RSP.unpack(_recv_exact(sock, _AUTH_RSP.size))
+            if status != 0 or not hmac.compare_digest(mac_s, _mac(self._key, b"s", peer_id, nonce_c, nonce_s)):
+                raise Refused("the peer refused the data connection (no live link grant, or authentication "
+                              "failed)", status_code=LLMStatusCode.LLM_LINK_FAILED)
+            sock.settimeout(None)
+            _tune(sock)
+        except BaseException as exc:
+            if sock is not None:   # None: the TLS wrap failed and closed its socket
+                _close(sock)
+            raise _map_exc(exc) from None
+        with self._lock:
+            self._stats["streams_opened"] += 1
+        return sock
+
+    def _acquire(self, batch: _Batch, deadline: float, *, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A stream for ``batch`` and whether it was reused from the idle pool."""
+        sock = None
+        while not fresh:
+            with self._lock:
+                if self._batches.closed:
+                    raise Cancelled("channel closed")
+                sock = self._idle.pop() if self._idle else None
+            if sock is None or not _readable(sock):
+                break
+            # an idle stream has nothing to read: readable means the owner closed it (it fails the
+            # streams of batches that touched a region it deregistered); never reuse it
+            _close(sock)
+        reused = sock is not None
+        if sock is None:
+            sock = self._open_stream(deadline)
+        batch.adopt(sock)
+        return sock, reused
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._batches.closed and len(self._idle) < 4:
+                self._idle.append(sock)
+                return
+        _close(sock)
+
+    # ------------------------------------------------------------------ batches
+
+    def _submit(self, kind: int, ops: np.ndarray, deadline: float) -> Completion:
+        with self._lock:
+            if self._batches.closed:
+                raise Cancelled("channel closed")
+            remote = self._remote_table
+        batch, where = self._ep._begin_batch(ops, remote)
+        try:
+            with self._lock:
+                self._batches.add(batch)
+        except BaseException:
+            self._ep._end_batch(batch)
+            raise
+        try:
+            ops = coalesce_ops(np.asarray(ops))
+            total = int(ops["length"].sum(dtype=np.uint64)) if len(ops) else 0
+        except BaseException:
+            self._finish(batch)
+            raise
+        if total <= int(self._cfg[OPT_INLINE]):
+            err = None
+            try:
+                self._run_stream(batch, kind, ops, where, deadline)
+            except BaseException as exc:  # noqa: BLE001
+                err = _map_exc(exc)
+                if batch.aborted and not isinstance(err, Refused):
+                    err = Cancelled(f"batch aborted: {err}")
+            self._finish(batch, err, kind, ops, total)
+            return DoneCompletion(err)
+        streams = int(self._cfg[OPT_STREAMS]) if total >= int(self._cfg[OPT_SPLIT]) else 1
+        parts = split_ops(ops, max(1, streams))
+        workers = [(lambda p=p: self._run_stream_mapped(batch, kind, p, where, deadline)) for p in parts]
+        batch.completion = ThreadCompletion(
+            workers, deadline=deadline, abort=batch.abort,
+            on_done=lambda c: self._finish(batch, c.recorded_error, kind, ops, total),
+            name="llmdd-tcp-io")
+        return batch.completion
+
+    def _finish(self, batch: _Batch, err: Union[TransportError, None] = None, kind: int = READ,
+                ops: Union[np.ndarray, None] = None, total: int = 0) -> None:
+        with batch.lock:
+            socks, batch.socks = batch.socks, []
+        for s in socks:  # streams still owned by the batch were not released: they are broken
+            _close(s)
+        self._ep._end_batch(batch)
+        with self._lock:
+            self._batches.discard_locked(batch)
+            if ops is None:
+                return
+            self._stats["batches"] += 1
+            if err is None:
+                key = "read" if kind == READ else "written"
+                self._stats[f"bytes_{key}"] += total
+                self._stats[f"ops_{key}"] += len(ops)
+            else:
+                self._stats["failed"] += 1
+                self._stats["last_error"] = str(err)
+
+    def _run_stream_mapped(self, batch: _Batch, kind: int, ops: np.ndarray, where: _Where, deadline: float) -> None:
+        try:
+            self._run_stream(batch, kind, ops, where, deadline)
+        except TransportError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a socket timeout (EAGAIN under SO_RCVTIMEO) is a timeout
+            raise _map_exc(exc) from None
+
+    def _run_stream(self, batch: _Batch, kind: int, ops: np.ndarray, where: _Where, deadline: float) -> None:
+        sock, reused = self._acquire(batch, deadline)
+        seg_max = int(self._cfg[OPT_SEGMENT])
+        ends = np.cumsum(ops["length"], dtype=np.uint64)
+        start = 0
+        n = len(ops)
+        try:
+            while start < n:
+                base = int(ends[start - 1]) if start else 0
+                stop = int(np.searchsorted(ends, base + seg_max, side="right"))
+                stop = min(max(stop, start + 1), n, start + MAX_OPS_PER_REQUEST)
+                try:
+                    self._segment(sock, kind, ops[start:stop], where, deadline, batch)
+                except _StaleStream as exc:
+                    if not (reused and start == 0) or batch.aborted:
+                        raise PeerGone(str(exc)) from None
+                    # the owner closed this idle stream just as it was reused (nothing was moved): once
+                    # more on a fresh one
+                    with batch.lock:
+                        if sock in batch.socks:
+                            batch.socks.remove(sock)
+                    _close(sock)
+                    sock, reused = self._acquire(batch, deadline, fresh=True)
+                    continue
+                start = stop
+        except Refused:
+            # refusals come before any payload: the stream is still in step
+            self._give_back(batch, sock)
+            raise
+        self._give_back(batch, sock)
+
+    def _give_back(self, batch: _Batch, sock: socket.socket) -> None:
+        with batch.lock:
+            if batch.aborted or sock not in batch.socks:
+                return
+            batch.socks.remove(sock)
+        self._release(sock)
+
+    def _segment(self, sock: socket.socket, kind: int, ops: np.ndarray, where: _Where, deadline: float,
+                 batch: _Batch) -> None:
+        wire = np.empty(len(ops), dtype=_wire.WIRE_OP)
+        wire["region"] = ops["remote_region"]
+        wire["offset"] = ops["remote_offset"]
+        wire["length"] = ops["length"]
+        total = int(ops["length"].sum(dtype=np.uint64))
+        _arm(sock, deadline)
+        try:
+            _sendmsg_all(sock, [_REQ.pack(_M_REQ, kind, 0, 0, len(ops), total), memoryview(wire.view(np.uint8))])
+            head = _recv_exact(sock, _RSP.size, deadline, stale_ok=True)
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            raise _StaleStream(f"stream closed by the owner: {exc}") from None
+        status, msg = _parse_rsp(sock, head, deadline)
+        if status == ST_REFUSED:
+            raise Refused(f"peer refused the batch: {msg}")
+        if status != ST_OK:
+            raise Corrupt(f"peer failed the batch: {msg}")
+        aborted = lambda: batch.aborted  # noqa: E731
+        _move(sock, where, ops["local_region"], ops["local_offset"], ops["length"], deadline,
+              send=(kind == WRITE), abort_check=aborted, total=total)
+        if kind == WRITE:
+            status, msg = _recv_rsp(sock, deadline)
+            if status != ST_OK:
+                raise Corrupt(f"peer failed the write: {msg}")

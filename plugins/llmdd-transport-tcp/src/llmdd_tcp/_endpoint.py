@@ -1,0 +1,482 @@
+"""The tcp endpoint (:class:`TcpEndpoint`), one concept: the data port's owner.  Its region registry and
+pins, its grants (grant, revoke, serve links only), its channels, and the serving side of its port: accept
+under the pending caps, OPEN checks, and a worker's serving of requests (validated against the regions and
+the grant, then moved).  The streams themselves are :mod:`._server`'s, the client side :mod:`._channel`'s."""
+
+from __future__ import annotations
+
+import errno
+import hmac
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Callable, Mapping, Optional, Union
+
+from llmdd.abc import CAPABILITY_BYTES, Endpoint, EndpointDescriptor, RegionDescriptor
+from llmdd.lowlevel import EVENT_READ, Batch, Cancelled, Corrupt, IoLoop, MemRegion, PeerGone, Refused, RegionRegistry
+from llmdd.lowlevel import RegionTable, RegisteredRegion, TlsConfig, encode_payload, get_logger
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+
+from . import _wire
+from ._channel import TcpChannel, _Batch
+from ._descriptors import EndpointFields, RegionFields, endpoint_fields
+from ._grants import _Grant, _handle, _mac
+from ._io import _OK_HEAD, _move, _Where
+from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT
+from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS
+from ._server import _ServerConn
+from ._sock import _close, _map_exc, _recv_exact, _set_timeouts, _shutdown, _tune, _wait_readable, _waitall
+from ._wire import _M_REQ, _REQ, MAX_OPS_PER_REQUEST, READ, ST_OK, ST_REFUSED, VERSION, WRITE, _send_rsp
+
+_log = get_logger("llmdd.transport.tcp")
+
+
+_ACCEPT_PAUSE_S = 0.1
+#: the grant of an endpoint not (yet) serving links only: every region, for holders of ``describe()``
+_DIRECT = -1
+
+
+class _Reg(RegisteredRegion):
+    __slots__ = ()
+
+
+class TcpEndpoint(Endpoint):
+    """Listens on ``host:ephemeral``; serves its own regions to granted links; opens channels to peers."""
+
+    capabilities = True
+
+    def __init__(self, *, host: str, secret: Union[bytes, None], cfg: Mapping[str, Any],
+                 tls: Union[TlsConfig, None] = None) -> None:
+        self._host = host
+        self._secret = secret
+        self._tls = tls
+        self._cfg = dict(cfg)
+        self._id = os.urandom(16)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._regs: RegionRegistry[_Reg] = RegionRegistry(self._cond)
+        self._closed = False
+        self._server_conns: dict[socket.socket, _ServerConn] = {}
+        self._pending: dict[_ServerConn, None] = {}
+        self._pending_by_ip: dict[str, int] = {}
+        self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
+        self._channels: set[TcpChannel] = set()
+        self._grants: dict[int, _Grant] = {}
+        self._by_handle: dict[bytes, _Grant] = {}
+        self._revoked: set[int] = set()
+        self._direct = secrets.token_bytes(CAPABILITY_BYTES)
+        self._links_only = False
+        self._install(_DIRECT, self._direct, None)
+        # int counters, last_error and listener_failed (str or None)
+        self._stats: dict[str, Any] = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
+                       "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
+                       "pending_expired": 0, "evicted": 0, "accept_errors": 0, "listener_failed": None,
+                       "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0}
+        self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._lsock.bind((host, 0))
+        self._lsock.listen(128)
+        self._lsock.setblocking(False)
+        self._port = self._lsock.getsockname()[1]
+        self._log = _log.bind(endpoint=self._id.hex()[:8], port=self._port)
+        self._linger = max(0.0, float(self._cfg[OPT_LINGER]) / 1000.0)
+        self._pending_s = max(1, int(self._cfg[OPT_PENDING_TIMEOUT])) / 1000.0
+        self._last_accept_warning = 0.0
+        self._on_listener_failed: list = []
+        self._io = IoLoop(f"tcp-{self._port}", workers=max(1, int(self._cfg[OPT_SERVER_WORKERS])))
+        self._io.on_dead(lambda exc: self._listener_dead(f"the endpoint's I/O loop stopped: {exc!r}"))
+        self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
+
+    # ------------------------------------------------------------------ public API
+
+    def describe(self) -> EndpointDescriptor:
+        fields = EndpointFields(host=self._host, port=self._port, endpoint_id=self._id,
+                                auth=self._secret is not None, tls=self._tls is not None, pid=os.getpid(),
+                                hostname=socket.gethostname())
+        with self._lock:
+            # not serving links only: the description itself opens the port
+            cap = None if self._links_only else self._direct
+        return EndpointDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields), capability=cap)
+
+    def listen_address(self) -> tuple[str, int]:
+        return (self._host, self._port)
+
+    # ------------------------------------------------------------------ grants
+
+    def _install(self, link_id: int, cap: bytes, regions: Union[frozenset, None]) -> None:
+        grant = _Grant(link_id, cap, self._secret, regions)
+        self._grants[link_id] = grant
+        self._by_handle[grant.handle] = grant
+
+    def serve_links_only(self) -> None:
+        with self._lock:
+            self._links_only = True
+        self.revoke(_DIRECT)
+
+    def grant(self, link_id: int, capability: bytes, regions) -> None:
+        link_id = int(link_id)
+        capability = bytes(capability)
+        if len(capability) < 16:
+            raise Refused("a capability has at least 128 bits")
+        ids = None if regions is None else frozenset(int(r) for r in regions)
+        with self._lock:
+            if self._closed or link_id in self._revoked:
+                return
+            old = self._grants.get(link_id)
+            if old is not None and hmac.compare_digest(old.handle, _handle(capability)):
+                old.set_regions(ids)
+                return
+        if old is not None:
+            self.revoke(link_id)   # another capability for the same link: the old one dies first
+            with self._lock:
+                self._revoked.discard(link_id)
+        with self._lock:
+            if not self._closed and link_id not in self._revoked:
+                self._install(link_id, capability, ids)
+
+    def revoke(self, link_id: int) -> None:
+        link_id = int(link_id)
+        with self._lock:
+            self._revoked.add(link_id)
+            grant = self._grants.pop(link_id, None)
+            if grant is None:
+                return
+            self._by_handle.pop(grant.handle, None)
+            grant.alive = False
+            self._stats["grants_revoked"] += 1
+            conns = list(grant.conns)
+        for conn in conns:      # idle ones see the end of stream on the loop, served ones fail in the worker
+            _shutdown(conn.sock)
+        with self._cond:
+            while grant.busy:
+                self._cond.wait()
+
+    def register(self, region: MemRegion) -> RegionDescriptor:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            self._regs.add(_Reg(region))
+        fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
+                              remote_accessible=region.remote_accessible)
+        return RegionDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields))
+
+    def deregister(self, region_id: int) -> None:
+        def stop_serving(_reg: _Reg) -> None:   # under the lock: requests serving it end (their streams die)
+            for sock, regions in list(self._serving.values()):
+                if region_id in regions:
+                    _shutdown(sock)
+        # cancel the batches touching it, then drain: wait until no batch or request pins it
+        self._regs.deregister(region_id, locked=stop_serving)
+
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "TcpChannel":
+        if self._closed:
+            raise Cancelled("endpoint is closed")
+        fields = endpoint_fields(peer)
+        try:
+            ch = TcpChannel(self, fields, peer.capability)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Refused(f"bad tcp endpoint description: {exc!r}") from None
+        sock = ch._open_stream(time.monotonic() + timeout)
+        ch._release(sock)
+        with self._lock:
+            if self._closed:
+                ch.close()
+                raise Cancelled("endpoint is closed")
+            self._channels.add(ch)
+        return ch
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = list(self._channels)
+            conns = list(self._server_conns.items())
+            for grant in self._grants.values():
+                grant.alive = False
+            self._grants.clear()
+            self._by_handle.clear()
+        _shutdown(self._lsock)
+        lsock = self._lsock
+
+        def forget_and_close() -> None:
+            self._io.forget(lsock)
+            _close(lsock)
+        self._io.call_soon(forget_and_close)
+        for ch in channels:
+            ch.close()
+        for sock, conn in conns:
+            _shutdown(sock)
+            self._io.call_soon(conn.release)
+        self._io.close()   # joins the loop and the workers (each ends its stream: shut down above)
+        self._regs.close()   # what is left: cancel, then drain
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, regions=len(self._regs), port=self._port, closed=self._closed,
+                        tls=self._tls is not None,
+                        open_connections=len(self._server_conns), pending_connections=len(self._pending),
+                        threads=self._io.threads())
+
+    # ------------------------------------------------------------------ shared with channels
+
+    def _begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[_Batch, _Where]:
+        """Validate ops and pin their local regions (deregister waits for the pin)."""
+        batch = _Batch()
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            self._regs.pin(ops, remote, batch)
+            regs = self._regs
+            where = _Where(regs.ids, regs.addrs)   # the snapshot holds the pinned regions
+        return batch, where
+
+    def _end_batch(self, batch: _Batch) -> None:
+        self._regs.unpin(batch)   # a deregistered _Reg is still counted down: its drain waits on it
+
+    def _forget_channel(self, ch: "TcpChannel") -> None:
+        with self._lock:
+            self._channels.discard(ch)
+
+    # ------------------------------------------------------------------ server side
+
+    def _on_accept(self, _mask: int) -> None:
+        """The listening socket is readable (loop thread): admit what is ready, refuse over the caps."""
+        for _ in range(64):
+            try:
+                sock, addr = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if self._closed:
+                    return
+                if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
+                    # the listening socket itself is gone: logged once, counted, never silent
+                    self._io.forget(self._lsock)
+                    self._listener_dead(str(exc))
+                    return
+                self._accept_trouble(exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - refuse this attempt, keep the listener
+                self._accept_trouble(exc)
+                return
+            self._admit(sock, addr)
+
+    def on_listener_failed(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            failed = self._stats["listener_failed"]
+            if failed is None:
+                self._on_listener_failed.append(callback)
+        if failed is not None:
+            callback(failed)
+
+    def _listener_dead(self, error: str) -> None:
+        """The data port cannot continue (its socket is broken, or its loop stopped): logged once,
+        recorded in the statistics, and the owner told (:meth:`on_listener_failed`)."""
+        with self._lock:
+            if self._closed or self._stats["listener_failed"] is not None:
+                return
+            self._stats["listener_failed"] = error
+            callbacks, self._on_listener_failed = self._on_listener_failed, []
+        self._log.error("llmdd.transport.tcp.listener_failed", error=error)
+        for cb in callbacks:
+            try:
+                cb(error)
+            except Exception as exc:  # noqa: BLE001 - the owner's bug never hides the failure
+                self._log.error("llmdd.transport.tcp.listener_failed_callback", error=repr(exc))
+
+    def _accept_trouble(self, exc: BaseException) -> None:
+        with self._lock:
+            self._stats["accept_errors"] += 1
+            self._stats["last_error"] = f"accept: {exc}"
+        now = time.monotonic()
+        if now - self._last_accept_warning > 5.0:
+            self._last_accept_warning = now
+            self._log.warning("llmdd.transport.tcp.accept_failed", error=repr(exc))
+        # out of descriptors: the connection stays in the backlog; pause instead of spinning
+        self._io.set_events(self._lsock, 0, self._on_accept)
+        self._io.call_later(_ACCEPT_PAUSE_S, self._resume_accept)
+
+    def _resume_accept(self) -> None:
+        if not self._closed:
+            self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
+
+    def _admit(self, sock: socket.socket, addr) -> None:
+        ip = addr[0]
+        try:
+            if self._closed:
+                raise Refused("endpoint is closed")
+            if self._pending_by_ip.get(ip, 0) >= int(self._cfg[OPT_MAX_PENDING_PER_ADDRESS]):
+                raise Refused(f"{ip} has too many connections that did not prove themselves yet")
+            if len(self._pending) >= int(self._cfg[OPT_MAX_PENDING]):
+                victim = self._eviction_victim(ip)
+                if victim is None:
+                    raise Refused("too many connections that did not prove themselves yet")
+                with self._lock:
+                    self._stats["evicted"] += 1
+                self._proven(victim)   # its slot is the newcomer's from now on
+                victim.finish(None)
+            sock.setblocking(False)
+            _tune(sock)
+            if self._tls is not None:
+                # the handshake runs on the loop (_ServerConn.start), under the pending timer and caps
+                sock = self._tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn = _ServerConn(self, sock, ip)
+        except Exception as exc:  # noqa: BLE001 - over a cap, or no memory: this one is closed at once
+            with self._lock:
+                self._stats["refused_connections"] += 1
+            self._log.debug("llmdd.transport.tcp.connection_refused", peer=ip, reason=str(exc))
+            _close(sock)
+            return
+        with self._lock:
+            self._server_conns[sock] = conn
+            self._stats["connections"] += 1
+        self._pending[conn] = None
+        self._pending_by_ip[ip] = self._pending_by_ip.get(ip, 0) + 1
+        conn.start()
+
+    def _eviction_victim(self, ip: str) -> Union["_ServerConn", None]:
+        """With every pending slot taken (loop thread): the oldest pending stream of the address holding
+        the most slots makes room, unless ``ip`` already holds as many (as on the control port: a flood
+        from some addresses never locks another address's links out of the data port)."""
+        busiest, count = None, self._pending_by_ip.get(ip, 0)
+        for addr, n in self._pending_by_ip.items():
+            if n > count:
+                busiest, count = addr, n
+        if busiest is None:
+            return None
+        for conn in self._pending:   # insertion order: the oldest first
+            if conn.ip == busiest:
+                return conn
+        return None
+
+    def _proven(self, conn: "_ServerConn") -> None:
+        """``conn`` authenticated (or served its first request): it no longer counts as pending."""
+        if self._pending.pop(conn, 0) is None:
+            n = self._pending_by_ip.get(conn.ip, 1) - 1
+            if n > 0:
+                self._pending_by_ip[conn.ip] = n
+            else:
+                self._pending_by_ip.pop(conn.ip, None)
+        conn.timer.cancel()
+
+    def _open_grant(self, conn: "_ServerConn", nonce_c: bytes, handle: bytes, mac_c: bytes) -> Union[_Grant, None]:
+        """The live grant an OPEN proves it holds, bound to ``conn``; ``None`` (counted, logged) if none."""
+        with self._lock:
+            grant = self._by_handle.get(handle)
+            if grant is not None and grant.alive and not self._closed:
+                if hmac.compare_digest(mac_c, _mac(grant.key, b"c", self._id, conn.nonce_s, nonce_c)):
+                    grant.conns.add(conn)
+                    conn.grant = grant
+                    return grant
+                key, what = "auth_failures", "authentication failed"
+            else:
+                key, what = "capability_refused", "no live link grant for the presented capability"
+            self._stats[key] += 1
+            self._stats["refused"] += 1
+            self._stats["last_error"] = what
+        self._log.warning("llmdd.transport.tcp.open_refused", peer=conn.ip, reason=what)
+        return None
+
+    def _serve_ready(self, conn: "_ServerConn") -> None:
+        """A worker serves ``conn`` while requests keep coming, then hands it back to the loop."""
+        sock = conn.sock
+        try:
+            sock.setblocking(True)
+            _set_timeouts(sock, float(self._cfg[OPT_SERVER_SEND_TIMEOUT]))
+            flags = _waitall(sock)
+            while True:
+                # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the header
+                head, conn.head = conn.head, b""
+                try:
+                    hdr = head + _recv_exact(sock, _REQ.size - len(head))
+                except PeerGone:
+                    conn.finish(None)
+                    return
+                magic, kind, _, _, count, total = _REQ.unpack(hdr)
+                if magic != _M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
+                    raise Corrupt(f"bad request header (kind={kind}, count={count})")
+                wire = np.empty(count, dtype=_wire.WIRE_OP)
+                if count:
+                    got, mv = 0, memoryview(wire.view(np.uint8))
+                    while got < len(mv):
+                        r = sock.recv_into(mv[got:], len(mv) - got, flags)
+                        if r == 0:
+                            raise PeerGone("peer closed the stream mid-request")
+                        got += r
+                grant = conn.grant
+                if grant is None:   # a stream is served only after its OPEN proved a grant
+                    raise Refused("request on a stream that proved no grant")
+                self._serve_request(sock, kind, wire, total, grant)
+                if self._closed:
+                    raise Cancelled("endpoint is closed")
+                if not _wait_readable(sock, self._linger):
+                    break
+        except Exception as exc:  # noqa: BLE001 - a broken client must never break the endpoint
+            err = _map_exc(exc)
+            if not self._closed:
+                with self._lock:
+                    self._stats["last_error"] = str(err)
+                self._log.info("llmdd.transport.tcp.conn_closed", error=str(err))
+            conn.finish(err)
+            return
+        try:
+            sock.setblocking(False)
+        except OSError as exc:
+            conn.finish(_map_exc(exc))
+            return
+        self._io.call_soon(conn.watch)
+
+    def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int, grant: _Grant) -> None:
+        token = id(wire)
+        with self._lock:
+            if not grant.alive:
+                raise PeerGone("the link of this stream ended (its capability was revoked)")
+            try:
+                self._regs.served.check(wire["region"], wire["offset"], wire["length"], "remote")
+                grant.check(wire["region"])
+                if int(wire["length"].sum(dtype=np.uint64)) != total:
+                    raise Corrupt("announced payload does not match the op lengths")
+            except Refused as exc:
+                reason = str(exc)
+                self._stats["refused"] += 1
+                self._stats["last_error"] = reason
+                refused: Optional[str] = reason
+            else:
+                refused = None
+                # a few ops: their ids as ints (cheaper than numpy's fixed cost); more: the distinct ids only
+                regions = wire["region"].tolist() if len(wire) <= 8 else np.unique(wire["region"]).tolist()
+                ids = frozenset(regions)
+                served = Batch(ids)   # the request's pins: a deregistration drains them
+                self._regs.pin_entries(served, ids)
+                grant.busy += 1
+                where = _Where(self._regs.ids, self._regs.addrs)
+                self._serving[token] = (sock, ids)
+        if refused is not None:
+            self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
+                              reason=refused)
+            _send_rsp(sock, ST_REFUSED, refused)
+            return
+        try:
+            if kind == READ:
+                # the OK header and the first window of bytes leave in one sendmsg
+                _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=True, head=_OK_HEAD,
+                      total=total)
+            else:
+                _send_rsp(sock, ST_OK)
+                try:
+                    _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
+                except Exception:
+                    self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
+                    raise
+                _send_rsp(sock, ST_OK)
+            with self._lock:
+                self._stats["bytes_served"] += total
+                self._stats["ops_served"] += len(wire)
+                self._stats["requests"] += 1
+        finally:
+            with self._cond:
+                self._serving.pop(token, None)
+                grant.busy -= 1
+                self._regs.unpin_locked(served)

@@ -1,0 +1,50 @@
+"""The tcp data port's wire: its version, the layouts of HELLO, OPEN, OPEN_RSP, REQ and RSP, the request
+kinds and answer statuses, the packed op of a request (:data:`WIRE_OP`, a numpy dtype defined at numpy's
+first use: read it as ``_wire.WIRE_OP``), the caps on a request, and the framing of an answer.  The
+exchange is described in :mod:`llmdd_tcp`."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+from llmdd.lowlevel import Corrupt, when_numpy_loaded
+
+from ._sock import _recv_exact
+
+VERSION = 2
+_HELLO = struct.Struct("<4sHBx16s16s")   # magic, version, auth, endpoint id, server nonce
+_OPEN = struct.Struct("<16s16s32s")       # client nonce, grant handle, client mac
+_AUTH_RSP = struct.Struct("<B32s")        # status, server mac
+_REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, payload bytes
+_RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message length
+_M_HELLO, _M_REQ, _M_RSP = b"LDTH", b"LDRQ", b"LDRS"
+READ, WRITE = 1, 2
+ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
+WIRE_OP: Any   # packed (region <u4, offset <u8, length <u8), 20 bytes: a numpy dtype, defined at numpy's first use
+
+
+@when_numpy_loaded
+def _define_dtypes(numpy: Any) -> None:
+    global WIRE_OP
+    WIRE_OP = numpy.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
+MAX_OPS_PER_REQUEST = 1 << 18
+MAX_MESSAGE = 4096
+
+
+def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
+    msg = message.encode()[:MAX_MESSAGE]
+    sock.sendall(_RSP.pack(_M_RSP, status, 0, 0, len(msg)) + msg)
+
+
+def _recv_rsp(sock: socket.socket, deadline: float) -> tuple[int, str]:
+    return _parse_rsp(sock, _recv_exact(sock, _RSP.size, deadline), deadline)
+
+
+def _parse_rsp(sock: socket.socket, head: bytearray, deadline: float) -> tuple[int, str]:
+    magic, status, _, _, n = _RSP.unpack(head)
+    if magic != _M_RSP or n > MAX_MESSAGE:
+        raise Corrupt("bad response header from peer")
+    msg = bytes(_recv_exact(sock, n, deadline)).decode(errors="replace") if n else ""
+    return status, msg

@@ -1,0 +1,184 @@
+"""The ucx channel: requests from the local NIXL agent to one peer agent, checked against the regions
+the peer granted, turned into descriptor arrays and posted as one batch (:mod:`llmdd_ucx._xfer`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from llmdd.abc import Channel, Completion, RegionDescriptor
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+from llmdd.lowlevel import BatchSet, Cancelled, DoneCompletion, PeerGone, RegionTable, Refused, TransportError
+from llmdd.lowlevel import TransportTimeout, check_ops, coalesce_ops
+
+from . import _proto
+from ._fields import region_fields
+from ._nixl import _nixl_error
+from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS, OPT_CONTROL_TIMEOUT
+from ._xfer import _Xfer, _chunk
+
+if TYPE_CHECKING:  # annotations only: the endpoint creates its channels
+    from ._endpoint import UcxEndpoint
+
+
+class _Remote:
+    __slots__ = ("size", "addr", "dev", "gen", "accessible")
+
+    def __init__(self, size: int, addr: int, dev: int, gen: int, accessible: bool) -> None:
+        self.size, self.addr, self.dev, self.gen, self.accessible = size, addr, dev, gen, accessible
+
+
+class UcxChannel(Channel):
+    """Requests from the local agent to one peer agent."""
+
+    def __init__(self, endpoint: UcxEndpoint, peer_name: str) -> None:
+        self._ep = endpoint
+        self._peer_name = peer_name
+        self._lock = threading.RLock()
+        self._remote: dict[int, _Remote] = {}
+        self._table = RegionTable()
+        self._ids = np.empty(0, np.int64)
+        self._addrs = np.empty(0, np.uint64)
+        self._devs = np.empty(0, np.uint64)
+        self._gone: Optional[TransportError] = None
+        self._batches: BatchSet[_Xfer] = BatchSet(threading.Condition(self._lock))
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
+                                       "batches": 0, "requests": 0, "failed": 0, "refused": 0, "last_error": None}
+
+    # ------------------------------------------------------------------ public API
+
+    def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
+        fields = region_fields(desc)
+        if fields.agent != self._peer_name:
+            raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
+        md = fields.metadata
+        if md:
+            try:  # the region's remote key (registered after the link may have been made)
+                self._ep._agent.add_remote_agent(bytes(md))
+            except Exception as exc:  # noqa: BLE001
+                raise _nixl_error(exc, f"loading the key of remote region {region_id}") from None
+        r = _Remote(min(int(size), fields.size), fields.addr, fields.dev_id, fields.gen, fields.remote_accessible)
+        with self._lock:
+            self._remote[int(region_id)] = r
+            self._rebuild()
+
+    def remove_remote_region(self, region_id: int) -> None:
+        with self._lock:
+            self._remote.pop(int(region_id), None)
+            self._rebuild()
+
+    def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        # the seam's one refusal path: a refusal or failure is the completion's error, never raised
+        try:
+            return self._submit("READ", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
+
+    def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
+        try:
+            return self._submit("WRITE", ops, deadline)
+        except TransportError as exc:
+            return DoneCompletion(exc)
+
+    def close(self) -> None:
+        if not self._batches.close(Cancelled("channel closed")):   # fail the batches in flight, drain them
+            return
+        if self._gone is None and self._ep._agent is not None:
+            self._ep._request(self._peer_name, _proto.GOODBYE, b"", float(self._ep._cfg[OPT_CONTROL_TIMEOUT]))
+        self._ep._forget_channel(self)
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, peer=self._peer_name, remote_regions=len(self._remote),
+                        closed=self._batches.closed, gone=self._gone is not None)
+
+    # ------------------------------------------------------------------ internals
+
+    def _rebuild(self) -> None:
+        ids = sorted(i for i, r in self._remote.items() if r.accessible)
+        self._table = RegionTable({i: self._remote[i].size for i in ids},
+                                  private=[i for i, r in self._remote.items() if not r.accessible])
+        self._ids = np.array(ids, dtype=np.int64)
+        self._addrs = np.array([self._remote[i].addr for i in ids], dtype=np.uint64)
+        self._devs = np.array([self._remote[i].dev for i in ids], dtype=np.uint64)
+
+    def _gone_error(self) -> Optional[TransportError]:
+        return self._gone
+
+    def _transfer_error(self) -> TransportError:
+        """What a request in state ERR means: with UCX's peer error handling, a lost peer."""
+        return self._gone or PeerGone(f"transfer to {self._peer_name} failed (peer unreachable or gone)")
+
+    def _revoke(self, region_id: int, gen: int) -> None:
+        with self._lock:
+            r = self._remote.get(region_id)
+            if r is not None and r.gen == gen:
+                del self._remote[region_id]
+                self._rebuild()
+            touching = self._batches.matching(lambda b: region_id in b.remote_ids)
+        for b in touching:
+            b.fail(Cancelled(f"remote region {region_id} was deregistered by its owner"))
+
+    def _mark_gone(self, err: TransportError, *, notify: bool) -> None:
+        with self._lock:
+            if self._gone is None:
+                self._gone = err
+            active = list(self._batches)
+        for b in active:
+            b.fail(err)
+
+    def _batch_done(self, batch: _Xfer, err: Optional[TransportError]) -> None:
+        self._ep._regs.untrack(batch)   # not under the channel's lock: _submit takes the endpoint's first
+        with self._lock:
+            self._batches.discard_locked(batch)
+            self._stats["batches"] += 1
+            if err is None:
+                key = "read" if batch._op == "READ" else "written"
+                self._stats[f"bytes_{key}"] += batch.nbytes
+                self._stats[f"ops_{key}"] += batch.nops
+            else:
+                self._stats["failed"] += 1
+                self._stats["last_error"] = str(err)
+
+    def _submit(self, op: str, ops: np.ndarray, deadline: float) -> Completion:
+        ep = self._ep
+        with ep._lock, self._lock:
+            if self._batches.closed or ep._closed:
+                raise Cancelled("channel closed")
+            try:
+                arr = check_ops(ops, ep._regs.table, self._table)
+            except Refused as exc:
+                self._stats["refused"] += 1
+                self._stats["last_error"] = str(exc)
+                raise
+            if self._gone is not None:
+                return DoneCompletion(self._gone)
+            if time.monotonic() >= deadline:
+                return DoneCompletion(TransportTimeout("deadline passed before the batch started"))
+            arr = coalesce_ops(arr)
+            if not len(arr):
+                return DoneCompletion(None)
+            lpos = np.searchsorted(ep._regs.ids, arr["local_region"].astype(np.int64))
+            rpos = np.searchsorted(self._ids, arr["remote_region"].astype(np.int64))
+            n = len(arr)
+            ldesc = np.empty((n, 3), dtype=np.uint64)
+            rdesc = np.empty((n, 3), dtype=np.uint64)
+            np.add(ep._regs.addrs[lpos], arr["local_offset"], out=ldesc[:, 0])
+            ldesc[:, 1] = arr["length"]
+            ldesc[:, 2] = 0
+            np.add(self._addrs[rpos], arr["remote_offset"], out=rdesc[:, 0])
+            rdesc[:, 1] = arr["length"]
+            rdesc[:, 2] = self._devs[rpos]
+            total = int(arr["length"].sum(dtype=np.uint64))
+            chunks = _chunk(ldesc, rdesc, int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS]))
+            batch = _Xfer(self, op, chunks, deadline, total, len(arr),
+                          frozenset(np.unique(arr["local_region"]).tolist()),
+                          frozenset(np.unique(arr["remote_region"]).tolist()))
+            self._batches.add(batch)
+            ep._regs.track(batch)   # the endpoint's deregistration / close fails it
+            self._stats["requests"] += len(chunks)
+            # posted under the locks: a DRAIN/deregistration either sees this batch or refuses it
+            batch.start()
+        return batch

@@ -1,0 +1,360 @@
+"""The ucx endpoint: one NIXL agent with the UCX backend, its registrations, its channels to peers,
+and the notification loop that speaks the control protocol of :mod:`llmdd_ucx._proto`."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Mapping
+
+from llmdd.abc import Endpoint, EndpointDescriptor, RegionDescriptor
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+from llmdd.lowlevel import Cancelled, Corrupt, MemRegion, PeerGone, RegionRegistry, RegisteredRegion
+from llmdd.lowlevel import TransportError, encode_payload, get_logger
+
+from . import _nixl, _proto
+from ._channel import UcxChannel
+from ._fields import VERSION, EndpointFields, RegionFields, endpoint_fields
+from ._nixl import _nixl_error
+from ._options import OPT_CONTROL_TIMEOUT, OPT_DEVICES, OPT_NOTIF_IDLE_MS, OPT_PROGRESS_THREAD, _ucx_env
+
+_log = get_logger("llmdd.transport.ucx")
+
+#: threads that serve owners' DRAIN/BYE requests per endpoint (bounded: not one per peer)
+_OWNER_WORKERS = 8
+
+
+class _LocalReg(RegisteredRegion):
+    __slots__ = ("dlist", "gen")
+
+    def __init__(self, region: MemRegion, dlist: Any, gen: int) -> None:
+        super().__init__(region)
+        self.dlist = dlist
+        self.gen = gen
+
+
+class UcxEndpoint(Endpoint):
+    """One NIXL agent: registrations, the notification loop, channels to peers."""
+
+    def __init__(self, *, host: str, cfg: Mapping[str, Any]) -> None:
+        api = _nixl.load()
+        self._cfg = dict(cfg)
+        self._host = host
+        self._name = f"llmdd-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        init = {}
+        if self._cfg.get(OPT_DEVICES):
+            init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
+        # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
+        # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
+        # default: requests are progressed by whoever waits on them (check_xfer_state) and the
+        # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
+        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
+                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        try:
+            with _nixl.scoped_env(_ucx_env(self._cfg)):
+                agent = api.nixl_agent(self._name, conf)
+                agent.create_backend("UCX", init)
+        except Exception as exc:  # noqa: BLE001
+            raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc!r}") from None
+        self._agent = agent
+        self._lock = threading.RLock()
+        self._closed = False
+        self._regs: RegionRegistry[_LocalReg] = RegionRegistry(threading.Condition(self._lock),
+                                                               on_rebuild=self._rebuild)
+        self._gen = int.from_bytes(os.urandom(6), "little") << 8
+        self._channels: set[UcxChannel] = set()
+        self._by_peer: dict[str, set] = {}
+        self._clients: dict[str, int] = {}
+        self._waiters: dict[int, threading.Event] = {}
+        self._stranded: list = []
+        # int counters, and last_error (str or None)
+        self._stats: dict[str, Any] = {"regions": 0, "registered_bytes": 0, "clients": 0, "notifs_in": 0,
+                                       "notifs_out": 0, "drains": 0, "control_timeouts": 0, "last_error": None}
+        # what peers receive: the agent's connection info only (no region keys); a region's remote
+        # key travels in its own descriptor, and only when the region is remote-accessible
+        self._metadata = agent.get_partial_agent_metadata(
+            api.nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], np.empty((0, 3), np.uint64)), True)
+        self._log = _log.bind(agent=self._name)
+        self._stop = threading.Event()
+        self._kick = threading.Event()  # wakes the notification loop early (a request awaits a reply, close)
+        # owners' DRAIN/BYE are served off the notification loop by at most _OWNER_WORKERS threads
+        # (started on demand), however many peers ask at once
+        self._owner_requests = concurrent.futures.ThreadPoolExecutor(
+            max_workers=_OWNER_WORKERS, thread_name_prefix="llmdd-ucx-drain")
+        self._notif_thread = threading.Thread(target=self._notif_loop, name=f"llmdd-ucx-ctl-{self._name[-6:]}",
+                                              daemon=True)
+        self._notif_thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def describe(self) -> EndpointDescriptor:
+        fields = EndpointFields(agent=self._name, metadata=bytes(self._metadata), host=self._host,
+                                hostname=socket.gethostname(), pid=os.getpid())
+        return EndpointDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))
+
+    def register(self, region: MemRegion) -> RegionDescriptor:
+        with self._lock:
+            if self._closed:
+                raise Cancelled("endpoint is closed")
+            self._regs.check_new(region.region_id)
+            dlist = None
+            partial = b""
+            if region.size:
+                try:
+                    dlist = self._agent.register_memory(
+                        np.array([[region.addr, region.size, 0]], dtype=np.uint64), "DRAM")
+                    if region.remote_accessible:   # a key for peers only where they may reach it
+                        partial = self._agent.get_partial_agent_metadata(dlist, False)
+                except Exception as exc:  # noqa: BLE001
+                    raise _nixl_error(exc, f"registering region {region.region_id}") from None
+            self._gen += 1
+            self._regs.add(_LocalReg(region, dlist, self._gen))
+        fields = RegionFields(agent=self._name, region_id=region.region_id, addr=region.addr, size=region.size,
+                              gen=self._gen, remote_accessible=region.remote_accessible, metadata=bytes(partial))
+        return RegionDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))
+
+    def deregister(self, region_id: int) -> None:
+        # this side: fail the batches touching it and drain them (requests in flight polled out)
+        reg = self._regs.deregister(region_id)
+        if reg is None:
+            return
+        # the owner side: every client refuses new ops on it and drains what touches it
+        if reg.region.remote_accessible:
+            self._broadcast(_proto.DRAIN, _proto.pack_region(region_id, reg.gen))
+        with self._lock:
+            self._stats["drains"] += 1
+            if reg.dlist is not None and not self._closed:
+                try:
+                    self._agent.deregister_memory(reg.dlist)
+                except Exception as exc:  # noqa: BLE001
+                    self._log.warning("llmdd.transport.ucx.deregister_failed", region=region_id, error=repr(exc))
+
+    def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "UcxChannel":
+        deadline = time.monotonic() + timeout
+        if self._closed:
+            raise Cancelled("endpoint is closed")
+        fields = endpoint_fields(peer)
+        try:
+            name = self._agent.add_remote_agent(fields.metadata)
+        except Exception as exc:  # noqa: BLE001
+            raise PeerGone(f"cannot load the peer's NIXL metadata: {_nixl_error(exc, 'add_remote_agent')}") from None
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != fields.agent:
+            raise Corrupt(f"peer metadata names agent {name!r}, description says {fields.agent!r}")
+        ch = UcxChannel(self, name)
+        with self._lock:
+            self._channels.add(ch)
+            self._by_peer.setdefault(name, set()).add(ch)
+        try:
+            ok = self._request(name, _proto.HELLO, self._metadata,
+                               max(0.05, deadline - time.monotonic()))
+        except TransportError:
+            ok = False
+        if not ok:
+            ch._mark_gone(PeerGone(f"peer agent {name} did not answer the ucx handshake"), notify=False)
+            ch.close()
+            raise PeerGone(f"peer agent {name} did not answer the ucx handshake within {timeout:.1f}s")
+        return ch
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            channels = list(self._channels)
+        for ch in channels:
+            ch.close()
+        self._regs.close()   # what is left: cancel, then drain
+        self._broadcast(_proto.BYE, b"")
+        self._stop.set()
+        self._kick.set()
+        if self._notif_thread is not threading.current_thread():
+            self._notif_thread.join(5.0)
+        self._owner_requests.shutdown(wait=False)
+        with self._lock:
+            for reg in self._regs.entries.values():
+                if reg.dlist is not None:
+                    try:
+                        self._agent.deregister_memory(reg.dlist)
+                    except Exception as exc:  # noqa: BLE001
+                        self._log.warning("llmdd.transport.ucx.deregister_failed", error=repr(exc))
+            self._regs.entries.clear()
+            self._regs.rebuild()
+            if not self._stranded:
+                self._agent = None  # the agent (and its UCX worker) goes with its last reference
+
+    def statistics(self) -> dict:
+        with self._lock:
+            return dict(self._stats, agent=self._name, channels=len(self._channels), clients=len(self._clients),
+                        stranded_requests=len(self._stranded), closed=self._closed)
+
+    # ------------------------------------------------------------------ internals
+
+    def _rebuild(self, regs: RegionRegistry) -> None:
+        self._stats["regions"] = len(regs)
+        self._stats["registered_bytes"] = sum(e.region.size for e in regs.entries.values())
+
+    def _send(self, peer: str, kind: int, token: int, payload: bytes = b"") -> bool:
+        try:
+            self._agent.send_notif(peer, _proto.pack(kind, token, payload))
+        except Exception as exc:  # noqa: BLE001 - a gone peer cannot be told anything
+            self._log.info("llmdd.transport.ucx.notify_failed", peer=peer, error=repr(exc))
+            return False
+        with self._lock:
+            self._stats["notifs_out"] += 1
+        return True
+
+    def _request(self, peer: str, kind: int, payload: bytes, timeout: float) -> bool:
+        token = int.from_bytes(os.urandom(8), "little")
+        ev = threading.Event()
+        with self._lock:
+            self._waiters[token] = ev
+        self._kick.set()  # poll fast until the reply is in
+        try:
+            if not self._send(peer, kind, token, payload):
+                return False
+            return ev.wait(timeout)
+        finally:
+            with self._lock:
+                self._waiters.pop(token, None)
+
+    def _broadcast(self, kind: int, payload: bytes) -> None:
+        """Send ``kind`` to every client and wait (bounded) for each one's acknowledgement.
+
+        Every request leaves first, then one deadline covers every answer (the notification loop
+        sets each waiter): no thread per client, however many peers are linked."""
+        with self._lock:
+            clients = list(self._clients)
+        if not clients:
+            return
+        timeout = float(self._cfg[OPT_CONTROL_TIMEOUT])
+        waits = {peer: (int.from_bytes(os.urandom(8), "little"), threading.Event()) for peer in clients}
+        with self._lock:
+            for token, ev in waits.values():
+                self._waiters[token] = ev
+        self._kick.set()  # poll fast until the replies are in
+        results: dict[str, bool] = {}
+        try:
+            for peer, (token, _ev) in waits.items():
+                if not self._send(peer, kind, token, payload):
+                    results[peer] = False
+            deadline = time.monotonic() + timeout
+            for peer, (_token, ev) in waits.items():
+                if peer not in results:
+                    results[peer] = ev.wait(max(0.0, deadline - time.monotonic()))
+        finally:
+            with self._lock:
+                for token, _ev in waits.values():
+                    self._waiters.pop(token, None)
+        silent = [p for p, ok in results.items() if not ok]
+        if silent:
+            with self._lock:
+                for p in silent:
+                    self._clients.pop(p, None)  # unreachable: it cannot post requests any more either
+                self._stats["control_timeouts"] += len(silent)
+            self._log.warning("llmdd.transport.ucx.client_silent", kind=kind, clients=silent)
+
+    def _notif_loop(self) -> None:
+        """Poll NIXL's notifications (which also progresses the worker): every 0.5 ms while a reply
+        is awaited or messages arrive, backing off to ``notif_idle_ms`` when idle (no busy polling)."""
+        idle = 0.0005
+        longest = max(0.0005, float(self._cfg.get(OPT_NOTIF_IDLE_MS, 20.0)) / 1000.0)
+        kick = self._kick
+        while not self._stop.is_set():
+            try:
+                agent = self._agent
+                notifs = agent.get_new_notifs() if agent is not None else {}
+            except Exception as exc:  # noqa: BLE001
+                self._log.warning("llmdd.transport.ucx.notif_failed", error=repr(exc))
+                notifs = {}
+            if not notifs:
+                if self._waiters:
+                    idle = 0.0005  # a request of ours awaits its reply
+                kick.wait(idle)
+                if kick.is_set():
+                    kick.clear()
+                    idle = 0.0005
+                else:
+                    idle = min(idle * 2, longest)
+                continue
+            idle = 0.0005
+            for sender, msgs in notifs.items():
+                sender = sender.decode() if isinstance(sender, bytes) else str(sender)
+                for msg in msgs:
+                    try:
+                        self._on_notif(sender, msg)
+                    except Exception as exc:  # noqa: BLE001 - a bad message never kills the loop
+                        self._log.warning("llmdd.transport.ucx.bad_notif", peer=sender, error=repr(exc))
+
+    def _on_notif(self, sender: str, msg: bytes) -> None:
+        parsed = _proto.unpack(msg)
+        if parsed is None:
+            return
+        kind, token, payload = parsed
+        with self._lock:
+            self._stats["notifs_in"] += 1
+        if kind in (_proto.WELCOME, _proto.DRAINED, _proto.BYE_ACK, _proto.GOODBYE_ACK):
+            with self._lock:
+                ev = self._waiters.get(token)
+            if ev is not None:
+                ev.set()
+        elif kind == _proto.HELLO:
+            if self._closed:
+                return
+            try:
+                self._agent.add_remote_agent(payload)
+            except Exception as exc:  # noqa: BLE001
+                self._log.warning("llmdd.transport.ucx.hello_failed", peer=sender, error=repr(exc))
+                return
+            with self._lock:
+                self._clients[sender] = self._clients.get(sender, 0) + 1
+                self._stats["clients"] = len(self._clients)
+            self._send(sender, _proto.WELCOME, token)
+        elif kind == _proto.GOODBYE:
+            with self._lock:
+                n = self._clients.get(sender, 0) - 1
+                if n > 0:
+                    self._clients[sender] = n
+                else:
+                    self._clients.pop(sender, None)
+                self._stats["clients"] = len(self._clients)
+            self._send(sender, _proto.GOODBYE_ACK, token)
+        elif kind in (_proto.DRAIN, _proto.BYE):
+            # served off the loop (draining polls NIXL and must not hold it up), on a bounded pool
+            try:
+                self._owner_requests.submit(self._serve_owner_request, sender, kind, token, payload)
+            except RuntimeError as exc:  # closing, or no thread to be had: the owner counts us silent
+                self._log.warning("llmdd.transport.ucx.owner_request_dropped", peer=sender, error=repr(exc))
+
+    def _serve_owner_request(self, sender: str, kind: int, token: int, payload: bytes) -> None:
+        with self._lock:
+            channels = list(self._by_peer.get(sender, ()))
+        if kind == _proto.DRAIN:
+            region = _proto.unpack_region(payload)
+            if region is None:
+                return
+            for ch in channels:
+                ch._revoke(*region)
+            self._send(sender, _proto.DRAINED, token)
+        else:
+            for ch in channels:
+                ch._mark_gone(PeerGone(f"peer agent {sender} closed its endpoint"), notify=False)
+            self._send(sender, _proto.BYE_ACK, token)
+
+    def _forget_channel(self, ch: "UcxChannel") -> None:
+        with self._lock:
+            self._channels.discard(ch)
+            peers = self._by_peer.get(ch._peer_name)
+            if peers is not None:
+                peers.discard(ch)
+                if not peers:
+                    self._by_peer.pop(ch._peer_name, None)
+

@@ -1,0 +1,266 @@
+"""One ucx batch as NIXL requests: cut into chunks, at most ``llmdd.ucx.inflight`` in flight, polled
+with a spin-then-sleep backoff, failed by draining (never releasing a request in flight)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Optional, Union
+
+from llmdd.abc import Completion
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
+from llmdd.lowlevel import Cancelled, PeerGone, TransportError, TransportTimeout, get_logger
+
+from ._nixl import _nixl_error
+from ._options import OPT_DRAIN_TIMEOUT, OPT_INFLIGHT, OPT_SPIN_US
+
+if TYPE_CHECKING:  # annotations only: the channel creates batches, a batch reports to its channel
+    from ._channel import UcxChannel
+
+_log = get_logger("llmdd.transport.ucx")
+
+
+class _Xfer(Completion):
+    """One batch: a list of NIXL requests (chunks), at most ``window`` in flight."""
+
+    def __init__(self, ch: "UcxChannel", op: str, chunks: list, deadline: float, nbytes: int, nops: int,
+                 local_ids: frozenset, remote_ids: frozenset) -> None:
+        self._ch = ch
+        self._agent = ch._ep._agent
+        self._op = op
+        self._chunks = chunks
+        self._next = 0
+        self._posted: list = []
+        self._deadline = deadline
+        self.nbytes = nbytes
+        self.nops = nops
+        self.local_ids = local_ids
+        self.remote_ids = remote_ids
+        self._window = max(1, int(ch._ep._cfg[OPT_INFLIGHT]))
+        self._spin = float(ch._ep._cfg[OPT_SPIN_US]) * 1e-6
+        self._drain_timeout = float(ch._ep._cfg[OPT_DRAIN_TIMEOUT])
+        self._lock = threading.RLock()
+        self._done = threading.Event()
+        self._error: Optional[TransportError] = None
+        self._driver: Optional[threading.Thread] = None
+
+    # ---------------------------------------------------------------- driving
+
+    def start(self) -> None:
+        with self._lock:
+            self._step()
+        if not self._done.is_set() and self._next < len(self._chunks):
+            self._driver = threading.Thread(target=self._drive, name="llmdd-ucx-xfer", daemon=True)
+            self._driver.start()
+
+    def _drive(self) -> None:
+        backoff = _Backoff(self._spin)
+        while not self._done.is_set():
+            if self.poll():
+                return
+            backoff.pause(self._deadline)
+
+    def poll(self) -> bool:
+        """One non-blocking step; True once the batch is finished."""
+        if self._done.is_set():
+            return True
+        if not self._lock.acquire(blocking=False):
+            return self._done.is_set()
+        try:
+            if not self._done.is_set():
+                self._step()
+        finally:
+            self._lock.release()
+        return self._done.is_set()
+
+    def _step(self) -> None:
+        """Check posted requests, post more; fail on error or deadline (lock held)."""
+        if time.monotonic() >= self._deadline:
+            self._fail_locked(TransportTimeout("batch missed its deadline"))
+            return
+        agent = self._agent
+        posted = self._posted
+        still = []
+        for i, h in enumerate(posted):
+            try:
+                st = agent.check_xfer_state(h)
+            except Exception:  # noqa: BLE001 - treated like ERR
+                st = "ERR"
+            if st == "PROC":
+                still.append(h)
+            elif st == "DONE":
+                agent.release_xfer_handle(h)
+            else:
+                self._posted = still + posted[i:]
+                self._fail_locked(self._ch._transfer_error())
+                return
+        self._posted = still
+        while self._next < len(self._chunks) and len(self._posted) < self._window:
+            ldesc, rdesc = self._chunks[self._next]
+            try:
+                h = agent.initialize_xfer(self._op, agent.get_xfer_descs(ldesc, "DRAM"),
+                                          agent.get_xfer_descs(rdesc, "DRAM"), self._ch._peer_name)
+            except Exception as exc:  # noqa: BLE001
+                self._fail_locked(self._ch._gone_error() or _nixl_error(exc, "creating the transfer"))
+                return
+            self._chunks[self._next] = None
+            self._next += 1
+            try:
+                st = agent.transfer(h)
+            except Exception as exc:  # noqa: BLE001
+                self._posted.append(h)
+                self._fail_locked(self._ch._gone_error() or _nixl_error(exc, "posting the transfer"))
+                return
+            if st == "DONE":
+                agent.release_xfer_handle(h)
+            elif st == "PROC":
+                self._posted.append(h)
+            else:
+                self._posted.append(h)
+                self._fail_locked(self._ch._transfer_error())
+                return
+        if self._next >= len(self._chunks) and not self._posted:
+            self._finish(None)
+
+    def _fail_locked(self, err: TransportError) -> None:
+        """Post nothing more, drain every request still in flight, release, finish with ``err``."""
+        self._next = len(self._chunks)
+        self._chunks = []
+        agent = self._agent
+        end = time.monotonic() + self._drain_timeout
+        backoff = _Backoff(self._spin)
+        pending = self._posted
+        while pending:
+            left = []
+            for h in pending:
+                try:
+                    st = agent.check_xfer_state(h)
+                except Exception:  # noqa: BLE001 - a failed query means the request is over
+                    st = "ERR"
+                if st == "PROC":
+                    left.append(h)
+                else:
+                    try:
+                        agent.release_xfer_handle(h)
+                    except Exception as exc:  # noqa: BLE001
+                        _log.warning("llmdd.transport.ucx.release_failed", error=repr(exc))
+            pending = left
+            if pending:
+                if time.monotonic() >= end:
+                    # never release a request in flight (nixl#2067): keep it alive with the endpoint
+                    self._ch._ep._stranded.extend(pending)
+                    _log.error("llmdd.transport.ucx.drain_timeout", requests=len(pending))
+                    err = PeerGone(f"{err}; {len(pending)} request(s) did not drain within "
+                                   f"{self._drain_timeout:.0f}s")
+                    break
+                backoff.pause(end)
+        self._posted = []
+        self._finish(err)
+
+    def _finish(self, err: Optional[TransportError]) -> None:
+        if self._done.is_set():
+            return
+        self._error = err
+        self._ch._batch_done(self, err)
+        self._done.set()
+
+    # ---------------------------------------------------------------- Completion API
+
+    def fail(self, err: TransportError) -> None:
+        """Fail (unless done) and drain; returns when no byte of the batch lands any more."""
+        if self._done.is_set():
+            return
+        with self._lock:
+            if not self._done.is_set():
+                self._fail_locked(err)
+        if self._driver is not None and self._driver is not threading.current_thread():
+            self._driver.join()
+
+    def done(self) -> bool:
+        if self._driver is None:
+            return self.poll()
+        return self._done.is_set()
+
+    def wait(self, timeout: Union[float, None] = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        backoff = _Backoff(self._spin)
+        while True:
+            if self._driver is None:
+                if self.poll():
+                    return True
+            elif self._done.is_set():
+                return True
+            now = time.monotonic()
+            if now >= self._deadline:
+                self.fail(TransportTimeout("batch missed its deadline"))
+                return True
+            if end is not None and now >= end:
+                return False
+            if self._driver is not None:
+                self._done.wait(min(x for x in (end, self._deadline, now + 0.05) if x is not None) - now)
+            else:
+                backoff.pause(min(self._deadline, end) if end is not None else self._deadline)
+
+    @property
+    def error(self) -> Union[TransportError, None]:
+        return self._error if self._done.is_set() else None
+
+    def cancel(self) -> None:
+        self.fail(Cancelled("batch cancelled"))
+
+    def touches(self, region_id: int) -> bool:
+        """Whether the batch uses local region ``region_id`` (its deregistration fails the batch)."""
+        return region_id in self.local_ids
+
+    def __repr__(self) -> str:
+        return f"<ucx batch {self._op} {self.nbytes} B {'done' if self._done.is_set() else 'running'}>"
+
+
+class _Backoff:
+    """Spin for a budget, then sleep 20 us doubling up to 1 ms: never starve the other core."""
+
+    __slots__ = ("_spin_end", "_sleep")
+
+    def __init__(self, spin_s: float) -> None:
+        self._spin_end = time.monotonic() + spin_s
+        self._sleep = 20e-6
+
+    def pause(self, until: float) -> None:
+        now = time.monotonic()
+        if now < self._spin_end:
+            return
+        time.sleep(max(0.0, min(self._sleep, until - now)))
+        self._sleep = min(self._sleep * 2, 1e-3)
+
+
+
+def _chunk(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int, max_descs: int) -> list:
+    """Cut descriptor arrays into consecutive pieces of at most ``max_bytes`` / ``max_descs``.
+
+    A single descriptor larger than ``max_bytes`` is split too, so that a drain after cancel or
+    deadline waits for at most ``inflight x max_bytes`` of traffic.
+    """
+    lens = ldesc[:, 1]
+    if int(lens.max()) > max_bytes:
+        reps = ((lens + np.uint64(max_bytes - 1)) // np.uint64(max_bytes)).astype(np.int64)
+        idx = np.repeat(np.arange(len(lens)), reps)
+        first = np.concatenate(([0], np.cumsum(reps)[:-1]))
+        k = (np.arange(len(idx)) - np.repeat(first, reps)).astype(np.uint64)
+        off = k * np.uint64(max_bytes)
+        piece = np.minimum(lens[idx] - off, np.uint64(max_bytes))
+        ldesc = np.stack([ldesc[idx, 0] + off, piece, ldesc[idx, 2]], axis=1)
+        rdesc = np.stack([rdesc[idx, 0] + off, piece, rdesc[idx, 2]], axis=1)
+        lens = piece
+    if len(lens) <= max_descs and int(lens.sum(dtype=np.uint64)) <= max_bytes:
+        return [(ldesc, rdesc)]
+    ends = np.cumsum(lens, dtype=np.uint64)
+    out = []
+    start = 0
+    n = len(lens)
+    while start < n:
+        base = int(ends[start - 1]) if start else 0
+        stop = int(np.searchsorted(ends, base + max_bytes, side="right"))
+        stop = min(max(stop, start + 1), n, start + max_descs)
+        out.append((np.ascontiguousarray(ldesc[start:stop]), np.ascontiguousarray(rdesc[start:stop])))
+        start = stop
+    return out
