@@ -4,7 +4,7 @@ shared-memory segments of this process, same run, interleaved, median microsecon
 * ``loop``: one ``ctypes.memmove`` per run (the path before issue 17 point 4);
 * ``cma``: one ``process_vm_readv`` on the own pid per batch, iovec arrays built with numpy
   (``llmdd_shm._cma.Cma.transfer``: what the issue suggested);
-* ``gather``: ``llmdd_shm._copy.copy_runs`` (numpy gathers for short runs, memmove for long ones).
+* ``gather``: ``llmdd.lowlevel.copy_runs`` (numpy gathers for short runs, memmove for long ones).
 
 Random distinct blocks of a 64 MiB segment into random distinct blocks of another; every run's
 bytes checked after each method.  Ratios are against ``loop``.
@@ -22,7 +22,7 @@ import numpy as np
 
 from llmdd_shm import _seg
 from llmdd_shm._cma import Cma, iovecs
-from llmdd_shm._copy import copy_runs
+from llmdd.lowlevel import copy_runs
 
 N = 64 << 20
 SHAPES = [(1, 65536), (8, 16384), (16, 16384), (128, 16384), (32, 4096), (64, 4096), (256, 4096), (256, 8192),

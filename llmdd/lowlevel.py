@@ -31,6 +31,7 @@ from llmdd._seam.errors import PeerGone as PeerGone
 from llmdd._seam.ops import RegionTable as RegionTable
 from llmdd._seam.errors import Refused as Refused
 from llmdd._seam.completions import ThreadCompletion as ThreadCompletion
+from llmdd._seam.completions import submitted as submitted
 from llmdd._seam.errors import TransportTimeout as TransportTimeout
 from llmdd._seam.ops import as_ops as as_ops
 from llmdd._seam.ops import check_ops as check_ops
@@ -72,6 +73,7 @@ __all__ = [
     "RegionTable",
     "Completion",
     "DoneCompletion",
+    "submitted",
     "ThreadCompletion",
     "TransportError",
     "TransportTimeout",

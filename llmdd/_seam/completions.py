@@ -12,7 +12,7 @@ from llmdd._base.status import TransportError
 from llmdd._seam.abc import Completion
 from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, TransportTimeout
 
-__all__ = ["DoneCompletion", "ThreadCompletion"]
+__all__ = ["DoneCompletion", "ThreadCompletion", "submitted"]
 
 _log = get_logger("llmdd.abc")
 
@@ -40,6 +40,17 @@ class DoneCompletion(Completion):
 
     def __repr__(self) -> str:
         return f"<DoneCompletion error={self._error!r}>"
+
+
+def submitted(submit: Callable[..., Completion], *args: Any) -> Completion:
+    """``submit(*args)`` as the seam's one refusal path (llmdd/_seam/abc.py): a ``TransportError`` it
+    raises (a refusal or failure found before any byte moved) becomes the returned completion's
+    error, so a ``Channel.read``/``write`` never raises one.  A transport's ``read`` is then
+    ``return submitted(self._submit, READ, ops, deadline)``."""
+    try:
+        return submit(*args)
+    except TransportError as exc:
+        return DoneCompletion(exc)
 
 
 def _wrap_error(exc: BaseException) -> TransportError:

@@ -193,3 +193,20 @@ def test_thread_completion_on_a_pool_runs_the_first_part_inline():
         assert c2.wait(5) and isinstance(c2.error, PeerGone) and aborts == [1]
     finally:
         pool.shutdown(wait=True)
+
+
+def test_submitted_turns_a_raised_transport_error_into_the_completions_error():
+    from llmdd.lowlevel import DoneCompletion, Refused, submitted
+
+    ok = DoneCompletion(None)
+    assert submitted(lambda a, b: ok if (a, b) == (1, 2) else None, 1, 2) is ok   # passes its arguments
+    refusal = Refused("region 7 is not registered")
+
+    def refuse(*_args):
+        raise refusal
+
+    completion = submitted(refuse, 1, 2)
+    assert completion.done() and completion.error is refusal
+    # control: anything that is not a TransportError is a bug and propagates
+    with pytest.raises(ZeroDivisionError):
+        submitted(lambda: 1 // 0)

@@ -34,9 +34,9 @@ import msgspec
 import numpy as np
 
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
-from llmdd.lowlevel import (Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, RegionRegistry,
-                            RegionTable, RegisteredRegion, Refused, ThreadCompletion, TransportError, TransportTimeout,
-                            decode_payload, encode_payload, map_os_error)
+from llmdd.lowlevel import (Batch, BatchSet, Cancelled, Corrupt, MemRegion, PeerGone, RegionRegistry, RegionTable,
+                            RegisteredRegion, Refused, ThreadCompletion, TransportTimeout, decode_payload,
+                            encode_payload, map_os_error, submitted)
 from llmdd.plugin import hookimpl
 from llmdd.status import LLMStatusCode
 
@@ -343,16 +343,10 @@ class PipeChannel(Channel):
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         # the seam's one refusal path: a refusal or failure is the completion's error, never raised
-        try:
-            return self._submit(READ, ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, READ, ops, deadline)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        try:
-            return self._submit(WRITE, ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, WRITE, ops, deadline)
 
     def close(self) -> None:
         self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, wait until they left

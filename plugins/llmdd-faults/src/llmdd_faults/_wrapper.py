@@ -26,8 +26,7 @@ import msgspec
 
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
-from llmdd.lowlevel import (BatchSet, Cancelled, DoneCompletion, MemRegion, ThreadCompletion, TransportError,
-                            TransportTimeout, as_ops, get_logger)
+from llmdd.lowlevel import (BatchSet, Cancelled, MemRegion, ThreadCompletion, TransportTimeout, as_ops, get_logger, submitted)
 
 from ._batch import SCRATCH_REGION_ID, _Batch
 from ._plan import Fault, FaultPlan, current_peer
@@ -236,16 +235,10 @@ class FaultyChannel(Channel):
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         # the seam's one refusal path: a refusal or failure is the completion's error, never raised
-        try:
-            return self._submit("read", ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, "read", ops, deadline)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        try:
-            return self._submit("write", ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, "write", ops, deadline)
 
     def close(self) -> None:
         self._batches.close(Cancelled("channel closed"))   # fail the batches in flight, drain them

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from llmdd.abc import Channel, Completion, RegionDescriptor
 from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, RegionTable, Refused
-from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, as_ops, map_os_error
+from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, as_ops, map_os_error, submitted
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.status import LLMStatusCode
 
@@ -213,16 +213,10 @@ class ShmChannel(Channel):
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         # the seam's one refusal path: a refusal or failure is the completion's error, never raised
-        try:
-            return self._submit(False, ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, False, ops, deadline)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        try:
-            return self._submit(True, ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, True, ops, deadline)
 
     def close(self) -> None:
         # the quick path's plans of this channel are void from now on (llmdd_shm._quick)

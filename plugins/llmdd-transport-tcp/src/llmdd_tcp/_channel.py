@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from llmdd.abc import Channel, Completion, RegionDescriptor
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, Refused, RegionTable
-from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, coalesce_ops, split_ops
+from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, coalesce_ops, split_ops, submitted
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.status import LLMStatusCode
 
@@ -102,16 +102,10 @@ class TcpChannel(Channel):
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         # the seam's one refusal path: a refusal or failure is the completion's error, never raised
-        try:
-            return self._submit(READ, ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, READ, ops, deadline)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        try:
-            return self._submit(WRITE, ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, WRITE, ops, deadline)
 
     def close(self) -> None:
         # refuse new batches, fail those in flight, wait until they left (the close-drain)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from llmdd.abc import Channel, Completion, RegionDescriptor
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import BatchSet, Cancelled, DoneCompletion, PeerGone, RegionTable, Refused, TransportError
-from llmdd.lowlevel import TransportTimeout, check_ops, coalesce_ops
+from llmdd.lowlevel import TransportTimeout, check_ops, coalesce_ops, submitted
 
 from . import _proto
 from ._fields import region_fields
@@ -71,16 +71,10 @@ class UcxChannel(Channel):
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         # the seam's one refusal path: a refusal or failure is the completion's error, never raised
-        try:
-            return self._submit("READ", ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, "READ", ops, deadline)
 
     def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
-        try:
-            return self._submit("WRITE", ops, deadline)
-        except TransportError as exc:
-            return DoneCompletion(exc)
+        return submitted(self._submit, "WRITE", ops, deadline)
 
     def close(self) -> None:
         if not self._batches.close(Cancelled("channel closed")):   # fail the batches in flight, drain them
