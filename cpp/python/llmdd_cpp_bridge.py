@@ -31,7 +31,8 @@ from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_cop
 from llmdd._data.planner import plan_blocks, plan_cache, tensor_range
 from llmdd._data.port import RequestOp
 from llmdd._control.protocol import messages as _m
-from llmdd._data.engine import _READ, _QuickPlan
+from llmdd._data.notices import READ as _READ
+from llmdd._data.quick import QuickPlan as _QuickPlan
 
 S = LLMStatusCode
 OK = 0
@@ -423,7 +424,7 @@ class Bridge:
         te = core.transfers
         kind = ("push_blocks" if write else "pull_blocks") if blocks else ("push_cache" if write else "pull_cache")
         rec, local = te.local_layout(local_id)
-        link = te._link_for(remote_cluster)
+        link = te.link_for(remote_cluster)
         # Block transfers keep what depends only on their shape (the engine's small-transfer plan:
         # layouts, placement rules, tensor ranges, regions) per (direction, link, local cache, remote
         # cache, layer ranges, tnpl), valid while the peer's tables, the local record and its regions
@@ -449,7 +450,7 @@ class Bridge:
             tables = link.tables  # the versions a kept plan is valid for: read before the layouts
             cv, rv = tables.cache_table_version, tables.regions_version
             remote = self._remote_layout(core, te, link, remote_id)
-            te._check_placements(link, remote_cache_id=remote_id, local_rec=rec, local_is="src" if write else "dst",
+            te.layouts.check_placements(link, remote_cache_id=remote_id, local_rec=rec, local_is="src" if write else "dst",
                                  kind=kind, remote_is_blocks=True if blocks else remote.is_blocks)
             local, remote = self._as(local, blocks), self._as(remote, blocks)
             src, dst = (local, remote) if write else (remote, local)
@@ -468,19 +469,19 @@ class Bridge:
                 su, du = (local_unit, remote_unit) if write else (remote_unit, local_unit)
                 ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors, src_unit=su,
                                  dst_unit=du, size=size, local=side)
-        te._acquire(link)
+        te._busy.acquire(link)
         try:
             te.run_ops(link, ops, write=write, kind=kind, nbytes=nbytes)
         except LLMException:
             if write:
-                te._push_notice(link, remote_id, remote_blocks, dst_tensors, failed=True)
+                te._notices.push_done(link, remote_id, remote_blocks, dst_tensors, failed=True)
             raise
         finally:
             link.transfer_lock.release()
         if write:
-            te._push_notice(link, remote_id, remote_blocks, dst_tensors, failed=False)
+            te._notices.push_done(link, remote_id, remote_blocks, dst_tensors, failed=False)
         else:
-            te._queue_read_done(link, int(remote_id), tuple(remote_blocks) if remote_blocks else None)
+            te._notices.queue(link, (_READ, int(remote_id), tuple(remote_blocks) if remote_blocks else None))
 
     @_call
     def pull_cache(self, src: tuple, dst_id: int, batch_index: int, size: int, ext: tuple) -> None:
@@ -529,19 +530,19 @@ class Bridge:
             te = core.transfers
             rec = core.memory.get(dst_id) if te is not None and cluster_id != self.cluster_id else None
             if rec is not None and rec.live:
-                link = te._link_for(cluster_id)
+                link = te.link_for(cluster_id)
                 plan = self._plans.get((False, id(link), dst_id, cache_id, src_key, dst_key, tnpl))
                 tables = link.tables
                 if (plan is not None and plan.link is link and plan.tables is tables and plan.rec is rec
                         and plan.regions is rec.regions and plan.cv == tables.cache_table_version
                         and plan.rv == tables.regions_version):
                     ops, nbytes = plan.ops(src_blocks, dst_blocks)
-                    te._acquire(link)
+                    te._busy.acquire(link)
                     try:
                         te.run_ops(link, ops, write=False, kind="pull_blocks", nbytes=nbytes)
                     finally:
                         link.transfer_lock.release()
-                    te._queue_notice(link, (_READ, int(cache_id), tuple(src_blocks)))
+                    te._notices.queue(link, (_READ, int(cache_id), tuple(src_blocks)))
                     return _DONE
             self._move(core, write=False, blocks=True, local_id=dst_id, remote_cluster=cluster_id,
                        remote_id=cache_id, local_blocks=dst_blocks, remote_blocks=src_blocks,
