@@ -11,6 +11,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -48,6 +52,52 @@ Status Fail(Status code, std::string message) {
 // True when Python can be entered from this thread.
 bool PythonUsable() { return !g_exiting.load() && Py_IsInitialized() != 0; }
 
+// SIGPIPE: llmdd writes to sockets whose peer may be gone (a control connection, a tcp data
+// stream), and a write to a broken connection raises SIGPIPE, whose default disposition ends the
+// process. A Python process ignores it; a C++ host keeps its own dispositions (the interpreter
+// installs no signal handler). So every call blocks SIGPIPE in the calling thread for its
+// duration: threads llmdd starts during a call inherit the blocked mask, a write then fails with
+// EPIPE (a lost peer, handled as one), and a SIGPIPE raised for this thread during the call is
+// discarded before the host's mask comes back. The host's dispositions are never changed.
+class SigpipeBlock {
+ public:
+  SigpipeBlock() {
+    sigset_t pipe;
+    sigemptyset(&pipe);
+    sigaddset(&pipe, SIGPIPE);
+    blocked_ = pthread_sigmask(SIG_BLOCK, &pipe, &old_) == 0 && sigismember(&old_, SIGPIPE) == 0;
+    if (blocked_) {
+      sigset_t pending;
+      sigemptyset(&pending);
+      was_pending_ = sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1;
+    }
+  }
+  ~SigpipeBlock() {
+    if (!blocked_) {
+      return;  // the host blocks SIGPIPE itself: its own business
+    }
+    if (!was_pending_) {
+      sigset_t pipe;
+      sigemptyset(&pipe);
+      sigaddset(&pipe, SIGPIPE);
+      sigset_t pending;
+      sigemptyset(&pending);
+      if (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1) {
+        const struct timespec zero = {0, 0};
+        (void)sigtimedwait(&pipe, nullptr, &zero);  // raised by this call's writes: discarded
+      }
+    }
+    (void)pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  SigpipeBlock(const SigpipeBlock &) = delete;
+  SigpipeBlock &operator=(const SigpipeBlock &) = delete;
+
+ private:
+  sigset_t old_{};
+  bool blocked_ = false;
+  bool was_pending_ = false;
+};
+
 class Gil {
  public:
   Gil() : state_(PyGILState_Ensure()) {}
@@ -62,6 +112,7 @@ class Gil {
   Gil &operator=(const Gil &) = delete;
 
  private:
+  SigpipeBlock sigpipe_;   // first: blocked before the GIL is taken, restored after it is given back
   PyGILState_STATE state_;
 };
 
@@ -223,6 +274,7 @@ bool EnsurePython(std::string &error) {
   if (Py_IsInitialized() == 0) {
     std::lock_guard<std::mutex> lk(g_start_mutex);
     if (Py_IsInitialized() == 0) {
+      SigpipeBlock sigpipe;   // the interpreter's start and the bridge's import run outside Gil
       const char *override_python = std::getenv("LLMDD_PYTHON");
       const std::string python =
           (override_python != nullptr && override_python[0] != '\0') ? override_python : LLMDD_CPP_PYTHON;
