@@ -76,9 +76,10 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: pathlib.Path, module: str) -> Iterator[tuple[int, str]]:
-    """(line, absolute module relative to llmdd, or 'llmdd.x' for absolute imports) of every import."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+def imports_of(path: pathlib.Path, module: str, within: Optional[ast.AST] = None) -> Iterator[tuple[int, str]]:
+    """(line, absolute module relative to llmdd, or 'llmdd.x' for absolute imports) of every import
+    (of the whole module, or only those under the node ``within``)."""
+    tree = within if within is not None else ast.parse(path.read_text(), filename=str(path))
     is_pkg = path.name == "__init__.py"
     base = module.split(".") if is_pkg else module.split(".")[:-1]
     for node in ast.walk(tree):
@@ -206,33 +207,10 @@ DEFERRED_IMPORTS = {
 
 
 def _function_imports(path: pathlib.Path) -> Iterator[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
     module = _module_name(path)
-    for fn in ast.walk(tree):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for node in ast.walk(fn):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for line, target in imports_of_node(node, path, module):
-                    yield line, target
-
-
-def imports_of_node(node: ast.AST, path: pathlib.Path, module: str) -> Iterator[tuple[int, str]]:
-    tmp = ast.Module(body=[node], type_ignores=[])   # reuse the module-level resolver on one statement
-    is_pkg = path.name == "__init__.py"
-    base = module.split(".") if is_pkg else module.split(".")[:-1]
-    for stmt in tmp.body:
-        if isinstance(stmt, ast.Import):
-            for alias in stmt.names:
-                if alias.name == "llmdd" or alias.name.startswith("llmdd."):
-                    yield stmt.lineno, alias.name[len("llmdd."):]
-        elif isinstance(stmt, ast.ImportFrom):
-            if stmt.level == 0:
-                if stmt.module and (stmt.module == "llmdd" or stmt.module.startswith("llmdd.")):
-                    yield stmt.lineno, stmt.module[len("llmdd."):]
-                continue
-            anchor = base[: len(base) - (stmt.level - 1)] if stmt.level > 1 else base
-            yield stmt.lineno, ".".join([*anchor, stmt.module] if stmt.module else anchor)
+    for fn in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from imports_of(path, module, within=fn)
 
 
 def test_no_llmdd_import_inside_a_function_outside_the_tools():

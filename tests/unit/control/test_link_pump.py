@@ -366,11 +366,16 @@ def test_a_peer_that_reads_nothing_is_lost_by_its_backed_up_output(world):
 # ---------------------------------------------------------------------------------------------- teardown
 
 
-def scenario_unlink(world: World) -> tuple[Engine, Engine]:
+def unlinked_pair(world: World, force: bool) -> tuple[Engine, Engine]:
+    """A linked pair whose client unlinks (answered LLM_SUCCESS), everything after it run."""
     client, server = linked_pair(world)
-    assert client.lm.unlink_clusters([client.cluster(server)], 1000, False)[0] is S.LLM_SUCCESS
+    assert client.lm.unlink_clusters([client.cluster(server)], 1000, force)[0] is S.LLM_SUCCESS
     world.settle()
     return client, server
+
+
+def scenario_unlink(world: World) -> tuple[Engine, Engine]:
+    return unlinked_pair(world, force=False)
 
 
 def test_an_unlink_is_acknowledged_and_closes_both_sides(world):
@@ -403,10 +408,7 @@ def test_an_unanswered_unlink_fails_exactly_at_its_deadline(world):
 
 
 def scenario_force_unlink(world: World) -> tuple[Engine, Engine]:
-    client, server = linked_pair(world)
-    assert client.lm.unlink_clusters([client.cluster(server)], 1000, True)[0] is S.LLM_SUCCESS
-    world.settle()
-    return client, server
+    return unlinked_pair(world, force=True)
 
 
 def test_a_force_unlink_closes_here_at_once_and_the_peer_sees_it_lost(world):
