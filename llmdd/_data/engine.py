@@ -167,39 +167,8 @@ class TransferEngine:
                     self._move(link, ops, write)
                 else:
                     self._hooks.run_transfer(task, functools.partial(self._move, link, ops, write))
-        except TransportTimeout as exc:
-            self._lm.record_transfer(link, failed=True)
-            if own_task:
-                task.fire("deadline_expired", error=exc)
-            self._lm.transfer_timed_out(link, exc)
-            raise TransferTimedOut(f"{kind} to cluster {link.peer_cluster_id} timed out: {exc}; the link must be "
-                                   "relinked", status_code=S.LLM_TIMEOUT) from None
-        except (PeerGone, Cancelled) as exc:
-            self._lm.record_transfer(link, failed=True)
-            if own_task:
-                task.fire("transfer_failed", error=exc)
-            if isinstance(exc, PeerGone):
-                self._lm.fail_link(link, exc)
-                code = S.LLM_LINK_FAILED
-            elif not link.linked:
-                # cancelled because the link went down under it (peer lost, force unlink, finalize):
-                # report why the link is gone, not a generic failure
-                code = getattr(link, "failure_status", None) or S.LLM_LINK_FAILED
-            else:
-                code = exc.status_code
-            raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code) from None
-        except Refused as exc:
-            self._lm.record_transfer(link, failed=True)
-            if own_task:
-                task.fire("transfer_failed", error=exc)
-            raise _err(f"{kind} refused by cluster {link.peer_cluster_id}: {exc}", exc.status_code) from None
-        except TransportError as exc:  # Corrupt & co: the data channel can no longer be trusted
-            self._lm.record_transfer(link, failed=True)
-            if own_task:
-                task.fire("transfer_failed", error=exc)
-            self._lm.fail_link(link, exc, status=exc.status_code)
-            raise _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
-                       exc.status_code) from None
+        except TransportError as exc:
+            raise self.ops_failed(link, exc, kind, task if own_task else None) from None
         except BaseException as exc:
             if own_task:   # a hook that raised after the task ended: the table absorbs it
                 task.offer("transfer_failed", error=exc)
@@ -210,6 +179,41 @@ class TransferEngine:
             self._lm.record_transfer(link, read=nbytes)
         if own_task:
             task.fire("transfer_succeeded", bytes=nbytes)
+
+    def next_task_id(self) -> int:
+        """A new transfer task id (tasks of this engine are numbered from 1)."""
+        return next(self._ids)
+
+    def ops_failed(self, link: Any, exc: TransportError, kind: str, task: Any = None) -> LLMException:
+        """What a transport failure of ``kind`` over ``link`` means, done and returned as the contract's
+        error to raise: the link's failed-transfer count, ``task``'s end (when the caller owns one),
+        and for a timeout, a lost peer or an untrustworthy channel the link's failure."""
+        self._lm.record_transfer(link, failed=True)
+        if isinstance(exc, TransportTimeout):
+            if task is not None:
+                task.fire("deadline_expired", error=exc)
+            self._lm.transfer_timed_out(link, exc)
+            return TransferTimedOut(f"{kind} to cluster {link.peer_cluster_id} timed out: {exc}; the link must be "
+                                    "relinked", status_code=S.LLM_TIMEOUT)
+        if task is not None:
+            task.fire("transfer_failed", error=exc)
+        if isinstance(exc, (PeerGone, Cancelled)):
+            if isinstance(exc, PeerGone):
+                self._lm.fail_link(link, exc)
+                code = S.LLM_LINK_FAILED
+            elif not link.linked:
+                # cancelled because the link went down under it (peer lost, force unlink, finalize):
+                # report why the link is gone, not a generic failure
+                code = getattr(link, "failure_status", None) or S.LLM_LINK_FAILED
+            else:
+                code = exc.status_code
+            return _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code)
+        if isinstance(exc, Refused):
+            return _err(f"{kind} refused by cluster {link.peer_cluster_id}: {exc}", exc.status_code)
+        # Corrupt & co: the data channel can no longer be trusted
+        self._lm.fail_link(link, exc, status=exc.status_code)
+        return _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
+                    exc.status_code)
 
     def _move(self, link: Any, ops: np.ndarray, write: bool) -> None:
         """One step's bytes over ``link``'s data channel, by the sync_kv_timeout deadline."""

@@ -16,7 +16,7 @@ import struct
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence
 
 from llmdd._base.lazy import np, when_numpy_loaded
-from llmdd._base.status import LLMException
+from llmdd._base.status import LLMException, TransportError
 from llmdd._data.busy import BusyTable
 from llmdd._data.layouts import Layouts
 from llmdd._data.notices import READ, OwnerNotices
@@ -136,15 +136,21 @@ class QuickPlan:
         return ops, (int(ops["length"].sum()) if len(ops) else 0)
 
 
-def fast_for(link: Any, plan: QuickPlan) -> Any:
-    """The link's channel's one-call path for ``plan``'s shape, or None (a channel without one: tcp,
-    ucx, a fault-injecting wrapper; or one that cannot take the shape)."""
+def fast_for(link: Any, plan: QuickPlan, timeout_s: float) -> Any:
+    """The link's channel's one-call path for ``plan``'s shape, or None (a channel without one: a
+    fault-injecting wrapper, a vendor's transport; or one that cannot take the shape).
+
+    The channel's ``quick_plan(pairs, block_bytes, src_units, dst_units, push, timeout_s=...)`` returns
+    ``f(src_blocks, dst_blocks)``: the bytes moved; a negative number when it did not do the transfer
+    and nothing of it happened (the ops path then runs it); or it raises the transport error of a
+    transfer it started and that failed, by ``timeout_s`` after the call at the latest (reported as the
+    ops path reports it)."""
     channel = link.channel
     plan.chan = channel
     make = getattr(channel, "quick_plan", None)
     if make is None:
         return None
-    return make(plan.pairs, plan.bs, plan.su, plan.du, plan.push)
+    return make(plan.pairs, plan.bs, plan.su, plan.du, plan.push, timeout_s=timeout_s)
 
 
 #: the task triggers of a blocking transfer that succeeded (run_ops: start, transfer_succeeded)
@@ -177,6 +183,20 @@ class BlockingTransfers(Protocol):
 
     def local_outcome(self, rec: Any, exc: Optional[LLMException], kind: str) -> LLMException:
         """The error of a transfer whose ops failed or whose local cache went meanwhile."""
+        ...
+
+    def ops_failed(self, link: Any, exc: TransportError, kind: str, task: Any = None) -> LLMException:
+        """The contract's error for a transport failure of ``kind`` over ``link`` (the link's and the
+        task's bookkeeping done)."""
+        ...
+
+    def next_task_id(self) -> int:
+        """A new transfer task id."""
+        ...
+
+    @property
+    def timeout_s(self) -> float:
+        """The sync_kv_timeout deadline of a blocking transfer, in seconds."""
         ...
 
 
@@ -238,7 +258,7 @@ class SmallTransfers:
         plan_blocks(src=src, dst=dst, src_blocks=[0], dst_blocks=[0], src_tensors=src_tensors,
                     dst_tensors=dst_tensors, local="src" if push else "dst")
         plan = QuickPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push)
-        plan.fast = fast_for(link, plan)
+        plan.fast = fast_for(link, plan, self._transfers.timeout_s)
         if len(self._plans) > 4096:
             self._plans.clear()
         self._plans[pk] = plan
@@ -247,7 +267,9 @@ class SmallTransfers:
     def _run_fast(self, link: Any, plan: "QuickPlan", rec: Any, src_blocks: Any, dst_blocks: Any,
                   kind: str) -> bool:
         """The planned shape's bytes in one call of the channel's own path (the shm plugin's C
-        function; issue 21), under the link's transfer lock as ``TransferEngine.run_ops``; True when done.
+        function, the tcp and ucx plugins' few-ops paths; issue 21), under the link's transfer lock as
+        ``TransferEngine.run_ops``; True when done.  A transfer the channel started and that failed
+        raises the contract's error, as the ops path would (its task made and ended then).
 
         Taken only while nobody listens to task events and no hook wraps transfers (the task's
         create / start / succeeded are then counted at once, as ``run_ops`` leaves them). False,
@@ -260,7 +282,16 @@ class SmallTransfers:
             return False
         self._busy.acquire(link)
         try:
-            moved = fast(src_blocks, dst_blocks)
+            try:
+                moved = fast(src_blocks, dst_blocks)
+            except TransportError as exc:
+                # started and failed: the task, the errors and the owner's notice of the ops path
+                task = self._tasks.create(self._transfers.next_task_id(), kind=kind, peer=link.peer_cluster_id)
+                task.fire("start", bytes=len(dst_blocks) * plan.per_block)
+                err = self._transfers.local_outcome(rec, self._transfers.ops_failed(link, exc, kind, task), kind)
+                if plan.push:
+                    self._notices.push_done(link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=True)
+                raise err from None
             if moved >= 0:
                 self._tasks.count_quiet(_TASK_DONE)
                 if plan.push:
@@ -272,7 +303,7 @@ class SmallTransfers:
         finally:
             link.transfer_lock.release()
         if moved < 0:
-            plan.fast = fast_for(link, plan)   # on the tables of now (None: not this shape); no lock held
+            plan.fast = fast_for(link, plan, self._transfers.timeout_s)   # on the tables of now (None: not this shape); no lock held
             return False
         return True
 

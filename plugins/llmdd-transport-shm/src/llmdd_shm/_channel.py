@@ -234,8 +234,10 @@ class ShmChannel(Channel):
                                       closed=self._batches.closed, cma=self._cma_ok, cma_reason=self._cma_reason,
                                       peer_pid=self._pid, cma_calls=self._cma.calls), self._qc, channel=True)
 
-    def quick_plan(self, pairs, block_bytes: int, src_units: int, dst_units: int, push: bool):
-        """The C path of one small-transfer shape (``llmdd_shm._quick.quick_plan``), or None."""
+    def quick_plan(self, pairs, block_bytes: int, src_units: int, dst_units: int, push: bool, *,
+                   timeout_s: Optional[float] = None):
+        """The C path of one small-transfer shape (``llmdd_shm._quick.quick_plan``), or None.  ``timeout_s``
+        is not used: a call never waits (the owner's lock held, it declines and the ops path waits)."""
         return _quick.quick_plan(self, pairs, block_bytes, src_units, dst_units, push)
 
     # ------------------------------------------------------------------ mappings and tables
