@@ -10,6 +10,7 @@ reached, each with its one event, and what the engine then asks of the control p
 from __future__ import annotations
 
 import threading
+import types
 from typing import Any, Optional
 
 import numpy as np
@@ -259,3 +260,99 @@ def test_every_task_transition_run_ops_can_reach_is_reached(pump):
     assert seen == {(T.CREATED, "start"), (T.RUNNING, "transfer_succeeded"), (T.RUNNING, "transfer_failed"),
                     (T.RUNNING, "deadline_expired")}
     assert tasks.statistics().refused == 0 and tasks.statistics().absorbed == 0
+
+
+# ---------------------------------------------------------------------- the one-call path (SmallTransfers._run_fast)
+
+class _Notices:
+    """The owner notices the one-call path queues, recorded."""
+
+    def __init__(self) -> None:
+        self.push_done: list[tuple] = []
+
+    def queue(self, link: Any, entry: tuple) -> None:
+        raise AssertionError("a failed or declined one-call transfer queues no read-done notice")
+
+    def push_done_call(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
+        self.push_done.append((cache_id, list(dst_blocks), dst_tensors, failed))
+
+
+def _one_call(pump, fast: Any, *, push: bool, live: bool = True):
+    """``SmallTransfers._run_fast`` of a planned shape whose channel path is ``fast``, with task events
+    quiet (the one-call path's condition); returns (result or raised LLMException, port, tasks, notices)."""
+    te, port, channel, link, _, _, _ = pump
+    tasks = Lifecycle(Machine.TASK)             # no listener: the one-call path may run
+    te.small._tasks = tasks
+    notices = _Notices()
+    te.small._notices = types.SimpleNamespace(push_done=notices.push_done_call, queue=notices.queue)
+    rec = types.SimpleNamespace(live=live, cache_id=3)
+    plan = types.SimpleNamespace(fast=fast, chan=channel, push=push, cache_id=7, per_block=512,
+                                 dst_tensors=range(0, 2), pairs=[], bs=512, su=4, du=4)
+    kind = "push_blocks" if push else "pull_blocks"
+    try:
+        out: Any = te.small._run_fast(link, plan, rec, [1, 2], [0, 3], kind)
+    except LLMException as exc:
+        out = exc
+    assert not link.transfer_lock.locked()      # released whatever happened
+    return out, port, tasks, notices
+
+
+def _task_triggers(tasks: Lifecycle) -> dict:
+    return tasks.statistics().triggers
+
+
+def test_a_one_call_transfer_that_moved_the_bytes_is_counted_as_a_completed_task(pump):
+    out, port, tasks, notices = _one_call(pump, lambda s, d: 1024, push=False)
+    assert out is True
+    assert port.calls == [("record", 1024, 0, False)]
+    assert _task_triggers(tasks) == {"start": 1, "transfer_succeeded": 1}
+    assert notices.push_done == []
+
+
+def test_a_declined_one_call_transfer_leaves_no_trace_and_asks_for_the_ops_path(pump, monkeypatch):
+    te = pump[0]
+    replanned = []
+    monkeypatch.setattr("llmdd._data.quick.fast_for", lambda link, plan, timeout_s: replanned.append(timeout_s))
+    out, port, tasks, notices = _one_call(pump, lambda s, d: -3, push=True)
+    assert out is False
+    assert port.calls == [] and _task_triggers(tasks) == {} and notices.push_done == []
+    assert replanned == [te.timeout_s]          # the plan is made again on the tables of now
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+@pytest.mark.parametrize("error, code, trigger, calls", [
+    (PeerGone("owner exited"), S.LLM_LINK_FAILED, "transfer_failed", [("record", 0, 0, True), ("fail_link", S.LLM_LINK_FAILED)]),
+    (TransportTimeout("no answer"), S.LLM_TIMEOUT, "deadline_expired", [("record", 0, 0, True), ("timed_out",)]),
+    (Refused("region gone", status_code=S.LLM_PARAM_INVALID), S.LLM_PARAM_INVALID, "transfer_failed",
+     [("record", 0, 0, True)]),
+    (Corrupt("bad answer"), S.LLM_FAILED, "transfer_failed", [("record", 0, 0, True), ("fail_link", S.LLM_FAILED)]),
+], ids=["peer_gone", "timeout", "refused", "corrupt"])
+def test_a_one_call_transfer_that_failed_is_reported_as_the_ops_path_reports_it(pump, push, error, code, trigger,
+                                                                                 calls):
+    def fast(src, dst):
+        raise error
+
+    out, port, tasks, notices = _one_call(pump, fast, push=push)
+    assert isinstance(out, LLMException) and out.status_code is code, out
+    assert port.calls == calls
+    # the task the ops path would have made: created, started, ended by the failure's trigger
+    assert _task_triggers(tasks) == {"start": 1, trigger: 1}
+    assert tasks.statistics().live == {}         # ended: no task left running
+    # a push tells the owner its blocks were not written (the owner's push_done event), a pull tells nothing
+    assert notices.push_done == ([(7, [0, 3], range(0, 2), True)] if push else [])
+    # the control: the same failure through the ops path gives the same status and the same requests
+    te, port2, channel, link, _, _, rng = pump
+    port2.calls.clear()
+    channel.outcome = error
+    relink = PumpLink(11, channel)
+    with pytest.raises(LLMException) as ops_err:
+        te.run_ops(relink, _ops(rng, 1, 512), write=push, kind="push_blocks" if push else "pull_blocks")
+    assert ops_err.value.status_code is code and port2.calls == calls
+
+
+def test_a_one_call_transfer_whose_local_cache_went_ends_with_kv_cache_not_exist(pump):
+    def fast(src, dst):
+        raise Cancelled("region deregistered while the transfer ran")
+
+    out, port, tasks, notices = _one_call(pump, fast, push=False, live=False)
+    assert isinstance(out, LLMException) and out.status_code is S.LLM_KV_CACHE_NOT_EXIST
