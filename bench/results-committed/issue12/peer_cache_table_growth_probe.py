@@ -3,9 +3,9 @@
 (peer_cache_table_growth.txt); now each such update is refused (peer_cache_table_growth_after.txt).  Run:
 .venv/bin/python bench/results-committed/issue12/peer_cache_table_growth_probe.py"""
 import resource, os
-from llmdd._protocol import messages as m
-from llmdd._protocol.codec import encode_frame
-from llmdd._protocol.handshake import DescriptorTables, TableUpdateError
+from llmdd._control.protocol import messages as m
+from llmdd._control.protocol.codec import encode_frame
+from llmdd._control.protocol.tables import DescriptorTables, TableUpdateError
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 t = DescriptorTables()
 r0 = rss()

@@ -1,14 +1,14 @@
 """Issue 12: the most a linked peer can make this side hold in its tables, at every per-peer cap at once
 (MAX_PEER_REGIONS with MAX_PEER_DESCRIPTOR_BYTES of descriptors, MAX_PEER_CACHES with MAX_PEER_CACHE_ADDRS
 addresses, MAX_PEER_KEYS).  Run: .venv/bin/python bench/results-committed/issue12/peer_table_worst_case_probe.py"""
-from llmdd._protocol import messages as m
-from llmdd._protocol.handshake import (DescriptorTables, MAX_PEER_REGIONS, MAX_PEER_CACHES, MAX_PEER_KEYS,
+from llmdd._control.protocol import messages as m
+from llmdd._control.protocol.tables import (DescriptorTables, MAX_PEER_REGIONS, MAX_PEER_CACHES, MAX_PEER_KEYS,
     MAX_PEER_CACHE_ADDRS, MAX_PEER_DESCRIPTOR_BYTES)
 def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 t = DescriptorTables(); r0 = rss()
 per = MAX_PEER_DESCRIPTOR_BYTES // MAX_PEER_REGIONS - 16      # bytes of descriptor per region, filling the budget
 regions = tuple(m.RegionDescriptor(region_id=i, cache_id=-1, addr=2**40 + i * 4096, size=4096,
-                                   transports={"x": b"d" * per}) for i in range(MAX_PEER_REGIONS))
+                                   transports=(m.TransportDescriptor(transport="x", payload=b"d" * per),)) for i in range(MAX_PEER_REGIONS))
 t.apply(m.RegionsUpdate(version=1, full=True, added=regions)); del regions
 print("regions", MAX_PEER_REGIONS, "descriptor bytes each", per, "RSS +%.0f MiB" % (rss() - r0))
 per_cache = MAX_PEER_CACHE_ADDRS // MAX_PEER_CACHES

@@ -2,9 +2,9 @@
 addresses ascending vs descending (the owner-side DescriptorTables).  Run:
 .venv/bin/python bench/results-committed/issue12/region_index_probe.py"""
 import time
-from llmdd._protocol import messages as m
-from llmdd._protocol.codec import encode_frame
-from llmdd._protocol.handshake import DescriptorTables, MAX_PEER_REGIONS
+from llmdd._control.protocol import messages as m
+from llmdd._control.protocol.codec import encode_frame
+from llmdd._control.protocol.tables import DescriptorTables, MAX_PEER_REGIONS
 n = MAX_PEER_REGIONS
 for order in ("asc", "desc"):
     addrs = range(n) if order == "asc" else range(n, 0, -1)
