@@ -9,7 +9,9 @@ Workloads, each checked against the source pattern:
 * ``mooncake_contiguous``: one ``transfer_sync_read`` of the whole buffer.
 * ``mooncake_kv64`` / ``mooncake_kv16``: 64 tensors x N blocks of 64 / 16 KiB, independent random
   permutations as source and destination block ids, one ``batch_transfer_sync_read`` call.
-* ``mooncake_latency``: one 64 KiB ``transfer_sync_read`` per call, p50 of 1000 after 100 warm-up.
+* ``mooncake_latency``: one 64 KiB ``transfer_sync_read`` per call, p50 of 1000 after 100 warm-up;
+  ``mooncake_latency_write``: the same with ``transfer_sync_write`` (checked by reading the last
+  written block back).
 
 Mooncake's per-peer TCP queue limits are raised (``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` and
 ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` 65535, ``MC_TCP_ADMISSION_TIMEOUT_MS`` 120000), as
@@ -161,6 +163,26 @@ def measure(args, out: Output) -> None:
                         failed_calls=failed)
         else:
             out.info("one 64 KiB block", error=f"every call returned rc != 0 ({failed})")
+        # the same for a write of one block into the prompt's buffer (the last measurement: it changes
+        # the source); checked by reading the last written block back into a block written nowhere
+        draws = list(zip(rng.integers(0, count, n + warm).tolist(), rng.integers(1, count, n + warm).tolist()))
+        us, failed = [], 0
+        for i, (s, d) in enumerate(draws):
+            t = time.perf_counter()
+            rc = engine.transfer_sync_write(seg, daddr + d * block, raddr + s * block, block)
+            dt = (time.perf_counter() - t) * 1e6
+            if rc != 0:
+                failed += 1
+            elif i >= warm:
+                us.append(dt)
+        s, d = draws[-1]
+        back = engine.transfer_sync_read(seg, daddr, raddr + s * block, block)   # local block 0: no write source
+        ok = back == 0 and bool((dst[:block] == dst[d * block:(d + 1) * block]).all())
+        if us:
+            out.latency("mooncake_latency_write", "Mooncake TCP one 64 KiB block transfer_sync_write", us, ok,
+                        failed_calls=failed)
+        else:
+            out.info("one 64 KiB block write", error=f"every call returned rc != 0 ({failed})")
         engine.unregister_memory(daddr)
         here.send("done")
         here.poll(30)

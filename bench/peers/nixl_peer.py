@@ -12,7 +12,8 @@ buffer of ``--gib`` GiB as one region.  Workloads, each checked against the sour
   ``*_prepared``: one prepared handle posted again (the steady state).
 * ``nixl_latency``: one 64 KiB block per call, per request (``get_xfer_descs`` +
   ``initialize_xfer`` + post + wait + release), p50 of 1000 after 100 warm-up;
-  ``nixl_latency_prepared``: a prepared handle per call (post + wait).
+  ``nixl_latency_prepared``: a prepared handle per call (post + wait); ``nixl_latency_write``: one
+  64 KiB block WRITE per request into the prompt's buffer (checked by reading the last one back).
 
 Completion: ``check_xfer_state`` polled from Python, bounded by a deadline.  UCX picks its own
 transport (cross-memory attach here).  ``UCX_MODULES=^ib`` is set: the IB module of the
@@ -199,6 +200,26 @@ def measure(args, out: Output) -> None:
         ok = bool((dst[d * block:(d + 1) * block].view(np.uint64) == np.arange(s * w, (s + 1) * w,
                                                                                  dtype=np.uint64)).all())
         out.latency("nixl_latency_prepared", "NIXL one 64 KiB block READ prepared handle", us, ok)
+        # WRITE of one block per request into the prompt's buffer (the last measurement: it changes the
+        # source); checked by reading the last written block back into local block 0 (written from nowhere)
+        draws = [(int(a), int(b)) for a, b in zip(rng.integers(0, count, n + warm), rng.integers(1, count, n + warm))]
+        us = []
+        for i, (s, d) in enumerate(draws):
+            t = time.perf_counter()
+            ld = agent.get_xfer_descs([(dst.ctypes.data + d * block, block, 0)], "DRAM")
+            rd = agent.get_xfer_descs([(raddr + s * block, block, 0)], "DRAM")
+            h = agent.initialize_xfer("WRITE", ld, rd, remote)
+            _run_to_done(agent, h)
+            agent.release_xfer_handle(h)
+            if i >= warm:
+                us.append((time.perf_counter() - t) * 1e6)
+        s, d = draws[-1]
+        h = agent.initialize_xfer("READ", agent.get_xfer_descs([(dst.ctypes.data, block, 0)], "DRAM"),
+                                  agent.get_xfer_descs([(raddr + s * block, block, 0)], "DRAM"), remote)
+        _run_to_done(agent, h)
+        agent.release_xfer_handle(h)
+        ok = bool((dst[:block] == dst[d * block:(d + 1) * block]).all())
+        out.latency("nixl_latency_write", "NIXL one 64 KiB block WRITE per request", us, ok)
         agent.release_dlist_handle(lb)
         agent.release_dlist_handle(rb)
         agent.remove_remote_agent(remote)

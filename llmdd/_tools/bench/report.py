@@ -19,6 +19,7 @@ FIGURES = {
     "transfer_cache_async_64k": ("transfer_cache_async 32 layers, 64 KiB", "bw"),
     "pull_cache": ("pull_cache contiguous", "bw"),
     "latency_64k": ("one 64 KiB block pull_blocks, p50", "lat"),
+    "latency_push_64k": ("one 64 KiB block push_blocks, p50", "lat"),
 }
 
 ANCHORS = {
@@ -32,6 +33,7 @@ ANCHORS = {
     "tcp_1stream": "raw tcp socket, 1 stream",
     "tcp_2stream": "raw tcp socket, 2 streams",
     "tcp_rr_64k": "raw tcp request/reply 64 KiB, p50",
+    "tcp_rr_push_64k": "raw tcp push 64 KiB (block out, 1-byte answer), p50",
 }
 
 # peers (bench/run_peers.sh runs bench/peers/*.py): measurement name -> label
@@ -43,10 +45,12 @@ PEERS = {
     "nixl_contiguous": "NIXL/UCX contiguous READ",
     "nixl_latency": "NIXL/UCX one 64 KiB block, per request, p50",
     "nixl_latency_prepared": "NIXL/UCX one 64 KiB block, prepared handle, p50",
+    "nixl_latency_write": "NIXL/UCX one 64 KiB block WRITE, per request, p50",
     "mooncake_kv64": "Mooncake TCP KV 64x256x64 KiB, one batch_transfer_sync_read",
     "mooncake_kv16": "Mooncake TCP KV 64x1024x16 KiB, one batch_transfer_sync_read",
     "mooncake_contiguous": "Mooncake TCP contiguous transfer_sync_read",
     "mooncake_latency": "Mooncake TCP one 64 KiB block transfer_sync_read, p50",
+    "mooncake_latency_write": "Mooncake TCP one 64 KiB block transfer_sync_write, p50",
 }
 
 # the matching peer of each llmdd figure: same-host transports vs NIXL (cma), tcp vs Mooncake (tcp)
@@ -55,6 +59,7 @@ PEER_MATCH = {
     "pull_blocks_16k": ("nixl_kv16", "mooncake_kv16"),
     "pull_cache": ("nixl_contiguous", "mooncake_contiguous"),
     "latency_64k": ("nixl_latency", "mooncake_latency"),
+    "latency_push_64k": ("nixl_latency_write", "mooncake_latency_write"),
 }
 
 
@@ -73,6 +78,8 @@ def anchor_match(figure: str, transport: str) -> list:
         return ["cma_contiguous", "memcpy"] if sh else ["tcp_2stream", "tcp_1stream", "memcpy"]
     if figure == "latency_64k":
         return ["cma_latency_64k", "tcp_rr_64k"] if sh else ["tcp_rr_64k", "cma_latency_64k"]
+    if figure == "latency_push_64k":
+        return ["cma_latency_64k", "tcp_rr_push_64k"] if sh else ["tcp_rr_push_64k", "cma_latency_64k"]
     return []
 
 
@@ -451,6 +458,8 @@ def markdown(runs: list, names: list) -> list:
     for fig, (label, kind) in FIGURES.items():
         cells = [_cell([_value(r.get("transports", {}).get(t, {}).get(fig), kind) for r in runs], kind)
                  for t in transports]
+        if all(c == "-" for c in cells):
+            continue   # a figure these runs did not measure (an older bench)
         L.append(f"| {label} | " + " | ".join(cells) + " |")
     for k in sorted({int(k) for r in runs for f in r.get("transports", {}).values() for k in f.get("decoders", {})
                      if k.isdigit()}):
@@ -469,6 +478,8 @@ def markdown(runs: list, names: list) -> list:
                 continue
             vals = [_ratio(r["ratios"], t, fig, refs[0]) for r in runs]
             cells.append("-" if _median(vals) is None else f"{_cell(vals, 'x')} {refs[0]}")
+        if all(c == "-" for c in cells):
+            continue
         L.append(f"| {label} | " + " | ".join(cells) + " |")
     for fig, match in PEER_MATCH.items():
         cells = []

@@ -277,6 +277,17 @@ class Run:
                                        warmup=s.latency_warmup)
             a.recv()
             self.p.step(f"anchor raw tcp request/reply 64 KiB: p50 {out['tcp_rr_64k']['p50']:.1f} us")
+            b.call("fill", salt=SALT_DECODER)   # the pusher's blocks: a pattern of their own, checked on the other side
+            port = a.call("listen")
+            a.send("rr_push_serve", n=s.latency_n + s.latency_warmup)
+            r = b.call("rr_push_client", port=port, block_bytes=64 * KiB, num_blocks=nb64, n=s.latency_n,
+                       warmup=s.latency_warmup)
+            a.recv()
+            last = r.pop("last")
+            r.update(a.call("check_blocks", num_tensors=1, tensor_bytes=nb64 * 64 * KiB, block_bytes=64 * KiB,
+                            dst_blocks=[last["dst"]], src_blocks=[last["src"]], salt=SALT_DECODER))
+            out["tcp_rr_push_64k"] = r
+            self.p.step(f"anchor raw tcp push 64 KiB (block, 1-byte answer): p50 {r['p50']:.1f} us")
         finally:
             close_all([a, b])
 
@@ -374,6 +385,17 @@ class Run:
                              dst_blocks=[last["dst"]], src_blocks=[last["src"]], salt=SALT_PROMPT, name=name))
             res["latency_64k"] = r
             self.p.step(f"{t}: one 64 KiB block: p50 {r['p50']:.1f} us, p99 {r['p99']:.1f} us")
+            # one block of one tensor pushed (decoder -> prompt), checked on the prompt; the prompt's
+            # bytes are its own pattern again afterwards (the decoders below pull them)
+            d1.call("fill", salt=SALT_DECODER, name=name)
+            r = d1.call("latency_pull", op="push", remote=PROMPT, model_id=mid, remote_model_id=mid, num_blocks=nb,
+                        n=s.latency_n, warmup=s.latency_warmup)
+            last = r.pop("last")
+            r.update(prompt.call("check_blocks", num_tensors=1, tensor_bytes=nb * bb, block_bytes=bb,
+                                 dst_blocks=[last["dst"]], src_blocks=[last["src"]], salt=SALT_DECODER, name=name))
+            res["latency_push_64k"] = r
+            prompt.call("fill", salt=SALT_PROMPT, name=name)
+            self.p.step(f"{t}: one 64 KiB block pushed: p50 {r['p50']:.1f} us, p99 {r['p99']:.1f} us")
             if self.o.profile:
                 prof = d1.call("latency_pull", remote=PROMPT, model_id=mid, remote_model_id=mid, num_blocks=nb,
                                n=s.latency_n, warmup=s.latency_warmup, profile=True)

@@ -270,21 +270,22 @@ class Worker:
         return {"start": began, "end": time.monotonic()}
 
     def cmd_latency_pull(self, remote: int, model_id: int, remote_model_id: int, num_blocks: int, n: int,
-                         warmup: int, profile: bool = False) -> dict:
-        """p50/p99 of ``n`` ``pull_blocks`` calls of one block of one tensor (tensor 0: layer range of one
-        layer with one tensor per layer), random block ids."""
+                         warmup: int, profile: bool = False, op: str = "pull") -> dict:
+        """p50/p99 of ``n`` ``pull_blocks`` (``op="push"``: ``push_blocks``) calls of one block of one
+        tensor (tensor 0: layer range of one layer with one tensor per layer), random block ids."""
         import llmdd
 
         cm = self.engine.cache_manager
         cache = self.caches[model_id]
         key = llmdd.BlocksCacheKey(remote, remote_model_id)
         one = range(0, 1)
-        rng = np.random.default_rng(7)
+        rng = np.random.default_rng(7 if op == "pull" else 8)
         srcs = rng.integers(0, num_blocks, n + warmup).tolist()
         dsts = rng.integers(0, num_blocks, n + warmup).tolist()
         prof = cProfile.Profile() if profile else None
-        waited = _until_known(lambda: cm.pull_blocks(key, cache, [0], [0], src_layer_range=one, dst_layer_range=one,
-                                                     tensor_num_per_layer=1))
+        move = cm.pull_blocks if op == "pull" else cm.push_blocks
+        waited = _until_known(lambda: move(key, cache, [0], [0], src_layer_range=one, dst_layer_range=one,
+                                           tensor_num_per_layer=1))
         us = []
         pc = time.perf_counter
         for i in range(n + warmup):
@@ -292,7 +293,7 @@ class Worker:
             if prof is not None and i == warmup:
                 prof.enable()
             t0 = pc()
-            cm.pull_blocks(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=1)
+            move(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=1)
             dt = pc() - t0
             if i >= warmup:
                 us.append(dt * 1e6)
@@ -583,6 +584,51 @@ class Worker:
             off, length = struct.unpack("<QQ", req)
             c.sendall(mv[off:off + length])
         c.close()
+
+    def cmd_rr_push_serve(self, n: int) -> None:
+        """Take ``n`` pushes: a 16-byte header ``(offset, length)`` and the bytes, stored; a 1-byte answer."""
+        c, _ = self._listening().accept()
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mv = self.buf.data
+        req = bytearray(16)
+        rv = memoryview(req)
+        for _ in range(n):
+            _recv_exact(c, rv)
+            off, length = struct.unpack("<QQ", req)
+            _recv_exact(c, mv[off:off + length])
+            c.sendall(b"k")
+        c.close()
+
+    def cmd_rr_push_client(self, port: int, block_bytes: int, num_blocks: int, n: int, warmup: int) -> dict:
+        """The raw push a tcp ``push_blocks`` of one block is compared with: header and block in one
+        ``sendmsg``, then the 1-byte answer."""
+        s = socket.create_connection((HOST, port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        mv = self.buf.data
+        rng = np.random.default_rng(9)
+        srcs = rng.integers(0, num_blocks, n + warmup).tolist()
+        dsts = rng.integers(0, num_blocks, n + warmup).tolist()
+        pack = struct.Struct("<QQ").pack
+        ack = memoryview(bytearray(1))
+        us = []
+        pc = time.perf_counter
+        for i in range(n + warmup):
+            t0 = pc()
+            off = srcs[i] * block_bytes
+            k = s.sendmsg([pack(dsts[i] * block_bytes, block_bytes), mv[off:off + block_bytes]])
+            if k < 16 + block_bytes:   # a short send: the rest of the header, then of the block
+                if k < 16:
+                    s.sendall(pack(dsts[i] * block_bytes, block_bytes)[k:])
+                    k = 16
+                s.sendall(mv[off + k - 16:off + block_bytes])
+            _recv_exact(s, ack)
+            dt = pc() - t0
+            if i >= warmup:
+                us.append(dt * 1e6)
+        s.close()
+        out = lat_summary(us)
+        out["last"] = {"src": srcs[-1], "dst": dsts[-1]}
+        return out
 
     def cmd_rr_client(self, port: int, block_bytes: int, num_blocks: int, n: int, warmup: int) -> dict:
         s = socket.create_connection((HOST, port))
