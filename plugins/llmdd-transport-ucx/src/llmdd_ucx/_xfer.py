@@ -24,9 +24,10 @@ class _Xfer(Completion):
     """One batch: a list of NIXL requests (chunks), at most ``window`` in flight."""
 
     def __init__(self, ch: "UcxChannel", op: str, chunks: list, deadline: float, nbytes: int, nops: int,
-                 local_ids: frozenset, remote_ids: frozenset) -> None:
+                 local_ids: frozenset, remote_ids: frozenset, *, quick: bool = False) -> None:
         self._ch = ch
-        self._agent = ch._ep._agent
+        ep = ch._ep
+        self._agent = ep._agent
         self._op = op
         self._chunks = chunks
         self._next = 0
@@ -36,9 +37,8 @@ class _Xfer(Completion):
         self.nops = nops
         self.local_ids = local_ids
         self.remote_ids = remote_ids
-        self._window = max(1, int(ch._ep._cfg[OPT_INFLIGHT]))
-        self._spin = float(ch._ep._cfg[OPT_SPIN_US]) * 1e-6
-        self._drain_timeout = float(ch._ep._cfg[OPT_DRAIN_TIMEOUT])
+        self.quick = quick   # posted by the one-call path (llmdd_ucx._quick): counted as quick_batches
+        self._window, self._spin, self._drain_timeout = ep._xfer_cfg
         self._lock = threading.RLock()
         self._done = threading.Event()
         self._error: Optional[TransportError] = None
@@ -214,6 +214,11 @@ class _Xfer(Completion):
 
     def __repr__(self) -> str:
         return f"<ucx batch {self._op} {self.nbytes} B {'done' if self._done.is_set() else 'running'}>"
+
+
+def xfer_settings(cfg: dict) -> tuple[int, float, float]:
+    """(window, spin budget in seconds, drain timeout in seconds) of the batches of an endpoint with options ``cfg``."""
+    return max(1, int(cfg[OPT_INFLIGHT])), float(cfg[OPT_SPIN_US]) * 1e-6, float(cfg[OPT_DRAIN_TIMEOUT])
 
 
 class _Backoff:
