@@ -197,9 +197,9 @@ class UcxChannel(Channel):
             batch.start()
         return batch
 
-    def _quick_run(self, op: str, ldesc: list, rdesc: list, nbytes: int, local_ids: frozenset,
+    def _quick_run(self, op: str, ldesc: Any, rdesc: Any, nbytes: int, nops: int, local_ids: frozenset,
                    remote_ids: frozenset, ev: int, cv: int, deadline: float) -> int:
-        """Post one batch of one request (descriptor lists of ``(addr, len, dev)``) made by a one-call
+        """Post one batch of one request (two NIXL transfer descriptor lists of ``nops`` entries) made by a one-call
         plan of table versions ``ev`` / ``cv`` and wait for it in this thread: ``nbytes``, or
         :data:`~llmdd_ucx._quick.STALE` (nothing done) when a table changed, the channel, the endpoint
         or the peer went since; raises the batch's error when it failed (deadline, peer gone, a
@@ -211,13 +211,12 @@ class UcxChannel(Channel):
             if (ep._qver != ev or self._qver != cv or ep._closed or self._batches.closed
                     or self._gone is not None):
                 return _quick.STALE
-            batch = _Xfer(self, op, [(ldesc, rdesc)], deadline, nbytes, len(ldesc), local_ids, remote_ids,
-                          quick=True)
+            batch = _Xfer(self, op, [(ldesc, rdesc)], deadline, nbytes, nops, local_ids, remote_ids, quick=True)
             self._batches.add(batch)
             ep._regs.track(batch)   # the endpoint's deregistration / close fails it
             self._stats["requests"] += 1
             batch.start()   # posted under the locks, as _submit does (one chunk: no driver thread)
-        if not batch._done.is_set():
+        if not batch._finished:
             batch.wait()    # polls in this thread until done, failed by another, or the deadline
         err = batch._error
         if err is not None:

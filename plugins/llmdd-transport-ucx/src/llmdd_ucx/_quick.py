@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from . import _nixl
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS
 
 if TYPE_CHECKING:  # annotations only: the channel calls this module
@@ -28,7 +29,8 @@ __all__ = ["quick_plan", "STALE", "SHAPE", "LARGE", "MAX_BLOCKS"]
 
 #: what ``fast`` returns when it did nothing: a table changed since the plan (or the channel, the
 #: endpoint or the peer went), blocks it does not take (not exact ints in range, a destination
-#: twice, more than :data:`MAX_BLOCKS`), more bytes or descriptors than one chunk holds
+#: twice, more than :data:`MAX_BLOCKS`, descriptors NIXL does not build), more bytes or descriptors
+#: than one chunk holds
 STALE, SHAPE, LARGE = -1, -2, -3
 #: the most blocks one call takes (the engine's small-transfer path plans at most 16 in Python)
 MAX_BLOCKS = 16
@@ -43,6 +45,11 @@ def quick_plan(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: 
     if bs <= 0 or su <= 0 or du <= 0 or not pairs:
         return None
     ep = ch._ep
+    agent = ep._agent
+    if agent is None:
+        return None
+    make_dlist = _nixl.load().nixlBind.nixlXferDList   # what agent.get_xfer_descs builds from tuples
+    dram = agent.nixl_mems["DRAM"]
     lunits, runits = (su, du) if push else (du, su)
     rows = []
     with ep._lock, ch._lock:   # both tables and their versions together
@@ -101,8 +108,13 @@ def quick_plan(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: 
                     ldesc.append((lbase + d0 * bs, length, 0))
                     rdesc.append((rbase + s0 * bs, length, dev))
         total = n * bs * len(rows)
-        if total > max_bytes or len(ldesc) > max_descs:
+        nops = len(ldesc)
+        if total > max_bytes or nops > max_descs:
             return LARGE
-        return run(op, ldesc, rdesc, total, local_ids, remote_ids, ev, cv, monotonic() + timeout)
+        try:
+            lxfer, rxfer = make_dlist(dram, ldesc), make_dlist(dram, rdesc)
+        except Exception:  # noqa: BLE001 - NIXL would not take them: the ops path runs (and reports) the call
+            return SHAPE
+        return run(op, lxfer, rxfer, total, nops, local_ids, remote_ids, ev, cv, monotonic() + timeout)
 
     return fast
