@@ -22,6 +22,38 @@ if TYPE_CHECKING:  # annotations only: the endpoint creates its channels
     from ._endpoint import UcxEndpoint
 
 
+#: batches of at most this many ops (checked) are turned into descriptors in plain Python (_few_descs)
+_FEW_OPS = 8
+
+
+def _few_descs(rows: list, local: dict, remote: dict, max_bytes: int, max_descs: int) -> Optional[tuple]:
+    """``(chunks, bytes, ops, local ids, remote ids)`` of a few checked op rows, merged as
+    :func:`~llmdd.lowlevel.coalesce_ops` merges them (zero-length ops dropped; ordered by remote
+    region, remote offset, local region, local offset; ops continuing each other on both sides made
+    one), as one chunk of ``(addr, len, dev)`` descriptor lists; None when they need more than one
+    chunk (the numpy path cuts them)."""
+    rows = sorted((r for r in rows if r[4] > 0), key=lambda r: (r[2], r[3], r[0], r[1]))
+    merged: list[list[int]] = []
+    for lr, lo, rr, ro, ln in rows:
+        if merged:
+            m = merged[-1]
+            if m[0] == lr and m[2] == rr and m[1] + m[4] == lo and m[3] + m[4] == ro:
+                m[4] += ln
+                continue
+        merged.append([lr, lo, rr, ro, ln])
+    total = sum(m[4] for m in merged)
+    if total > max_bytes or len(merged) > max_descs:
+        return None
+    ldesc = []
+    rdesc = []
+    for lr, lo, rr, ro, ln in merged:
+        r = remote[rr]
+        ldesc.append((local[lr].region.addr + lo, ln, 0))
+        rdesc.append((r.addr + ro, ln, r.dev))
+    return ([(ldesc, rdesc)], total, len(merged), frozenset(m[0] for m in merged),
+            frozenset(m[2] for m in merged))
+
+
 class _Remote:
     __slots__ = ("size", "addr", "dev", "gen", "accessible")
 
@@ -171,6 +203,19 @@ class UcxChannel(Channel):
                 return DoneCompletion(self._gone)
             if time.monotonic() >= deadline:
                 return DoneCompletion(TransportTimeout("deadline passed before the batch started"))
+            max_bytes, max_descs = int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS])
+            few = (_few_descs(arr.tolist(), ep._regs.entries, self._remote, max_bytes, max_descs)
+                   if len(arr) <= _FEW_OPS else None)
+            if few is not None:
+                chunks, total, nops, local_ids, remote_ids = few
+                if not nops:
+                    return DoneCompletion(None)
+                batch = _Xfer(self, op, chunks, deadline, total, nops, local_ids, remote_ids)
+                self._batches.add(batch)
+                ep._regs.track(batch)
+                self._stats["requests"] += 1
+                batch.start()   # as below: posted under the locks
+                return batch
             arr = coalesce_ops(arr)
             if not len(arr):
                 return DoneCompletion(None)
@@ -186,7 +231,7 @@ class UcxChannel(Channel):
             rdesc[:, 1] = arr["length"]
             rdesc[:, 2] = self._devs[rpos]
             total = int(arr["length"].sum(dtype=np.uint64))
-            chunks = _chunk(ldesc, rdesc, int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS]))
+            chunks = _chunk(ldesc, rdesc, max_bytes, max_descs)
             batch = _Xfer(self, op, chunks, deadline, total, len(arr),
                           frozenset(np.unique(arr["local_region"]).tolist()),
                           frozenset(np.unique(arr["remote_region"]).tolist()))
