@@ -5,8 +5,9 @@ between this process and a spawned owner process (``_llmdd_ucx_owner``).
   merged into one descriptor, and counts them (``quick_batches``, bytes, ops, requests);
 * every case it does not do returns a negative number with no byte moved (the engine then takes the
   ops path): a table changed since the plan on either side, a block out of range, not an exact int,
-  a destination twice; there is no plan for a region the tables do not hold or that is not
-  remote-accessible;
+  a destination twice, the owner's endpoint closed; there is no plan for a region the tables do not
+  hold or that is not remote-accessible; calls from several threads while the local table changes
+  each move their block or decline;
 * a request it posted that fails raises the transport error: the owner killed (PeerGone), the
   deadline passed while the owner cannot serve (TransportTimeout, after the drain), the local region
   deregistered while the request is in flight (Cancelled, deregistration returning after the drain).
@@ -240,6 +241,77 @@ def test_a_closed_channel_declines(pair):
     p.ch.close()
     assert fast([1], [2]) == STALE
     assert p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0) is None
+
+
+def test_an_owner_that_closed_its_endpoint_makes_the_plan_decline(pair):
+    """The owner's close sends BYE and returns once this side acknowledged it (the channel marked
+    gone first): the plan declines, no new plan is made, the ops path reports the peer gone."""
+    p = pair()
+    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    assert fast([1], [2]) == BS * len(PAIRS)
+    before, stats = {rid: p.local(rid) for rid in (1, 2)}, p.ch.statistics()
+    p.conn.send(("close",))
+    assert p.conn.poll(30) and p.conn.recv()
+    assert p.ch.statistics()["gone"]
+    assert fast([3], [4]) == STALE
+    _unchanged(p, before, stats)
+    assert p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0) is None
+    c = p.ch.read(make_ops(1, 0, 10, 0, BS), deadline=time.monotonic() + 10)
+    assert c.wait(10) and isinstance(c.error, PeerGone), c.error
+
+
+def test_calls_from_several_threads_while_the_local_table_changes(pair):
+    """Four threads call one plan back to back while a fifth registers and deregisters an unrelated
+    local region: every call moves its block or declines (STALE) with nothing moved, and every
+    block a call reported moved holds its source."""
+    p = pair()
+    remote = p.remote(10)
+    spare = np.zeros(BS, np.uint8)
+    stop = threading.Event()
+    outcomes: dict = {}
+    errors: list = []
+    counts = {"changes": 0, "stale": 0}
+
+    def churn() -> None:
+        while not stop.is_set():
+            p.ep.register(MemRegion(region_id=7, addr=spare.ctypes.data, size=BS, remote_accessible=False,
+                                    placement=0))
+            p.ep.deregister(7)
+            counts["changes"] += 2
+
+    def worker(k: int) -> None:
+        fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
+        dsts = range(k * 16, k * 16 + 16)   # each thread its own destination blocks
+        try:
+            for i in range(200):
+                d = dsts[i % 16]
+                s = (7 * i + k) % UNITS
+                got = fast([s], [d])
+                if got == STALE:
+                    counts["stale"] += 1
+                    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
+                    continue
+                assert got == BS, got
+                outcomes[d] = s   # the last source this destination received
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    c = threading.Thread(target=churn, daemon=True)
+    workers = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(4)]
+    c.start()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    stop.set()
+    c.join(30)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in workers) and not c.is_alive()
+    assert counts["changes"] > 0, counts
+    assert len(outcomes) == 64
+    now = p.local(1)
+    for d, s in outcomes.items():
+        assert np.array_equal(_blocks(now, [d]), _blocks(remote, [s]))
 
 
 # ------------------------------------------------------------------------------ failures
