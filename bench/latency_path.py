@@ -3,9 +3,11 @@
 One 64 KiB block of one tensor (``pull_blocks``, p50 / p99 over ``--n`` calls) per transport, the raw
 Python TCP request/reply and single-block ``process_vm_readv`` anchors, and optionally (``--bulk``)
 ``pull_blocks`` of 64 tensors x N blocks x 64 KiB over tcp against a raw two-stream Python socket.
+With ``--push``, also one 64 KiB block of one tensor per ``push_blocks`` call (p50 / p99 over ``--n``
+calls, the same random block draws for every transport, the last push checked on the prompt's side).
 Uses the workers of ``llmdd bench`` (:mod:`llmdd._tools.bench`), so the figures are measured the same way.
 
-    .venv/bin/python bench/latency_path.py --transport shm --transport tcp [--bulk] [--profile]
+    .venv/bin/python bench/latency_path.py --transport shm --transport tcp [--push] [--bulk] [--profile]
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import multiprocessing as mp
 import sys
 
 from llmdd._tools.bench.common import KiB, MiB, load_average
-from llmdd._tools.bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_ANCHOR, SALT_PROMPT, block_tables, close_all, \
-    start_peers
+from llmdd._tools.bench.runner import DECODER, NUM_TENSORS, PROMPT, SALT_ANCHOR, SALT_DECODER, SALT_PROMPT, \
+    block_tables, close_all, start_peers
 
 BB = 64 * KiB
 
@@ -30,6 +32,7 @@ def main() -> int:
     ap.add_argument("--kv-mib", type=int, default=256, help="bytes per side of the 64 KiB layout (MiB)")
     ap.add_argument("--bulk", action="store_true", help="also pull_blocks of the whole layout over tcp + anchors")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--push", action="store_true", help="also push_blocks of one 64 KiB block per call")
     ap.add_argument("--profile", action="store_true", help="print the cProfile of the one-block pulls")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -89,6 +92,16 @@ def main() -> int:
                   f"[{r['p50'] / rr:.2f}x tcp req/reply] verified={r['verified']}", flush=True)
             if prof:
                 print(prof)
+            if a.push:
+                dec.call("fill", salt=SALT_DECODER)
+                r = dec.call("small_latency", op="push", remote=PROMPT, model_id=10, remote_model_id=10,
+                             num_blocks=nb, blocks=1, tensors=1, n=a.n, warmup=a.warmup)
+                last = r.pop("last")
+                r.update(prompt.call("check_blocks", num_tensors=1, tensor_bytes=nb * BB, block_bytes=BB,
+                                     dst_blocks=last["dst"], src_blocks=last["src"], salt=SALT_DECODER))
+                res["push_latency_64k"] = r
+                print(f"{t}: push one 64 KiB block p50 {r['p50']:.1f} us p99 {r['p99']:.1f} us "
+                      f"verified={r['verified']}", flush=True)
             if a.bulk and t in ("tcp",):
                 src, dst = block_tables(nb, 0)
                 dec.call("zero")

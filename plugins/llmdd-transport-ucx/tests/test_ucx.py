@@ -99,6 +99,39 @@ def test_chunking_bounds_bytes_and_descriptors():
     assert np.array_equal(np.concatenate([c[1][:, 0] for c in chunks]) - starts, np.full(len(starts), 1000))
 
 
+def test_a_few_ops_become_the_descriptors_of_their_coalesced_batch():
+    """The plain-Python path of a batch of a few ops (``_few_descs``) merges and orders them as
+    ``coalesce_ops`` does (seeded random batches with runs continuing on both sides, zero lengths)."""
+    from types import SimpleNamespace
+
+    from llmdd.lowlevel import coalesce_ops
+    from llmdd_ucx._channel import _few_descs
+
+    local = {rid: SimpleNamespace(region=SimpleNamespace(addr=addr)) for rid, addr in ((1, 1 << 20), (2, 5 << 20))}
+    remote = {10: SimpleNamespace(addr=9 << 30, dev=0), 11: SimpleNamespace(addr=3 << 30, dev=7)}
+    rng = np.random.default_rng(17)
+    merged_some = False
+    for _ in range(300):
+        n = int(rng.integers(1, 9))
+        blocks = rng.integers(0, 6, n)
+        ops = make_ops(rng.choice([1, 2], n), blocks * 4096, rng.choice([10, 11], n), blocks * 4096,
+                       rng.choice([0, 4096, 4096, 4096], n))
+        want = coalesce_ops(ops)
+        merged_some |= 0 < len(want) < int((ops["length"] > 0).sum())
+        chunks, total, nops, lids, rids = _few_descs(ops.tolist(), local, remote, 1 << 30, 1 << 16)
+        (ld, rd), = chunks
+        assert nops == len(want) == len(ld) and total == int(want["length"].sum())
+        assert ld == [(local[int(o["local_region"])].region.addr + int(o["local_offset"]), int(o["length"]), 0)
+                      for o in want]
+        assert rd == [(remote[int(o["remote_region"])].addr + int(o["remote_offset"]), int(o["length"]),
+                       remote[int(o["remote_region"])].dev) for o in want]
+        assert lids == set(want["local_region"].tolist()) and rids == set(want["remote_region"].tolist())
+    assert merged_some
+    ops = make_ops(1, [0, 4096], 10, [0, 4096], 4096)
+    assert _few_descs(ops.tolist(), local, remote, 4096, 16) is None      # more than one chunk's bytes
+    assert _few_descs(make_ops(1, [0, 8192], 10, [0, 0], 1).tolist(), local, remote, 1 << 20, 1) is None
+
+
 # ------------------------------------------------------------------------------ process exit
 
 

@@ -12,7 +12,7 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from llmdd.lowlevel import BatchSet, Cancelled, DoneCompletion, PeerGone, RegionTable, Refused, TransportError
 from llmdd.lowlevel import TransportTimeout, check_ops, coalesce_ops, submitted
 
-from . import _proto
+from . import _proto, _quick
 from ._fields import region_fields
 from ._nixl import _nixl_error
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS, OPT_CONTROL_TIMEOUT
@@ -20,6 +20,38 @@ from ._xfer import _Xfer, _chunk
 
 if TYPE_CHECKING:  # annotations only: the endpoint creates its channels
     from ._endpoint import UcxEndpoint
+
+
+#: batches of at most this many ops (checked) are turned into descriptors in plain Python (_few_descs)
+_FEW_OPS = 8
+
+
+def _few_descs(rows: list, local: dict, remote: dict, max_bytes: int, max_descs: int) -> Optional[tuple]:
+    """``(chunks, bytes, ops, local ids, remote ids)`` of a few checked op rows, merged as
+    :func:`~llmdd.lowlevel.coalesce_ops` merges them (zero-length ops dropped; ordered by remote
+    region, remote offset, local region, local offset; ops continuing each other on both sides made
+    one), as one chunk of ``(addr, len, dev)`` descriptor lists; None when they need more than one
+    chunk (the numpy path cuts them)."""
+    rows = sorted((r for r in rows if r[4] > 0), key=lambda r: (r[2], r[3], r[0], r[1]))
+    merged: list[list[int]] = []
+    for lr, lo, rr, ro, ln in rows:
+        if merged:
+            m = merged[-1]
+            if m[0] == lr and m[2] == rr and m[1] + m[4] == lo and m[3] + m[4] == ro:
+                m[4] += ln
+                continue
+        merged.append([lr, lo, rr, ro, ln])
+    total = sum(m[4] for m in merged)
+    if total > max_bytes or len(merged) > max_descs:
+        return None
+    ldesc = []
+    rdesc = []
+    for lr, lo, rr, ro, ln in merged:
+        r = remote[rr]
+        ldesc.append((local[lr].region.addr + lo, ln, 0))
+        rdesc.append((r.addr + ro, ln, r.dev))
+    return ([(ldesc, rdesc)], total, len(merged), frozenset(m[0] for m in merged),
+            frozenset(m[2] for m in merged))
 
 
 class _Remote:
@@ -43,9 +75,13 @@ class UcxChannel(Channel):
         self._devs = np.empty(0, np.uint64)
         self._gone: Optional[TransportError] = None
         self._batches: BatchSet[_Xfer] = BatchSet(threading.Condition(self._lock))
-        # int counters, and last_error (str or None)
+        #: bumped (under the lock) on every change of the remote table, when the peer is gone and at
+        #: close: a one-call plan (llmdd_ucx._quick) made on an older version declines
+        self._qver = 0
+        # int counters, and last_error (str or None); quick_batches: batches of the one-call path
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
-                                       "batches": 0, "requests": 0, "failed": 0, "refused": 0, "last_error": None}
+                                       "batches": 0, "quick_batches": 0, "requests": 0, "failed": 0,
+                                       "refused": 0, "last_error": None}
 
     # ------------------------------------------------------------------ public API
 
@@ -77,11 +113,19 @@ class UcxChannel(Channel):
         return submitted(self._submit, "WRITE", ops, deadline)
 
     def close(self) -> None:
+        with self._lock:
+            self._qver += 1   # one-call plans decline from now on (the batch set refuses them too)
         if not self._batches.close(Cancelled("channel closed")):   # fail the batches in flight, drain them
             return
         if self._gone is None and self._ep._agent is not None:
             self._ep._request(self._peer_name, _proto.GOODBYE, b"", float(self._ep._cfg[OPT_CONTROL_TIMEOUT]))
         self._ep._forget_channel(self)
+
+    def quick_plan(self, pairs: Any, block_bytes: int, src_units: int, dst_units: int, push: bool, *,
+                   timeout_s: float) -> Any:
+        """The one-call path of one small-transfer shape (:func:`llmdd_ucx._quick.quick_plan`), or None;
+        each call has ``timeout_s`` to finish (the engine's sync_kv_timeout)."""
+        return _quick.quick_plan(self, pairs, block_bytes, src_units, dst_units, push, timeout_s)
 
     def statistics(self) -> dict:
         with self._lock:
@@ -91,6 +135,7 @@ class UcxChannel(Channel):
     # ------------------------------------------------------------------ internals
 
     def _rebuild(self) -> None:
+        self._qver += 1
         ids = sorted(i for i, r in self._remote.items() if r.accessible)
         self._table = RegionTable({i: self._remote[i].size for i in ids},
                                   private=[i for i, r in self._remote.items() if not r.accessible])
@@ -119,6 +164,7 @@ class UcxChannel(Channel):
         with self._lock:
             if self._gone is None:
                 self._gone = err
+                self._qver += 1
             active = list(self._batches)
         for b in active:
             b.fail(err)
@@ -127,11 +173,17 @@ class UcxChannel(Channel):
         self._ep._regs.untrack(batch)   # not under the channel's lock: _submit takes the endpoint's first
         with self._lock:
             self._batches.discard_locked(batch)
-            self._stats["batches"] += 1
+            stats = self._stats
+            stats["batches"] += 1
+            if batch.quick:
+                stats["quick_batches"] += 1
             if err is None:
-                key = "read" if batch._op == "READ" else "written"
-                self._stats[f"bytes_{key}"] += batch.nbytes
-                self._stats[f"ops_{key}"] += batch.nops
+                if batch._op == "READ":
+                    stats["bytes_read"] += batch.nbytes
+                    stats["ops_read"] += batch.nops
+                else:
+                    stats["bytes_written"] += batch.nbytes
+                    stats["ops_written"] += batch.nops
             else:
                 self._stats["failed"] += 1
                 self._stats["last_error"] = str(err)
@@ -151,6 +203,19 @@ class UcxChannel(Channel):
                 return DoneCompletion(self._gone)
             if time.monotonic() >= deadline:
                 return DoneCompletion(TransportTimeout("deadline passed before the batch started"))
+            max_bytes, max_descs = int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS])
+            few = (_few_descs(arr.tolist(), ep._regs.entries, self._remote, max_bytes, max_descs)
+                   if len(arr) <= _FEW_OPS else None)
+            if few is not None:
+                chunks, total, nops, local_ids, remote_ids = few
+                if not nops:
+                    return DoneCompletion(None)
+                batch = _Xfer(self, op, chunks, deadline, total, nops, local_ids, remote_ids)
+                self._batches.add(batch)
+                ep._regs.track(batch)
+                self._stats["requests"] += 1
+                batch.start()   # as below: posted under the locks
+                return batch
             arr = coalesce_ops(arr)
             if not len(arr):
                 return DoneCompletion(None)
@@ -166,7 +231,7 @@ class UcxChannel(Channel):
             rdesc[:, 1] = arr["length"]
             rdesc[:, 2] = self._devs[rpos]
             total = int(arr["length"].sum(dtype=np.uint64))
-            chunks = _chunk(ldesc, rdesc, int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS]))
+            chunks = _chunk(ldesc, rdesc, max_bytes, max_descs)
             batch = _Xfer(self, op, chunks, deadline, total, len(arr),
                           frozenset(np.unique(arr["local_region"]).tolist()),
                           frozenset(np.unique(arr["remote_region"]).tolist()))
@@ -176,3 +241,29 @@ class UcxChannel(Channel):
             # posted under the locks: a DRAIN/deregistration either sees this batch or refuses it
             batch.start()
         return batch
+
+    def _quick_run(self, op: str, ldesc: Any, rdesc: Any, nbytes: int, nops: int, local_ids: frozenset,
+                   remote_ids: frozenset, ev: int, cv: int, deadline: float) -> int:
+        """Post one batch of one request (two NIXL transfer descriptor lists of ``nops`` entries) made by a one-call
+        plan of table versions ``ev`` / ``cv`` and wait for it in this thread: ``nbytes``, or
+        :data:`~llmdd_ucx._quick.STALE` (nothing done) when a table changed, the channel, the endpoint
+        or the peer went since; raises the batch's error when it failed (deadline, peer gone, a
+        deregistration or DRAIN that failed it)."""
+        ep = self._ep
+        with ep._lock, self._lock:
+            # the versions are read under the locks their bumps take: a deregistration, DRAIN, BYE or
+            # close either came first (the plan declines) or finds this batch tracked (and fails it)
+            if (ep._qver != ev or self._qver != cv or ep._closed or self._batches.closed
+                    or self._gone is not None):
+                return _quick.STALE
+            batch = _Xfer(self, op, [(ldesc, rdesc)], deadline, nbytes, nops, local_ids, remote_ids, quick=True)
+            self._batches.add(batch)
+            ep._regs.track(batch)   # the endpoint's deregistration / close fails it
+            self._stats["requests"] += 1
+            batch.start()   # posted under the locks, as _submit does (one chunk: no driver thread)
+        if not batch._finished:
+            batch.wait()    # polls in this thread until done, failed by another, or the deadline
+        err = batch._error
+        if err is not None:
+            raise err
+        return nbytes

@@ -23,6 +23,7 @@ from ._channel import UcxChannel
 from ._fields import VERSION, EndpointFields, RegionFields, endpoint_fields
 from ._nixl import _nixl_error
 from ._options import OPT_CONTROL_TIMEOUT, OPT_DEVICES, OPT_NOTIF_IDLE_MS, OPT_PROGRESS_THREAD, _ucx_env
+from ._xfer import xfer_settings
 
 _log = get_logger("llmdd.transport.ucx")
 
@@ -60,6 +61,10 @@ class UcxEndpoint(Endpoint):
     def __init__(self, *, host: str, cfg: Mapping[str, Any]) -> None:
         api = _nixl.load()
         self._cfg = dict(cfg)
+        self._xfer_cfg = xfer_settings(self._cfg)   # what each batch needs of the options, read once
+        #: bumped (under the lock) on every change of the local region table and at close: a one-call
+        #: plan (llmdd_ucx._quick) made on an older version declines
+        self._qver = 0
         self._host = host
         self._name = f"llmdd-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         init = {}
@@ -187,6 +192,7 @@ class UcxEndpoint(Endpoint):
             if self._closed:
                 return
             self._closed = True
+            self._qver += 1
             channels = list(self._channels)
         _open_endpoints.discard(self)
         for ch in channels:
@@ -218,6 +224,7 @@ class UcxEndpoint(Endpoint):
     # ------------------------------------------------------------------ internals
 
     def _rebuild(self, regs: RegionRegistry) -> None:
+        self._qver += 1   # (the registry's lock is this endpoint's)
         self._stats["regions"] = len(regs)
         self._stats["registered_bytes"] = sum(e.region.size for e in regs.entries.values())
 

@@ -24,9 +24,10 @@ class _Xfer(Completion):
     """One batch: a list of NIXL requests (chunks), at most ``window`` in flight."""
 
     def __init__(self, ch: "UcxChannel", op: str, chunks: list, deadline: float, nbytes: int, nops: int,
-                 local_ids: frozenset, remote_ids: frozenset) -> None:
+                 local_ids: frozenset, remote_ids: frozenset, *, quick: bool = False) -> None:
         self._ch = ch
-        self._agent = ch._ep._agent
+        ep = ch._ep
+        self._agent = ep._agent
         self._op = op
         self._chunks = chunks
         self._next = 0
@@ -36,11 +37,13 @@ class _Xfer(Completion):
         self.nops = nops
         self.local_ids = local_ids
         self.remote_ids = remote_ids
-        self._window = max(1, int(ch._ep._cfg[OPT_INFLIGHT]))
-        self._spin = float(ch._ep._cfg[OPT_SPIN_US]) * 1e-6
-        self._drain_timeout = float(ch._ep._cfg[OPT_DRAIN_TIMEOUT])
+        self.quick = quick   # posted by the one-call path (llmdd_ucx._quick): counted as quick_batches
+        self._window, self._spin, self._drain_timeout = ep._xfer_cfg
         self._lock = threading.RLock()
-        self._done = threading.Event()
+        self._finished = False   # set once, by _finish
+        # what a driver thread's waiters sleep on; made only when a driver starts (a batch of one
+        # chunk, the one-call path's, is finished by the thread that waits for it: no event to make)
+        self._wake: Optional[threading.Event] = None
         self._error: Optional[TransportError] = None
         self._driver: Optional[threading.Thread] = None
 
@@ -49,29 +52,30 @@ class _Xfer(Completion):
     def start(self) -> None:
         with self._lock:
             self._step()
-        if not self._done.is_set() and self._next < len(self._chunks):
+        if not self._finished and self._next < len(self._chunks):
+            self._wake = threading.Event()
             self._driver = threading.Thread(target=self._drive, name="llmdd-ucx-xfer", daemon=True)
             self._driver.start()
 
     def _drive(self) -> None:
         backoff = _Backoff(self._spin)
-        while not self._done.is_set():
+        while not self._finished:
             if self.poll():
                 return
             backoff.pause(self._deadline)
 
     def poll(self) -> bool:
         """One non-blocking step; True once the batch is finished."""
-        if self._done.is_set():
+        if self._finished:
             return True
         if not self._lock.acquire(blocking=False):
-            return self._done.is_set()
+            return self._finished
         try:
-            if not self._done.is_set():
+            if not self._finished:
                 self._step()
         finally:
             self._lock.release()
-        return self._done.is_set()
+        return self._finished
 
     def _step(self) -> None:
         """Check posted requests, post more; fail on error or deadline (lock held)."""
@@ -158,20 +162,22 @@ class _Xfer(Completion):
         self._finish(err)
 
     def _finish(self, err: Optional[TransportError]) -> None:
-        if self._done.is_set():
+        if self._finished:
             return
         self._error = err
         self._ch._batch_done(self, err)
-        self._done.set()
+        self._finished = True
+        if self._wake is not None:
+            self._wake.set()
 
     # ---------------------------------------------------------------- Completion API
 
     def fail(self, err: TransportError) -> None:
         """Fail (unless done) and drain; returns when no byte of the batch lands any more."""
-        if self._done.is_set():
+        if self._finished:
             return
         with self._lock:
-            if not self._done.is_set():
+            if not self._finished:
                 self._fail_locked(err)
         if self._driver is not None and self._driver is not threading.current_thread():
             self._driver.join()
@@ -179,7 +185,7 @@ class _Xfer(Completion):
     def done(self) -> bool:
         if self._driver is None:
             return self.poll()
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout: Union[float, None] = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
@@ -188,7 +194,7 @@ class _Xfer(Completion):
             if self._driver is None:
                 if self.poll():
                     return True
-            elif self._done.is_set():
+            elif self._finished:
                 return True
             now = time.monotonic()
             if now >= self._deadline:
@@ -196,14 +202,15 @@ class _Xfer(Completion):
                 return True
             if end is not None and now >= end:
                 return False
-            if self._driver is not None:
-                self._done.wait(min(x for x in (end, self._deadline, now + 0.05) if x is not None) - now)
+            wake = self._wake   # made before the driver
+            if self._driver is not None and wake is not None:
+                wake.wait(min(x for x in (end, self._deadline, now + 0.05) if x is not None) - now)
             else:
                 backoff.pause(min(self._deadline, end) if end is not None else self._deadline)
 
     @property
     def error(self) -> Union[TransportError, None]:
-        return self._error if self._done.is_set() else None
+        return self._error if self._finished else None
 
     def cancel(self) -> None:
         self.fail(Cancelled("batch cancelled"))
@@ -213,7 +220,12 @@ class _Xfer(Completion):
         return region_id in self.local_ids
 
     def __repr__(self) -> str:
-        return f"<ucx batch {self._op} {self.nbytes} B {'done' if self._done.is_set() else 'running'}>"
+        return f"<ucx batch {self._op} {self.nbytes} B {'done' if self._finished else 'running'}>"
+
+
+def xfer_settings(cfg: dict) -> tuple[int, float, float]:
+    """(window, spin budget in seconds, drain timeout in seconds) of the batches of an endpoint with options ``cfg``."""
+    return max(1, int(cfg[OPT_INFLIGHT])), float(cfg[OPT_SPIN_US]) * 1e-6, float(cfg[OPT_DRAIN_TIMEOUT])
 
 
 class _Backoff:

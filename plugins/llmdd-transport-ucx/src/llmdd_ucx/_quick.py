@@ -1,0 +1,120 @@
+"""The ucx channel's one-call small transfers (issue 21): a planned ``pull_blocks`` / ``push_blocks``
+shape as one NIXL request, in the calling thread, in plain Python.
+
+The engine plans a call shape once (which local and remote region each tensor pair uses, the block
+size, the two caches' block counts, the direction; ``llmdd._data.quick``) and asks the channel for a
+quick plan: :func:`quick_plan` resolves each pair against the endpoint's and the channel's tables of
+now (local base, remote base, remote device), notes both tables' versions and returns ``fast``.  A
+call of ``fast(src_blocks, dst_blocks)`` checks the blocks (exact ints in range, no destination
+twice), merges runs of consecutive blocks as ``QuickPlan.ops`` does, builds the two descriptor lists
+and hands them to :meth:`UcxChannel._quick_run`, which posts them as one ``_Xfer`` batch of one
+chunk, registered where every other batch is (the channel's batch set, the endpoint's registry), so
+that a deregistration, a DRAIN, a peer's BYE or a close either sees it in flight (fails and drains
+it) or makes it decline.  ``fast`` returns the bytes moved, a negative number when it did nothing
+(the engine's ops path then runs the call), or raises the transport error of the request it posted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from . import _nixl
+from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS
+
+if TYPE_CHECKING:  # annotations only: the channel calls this module
+    from ._channel import UcxChannel
+
+__all__ = ["quick_plan", "STALE", "SHAPE", "LARGE", "MAX_BLOCKS"]
+
+#: what ``fast`` returns when it did nothing: a table changed since the plan (or the channel, the
+#: endpoint or the peer went), blocks it does not take (not exact ints in range, a destination
+#: twice, more than :data:`MAX_BLOCKS`, descriptors NIXL does not build), more bytes or descriptors
+#: than one chunk holds
+STALE, SHAPE, LARGE = -1, -2, -3
+#: the most blocks one call takes (the engine's small-transfer path plans at most 16 in Python)
+MAX_BLOCKS = 16
+
+
+def quick_plan(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+               dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
+    """``fast(src_blocks, dst_blocks)`` for this shape on channel ``ch``, or None when the channel
+    cannot take it (closed, peer gone, a local region not registered, a remote region not announced
+    or not remote-accessible, a cache larger than its region)."""
+    bs, su, du = int(block_bytes), int(src_units), int(dst_units)
+    if bs <= 0 or su <= 0 or du <= 0 or not pairs:
+        return None
+    ep = ch._ep
+    agent = ep._agent
+    if agent is None:
+        return None
+    make_dlist = _nixl.load().nixlBind.nixlXferDList   # what agent.get_xfer_descs builds from tuples
+    dram = agent.nixl_mems["DRAM"]
+    lunits, runits = (su, du) if push else (du, su)
+    rows = []
+    with ep._lock, ch._lock:   # both tables and their versions together
+        if ep._closed or ch._batches.closed or ch._gone is not None:
+            return None
+        ev, cv = ep._qver, ch._qver
+        for lid, rid in pairs:
+            reg = ep._regs.get(int(lid))
+            rem = ch._remote.get(int(rid))
+            if (reg is None or reg.dlist is None or rem is None or not rem.accessible
+                    or lunits * bs > int(reg.region.size) or runits * bs > rem.size):
+                return None
+            rows.append((int(reg.region.addr), int(rem.addr), int(rem.dev)))
+    local_ids = frozenset(int(lid) for lid, _ in pairs)
+    remote_ids = frozenset(int(rid) for _, rid in pairs)
+    max_bytes, max_descs = int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS])
+    op = "WRITE" if push else "READ"
+    timeout = float(timeout_s)
+    run = ch._quick_run
+    monotonic = time.monotonic
+
+    def fast(src_blocks: Any, dst_blocks: Any) -> int:
+        if ep._qver != ev or ch._qver != cv:
+            return STALE
+        n = len(dst_blocks)
+        if not 0 < n <= MAX_BLOCKS or len(src_blocks) != n:
+            return SHAPE
+        for b in src_blocks:
+            if type(b) is not int or not 0 <= b < su:
+                return SHAPE
+        for b in dst_blocks:
+            if type(b) is not int or not 0 <= b < du:
+                return SHAPE
+        if n == 1:
+            runs: Any = ((src_blocks[0], dst_blocks[0], 1),)
+        else:
+            if len(set(dst_blocks)) != n:   # the ops path decides which pair wins
+                return SHAPE
+            runs = []
+            ps = pd = -2
+            for a, b in zip(src_blocks, dst_blocks):
+                if a == ps + 1 and b == pd + 1:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([a, b, 1])
+                ps, pd = a, b
+        ldesc = []
+        rdesc = []
+        for lbase, rbase, dev in rows:
+            for s0, d0, c in runs:
+                length = c * bs
+                if push:   # local = source
+                    ldesc.append((lbase + s0 * bs, length, 0))
+                    rdesc.append((rbase + d0 * bs, length, dev))
+                else:
+                    ldesc.append((lbase + d0 * bs, length, 0))
+                    rdesc.append((rbase + s0 * bs, length, dev))
+        total = n * bs * len(rows)
+        nops = len(ldesc)
+        if total > max_bytes or nops > max_descs:
+            return LARGE
+        try:
+            lxfer, rxfer = make_dlist(dram, ldesc), make_dlist(dram, rdesc)
+        except Exception:  # noqa: BLE001 - NIXL would not take them: the ops path runs (and reports) the call
+            return SHAPE
+        return run(op, lxfer, rxfer, total, nops, local_ids, remote_ids, ev, cv, monotonic() + timeout)
+
+    return fast
