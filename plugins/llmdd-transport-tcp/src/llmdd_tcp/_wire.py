@@ -21,6 +21,11 @@ _REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, p
 _RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message length
 _M_HELLO, _M_REQ, _M_RSP = b"LDTH", b"LDRQ", b"LDRS"
 READ, WRITE = 1, 2
+#: REQ flags: ``F_PAD``: pad a READ's OK answer header to 16 bytes (``RSP`` with a 4-byte message of zeros),
+#: so that the bytes after it keep the sender's 16-byte alignment (a payload copied from a source 12 bytes
+#: off its alignment costs more than the whole request/reply of a small block on some machines).  An owner
+#: that does not know the flag ignores it: its unpadded answer reads the same (a message of 0 bytes).
+F_PAD = 1
 ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
 WIRE_OP: Any   # packed (region <u4, offset <u8, length <u8), 20 bytes: a numpy dtype, defined at numpy's first use
 
@@ -31,6 +36,7 @@ def _define_dtypes(numpy: Any) -> None:
     WIRE_OP = numpy.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
+_OK_PADDED = _RSP.pack(_M_RSP, ST_OK, 0, 0, 4) + bytes(4)   # the OK answer header of a READ with F_PAD
 
 
 def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
