@@ -426,10 +426,7 @@ class TcpEndpoint(Endpoint):
                 grant = conn.grant
                 if grant is None:   # a stream is served only after its OPEN proved a grant
                     raise Refused("request on a stream that proved no grant")
-                if few:
-                    serve_few(self, sock, kind, flat, total, grant, rflags)
-                else:
-                    self._serve_request(sock, kind, wire, total, grant, rflags)
+                self._serve_request(sock, kind, flat if few else wire, total, grant, rflags)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
                 if not _wait_readable(sock, self._linger):
@@ -449,8 +446,13 @@ class TcpEndpoint(Endpoint):
             return
         self._io.call_soon(conn.watch)
 
-    def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int, grant: _Grant,
-                       flags: int = 0) -> None:
+    def _serve_request(self, sock: socket.socket, kind: int, wire: Union[np.ndarray, tuple], total: int,
+                       grant: _Grant, flags: int = 0) -> None:
+        """Check, then serve, one request's ops: a few (a flat tuple of (region, offset, length) triples) in
+        plain Python (:func:`llmdd_tcp._few.serve_few`, the same decisions), more as numpy rows."""
+        if type(wire) is tuple:
+            serve_few(self, sock, kind, wire, total, grant, flags)
+            return
         token = id(wire)
         with self._lock:
             if not grant.alive:
