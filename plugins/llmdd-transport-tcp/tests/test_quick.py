@@ -218,9 +218,17 @@ def _recv(s: socket.socket, n: int) -> bytes:
     return out
 
 
+F_PAD, F_EAGER = 1, 2
+
+
 def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, payload: bytes) -> tuple:
-    """One raw request; (status or None when the stream ended, message, payload bytes read)."""
-    s.sendall(_REQ.pack(b"LDRQ", kind, flags, 0, len(ops), total) + b"".join(_OP.pack(*op) for op in ops))
+    """One raw request; (status or None when the stream ended, message, payload bytes read, or for a
+    write its last answer header)."""
+    req = _REQ.pack(b"LDRQ", kind, flags, 0, len(ops), total) + b"".join(_OP.pack(*op) for op in ops)
+    if kind == 2 and flags & F_PAD:
+        req += bytes(-len(req) % 16)
+    eager = kind == 2 and flags & F_EAGER
+    s.sendall(req + payload if eager else req)
     head = _recv(s, _RSP.size)
     if len(head) < _RSP.size:
         return (None, "", b"")
@@ -230,6 +238,8 @@ def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, pa
         return (status, msg, b"")
     if kind == 1:
         return (status, msg, _recv(s, total))
+    if eager:
+        return (status, msg, b"")
     s.sendall(payload)
     tail = _recv(s, _RSP.size)
     return (status, msg, tail)
@@ -239,7 +249,7 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
     """Two owners with the same regions and grant, one serving at most 8 ops in plain Python, the other
     every request with numpy: 400 seeded random requests (regions registered, private, unknown and
     outside the grant; offsets and lengths inside, at and past the bounds, and huge; totals right and
-    wrong; reads and writes, with and without F_PAD) get the same answers, bytes and sinks."""
+    wrong; reads and writes, padded or not, writes eager or not) get the same answers, bytes and sinks."""
     t = TcpTransport({})
     few, wide = t.open_endpoint(), t.open_endpoint()
     wide._few_ops = 0
@@ -287,21 +297,24 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
             total = sum(n for _, _, n in ops) % 2**64
             if rng.random() < 0.1:
                 total = (total + int(rng.integers(1, 100))) % 2**64
-            flags = int(rng.integers(0, 2))
+            flags = int(rng.integers(0, 2 if kind == 1 else 4))
             payload = rng.integers(0, 256, total, dtype=np.uint8).tobytes() if total <= 4 * size else b""
             if kind == 2 and not payload and total:
                 total, ops = 0, []   # a write whose payload the test could not send: an empty one instead
             answers = {}
             for ep in (few, wide):
                 answers[ep] = _exchange(stream(ep), kind, flags, ops, total, payload)
-                if answers[ep][0] is None or (answers[ep][0] == 0 and kind == 2 and len(answers[ep][2]) == 0):
+                status, _, tail = answers[ep]
+                if (status is None or (status == 0 and kind == 2 and not flags & F_EAGER and not tail)
+                        or (status != 0 and kind == 2 and flags & F_EAGER)):
                     socks.pop(ep).close()   # the owner ended the stream: a fresh one for the next request
             assert answers[few] == answers[wide], (i, kind, flags, ops, total)
             for rid in (20, 21):
                 assert np.array_equal(sinks[few][rid], sinks[wide][rid]), (i, ops)
-            decisions.add((kind, answers[few][0]))
-        # both kinds were accepted, refused and ended (a wrong total) at least once
-        assert {(1, 0), (1, 1), (2, 0), (2, 1), (1, None)} <= decisions, decisions
+            decisions.add((kind, flags & F_EAGER, answers[few][0]))
+        # both kinds (writes eager or not) were accepted, refused and ended (a wrong total) at least once
+        want = {(1, 0, 0), (1, 0, 1), (2, 0, 0), (2, 0, 1), (2, F_EAGER, 0), (2, F_EAGER, 1), (1, 0, None)}
+        assert want <= decisions, decisions
         assert sinks[few][20].any() and sinks[few][21].any()
         # (refusals are counted before the answer leaves; served requests after it)
         assert few.statistics()["refused"] == wide.statistics()["refused"] > 0

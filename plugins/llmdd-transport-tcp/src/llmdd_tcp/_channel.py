@@ -82,6 +82,7 @@ class TcpChannel(Channel):
         self._private: set[int] = set()   # remote regions not remote-accessible (the quick path plans none)
         self._remote_table = RegionTable()
         self._qver = 0   # the remote table's version: bumped on every change and on close (llmdd_tcp._quick)
+        self._features = 0   # the owner's HELLO features (_wire.FEAT_QUICK: padded and eager writes)
         self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
         # int counters, and last_error (str or None)
@@ -166,7 +167,7 @@ class TcpChannel(Channel):
                 except BaseException:
                     plain.close()
                     raise
-            magic, version, auth, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            magic, version, auth, features, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
             if magic != _M_HELLO or version != VERSION:
                 raise Corrupt(f"peer at {self._addr} does not speak llmdd-tcp v{VERSION}")
             if peer_id != self._peer_id:
@@ -185,6 +186,7 @@ class TcpChannel(Channel):
                               "failed)", status_code=LLMStatusCode.LLM_LINK_FAILED)
             sock.settimeout(None)
             _tune(sock)
+            self._features = features   # the same for every stream of this owner incarnation (its id)
         except BaseException as exc:
             if sock is not None:   # None: the TLS wrap failed and closed its socket
                 _close(sock)

@@ -22,15 +22,16 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from . import _wire
 from ._channel import TcpChannel, _Batch
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields
-from ._few import FEW_OPS, recv_rows, serve_few
+from ._few import FEW_OPS, serve_few
 from ._grants import _Grant, _handle, _mac
 from ._io import _OK_HEAD, _OK_HEAD_PADDED, _move, _Where
 from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT
 from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS
+from ._request import read_request
 from ._server import _ServerConn
 from ._sock import _close, _map_exc, _recv_exact, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
 from ._sock import _waitall
-from ._wire import _M_REQ, _REQ, F_PAD, MAX_OPS_PER_REQUEST, READ, ST_OK, ST_REFUSED, VERSION, WRITE, _send_rsp
+from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, _send_rsp
 
 _log = get_logger("llmdd.transport.tcp")
 
@@ -404,29 +405,14 @@ class TcpEndpoint(Endpoint):
                 # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the header
                 head, conn.head = conn.head, b""
                 try:
-                    hdr = head + _recv_exact(sock, _REQ.size - len(head))
+                    kind, rflags, ops, total = read_request(sock, head, flags, 0 if conn.tls else self._few_ops)
                 except PeerGone:
                     conn.finish(None)
                     return
-                magic, kind, rflags, _, count, total = _REQ.unpack(hdr)
-                if magic != _M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
-                    raise Corrupt(f"bad request header (kind={kind}, count={count})")
-                few = count <= self._few_ops and conn.tls is None   # a few ops: plain Python (llmdd_tcp._few)
-                if few:
-                    flat = recv_rows(sock, count, flags)
-                else:
-                    wire = np.empty(count, dtype=_wire.WIRE_OP)
-                if count and not few:
-                    got, mv = 0, memoryview(wire.view(np.uint8))
-                    while got < len(mv):
-                        r = sock.recv_into(mv[got:], len(mv) - got, flags)
-                        if r == 0:
-                            raise PeerGone("peer closed the stream mid-request")
-                        got += r
                 grant = conn.grant
                 if grant is None:   # a stream is served only after its OPEN proved a grant
                     raise Refused("request on a stream that proved no grant")
-                self._serve_request(sock, kind, flat if few else wire, total, grant, rflags)
+                self._serve_request(sock, kind, ops, total, grant, rflags)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
                 if not _wait_readable(sock, self._linger):
@@ -481,6 +467,8 @@ class TcpEndpoint(Endpoint):
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
                               reason=refused)
             _send_rsp(sock, ST_REFUSED, refused)
+            if kind != READ and flags & F_EAGER:   # its payload is on the stream, unread: the stream ends
+                raise Refused(f"refused an eager write: {refused}")
             return
         try:
             if kind == READ:
@@ -489,7 +477,8 @@ class TcpEndpoint(Endpoint):
                 _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=True, head=head,
                       total=total)
             else:
-                _send_rsp(sock, ST_OK)
+                if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
+                    _send_rsp(sock, ST_OK)
                 try:
                     _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
                 except Exception:

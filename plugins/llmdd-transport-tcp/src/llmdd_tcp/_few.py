@@ -21,7 +21,7 @@ from llmdd.lowlevel import Batch, Corrupt, PeerGone, Refused
 
 from ._grants import _Grant
 from ._io import _advance
-from ._wire import _M_RSP, _OK_PADDED, _RSP, F_PAD, READ, ST_OK, ST_REFUSED, _send_rsp
+from ._wire import _M_RSP, _OK_PADDED, _RSP, F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, _send_rsp
 
 if TYPE_CHECKING:
     from ._endpoint import TcpEndpoint
@@ -54,17 +54,18 @@ def _refusal(served: Any, grant: _Grant, regions: tuple, offsets: tuple, lengths
     return None
 
 
-def recv_rows(sock: socket.socket, count: int, flags: int) -> tuple:
-    """The ``count`` (at most :data:`FEW_OPS`) packed ops of a request, as one flat tuple."""
-    buf = bytearray(20 * count)
-    if count:
+def recv_rows(sock: socket.socket, count: int, flags: int, pad: int = 0) -> tuple:
+    """The ``count`` (at most :data:`FEW_OPS`) packed ops of a request, and ``pad`` bytes after them (read
+    and dropped), as one flat tuple."""
+    buf = bytearray(20 * count + pad)
+    if buf:
         view, got = memoryview(buf), 0
         while got < len(buf):
             r = sock.recv_into(view[got:], len(buf) - got, flags)
             if r == 0:
                 raise PeerGone("peer closed the stream mid-request")
             got += r
-    return _ROWS[count].unpack(buf)
+    return _ROWS[count].unpack_from(buf)
 
 
 def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, total: int, grant: _Grant,
@@ -90,13 +91,16 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
     if refused is not None:
         ep._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write", reason=refused)
         _send_rsp(sock, ST_REFUSED, refused)
+        if kind != READ and flags & F_EAGER:   # its payload is on the stream, unread: the stream ends
+            raise Refused(f"refused an eager write: {refused}")
         return
     try:
         if kind == READ:
             ok = _OK_PADDED if flags & F_PAD else _OK
             _send(sock, [ok, *views], total + len(ok))   # the OK header and the bytes in one sendmsg
         else:
-            _send_rsp(sock, ST_OK)
+            if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
+                _send_rsp(sock, ST_OK)
             try:
                 _recv(sock, views, total)
             except Exception:

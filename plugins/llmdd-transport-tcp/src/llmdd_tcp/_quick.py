@@ -35,7 +35,8 @@ from ._channel import TcpChannel, _Batch   # (the channel imports this module wh
 from ._io import _advance
 from ._options import OPT_INLINE, OPT_SEGMENT
 from ._sock import _close, _map_exc, _StaleStream
-from ._wire import _M_REQ, _M_RSP, _RSP, F_PAD, MAX_MESSAGE, READ, ST_OK, ST_REFUSED, WRITE
+from ._request import request_pad
+from ._wire import _M_REQ, _M_RSP, _RSP, F_EAGER, F_PAD, FEAT_QUICK, MAX_MESSAGE, READ, ST_OK, ST_REFUSED, WRITE
 
 #: the most tensor pairs and blocks of one call the quick path takes (the engine's small path: 16 blocks)
 QUICK_MAX_PAIRS = 8
@@ -43,13 +44,13 @@ QUICK_MAX_BLOCKS = 16
 #: the longest a syscall may start after the deadline was (re)armed: the deadline is armed that much early
 _SLACK_S = 0.002
 
-_REQS: dict[int, struct.Struct] = {}   # REQ header + n WIRE_OP rows, packed as the ops path packs them
+_REQS: dict[int, struct.Struct] = {}   # REQ header + n WIRE_OP rows (+ padding), packed as the ops path packs them
 
 
-def _req(n: int) -> struct.Struct:
-    packer = _REQS.get(n)
+def _req(n: int, pad: int = 0) -> struct.Struct:
+    packer = _REQS.get(n * 16 + pad)
     if packer is None:
-        packer = _REQS[n] = struct.Struct("<4sBBHIQ" + "IQQ" * n)
+        packer = _REQS[n * 16 + pad] = struct.Struct("<4sBBHIQ" + "IQQ" * n + "x" * pad)
     return packer
 
 
@@ -258,16 +259,25 @@ class QuickCall:
         for rr, ro, lr, lo, ln in rows:
             flat += (rr, ro, ln)
             views.append(lviews[lr][lo:lo + ln])
-        req = _req(len(rows)).pack(_M_REQ, self.kind, 0 if self.push else F_PAD, 0, len(rows), total, *flat)
         head = bytearray(_RSP.size)
         reused = sock is not None
         while True:
             if sock is None:
                 sock = ch._open_stream(dl.deadline)
+            # an owner that knows them (its HELLO said so) takes a push as one padded, eager request
+            eager = self.push and ch._features & FEAT_QUICK
+            if eager:
+                flags, pad = F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))
+            else:
+                flags, pad = (0 if self.push else F_PAD), 0
+            req = _req(len(rows), pad).pack(_M_REQ, self.kind, flags, 0, len(rows), total, *flat)
             batch.adopt(sock)
             dl.arm(sock)
             try:
-                sock.sendall(req)
+                if eager:
+                    _send_all(sock, [req, *views], len(req) + total, dl)
+                else:
+                    sock.sendall(req)
                 _recv_exact(sock, head, dl, stale_ok=True)
             except (_StaleStream, ConnectionResetError, BrokenPipeError) as exc:
                 if not reused or batch.aborted:
@@ -282,12 +292,15 @@ class QuickCall:
             break
         status, msg = _answer(sock, head, dl)
         if status == ST_REFUSED:
-            ch._give_back(batch, sock)   # a refusal comes before any payload: the stream is in step
+            if not eager:   # a refusal comes before any payload: the stream is in step (else the owner ends it)
+                ch._give_back(batch, sock)
             raise Refused(f"peer refused the batch: {msg}")
         if status != ST_OK:
             raise Corrupt(f"peer failed the batch: {msg}")
         dl.check(sock)
-        if self.push:
+        if eager:
+            pass   # the one answer came: done
+        elif self.push:
             _send_all(sock, views, total, dl)
             dl.check(sock)
             _recv_exact(sock, head, dl)

@@ -14,7 +14,7 @@ from llmdd.lowlevel import Corrupt, when_numpy_loaded
 from ._sock import _recv_exact
 
 VERSION = 2
-_HELLO = struct.Struct("<4sHBx16s16s")   # magic, version, auth, endpoint id, server nonce
+_HELLO = struct.Struct("<4sHBB16s16s")   # magic, version, auth, features, endpoint id, server nonce
 _OPEN = struct.Struct("<16s16s32s")       # client nonce, grant handle, client mac
 _AUTH_RSP = struct.Struct("<B32s")        # status, server mac
 _REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, payload bytes
@@ -26,6 +26,13 @@ READ, WRITE = 1, 2
 #: off its alignment costs more than the whole request/reply of a small block on some machines).  An owner
 #: that does not know the flag ignores it: its unpadded answer reads the same (a message of 0 bytes).
 F_PAD = 1
+#: REQ flags an owner whose HELLO says :data:`FEAT_QUICK` also knows: ``F_PAD`` on a WRITE: its ops are
+#: followed by zero bytes up to a multiple of 16 (its payload keeps the sender's alignment); ``F_EAGER``
+#: on a WRITE: the payload follows the request at once (no "go"), and the one answer is ``RSP(ok)``, or
+#: ``RSP(refused)`` after which the owner ends the stream (the payload on it is never read).
+F_EAGER = 2
+#: HELLO features (a byte older owners send as 0, older clients ignore): padded and eager writes
+FEAT_QUICK = 1
 ST_OK, ST_REFUSED, ST_ERROR = 0, 1, 2
 WIRE_OP: Any   # packed (region <u4, offset <u8, length <u8), 20 bytes: a numpy dtype, defined at numpy's first use
 
