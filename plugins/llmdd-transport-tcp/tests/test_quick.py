@@ -242,6 +242,8 @@ def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, pa
         return (status, msg, b"")
     s.sendall(payload)
     tail = _recv(s, _RSP.size)
+    if len(tail) == _RSP.size:
+        tail += _recv(s, _RSP.unpack(tail)[4])
     return (status, msg, tail)
 
 

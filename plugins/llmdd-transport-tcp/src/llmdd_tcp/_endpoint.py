@@ -466,7 +466,7 @@ class TcpEndpoint(Endpoint):
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
                               reason=refused)
-            _send_rsp(sock, ST_REFUSED, refused)
+            _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
             if kind != READ and flags & F_EAGER:   # its payload is on the stream, unread: the stream ends
                 raise Refused(f"refused an eager write: {refused}")
             return
@@ -478,13 +478,13 @@ class TcpEndpoint(Endpoint):
                       total=total)
             else:
                 if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
-                    _send_rsp(sock, ST_OK)
+                    _send_rsp(sock, ST_OK, "", flags & F_PAD)
                 try:
                     _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
                 except Exception:
                     self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                     raise
-                _send_rsp(sock, ST_OK)
+                _send_rsp(sock, ST_OK, "", flags & F_PAD)
             with self._lock:
                 self._stats["bytes_served"] += total
                 self._stats["ops_served"] += len(wire)

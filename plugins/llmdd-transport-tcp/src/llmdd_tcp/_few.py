@@ -90,7 +90,7 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
             ep._serving[token] = (sock, ids)
     if refused is not None:
         ep._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write", reason=refused)
-        _send_rsp(sock, ST_REFUSED, refused)
+        _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
         if kind != READ and flags & F_EAGER:   # its payload is on the stream, unread: the stream ends
             raise Refused(f"refused an eager write: {refused}")
         return
@@ -100,13 +100,13 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
             _send(sock, [ok, *views], total + len(ok))   # the OK header and the bytes in one sendmsg
         else:
             if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
-                _send_rsp(sock, ST_OK)
+                _send_rsp(sock, ST_OK, "", flags & F_PAD)
             try:
                 _recv(sock, views, total)
             except Exception:
                 ep._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                 raise
-            _send_rsp(sock, ST_OK)
+            _send_rsp(sock, ST_OK, "", flags & F_PAD)
         with ep._lock:
             ep._stats["bytes_served"] += total
             ep._stats["ops_served"] += len(regions)

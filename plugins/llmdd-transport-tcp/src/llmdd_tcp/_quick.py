@@ -59,15 +59,18 @@ def _timeval(seconds: float) -> bytes:
 
 
 class _Deadline:
-    """The call's deadline on one stream: armed once (``SO_RCVTIMEO`` / ``SO_SNDTIMEO`` = the timeout less
-    the slack); a syscall that starts more than the slack after the last arming re-arms first with
-    what is left (less the slack), so no syscall of the call outlives the deadline."""
+    """The call's deadline on one stream: armed once (``SO_RCVTIMEO``, and ``SO_SNDTIMEO`` when the call
+    sends a payload, = the timeout less the slack; a pull's request of a few hundred bytes goes into an
+    idle stream's empty send buffer and never waits); a syscall that starts more than the slack after
+    the last arming re-arms first with what is left (less the slack), so no syscall of the call outlives
+    the deadline."""
 
-    __slots__ = ("deadline", "slack", "rearm_at", "sock")
+    __slots__ = ("deadline", "slack", "rearm_at", "sock", "send")
 
-    def __init__(self, timeout_s: float, slack: float) -> None:
+    def __init__(self, timeout_s: float, slack: float, send: bool) -> None:
         now = time.monotonic()
         self.deadline = now + timeout_s
+        self.send = send
         self.slack = slack
         self.rearm_at = 0.0
         self.sock: Optional[socket.socket] = None
@@ -80,7 +83,8 @@ class _Deadline:
             raise TransportTimeout("deadline passed")
         tv = _timeval(left)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        if self.send:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.rearm_at = now + self.slack
         self.sock = sock
 
@@ -135,17 +139,21 @@ def _recv_exact(sock: socket.socket, buf: bytearray, dl: _Deadline, *, stale_ok:
 
 
 def _answer(sock: socket.socket, head: bytearray, dl: _Deadline) -> tuple[int, str]:
-    """The status and message of the answer whose header is in ``head`` (the message read here: the
-    padding of a READ's OK answer, or a refusal's reason)."""
-    magic, status, _, _, n = _RSP.unpack(head)
-    if magic != _M_RSP or n > MAX_MESSAGE:
+    """The status and message of the answer whose first bytes are in ``head``: its 12-byte header, or 16
+    bytes of a padded answer (``F_PAD`` to an owner with ``FEAT_QUICK``: at least 4 bytes of message, a
+    multiple of 16 in all).  The rest of the message is read here (a refusal's reason; padding)."""
+    magic, status, _, _, n = _RSP.unpack_from(head)
+    have = len(head) - _RSP.size
+    if magic != _M_RSP or n > MAX_MESSAGE or (have and (n < have or (_RSP.size + n) % 16)):
         raise Corrupt("bad response header from peer")
-    if not n:
-        return status, ""
-    msg = bytearray(n)
+    if n == have:
+        return status, "" if status == ST_OK else bytes(head[_RSP.size:]).rstrip(b"\0").decode(errors="replace")
+    msg = bytearray(n - have)
     dl.check(sock)
     _recv_exact(sock, msg, dl)
-    return status, "" if status == ST_OK else msg.decode(errors="replace")
+    if status == ST_OK:
+        return status, ""
+    return status, (bytes(head[_RSP.size:]) + bytes(msg)).rstrip(b"\0").decode(errors="replace")
 
 
 class QuickCall:
@@ -252,20 +260,22 @@ class QuickCall:
 
     def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> None:
         ch = self.ch
-        dl = _Deadline(self.timeout_s, self.slack)
+        dl = _Deadline(self.timeout_s, self.slack, self.push)
         flat: list = []
         views = []
         lviews = self.views
         for rr, ro, lr, lo, ln in rows:
             flat += (rr, ro, ln)
             views.append(lviews[lr][lo:lo + ln])
-        head = bytearray(_RSP.size)
         reused = sock is not None
         while True:
             if sock is None:
                 sock = ch._open_stream(dl.deadline)
-            # an owner that knows them (its HELLO said so) takes a push as one padded, eager request
-            eager = self.push and ch._features & FEAT_QUICK
+            # an owner that knows them (its HELLO said so) takes a push as one padded, eager request, and
+            # pads its answers to a pull or such a push to 16 bytes (read at once)
+            quick = ch._features & FEAT_QUICK
+            eager = self.push and quick
+            head = bytearray(16 if quick else _RSP.size)
             if eager:
                 flags, pad = F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))
             else:

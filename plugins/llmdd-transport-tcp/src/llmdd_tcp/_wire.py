@@ -26,8 +26,9 @@ READ, WRITE = 1, 2
 #: off its alignment costs more than the whole request/reply of a small block on some machines).  An owner
 #: that does not know the flag ignores it: its unpadded answer reads the same (a message of 0 bytes).
 F_PAD = 1
-#: REQ flags an owner whose HELLO says :data:`FEAT_QUICK` also knows: ``F_PAD`` on a WRITE: its ops are
-#: followed by zero bytes up to a multiple of 16 (its payload keeps the sender's alignment); ``F_EAGER``
+#: REQ flags an owner whose HELLO says :data:`FEAT_QUICK` also knows: ``F_PAD``: every answer to the request
+#: is NUL-padded to a multiple of 16 bytes, at least 16 (a client reads its header at once); on a WRITE
+#: the ops are followed by zero bytes up to a multiple of 16 (its payload keeps the sender's alignment); ``F_EAGER``
 #: on a WRITE: the payload follows the request at once (no "go"), and the one answer is ``RSP(ok)``, or
 #: ``RSP(refused)`` after which the owner ends the stream (the payload on it is never read).
 F_EAGER = 2
@@ -46,8 +47,12 @@ MAX_MESSAGE = 4096
 _OK_PADDED = _RSP.pack(_M_RSP, ST_OK, 0, 0, 4) + bytes(4)   # the OK answer header of a READ with F_PAD
 
 
-def _send_rsp(sock: socket.socket, status: int, message: str = "") -> None:
-    msg = message.encode()[:MAX_MESSAGE]
+def _send_rsp(sock: socket.socket, status: int, message: str = "", pad: int = 0) -> None:
+    """An answer; with ``pad`` (the request's ``F_PAD``) its message is NUL-padded to at least 4 bytes and
+    header and message to a multiple of 16 (a client that knows it reads 16 bytes at once)."""
+    msg = message.encode()[:MAX_MESSAGE - 16]
+    if pad:
+        msg += bytes((4 - len(msg)) % 16)   # 12 + len(msg) a multiple of 16, len(msg) >= 4
     sock.sendall(_RSP.pack(_M_RSP, status, 0, 0, len(msg)) + msg)
 
 
