@@ -436,7 +436,7 @@ class TcpEndpoint(Endpoint):
                        grant: _Grant, flags: int = 0) -> None:
         """Check, then serve, one request's ops: a few (a flat tuple of (region, offset, length) triples) in
         plain Python (:func:`llmdd_tcp._few.serve_few`, the same decisions), more as numpy rows."""
-        if type(wire) is tuple:
+        if isinstance(wire, tuple):
             serve_few(self, sock, kind, wire, total, grant, flags)
             return
         token = id(wire)
