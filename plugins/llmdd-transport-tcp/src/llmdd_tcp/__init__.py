@@ -28,7 +28,7 @@ Wire (little endian, one request at a time per stream):
   owner's features (``FEAT_QUICK``); request flags ``F_PAD`` (a READ's OK header padded to 16 bytes;
   towards a ``FEAT_QUICK`` owner every answer padded to a multiple of 16 and a WRITE's ops followed by
   zeros up to one) and ``F_EAGER`` (towards a ``FEAT_QUICK`` owner: a WRITE's payload follows the
-  request at once; one answer, ``RSP(ok)`` or ``RSP(refused)`` and the end of the stream).  The
+  request at once; one answer, ``RSP(ok)``, or ``RSP(refused)`` and the payload read and dropped).  The
   channel's one-call small-transfer path (:mod:`._quick`) uses them.
 
 TLS: with ``llmdd.tls_*`` options (the engine's, which reach every transport) every data connection

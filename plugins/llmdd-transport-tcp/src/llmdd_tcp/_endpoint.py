@@ -22,10 +22,10 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from . import _wire
 from ._channel import TcpChannel, _Batch
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields
-from ._few import FEW_OPS, serve_few
+from ._few import FEW_OPS, discard_payload, serve_few
 from ._grants import _Grant, _handle, _mac
 from ._io import _OK_HEAD, _OK_HEAD_PADDED, _move, _Where
-from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT
+from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
 from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS
 from ._request import read_request
 from ._server import _ServerConn
@@ -70,6 +70,7 @@ class TcpEndpoint(Endpoint):
         self._closed = False
         self._qver = 0   # the region table's version: bumped on every change and on close (llmdd_tcp._quick)
         self._few_ops = FEW_OPS   # requests of at most this many ops are served without numpy (llmdd_tcp._few)
+        self._eager_max = int(self._cfg[OPT_SEGMENT])   # the most a refused eager write's payload is read to drop
         self._server_conns: dict[socket.socket, _ServerConn] = {}
         self._pending: dict[_ServerConn, None] = {}
         self._pending_by_ip: dict[str, int] = {}
@@ -467,8 +468,8 @@ class TcpEndpoint(Endpoint):
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
                               reason=refused)
             _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
-            if kind != READ and flags & F_EAGER:   # its payload is on the stream, unread: the stream ends
-                raise Refused(f"refused an eager write: {refused}")
+            if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
+                discard_payload(sock, total, self._eager_max, refused)
             return
         try:
             if kind == READ:

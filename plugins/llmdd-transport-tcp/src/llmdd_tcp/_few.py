@@ -91,8 +91,8 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
     if refused is not None:
         ep._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write", reason=refused)
         _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
-        if kind != READ and flags & F_EAGER:   # its payload is on the stream, unread: the stream ends
-            raise Refused(f"refused an eager write: {refused}")
+        if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
+            discard_payload(sock, total, ep._eager_max, refused)
         return
     try:
         if kind == READ:
@@ -116,6 +116,21 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
             ep._serving.pop(token, None)
             grant.busy -= 1
             ep._regs.unpin_locked(served)
+
+
+def discard_payload(sock: socket.socket, total: int, limit: int, reason: str) -> None:
+    """Read and drop the ``total`` payload bytes of a refused eager write (the client may still be sending
+    them: closing now could reset the stream before it read the refusal); more than ``limit`` (a peer's
+    number, bounded before the work): :class:`Refused`, the stream ends."""
+    if total > limit:
+        raise Refused(f"refused an eager write of {total} bytes: {reason}")
+    scratch = memoryview(bytearray(min(total, 1 << 16)))
+    left = total
+    while left:
+        k = sock.recv_into(scratch, min(left, len(scratch)))
+        if k == 0:
+            raise PeerGone("peer closed the stream in the middle of a batch")
+        left -= k
 
 
 def _send(sock: socket.socket, bufs: list, total: int) -> None:

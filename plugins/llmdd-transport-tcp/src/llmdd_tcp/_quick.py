@@ -260,6 +260,9 @@ class QuickCall:
 
     def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> None:
         ch = self.ch
+        reused = sock is not None
+        if sock is not None:
+            batch.adopt(sock)   # from the pool: the batch's from now on (closed if this call fails)
         dl = _Deadline(self.timeout_s, self.slack, self.push)
         flat: list = []
         views = []
@@ -267,10 +270,10 @@ class QuickCall:
         for rr, ro, lr, lo, ln in rows:
             flat += (rr, ro, ln)
             views.append(lviews[lr][lo:lo + ln])
-        reused = sock is not None
         while True:
             if sock is None:
                 sock = ch._open_stream(dl.deadline)
+                batch.adopt(sock)
             # an owner that knows them (its HELLO said so) takes a push as one padded, eager request, and
             # pads its answers to a pull or such a push to 16 bytes (read at once)
             quick = ch._features & FEAT_QUICK
@@ -281,7 +284,6 @@ class QuickCall:
             else:
                 flags, pad = (0 if self.push else F_PAD), 0
             req = _req(len(rows), pad).pack(_M_REQ, self.kind, flags, 0, len(rows), total, *flat)
-            batch.adopt(sock)
             dl.arm(sock)
             try:
                 if eager:
@@ -302,8 +304,8 @@ class QuickCall:
             break
         status, msg = _answer(sock, head, dl)
         if status == ST_REFUSED:
-            if not eager:   # a refusal comes before any payload: the stream is in step (else the owner ends it)
-                ch._give_back(batch, sock)
+            # a refusal comes before any payload, or the owner dropped an eager one: the stream is in step
+            ch._give_back(batch, sock)
             raise Refused(f"peer refused the batch: {msg}")
         if status != ST_OK:
             raise Corrupt(f"peer failed the batch: {msg}")

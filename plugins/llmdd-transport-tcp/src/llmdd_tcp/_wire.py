@@ -30,7 +30,8 @@ F_PAD = 1
 #: is NUL-padded to a multiple of 16 bytes, at least 16 (a client reads its header at once); on a WRITE
 #: the ops are followed by zero bytes up to a multiple of 16 (its payload keeps the sender's alignment); ``F_EAGER``
 #: on a WRITE: the payload follows the request at once (no "go"), and the one answer is ``RSP(ok)``, or
-#: ``RSP(refused)`` after which the owner ends the stream (the payload on it is never read).
+#: ``RSP(refused)``, after which the owner reads and drops the payload (never into a region; more than
+#: ``llmdd.tcp.segment_bytes`` of it: the stream ends instead).
 F_EAGER = 2
 #: HELLO features (a byte older owners send as 0, older clients ignore): padded and eager writes
 FEAT_QUICK = 1
