@@ -94,6 +94,7 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
         if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
             discard_payload(sock, total, ep._eager_max, refused)
         return
+    done = False
     try:
         if kind == READ:
             ok = _OK_PADDED if flags & F_PAD else _OK
@@ -107,12 +108,14 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
                 ep._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                 raise
             _send_rsp(sock, ST_OK, "", flags & F_PAD)
-        with ep._lock:
-            ep._stats["bytes_served"] += total
-            ep._stats["ops_served"] += len(regions)
-            ep._stats["requests"] += 1
+        done = True
     finally:
-        with ep._cond:
+        with ep._lock:   # (the lock of ep._cond, which unpin_locked notifies)
+            if done:
+                stats = ep._stats
+                stats["bytes_served"] += total
+                stats["ops_served"] += len(regions)
+                stats["requests"] += 1
             ep._serving.pop(token, None)
             grant.busy -= 1
             ep._regs.unpin_locked(served)
