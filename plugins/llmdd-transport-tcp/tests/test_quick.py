@@ -13,13 +13,14 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import time
 
 import attrs
 import numpy as np
 import pytest
 
-from llmdd.lowlevel import MemRegion, PeerGone, Refused, TransportTimeout
+from llmdd.lowlevel import Cancelled, MemRegion, PeerGone, Refused, TransportTimeout
 from llmdd_tcp import TcpTransport
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -331,3 +332,42 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
         client.close()
         few.close()
         wide.close()
+
+
+def test_quick_pull_in_flight_is_cancelled_by_deregistration_and_lands_nothing_after(owner, client):
+    """The local region is pinned while a quick call waits for its answer: deregister fails the call
+    (Cancelled) and returns only after it ended; bytes the peer sends afterwards land nowhere."""
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=30)
+    local[1][:] = 0x5A
+    box: dict = {}
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        with ch._lock:
+            stale, ch._idle = ch._idle, [socket.create_connection(silent.getsockname())]
+        for s in stale:
+            s.close()
+        conn, _ = silent.accept()
+        with conn:
+            conn.settimeout(10)
+            caller = threading.Thread(target=lambda: box.update(err=_raised(pull, [7], [7])))
+            caller.start()
+            assert len(_recv(conn, 40)) == 40   # the request came: the call holds its pin now
+            ep.deregister(1)
+            caller.join(10)
+            assert not caller.is_alive()
+            assert isinstance(box["err"], Cancelled), box
+            try:   # the answer comes too late: nothing of it may land
+                conn.sendall(_RSP.pack(b"LDRS", 0, 0, 0, 4) + bytes(4) + bytes(range(256)) * (BS // 256))
+            except OSError:
+                pass
+    assert (local[1] == 0x5A).all()
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None

@@ -19,7 +19,6 @@ from llmdd.lowlevel import EVENT_READ, Batch, Cancelled, Corrupt, IoLoop, MemReg
 from llmdd.lowlevel import RegionTable, RegisteredRegion, TlsConfig, encode_payload, get_logger
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from . import _wire
 from ._channel import TcpChannel, _Batch
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields
 from ._few import FEW_OPS, discard_payload, serve_few
@@ -29,7 +28,7 @@ from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, 
 from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS
 from ._request import read_request
 from ._server import _ServerConn
-from ._sock import _close, _map_exc, _recv_exact, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
+from ._sock import _close, _map_exc, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
 from ._sock import _waitall
 from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, _send_rsp
 
