@@ -24,6 +24,12 @@ Wire (little endian, one request at a time per stream):
   which the owner receives straight into the validated destinations; then ``RSP(ok)``. The
   owner never reads more than announced, and never reads before validating, so a WRITE can
   not overfill it; bytes in flight are capped by the segment size plus the socket buffers.
+* additions (compatible both ways; see :mod:`._wire`): the HELLO's former pad byte carries the
+  owner's features (``FEAT_QUICK``); request flags ``F_PAD`` (a READ's OK header padded to 16 bytes;
+  towards a ``FEAT_QUICK`` owner every answer padded to a multiple of 16 and a WRITE's ops followed by
+  zeros up to one) and ``F_EAGER`` (towards a ``FEAT_QUICK`` owner: a WRITE's payload follows the
+  request at once; one answer, ``RSP(ok)``, or ``RSP(refused)`` and the payload read and dropped).  The
+  channel's one-call small-transfer path (:mod:`._quick`) uses them.
 
 TLS: with ``llmdd.tls_*`` options (the engine's, which reach every transport) every data connection
 is TLS first, built by :func:`llmdd._base.options.tls_config` as the engine's control connections are: mutual
@@ -67,7 +73,9 @@ capability.
 
 Modules, one concept each: this one the transport and its registration; ``_endpoint``
 (:class:`TcpEndpoint`: the data port's owner, its registry, grants and serving); ``_server`` (one accepted
-stream on the I/O loop); ``_channel`` (:class:`TcpChannel`: the client side); ``_grants`` (capability
+stream on the I/O loop); ``_request`` (the owner's reading of a request); ``_few`` (the owner's few-ops
+path, plain Python); ``_channel`` (:class:`TcpChannel`: the client side); ``_quick`` (the channel's
+one-call small transfers, issue 21); ``_grants`` (capability
 handles, MAC keys, the owner's record of a grant); ``_wire`` (the messages and an answer's framing);
 ``_io`` (a request's bytes on a plain socket: iovec arrays through ``sendmsg`` / ``recvmsg``); ``_tls_io``
 (a request's bytes over TLS: staging); ``_sock`` (blocking-socket helpers); ``_descriptors`` (the

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from llmdd.abc import Channel, Completion, RegionDescriptor
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, Refused, RegionTable
@@ -79,26 +79,39 @@ class TcpChannel(Channel):
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._remote: dict[int, int] = {}
+        self._private: set[int] = set()   # remote regions not remote-accessible (the quick path plans none)
         self._remote_table = RegionTable()
+        self._qver = 0   # the remote table's version: bumped on every change and on close (llmdd_tcp._quick)
+        self._features = 0   # the owner's HELLO features (_wire.FEAT_QUICK: padded and eager writes)
         self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
         # int counters, and last_error (str or None)
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
-                                       "batches": 0, "failed": 0, "streams_opened": 0, "last_error": None}
+                                       "batches": 0, "failed": 0, "streams_opened": 0, "quick_batches": 0,
+                                       "last_error": None}
 
     # ------------------------------------------------------------------ public API
 
     def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
-        if region_fields(desc).endpoint_id != self._peer_id:
+        fields = region_fields(desc)
+        if fields.endpoint_id != self._peer_id:
             raise Refused(f"descriptor of region {region_id} belongs to another endpoint")
+        rid = int(region_id)
         with self._lock:
-            self._remote[int(region_id)] = int(size)
+            self._remote[rid] = int(size)
+            if fields.remote_accessible:
+                self._private.discard(rid)
+            else:
+                self._private.add(rid)
             self._remote_table = RegionTable(self._remote)
+            self._qver += 1
 
     def remove_remote_region(self, region_id: int) -> None:
         with self._lock:
             self._remote.pop(int(region_id), None)
+            self._private.discard(int(region_id))
             self._remote_table = RegionTable(self._remote)
+            self._qver += 1
 
     def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         # the seam's one refusal path: a refusal or failure is the completion's error, never raised
@@ -108,6 +121,8 @@ class TcpChannel(Channel):
         return submitted(self._submit, WRITE, ops, deadline)
 
     def close(self) -> None:
+        with self._lock:
+            self._qver += 1   # the quick plans of this channel are void from now on
         # refuse new batches, fail those in flight, wait until they left (the close-drain)
         if not self._batches.close(Cancelled("channel closed")):
             return
@@ -121,6 +136,14 @@ class TcpChannel(Channel):
         with self._lock:
             return dict(self._stats, idle_streams=len(self._idle), remote_regions=len(self._remote),
                         closed=self._batches.closed)
+
+    def quick_plan(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
+                   push: bool, *, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
+        """The one-call path of a small-transfer shape (``llmdd_tcp._quick.quick_plan``), or None; a call
+        of it ends by ``timeout_s`` after it began."""
+        from ._quick import quick_plan   # the quick path builds on this module
+
+        return quick_plan(self, pairs, block_bytes, src_units, dst_units, push, timeout_s)
 
     # ------------------------------------------------------------------ streams
 
@@ -144,7 +167,7 @@ class TcpChannel(Channel):
                 except BaseException:
                     plain.close()
                     raise
-            magic, version, auth, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+            magic, version, auth, features, peer_id, nonce_s = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
             if magic != _M_HELLO or version != VERSION:
                 raise Corrupt(f"peer at {self._addr} does not speak llmdd-tcp v{VERSION}")
             if peer_id != self._peer_id:
@@ -163,6 +186,7 @@ class TcpChannel(Channel):
                               "failed)", status_code=LLMStatusCode.LLM_LINK_FAILED)
             sock.settimeout(None)
             _tune(sock)
+            self._features = features   # the same for every stream of this owner incarnation (its id)
         except BaseException as exc:
             if sock is not None:   # None: the TLS wrap failed and closed its socket
                 _close(sock)
@@ -225,19 +249,21 @@ class TcpChannel(Channel):
                 err = _map_exc(exc)
                 if batch.aborted and not isinstance(err, Refused):
                     err = Cancelled(f"batch aborted: {err}")
-            self._finish(batch, err, kind, ops, total)
+            self._finish(batch, err, kind, len(ops), total)
             return DoneCompletion(err)
         streams = int(self._cfg[OPT_STREAMS]) if total >= int(self._cfg[OPT_SPLIT]) else 1
         parts = split_ops(ops, max(1, streams))
         workers = [(lambda p=p: self._run_stream_mapped(batch, kind, p, where, deadline)) for p in parts]
         batch.completion = ThreadCompletion(
             workers, deadline=deadline, abort=batch.abort,
-            on_done=lambda c: self._finish(batch, c.recorded_error, kind, ops, total),
+            on_done=lambda c: self._finish(batch, c.recorded_error, kind, len(ops), total),
             name="llmdd-tcp-io")
         return batch.completion
 
     def _finish(self, batch: _Batch, err: Union[TransportError, None] = None, kind: int = READ,
-                ops: Union[np.ndarray, None] = None, total: int = 0) -> None:
+                nops: Union[int, None] = None, total: int = 0, *, quick: bool = False) -> None:
+        """``batch`` ended: its broken streams closed, its pins dropped, counted (``nops`` ops of ``total``
+        bytes; not counted when None; ``quick``: by the one-call path)."""
         with batch.lock:
             socks, batch.socks = batch.socks, []
         for s in socks:  # streams still owned by the batch were not released: they are broken
@@ -245,13 +271,19 @@ class TcpChannel(Channel):
         self._ep._end_batch(batch)
         with self._lock:
             self._batches.discard_locked(batch)
-            if ops is None:
+            if nops is None:
                 return
-            self._stats["batches"] += 1
+            stats = self._stats
+            stats["batches"] += 1
+            if quick:
+                stats["quick_batches"] += 1
             if err is None:
-                key = "read" if kind == READ else "written"
-                self._stats[f"bytes_{key}"] += total
-                self._stats[f"ops_{key}"] += len(ops)
+                if kind == READ:
+                    stats["bytes_read"] += total
+                    stats["ops_read"] += nops
+                else:
+                    stats["bytes_written"] += total
+                    stats["ops_written"] += nops
             else:
                 self._stats["failed"] += 1
                 self._stats["last_error"] = str(err)

@@ -19,16 +19,18 @@ from llmdd.lowlevel import EVENT_READ, Batch, Cancelled, Corrupt, IoLoop, MemReg
 from llmdd.lowlevel import RegionTable, RegisteredRegion, TlsConfig, encode_payload, get_logger
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from . import _wire
 from ._channel import TcpChannel, _Batch
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields
+from ._few import FEW_OPS, discard_payload, serve_few
 from ._grants import _Grant, _handle, _mac
-from ._io import _OK_HEAD, _move, _Where
-from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT
+from ._io import _OK_HEAD, _OK_HEAD_PADDED, _move, _Where
+from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
 from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS
+from ._request import read_request
 from ._server import _ServerConn
-from ._sock import _close, _map_exc, _recv_exact, _set_timeouts, _shutdown, _tune, _wait_readable, _waitall
-from ._wire import _M_REQ, _REQ, MAX_OPS_PER_REQUEST, READ, ST_OK, ST_REFUSED, VERSION, WRITE, _send_rsp
+from ._sock import _close, _map_exc, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
+from ._sock import _waitall
+from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, _send_rsp
 
 _log = get_logger("llmdd.transport.tcp")
 
@@ -39,7 +41,14 @@ _DIRECT = -1
 
 
 class _Reg(RegisteredRegion):
-    __slots__ = ()
+    """A registered region and a writable view of its memory (the few-ops path and the channels'
+    quick path slice it; used only while the region is pinned)."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, region: MemRegion) -> None:
+        super().__init__(region)
+        self.view = _region_view(int(region.addr), int(region.size))
 
 
 class TcpEndpoint(Endpoint):
@@ -58,6 +67,9 @@ class TcpEndpoint(Endpoint):
         self._cond = threading.Condition(self._lock)
         self._regs: RegionRegistry[_Reg] = RegionRegistry(self._cond)
         self._closed = False
+        self._qver = 0   # the region table's version: bumped on every change and on close (llmdd_tcp._quick)
+        self._few_ops = FEW_OPS   # requests of at most this many ops are served without numpy (llmdd_tcp._few)
+        self._eager_max = int(self._cfg[OPT_SEGMENT])   # the most a refused eager write's payload is read to drop
         self._server_conns: dict[socket.socket, _ServerConn] = {}
         self._pending: dict[_ServerConn, None] = {}
         self._pending_by_ip: dict[str, int] = {}
@@ -157,12 +169,14 @@ class TcpEndpoint(Endpoint):
             if self._closed:
                 raise Cancelled("endpoint is closed")
             self._regs.add(_Reg(region))
+            self._qver += 1
         fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
                               remote_accessible=region.remote_accessible)
         return RegionDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields))
 
     def deregister(self, region_id: int) -> None:
         def stop_serving(_reg: _Reg) -> None:   # under the lock: requests serving it end (their streams die)
+            self._qver += 1   # and the quick plans naming it are void
             for sock, regions in list(self._serving.values()):
                 if region_id in regions:
                     _shutdown(sock)
@@ -191,6 +205,7 @@ class TcpEndpoint(Endpoint):
             if self._closed:
                 return
             self._closed = True
+            self._qver += 1
             channels = list(self._channels)
             conns = list(self._server_conns.items())
             for grant in self._grants.values():
@@ -390,25 +405,14 @@ class TcpEndpoint(Endpoint):
                 # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the header
                 head, conn.head = conn.head, b""
                 try:
-                    hdr = head + _recv_exact(sock, _REQ.size - len(head))
+                    kind, rflags, ops, total = read_request(sock, head, flags, 0 if conn.tls else self._few_ops)
                 except PeerGone:
                     conn.finish(None)
                     return
-                magic, kind, _, _, count, total = _REQ.unpack(hdr)
-                if magic != _M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
-                    raise Corrupt(f"bad request header (kind={kind}, count={count})")
-                wire = np.empty(count, dtype=_wire.WIRE_OP)
-                if count:
-                    got, mv = 0, memoryview(wire.view(np.uint8))
-                    while got < len(mv):
-                        r = sock.recv_into(mv[got:], len(mv) - got, flags)
-                        if r == 0:
-                            raise PeerGone("peer closed the stream mid-request")
-                        got += r
                 grant = conn.grant
                 if grant is None:   # a stream is served only after its OPEN proved a grant
                     raise Refused("request on a stream that proved no grant")
-                self._serve_request(sock, kind, wire, total, grant)
+                self._serve_request(sock, kind, ops, total, grant, rflags)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
                 if not _wait_readable(sock, self._linger):
@@ -428,7 +432,13 @@ class TcpEndpoint(Endpoint):
             return
         self._io.call_soon(conn.watch)
 
-    def _serve_request(self, sock: socket.socket, kind: int, wire: np.ndarray, total: int, grant: _Grant) -> None:
+    def _serve_request(self, sock: socket.socket, kind: int, wire: Union[np.ndarray, tuple], total: int,
+                       grant: _Grant, flags: int = 0) -> None:
+        """Check, then serve, one request's ops: a few (a flat tuple of (region, offset, length) triples) in
+        plain Python (:func:`llmdd_tcp._few.serve_few`, the same decisions), more as numpy rows."""
+        if isinstance(wire, tuple):
+            serve_few(self, sock, kind, wire, total, grant, flags)
+            return
         token = id(wire)
         with self._lock:
             if not grant.alive:
@@ -456,21 +466,25 @@ class TcpEndpoint(Endpoint):
         if refused is not None:
             self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
                               reason=refused)
-            _send_rsp(sock, ST_REFUSED, refused)
+            _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
+            if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
+                discard_payload(sock, total, self._eager_max, refused)
             return
         try:
             if kind == READ:
                 # the OK header and the first window of bytes leave in one sendmsg
-                _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=True, head=_OK_HEAD,
+                head = _OK_HEAD_PADDED if flags & F_PAD else _OK_HEAD
+                _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=True, head=head,
                       total=total)
             else:
-                _send_rsp(sock, ST_OK)
+                if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
+                    _send_rsp(sock, ST_OK, "", flags & F_PAD)
                 try:
                     _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
                 except Exception:
                     self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                     raise
-                _send_rsp(sock, ST_OK)
+                _send_rsp(sock, ST_OK, "", flags & F_PAD)
             with self._lock:
                 self._stats["bytes_served"] += total
                 self._stats["ops_served"] += len(wire)

@@ -16,7 +16,7 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 
 from ._sock import _arm, _is_tls
 from ._tls_io import _move_tls, _send_tls, _tls_put
-from ._wire import _M_RSP, _RSP, ST_OK
+from ._wire import _M_RSP, _OK_PADDED, _RSP, ST_OK
 
 _WINDOW = 1024                             # iovec entries per sendmsg / recvmsg call (Linux IOV_MAX)
 
@@ -67,6 +67,7 @@ def _static_buffer(data: bytes) -> tuple[Any, int, int]:
 
 #: the READ answer's OK header: the first iovec of the answer's first sendmsg
 _OK_HEAD = _static_buffer(_RSP.pack(_M_RSP, ST_OK, 0, 0, 0))
+_OK_HEAD_PADDED = _static_buffer(_OK_PADDED)   # the same, for a request with F_PAD
 
 
 def _vectored(sock: socket.socket, iov: np.ndarray, start: int, stop: int, total: int,

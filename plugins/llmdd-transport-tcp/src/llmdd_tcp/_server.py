@@ -13,7 +13,7 @@ from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, PeerGone, PoolFull, Transpor
 
 from ._grants import _Grant, _mac
 from ._sock import _close, _is_tls, _map_exc, _shutdown
-from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _OPEN, VERSION
+from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _OPEN, FEAT_QUICK, VERSION
 
 if TYPE_CHECKING:   # the endpoint creates the streams (it imports this module); a stream only calls back into it
     from ._endpoint import TcpEndpoint
@@ -67,7 +67,8 @@ class _ServerConn:
         self.hello()
 
     def hello(self) -> None:
-        hello = _HELLO.pack(_M_HELLO, VERSION, int(self.ep._secret is not None), self.ep._id, self.nonce_s)
+        hello = _HELLO.pack(_M_HELLO, VERSION, int(self.ep._secret is not None), FEAT_QUICK, self.ep._id,
+                            self.nonce_s)
         try:
             if self.sock.send(hello) != len(hello):   # 40 bytes into a fresh socket: all or broken
                 raise PeerGone("short HELLO")

@@ -1,0 +1,362 @@
+"""The tcp channel's one-call small transfers (issue 21): a planned ``pull_blocks`` / ``push_blocks``
+shape as one request on one pooled stream, in plain Python (no numpy per call).
+
+The engine plans a call shape once (each tensor pair's local and remote region, the block size, the
+two caches' block counts, the direction) and asks the channel for a quick plan (:func:`quick_plan`):
+the local regions' registry entries and writable views, checked against the endpoint's table, the
+remote regions checked against the channel's table (known, remote-accessible, large enough for
+every block of the shape), and the versions of both tables.  A call of the plan
+(:meth:`QuickCall.__call__`) then checks the blocks (exact ints in range, no destination twice, a
+few of them), that both versions are still current, pins the local regions as a batch of the ops
+path does (:meth:`TcpEndpoint._begin_batch`: a deregistration or a close fails it and waits for the
+pin), builds the request's rows as the ops path would send them (runs of consecutive blocks merged
+as ``QuickPlan.ops`` merges them, then sorted and coalesced as ``coalesce_ops`` does: the same bytes
+on the wire), takes an idle stream, sends the request in one call, receives the answer header and
+then the bytes straight into the views (``MSG_WAITALL``), or for a WRITE sends them after the
+owner's go.  The deadline is armed once per call (see :class:`_Deadline`).
+
+It returns the bytes moved, or -1 when it did nothing (a block it does not take, a table changed
+since the plan, the channel or endpoint closed): the engine then runs the same transfer on the ops
+path.  A transfer it started that fails raises the transport error, as the ops path reports it
+(:class:`PeerGone`, :class:`TransportTimeout`, :class:`Refused`, :class:`Corrupt`,
+:class:`Cancelled`).  TLS streams take the ops path (an SSL socket has no ``sendmsg`` / flags).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout
+
+from ._channel import TcpChannel, _Batch   # (the channel imports this module when it plans)
+from ._io import _advance
+from ._options import OPT_INLINE, OPT_SEGMENT
+from ._sock import _close, _map_exc, _StaleStream
+from ._request import request_pad
+from ._wire import _M_REQ, _M_RSP, _RSP, F_EAGER, F_PAD, FEAT_QUICK, MAX_MESSAGE, READ, ST_OK, ST_REFUSED, WRITE
+
+#: the most tensor pairs and blocks of one call the quick path takes (the engine's small path: 16 blocks)
+QUICK_MAX_PAIRS = 8
+QUICK_MAX_BLOCKS = 16
+#: the longest a syscall may start after the deadline was (re)armed: the deadline is armed that much early
+_SLACK_S = 0.002
+
+_REQS: dict[int, struct.Struct] = {}   # REQ header + n WIRE_OP rows (+ padding), packed as the ops path packs them
+
+
+def _req(n: int, pad: int = 0) -> struct.Struct:
+    packer = _REQS.get(n * 16 + pad)
+    if packer is None:
+        packer = _REQS[n * 16 + pad] = struct.Struct("<4sBBHIQ" + "IQQ" * n + "x" * pad)
+    return packer
+
+
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int((seconds % 1.0) * 1e6))
+
+
+class _Deadline:
+    """The call's deadline on one stream: armed once (``SO_RCVTIMEO``, and ``SO_SNDTIMEO`` when the call
+    sends a payload, = the timeout less the slack; a pull's request of a few hundred bytes goes into an
+    idle stream's empty send buffer and never waits); a syscall that starts more than the slack after
+    the last arming re-arms first with what is left (less the slack), so no syscall of the call outlives
+    the deadline."""
+
+    __slots__ = ("deadline", "slack", "rearm_at", "sock", "send")
+
+    def __init__(self, timeout_s: float, slack: float, send: bool) -> None:
+        now = time.monotonic()
+        self.deadline = now + timeout_s
+        self.send = send
+        self.slack = slack
+        self.rearm_at = 0.0
+        self.sock: Optional[socket.socket] = None
+
+    def arm(self, sock: socket.socket) -> None:
+        """Arm ``sock`` with the time left (a fresh stream, or a syscall late in the call)."""
+        now = time.monotonic()
+        left = self.deadline - now - self.slack
+        if left <= 0:
+            raise TransportTimeout("deadline passed")
+        tv = _timeval(left)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        if self.send:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        self.rearm_at = now + self.slack
+        self.sock = sock
+
+    def check(self, sock: socket.socket) -> None:
+        """Before a syscall on ``sock``: re-arm when the last arming is older than the slack."""
+        if sock is not self.sock or time.monotonic() > self.rearm_at:
+            self.arm(sock)
+
+
+def _recv_into(sock: socket.socket, views: list, total: int, dl: _Deadline) -> None:
+    """Receive exactly ``total`` bytes into ``views`` (``MSG_WAITALL``; resumed after a short one)."""
+    got = 0
+    while True:
+        if len(views) == 1:
+            k = sock.recv_into(views[0], 0, socket.MSG_WAITALL)
+        else:
+            k = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
+        if k == 0:
+            raise PeerGone("peer closed the stream in the middle of a batch")
+        got += k
+        if got >= total:
+            return
+        views = _advance(list(views), k)
+        dl.check(sock)
+
+
+def _send_all(sock: socket.socket, bufs: list, total: int, dl: _Deadline) -> None:
+    """Send every byte of ``bufs`` (one ``sendmsg``; resumed after a short one)."""
+    sent = 0
+    while True:
+        k = sock.sendmsg(bufs)
+        sent += k
+        if sent >= total:
+            return
+        bufs = _advance(list(bufs), k)
+        dl.check(sock)
+
+
+def _recv_exact(sock: socket.socket, buf: bytearray, dl: _Deadline, *, stale_ok: bool = False) -> None:
+    """Fill ``buf``; :class:`_StaleStream` (with ``stale_ok``) when the stream ends before its first byte."""
+    view = memoryview(buf)
+    got = 0
+    while got < len(buf):
+        k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+        if k == 0:
+            if stale_ok and got == 0:
+                raise _StaleStream("peer closed the stream before answering")
+            raise PeerGone("peer closed the stream")
+        got += k
+        if got < len(buf):
+            dl.check(sock)
+
+
+def _answer(sock: socket.socket, head: bytearray, dl: _Deadline) -> tuple[int, str]:
+    """The status and message of the answer whose first bytes are in ``head``: its 12-byte header, or 16
+    bytes of a padded answer (``F_PAD`` to an owner with ``FEAT_QUICK``: at least 4 bytes of message, a
+    multiple of 16 in all).  The rest of the message is read here (a refusal's reason; padding)."""
+    magic, status, _, _, n = _RSP.unpack_from(head)
+    have = len(head) - _RSP.size
+    if magic != _M_RSP or n > MAX_MESSAGE or (have and (n < have or (_RSP.size + n) % 16)):
+        raise Corrupt("bad response header from peer")
+    if n == have:
+        return status, "" if status == ST_OK else bytes(head[_RSP.size:]).rstrip(b"\0").decode(errors="replace")
+    msg = bytearray(n - have)
+    dl.check(sock)
+    _recv_exact(sock, msg, dl)
+    if status == ST_OK:
+        return status, ""
+    return status, (bytes(head[_RSP.size:]) + bytes(msg)).rstrip(b"\0").decode(errors="replace")
+
+
+class QuickCall:
+    """One planned shape on one channel: ``f(src_blocks, dst_blocks) -> bytes moved, or -1``."""
+
+    __slots__ = ("ch", "ep", "pairs", "bs", "su", "du", "push", "timeout_s", "slack", "ep_ver", "ch_ver",
+                 "views", "lids", "max_bytes", "kind")
+
+    def __init__(self, ch: TcpChannel, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
+                 ep_ver: int, ch_ver: int, views: dict, max_bytes: int) -> None:
+        self.ch, self.ep = ch, ch._ep
+        self.pairs, self.bs, self.su, self.du, self.push = pairs, bs, su, du, push
+        self.timeout_s, self.slack = timeout_s, min(_SLACK_S, timeout_s / 4)
+        self.ep_ver, self.ch_ver = ep_ver, ch_ver
+        self.views = views            # local region id -> writable view of the whole region
+        self.lids = frozenset(views)
+        self.max_bytes = max_bytes
+        self.kind = WRITE if push else READ
+
+    def rows(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Optional[list]:
+        """The request's rows ``[remote region, remote offset, local region, local offset, length]`` as
+        the ops path sends them, or None when the quick path does not take these blocks."""
+        n = len(dst_blocks)
+        if not 0 < n <= QUICK_MAX_BLOCKS or len(src_blocks) != n:
+            return None
+        su, du = self.su, self.du
+        for b in src_blocks:
+            if type(b) is not int or not 0 <= b < su:
+                return None
+        for b in dst_blocks:
+            if type(b) is not int or not 0 <= b < du:
+                return None
+        bs, push = self.bs, self.push
+        if n == 1 and len(self.pairs) == 1:
+            lreg, rreg = self.pairs[0]
+            s, d = src_blocks[0], dst_blocks[0]
+            return [[rreg, d * bs, lreg, s * bs, bs]] if push else [[rreg, s * bs, lreg, d * bs, bs]]
+        if n > 1 and len(set(dst_blocks)) != n:
+            return None   # a destination twice: the ops path decides (the last pair wins there)
+        runs: list[list[int]] = []   # consecutive on both sides, in the caller's order (QuickPlan.ops)
+        ps = pd = -2
+        for a, b in zip(src_blocks, dst_blocks):
+            if a == ps + 1 and b == pd + 1:
+                runs[-1][2] += 1
+            else:
+                runs.append([a, b, 1])
+            ps, pd = a, b
+        rows = []
+        for lreg, rreg in self.pairs:
+            for s0, d0, c in runs:
+                if push:
+                    rows.append((rreg, d0 * bs, lreg, s0 * bs, c * bs))
+                else:
+                    rows.append((rreg, s0 * bs, lreg, d0 * bs, c * bs))
+        # coalesce_ops: ordered by (remote region, remote offset, local region, local offset) (no two rows
+        # tie on all four: no destination twice), then rows that continue each other on both sides merged
+        rows.sort()
+        out = [list(rows[0])]
+        for rr, ro, lr, lo, ln in rows[1:]:
+            p = out[-1]
+            if rr == p[0] and lr == p[2] and p[1] + p[4] == ro and p[3] + p[4] == lo:
+                p[4] += ln
+            else:
+                out.append([rr, ro, lr, lo, ln])
+        return out
+
+    def __call__(self, src_blocks: Any, dst_blocks: Any) -> int:
+        if type(src_blocks) not in (list, tuple) or type(dst_blocks) not in (list, tuple):
+            return -1
+        rows = self.rows(src_blocks, dst_blocks)
+        if rows is None:
+            return -1
+        total = len(dst_blocks) * self.bs * len(self.pairs)
+        if total > self.max_bytes:
+            return -1
+        ch, ep = self.ch, self.ep
+        batch = _Batch()
+        batch.regions = self.lids
+        with ep._lock:   # the local regions pinned as _begin_batch pins them
+            regs = ep._regs
+            if ep._qver != self.ep_ver or ep._closed or regs.closed:
+                return -1
+            regs.pin_entries(batch, self.lids)
+            regs.batches.add(batch)
+        with ch._lock:
+            fresh = ch._qver == self.ch_ver and not ch._batches.closed
+            if fresh:
+                ch._batches.add(batch)
+                sock = ch._idle.pop() if ch._idle else None
+        if not fresh:
+            ep._end_batch(batch)
+            return -1
+        err: Optional[TransportError] = None
+        try:
+            self._transfer(batch, sock, rows, total)
+        except BaseException as exc:  # noqa: BLE001 - reported as the ops path reports it
+            err = _map_exc(exc)
+            if batch.aborted and not isinstance(err, Refused):
+                err = Cancelled(f"batch aborted: {err}")
+        ch._finish(batch, err, self.kind, len(rows), total, quick=True)
+        if err is not None:
+            raise err
+        return total
+
+    def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> None:
+        ch = self.ch
+        reused = sock is not None
+        if sock is not None:
+            batch.adopt(sock)   # from the pool: the batch's from now on (closed if this call fails)
+        dl = _Deadline(self.timeout_s, self.slack, self.push)
+        flat: list = []
+        views = []
+        lviews = self.views
+        for rr, ro, lr, lo, ln in rows:
+            flat += (rr, ro, ln)
+            views.append(lviews[lr][lo:lo + ln])
+        while True:
+            if sock is None:
+                sock = ch._open_stream(dl.deadline)
+                batch.adopt(sock)
+            # an owner that knows them (its HELLO said so) takes a push as one padded, eager request, and
+            # pads its answers to a pull or such a push to 16 bytes (read at once)
+            quick = ch._features & FEAT_QUICK
+            eager = self.push and quick
+            head = bytearray(16 if quick else _RSP.size)
+            if eager:
+                flags, pad = F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))
+            else:
+                flags, pad = (0 if self.push else F_PAD), 0
+            req = _req(len(rows), pad).pack(_M_REQ, self.kind, flags, 0, len(rows), total, *flat)
+            dl.arm(sock)
+            try:
+                if eager:
+                    _send_all(sock, [req, *views], len(req) + total, dl)
+                else:
+                    sock.sendall(req)
+                _recv_exact(sock, head, dl, stale_ok=True)
+            except (_StaleStream, ConnectionResetError, BrokenPipeError) as exc:
+                if not reused or batch.aborted:
+                    raise PeerGone(f"stream closed by the owner: {exc}") from None
+                # the owner closed this idle stream just as it was reused (nothing moved): once more, fresh
+                with batch.lock:
+                    if sock in batch.socks:
+                        batch.socks.remove(sock)
+                _close(sock)
+                sock, reused = None, False
+                continue
+            break
+        status, msg = _answer(sock, head, dl)
+        if status == ST_REFUSED:
+            # a refusal comes before any payload, or the owner dropped an eager one: the stream is in step
+            ch._give_back(batch, sock)
+            raise Refused(f"peer refused the batch: {msg}")
+        if status != ST_OK:
+            raise Corrupt(f"peer failed the batch: {msg}")
+        dl.check(sock)
+        if eager:
+            pass   # the one answer came: done
+        elif self.push:
+            _send_all(sock, views, total, dl)
+            dl.check(sock)
+            _recv_exact(sock, head, dl)
+            status, msg = _answer(sock, head, dl)
+            if status != ST_OK:
+                raise Corrupt(f"peer failed the write: {msg}")
+        else:
+            _recv_into(sock, views, total, dl)
+        if batch.aborted:
+            raise Cancelled("batch aborted")
+        ch._give_back(batch, sock)
+
+
+def quick_plan(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+               dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
+    """The one-call path of this shape on channel ``ch``, or None when it cannot take it: TLS (an SSL
+    socket takes neither ``sendmsg`` nor receive flags: the ops path stages), too many pairs, a block
+    larger than ``llmdd.tcp.inline_max_bytes``, a local region not registered or too small for the
+    shape's blocks, a remote region unknown, not remote-accessible or too small."""
+    ep = ch._ep
+    if ep._tls is not None or not 0 < len(pairs) <= QUICK_MAX_PAIRS:
+        return None
+    bs, su, du, timeout_s = int(block_bytes), int(src_units), int(dst_units), float(timeout_s)
+    max_bytes = min(int(ch._cfg[OPT_INLINE]), int(ch._cfg[OPT_SEGMENT]))
+    if bs <= 0 or su <= 0 or du <= 0 or bs * len(pairs) > max_bytes or not timeout_s > 0:
+        return None
+    local_units, remote_units = (su, du) if push else (du, su)
+    plan = [(int(lid), int(rid)) for lid, rid in pairs]
+    views = {}
+    with ep._lock:   # the local table and its version together
+        if ep._closed:
+            return None
+        ep_ver = ep._qver
+        for lid, _ in plan:
+            entry = ep._regs.get(lid)
+            if entry is None or entry.region.size < bs * local_units:
+                return None
+            views[lid] = entry.view
+    with ch._lock:   # the remote table and its version together
+        if ch._batches.closed:
+            return None
+        ch_ver = ch._qver
+        for _, rid in plan:
+            size = ch._remote.get(rid)
+            if size is None or rid in ch._private or size < bs * remote_units:
+                return None
+    return QuickCall(ch, plan, bs, su, du, bool(push), timeout_s, ep_ver, ch_ver, views, max_bytes)

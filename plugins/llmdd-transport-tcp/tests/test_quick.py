@@ -1,0 +1,373 @@
+"""tcp transport: the one-call small-transfer path (``TcpChannel.quick_plan``, issue 21) and the owner's
+few-ops path, against an owner in another process (``_quick_owner``) over loopback.
+
+Bytes are seeded random and compared on the other side; declines must leave everything as it was; a
+transfer the path started and that failed raises the transport's error; the owner's few-ops path
+decides and answers exactly as its numpy path does (a seeded property test over raw requests)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+
+import attrs
+import numpy as np
+import pytest
+
+from llmdd.lowlevel import Cancelled, MemRegion, PeerGone, Refused, TransportTimeout
+from llmdd_tcp import TcpTransport
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _quick_owner import PRIVATE, owner_main, pattern  # noqa: E402  (spawned children import it by name)
+
+pytestmark = pytest.mark.timeout(90)
+BS, NB = 4096, 32
+SIZE = BS * NB
+SEED = 20261202
+
+
+class Owner:
+    """The owner child: its descriptors, commands, and its end."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=owner_main, args=(child, SIZE, SEED), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(30), "owner did not start"
+        self.desc, self.descs = self.conn.recv()
+
+    def ask(self, *cmd):
+        self.conn.send(cmd)
+        assert self.conn.poll(30), f"owner did not answer {cmd}"
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()
+
+
+@pytest.fixture
+def owner():
+    o = Owner()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def client(owner):
+    ep = TcpTransport({}).open_endpoint()
+    rng = np.random.default_rng(SEED + 1)
+    local = {1: np.zeros(SIZE, np.uint8), 2: np.zeros(SIZE, np.uint8),
+             3: rng.integers(0, 256, SIZE, dtype=np.uint8), 4: rng.integers(0, 256, SIZE, dtype=np.uint8)}
+    for rid, buf in local.items():
+        ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
+    ch = ep.connect(owner.desc, timeout=10)
+    for rid, d in owner.descs.items():
+        ch.add_remote_region(rid, SIZE, d)
+    yield ep, ch, local
+    ch.close()
+    ep.close()
+
+
+def _blocks(buf: np.ndarray) -> np.ndarray:
+    return buf.reshape(NB, BS)
+
+
+def test_quick_pull_and_push_move_the_right_bytes_between_processes(owner, client):
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5), (2, 8)], BS, NB, NB, False, timeout_s=10)
+    push = ch.quick_plan([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)
+    assert pull is not None and push is not None
+    served0 = owner.ask("stats")["ops_served"]
+    src, dst = [3, 4, 5, 10, 20], [0, 1, 2, 7, 31]   # runs (3,0,3) (10,7,1) (20,31,1): 3 rows a pair
+    assert pull(src, dst) == len(src) * BS * 2
+    assert owner.ask("stats")["ops_served"] - served0 == 6, "consecutive blocks were not merged into runs"
+    for lrid, rrid in ((1, 5), (2, 8)):
+        want = _blocks(pattern(rrid, SIZE, SEED))
+        got = _blocks(local[lrid])
+        assert np.array_equal(got[dst], want[src])
+        untouched = sorted(set(range(NB)) - set(dst))
+        assert not got[untouched].any()                        # the control: nothing else landed
+        assert not np.array_equal(got[dst], want[[s + 1 for s in src]])   # and the mapping is the one asked
+    # single blocks, many calls on one pooled stream
+    rng = np.random.default_rng(SEED + 2)
+    for s, d in zip(rng.integers(0, NB, 20).tolist(), rng.integers(0, NB, 20).tolist()):
+        assert pull([s], [d]) == 2 * BS
+        assert np.array_equal(_blocks(local[1])[d], _blocks(pattern(5, SIZE, SEED))[s])
+    psrc, pdst = [0, 1, 9, 2], [4, 5, 30, 6]
+    assert push(psrc, pdst) == len(psrc) * BS * 2
+    for lrid, rrid in ((3, 6), (4, 9)):
+        sink = _blocks(np.frombuffer(owner.ask("snapshot", rrid), np.uint8))
+        assert np.array_equal(sink[pdst], _blocks(local[lrid])[psrc])
+        assert not sink[sorted(set(range(NB)) - set(pdst))].any()
+    st = ch.statistics()
+    assert st["quick_batches"] == 22 and st["failed"] == 0
+    assert st["bytes_written"] == len(psrc) * BS * 2 and st["idle_streams"] >= 1
+    assert st["streams_opened"] == 1, "the quick path did not reuse the pooled stream"
+
+
+def test_quick_declines_do_nothing(owner, client):
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    assert pull is not None
+    before = (ch.statistics()["quick_batches"], owner.ask("stats")["requests"])
+    for src, dst in (([NB], [0]), ([0], [NB]), ([-1], [0]), ([0, 1], [2, 2]), ([True], [0]), ([0], [False]),
+                     ([np.int64(1)], [0]), ([1], [2, 3]), ([], []), (np.array([1]), [0]), ((1,), range(1)),
+                     (list(range(17)), list(range(17))), (["1"], [0])):
+        assert pull(src, dst) < 0, (src, dst)
+    assert (ch.statistics()["quick_batches"], owner.ask("stats")["requests"]) == before
+    assert not local[1].any()
+    # a table change after the plan: the plan declines (stale) until replanned
+    ch.add_remote_region(5, SIZE, owner.descs[5])
+    assert pull([1], [1]) < 0 and not local[1].any()
+    again = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    assert again is not None and again([1], [1]) == BS
+    buf = np.zeros(BS, np.uint8)
+    ep.register(MemRegion(region_id=77, addr=buf.ctypes.data, size=BS, remote_accessible=False, placement=0))
+    assert again([2], [2]) < 0 and not _blocks(local[1])[2].any()   # a local table change: stale too
+    # no plan for what the path cannot take
+    assert ch.quick_plan([(1, 55)], BS, NB, NB, False, timeout_s=10) is None       # unknown remote region
+    assert ch.quick_plan([(1, PRIVATE)], BS, NB, NB, False, timeout_s=10) is None  # not remote-accessible
+    assert ch.quick_plan([(99, 5)], BS, NB, NB, False, timeout_s=10) is None       # unknown local region
+    assert ch.quick_plan([(77, 5)], BS, NB, NB, False, timeout_s=10) is None       # local region too small
+    assert ch.quick_plan([(1, 5)], BS, NB + 1, NB, False, timeout_s=10) is None    # remote too small
+    assert ch.quick_plan([(1, 5)], 0, NB, NB, False, timeout_s=10) is None
+    assert ch.quick_plan([(1, 5)] * 9, BS, NB, NB, False, timeout_s=10) is None
+    ch.close()
+    assert again([3], [3]) < 0 and not _blocks(local[1])[3].any()   # a closed channel: declined
+
+
+def test_quick_pull_after_the_owner_was_killed_raises_peer_gone(owner, client):
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    assert pull([1], [1]) == BS   # the control: it worked, and left a pooled stream
+    owner.kill()
+    with pytest.raises(PeerGone):
+        pull([2], [2])
+    assert not _blocks(local[1])[2].any()
+    assert ch.statistics()["failed"] == 1
+
+
+def test_quick_transfers_the_owner_refuses_raise_refused_and_move_nothing(owner, client):
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=10)
+    wide = ch.quick_plan([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)   # 2 x 16 blocks: 128 KiB a call
+    assert pull([4], [4]) == BS and push([4], [4]) == BS   # the control
+    assert owner.ask("deregister", 5) and owner.ask("deregister", 6)
+    with pytest.raises(Refused, match="region 5 is not registered"):
+        pull([5], [5])
+    with pytest.raises(Refused, match="region 6 is not registered"):
+        push([5], [5])
+    with pytest.raises(Refused, match="region 6 is not registered"):   # its payload dropped by the owner
+        wide(list(range(16)), list(range(16, 32)))
+    assert not _blocks(local[1])[5].any()
+    assert not _blocks(np.frombuffer(owner.ask("snapshot", 9), np.uint8))[16:].any()
+    assert owner.ask("stats")["refused"] == 3
+    st = ch.statistics()
+    assert st["streams_opened"] == 1 and st["idle_streams"] == 1, "a refusal left the stream out of step"
+
+
+def test_quick_deadline_against_an_owner_that_never_answers_raises_timeout(owner, client):
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.3)
+    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.3)
+    with socket.socket() as silent:   # accepts, never answers: a pooled stream to it
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        for fn in (pull, push):
+            with ch._lock:
+                stale, ch._idle = ch._idle, [socket.create_connection(silent.getsockname())]
+            for s in stale:
+                s.close()
+            conn, _ = silent.accept()
+            with conn:
+                with pytest.raises(TransportTimeout):
+                    fn([6], [6])
+    assert not _blocks(local[1])[6].any()
+    assert ch.statistics()["failed"] == 2
+
+
+# ---------------------------------------------------------------------------- the owner's two paths
+
+_REQ = struct.Struct("<4sBBHIQ")
+_OP = struct.Struct("<IQQ")
+_RSP = struct.Struct("<4sBBHI")
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        try:
+            chunk = s.recv(n - len(out))
+        except OSError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+    return out
+
+
+F_PAD, F_EAGER = 1, 2
+
+
+def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, payload: bytes) -> tuple:
+    """One raw request; (status or None when the stream ended, message, payload bytes read, or for a
+    write its last answer header)."""
+    req = _REQ.pack(b"LDRQ", kind, flags, 0, len(ops), total) + b"".join(_OP.pack(*op) for op in ops)
+    if kind == 2 and flags & F_PAD:
+        req += bytes(-len(req) % 16)
+    eager = kind == 2 and flags & F_EAGER
+    s.sendall(req + payload if eager else req)
+    head = _recv(s, _RSP.size)
+    if len(head) < _RSP.size:
+        return (None, "", b"")
+    _, status, _, _, n = _RSP.unpack(head)
+    msg = _recv(s, n)
+    if status != 0:
+        return (status, msg, b"")
+    if kind == 1:
+        return (status, msg, _recv(s, total))
+    if eager:
+        return (status, msg, b"")
+    s.sendall(payload)
+    tail = _recv(s, _RSP.size)
+    if len(tail) == _RSP.size:
+        tail += _recv(s, _RSP.unpack(tail)[4])
+    return (status, msg, tail)
+
+
+def test_few_ops_path_decides_and_answers_as_the_numpy_path():
+    """Two owners with the same regions and grant, one serving at most 8 ops in plain Python, the other
+    every request with numpy: 400 seeded random requests (regions registered, private, unknown and
+    outside the grant; offsets and lengths inside, at and past the bounds, and huge; totals right and
+    wrong; reads and writes, padded or not, writes eager or not) get the same answers, bytes and sinks."""
+    t = TcpTransport({})
+    few, wide = t.open_endpoint(), t.open_endpoint()
+    wide._few_ops = 0
+    client = t.open_endpoint()
+    rng = np.random.default_rng(SEED + 5)
+    size = 4096
+    src = {rid: rng.integers(0, 256, size, dtype=np.uint8) for rid in (10, 11, 12)}
+    sinks = {ep: {rid: np.zeros(size, np.uint8) for rid in (20, 21)} for ep in (few, wide)}
+    cap = secrets.token_bytes(32)
+    socks = {}
+    try:
+        for ep in (few, wide):
+            ep.serve_links_only()
+            for rid, buf in src.items():
+                ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size, remote_accessible=rid != 12,
+                                      placement=0))
+            for rid, buf in sinks[ep].items():
+                ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size, remote_accessible=True,
+                                      placement=0))
+            ep.grant(1, cap, [10, 12, 20, 21])   # 11: remote-accessible but not granted
+        chans = {ep: client.connect(attrs.evolve(ep.describe(), capability=cap), timeout=5) for ep in (few, wide)}
+
+        def stream(ep):
+            s = socks.get(ep)
+            if s is None:
+                s = socks[ep] = chans[ep]._open_stream(time.monotonic() + 5)
+                s.settimeout(5)
+            return s
+
+        def value(hi: int) -> int:
+            r = rng.random()
+            if r < 0.6:
+                return int(rng.integers(0, hi + 1))
+            return [hi, hi + 1, size, size + 1, 2**63, 2**64 - 1][int(rng.integers(0, 6))]
+
+        decisions = set()
+        for i in range(400):
+            kind = int(rng.choice([1, 2]))
+            count = int(rng.integers(0, 9))
+            ops = []
+            for _ in range(count):
+                rid = int(rng.choice([10, 20, 21, 11, 12, 99] if kind == 1 else [20, 21, 20, 10, 11, 12, 99]))
+                off = value(size)
+                ops.append((rid, off, value(max(0, size - off) if off <= size else 16)))
+            total = sum(n for _, _, n in ops) % 2**64
+            if rng.random() < 0.1:
+                total = (total + int(rng.integers(1, 100))) % 2**64
+            flags = int(rng.integers(0, 2 if kind == 1 else 4))
+            payload = rng.integers(0, 256, total, dtype=np.uint8).tobytes() if total <= 4 * size else b""
+            if kind == 2 and not payload and total:
+                total, ops = 0, []   # a write whose payload the test could not send: an empty one instead
+            answers = {}
+            for ep in (few, wide):
+                answers[ep] = _exchange(stream(ep), kind, flags, ops, total, payload)
+                status, _, tail = answers[ep]
+                if status is None or (status == 0 and kind == 2 and not flags & F_EAGER and not tail):
+                    socks.pop(ep).close()   # the owner ended the stream: a fresh one for the next request
+            assert answers[few] == answers[wide], (i, kind, flags, ops, total)
+            for rid in (20, 21):
+                assert np.array_equal(sinks[few][rid], sinks[wide][rid]), (i, ops)
+            decisions.add((kind, flags & F_EAGER, answers[few][0]))
+        # both kinds (writes eager or not) were accepted, refused and ended (a wrong total) at least once
+        want = {(1, 0, 0), (1, 0, 1), (2, 0, 0), (2, 0, 1), (2, F_EAGER, 0), (2, F_EAGER, 1), (1, 0, None)}
+        assert want <= decisions, decisions
+        assert sinks[few][20].any() and sinks[few][21].any()
+        # (refusals are counted before the answer leaves; served requests after it)
+        assert few.statistics()["refused"] == wide.statistics()["refused"] > 0
+    finally:
+        for s in socks.values():
+            s.close()
+        client.close()
+        few.close()
+        wide.close()
+
+
+def test_quick_pull_in_flight_is_cancelled_by_deregistration_and_lands_nothing_after(owner, client):
+    """The local region is pinned while a quick call waits for its answer: deregister fails the call
+    (Cancelled) and returns only after it ended; bytes the peer sends afterwards land nowhere."""
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=30)
+    local[1][:] = 0x5A
+    box: dict = {}
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        with ch._lock:
+            stale, ch._idle = ch._idle, [socket.create_connection(silent.getsockname())]
+        for s in stale:
+            s.close()
+        conn, _ = silent.accept()
+        with conn:
+            conn.settimeout(10)
+            caller = threading.Thread(target=lambda: box.update(err=_raised(pull, [7], [7])))
+            caller.start()
+            assert len(_recv(conn, 40)) == 40   # the request came: the call holds its pin now
+            ep.deregister(1)
+            caller.join(10)
+            assert not caller.is_alive()
+            assert isinstance(box["err"], Cancelled), box
+            try:   # the answer comes too late: nothing of it may land
+                conn.sendall(_RSP.pack(b"LDRS", 0, 0, 0, 4) + bytes(4) + bytes(range(256)) * (BS // 256))
+            except OSError:
+                pass
+    assert (local[1] == 0x5A).all()
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    return None
