@@ -161,6 +161,19 @@ def test_owner_refuses_and_counts_and_binds_to_host_only():
         assert c.error.status_code is LLMStatusCode.LLM_PARAM_INVALID
         assert not dst.any()
         assert b.statistics()["refused"] == 1 and "out of bounds" in b.statistics()["last_error"]
+        # the ops path asks for padded READ answers (F_PAD): a reason arrives whole, without the NULs that
+        # pad header and reason to a multiple of 16 (these two reasons need 13 and 12 of them)
+        c = ch.read(make_ops(1, 0, 3, 4001, 99), deadline=time.monotonic() + 5)   # one op: the few-ops path
+        assert c.wait(5) and isinstance(c.error, Refused)
+        reason = b.statistics()["last_error"]
+        assert (12 + len(reason)) % 16 and str(c.error).endswith(reason), (reason, str(c.error))
+        many = make_ops(1, np.arange(0, 4096, 256), 3, np.arange(0, 8192, 512) % 4096, 200)   # 16 ops: numpy's
+        many["remote_offset"][-1] = 4000
+        c = ch.read(many, deadline=time.monotonic() + 5)
+        assert c.wait(5) and isinstance(c.error, Refused)
+        reason = b.statistics()["last_error"]
+        assert (12 + len(reason)) % 16 and str(c.error).endswith(reason), (reason, str(c.error))
+        assert not dst.any()
         with pytest.raises(Refused):
             ch.add_remote_region(3, 4096, attrs.evolve(d, payload=encode_payload(
                     msgspec.structs.replace(region_fields(d), endpoint_id=b"x" * 16))))

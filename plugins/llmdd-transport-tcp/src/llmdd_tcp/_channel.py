@@ -24,7 +24,7 @@ from ._io import _move, _sendmsg_all, _Where
 from ._options import OPT_INLINE, OPT_SEGMENT, OPT_SPLIT, OPT_STREAMS
 from ._sock import _arm, _close, _map_exc, _readable, _recv_exact, _shutdown, _StaleStream, _tune
 from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _M_REQ, _OPEN, _REQ, _RSP, MAX_OPS_PER_REQUEST, READ, ST_OK
-from ._wire import ST_REFUSED, VERSION, WRITE, _parse_rsp, _recv_rsp
+from ._wire import F_PAD, ST_REFUSED, VERSION, WRITE, _parse_rsp, _recv_rsp
 
 if TYPE_CHECKING:   # the endpoint opens channels (it imports this module); a channel only calls back into it
     from ._endpoint import TcpEndpoint
@@ -343,7 +343,8 @@ class TcpChannel(Channel):
         total = int(ops["length"].sum(dtype=np.uint64))
         _arm(sock, deadline)
         try:
-            _sendmsg_all(sock, [_REQ.pack(_M_REQ, kind, 0, 0, len(ops), total), memoryview(wire.view(np.uint8))])
+            _sendmsg_all(sock, [_REQ.pack(_M_REQ, kind, F_PAD if kind == READ else 0, 0, len(ops), total),
+                                 memoryview(wire.view(np.uint8))])
             head = _recv_exact(sock, _RSP.size, deadline, stale_ok=True)
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise _StaleStream(f"stream closed by the owner: {exc}") from None

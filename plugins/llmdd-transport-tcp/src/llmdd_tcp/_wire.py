@@ -65,5 +65,6 @@ def _parse_rsp(sock: socket.socket, head: bytearray, deadline: float) -> tuple[i
     magic, status, _, _, n = _RSP.unpack(head)
     if magic != _M_RSP or n > MAX_MESSAGE:
         raise Corrupt("bad response header from peer")
-    msg = bytes(_recv_exact(sock, n, deadline)).decode(errors="replace") if n else ""
+    # a padded answer (F_PAD) carries NULs after its message
+    msg = bytes(_recv_exact(sock, n, deadline)).rstrip(b"\0").decode(errors="replace") if n else ""
     return status, msg
