@@ -328,9 +328,11 @@ def transfer(state: dict, method: str, key: tuple, dst: str, *args: Any, **kwarg
     """``cache_manager.<method>(key, caches[dst], *args)``: (status or exception type, seconds, end)."""
     cm = state["dd"].cache_manager
     t0 = time.monotonic()
+    state["last_error"] = None
     try:
         getattr(cm, method)(_key(key), state["caches"][dst], *args, **kwargs)
     except LLMException as exc:
+        state["last_error"] = str(exc)   # what failed and why, for a case's failure message
         return exc.status_code.name, time.monotonic() - t0, time.monotonic()
     except (TypeError, ValueError) as exc:
         return type(exc).__name__, time.monotonic() - t0, time.monotonic()
@@ -352,7 +354,7 @@ def transfer_watch(state: dict, method: str, key: tuple, dst: str, *args: Any, w
         fill(state, dst, POISON)
         time.sleep(watch_s)
         kept = poison_kept(state, dst)
-    return {"status": status, "took": took, "end": end, "poison_kept": kept}
+    return {"status": status, "took": took, "end": end, "poison_kept": kept, "error": state.get("last_error")}
 
 
 def transfers_in_threads(state: dict, jobs: list, start_gap: float = 0.0) -> list:

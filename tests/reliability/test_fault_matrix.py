@@ -237,7 +237,8 @@ def test_f9_owner_killed_mid_pull(rig):
     rig.fresh(d_kw={"faults": plan({"op": "read", "action": "kill_peer", "point": "mid_transfer"})})
     d = rig.d
     res = d.call(R.transfer_watch, *PULL_BIG, timeout=10)
-    assert res["status"] == "LLM_LINK_FAILED", res        # the peer vanished mid-transfer
+    # the peer vanished mid-transfer (res carries the call's error message: what failed, and how)
+    assert res["status"] == "LLM_LINK_FAILED" and "cluster" in res["error"], res
     assert res["took"] <= SYNC_S + EPS, res
     _poison_after_error(d, res)
     assert d.call(R.fault_fired) == [("read", "kill_peer")]
