@@ -34,6 +34,7 @@ from llmdd._seam.completions import ThreadCompletion as ThreadCompletion
 from llmdd._seam.completions import submitted as submitted
 from llmdd._seam.errors import TransportTimeout as TransportTimeout
 from llmdd._seam.ops import as_ops as as_ops
+from llmdd._seam.ops import block_runs as block_runs
 from llmdd._seam.ops import check_ops as check_ops
 from llmdd._seam.ops import coalesce_ops as coalesce_ops
 from llmdd._seam.ops import make_ops as make_ops
@@ -59,6 +60,7 @@ from llmdd._seam.payload import encode_payload as encode_payload
 from llmdd._base.status import TransportError as TransportError
 
 __all__ = [
+    "block_runs",
     "get_logger",
     "segment_name",
     "IoLoop",

@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._seam.errors import Refused
 
-__all__ = ["OP_DTYPE", "RegionTable", "as_ops", "check_ops", "make_ops", "coalesce_ops", "split_ops"]
+__all__ = ["OP_DTYPE", "RegionTable", "as_ops", "check_ops", "make_ops", "coalesce_ops", "split_ops", "block_runs"]
 
 #: One op of a batch: (local region, offset, remote region, offset, length), packed (a numpy
 #: dtype, defined when numpy is first used: see llmdd._base.lazy).
@@ -177,3 +177,33 @@ def split_ops(ops: np.ndarray, parts: int) -> list[np.ndarray]:
     cuts = np.searchsorted(ends, [total * k // parts for k in range(1, parts)], side="left") + 1
     cuts = np.unique(np.clip(cuts, 1, len(ops) - 1))
     return [p for p in np.split(ops, cuts) if len(p)]
+
+
+def block_runs(src_blocks: Any, dst_blocks: Any, src_units: int, dst_units: int, max_blocks: int) -> Optional[list]:
+    """A small transfer's block pairs as runs ``[src start, dst start, count]`` of blocks consecutive on
+    both sides, in the caller's order (as the engine's ``QuickPlan.ops`` merges them), in plain Python
+    (a channel's one-call path); None when a one-call path does not take them: not 1 to ``max_blocks``
+    pairs, a block that is not an exact int in range (no ``bool``, no numpy int), or a destination
+    block twice (the ops path decides which pair wins)."""
+    n = len(dst_blocks)
+    if not 0 < n <= max_blocks or len(src_blocks) != n:
+        return None
+    for b in src_blocks:
+        if type(b) is not int or not 0 <= b < src_units:
+            return None
+    for b in dst_blocks:
+        if type(b) is not int or not 0 <= b < dst_units:
+            return None
+    if n == 1:
+        return [[src_blocks[0], dst_blocks[0], 1]]
+    if len(set(dst_blocks)) != n:
+        return None
+    runs: list[list[int]] = []
+    ps = pd = -2
+    for a, b in zip(src_blocks, dst_blocks):
+        if a == ps + 1 and b == pd + 1:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+        ps, pd = a, b
+    return runs

@@ -29,7 +29,7 @@ import struct
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout
+from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout, block_runs
 
 from ._channel import TcpChannel, _Batch   # (the channel imports this module when it plans)
 from ._io import _advance
@@ -176,31 +176,14 @@ class QuickCall:
     def rows(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Optional[list]:
         """The request's rows ``[remote region, remote offset, local region, local offset, length]`` as
         the ops path sends them, or None when the quick path does not take these blocks."""
-        n = len(dst_blocks)
-        if not 0 < n <= QUICK_MAX_BLOCKS or len(src_blocks) != n:
+        runs = block_runs(src_blocks, dst_blocks, self.su, self.du, QUICK_MAX_BLOCKS)
+        if runs is None:
             return None
-        su, du = self.su, self.du
-        for b in src_blocks:
-            if type(b) is not int or not 0 <= b < su:
-                return None
-        for b in dst_blocks:
-            if type(b) is not int or not 0 <= b < du:
-                return None
         bs, push = self.bs, self.push
-        if n == 1 and len(self.pairs) == 1:
+        if len(runs) == 1 and runs[0][2] == 1 and len(self.pairs) == 1:
             lreg, rreg = self.pairs[0]
-            s, d = src_blocks[0], dst_blocks[0]
+            s, d, _ = runs[0]
             return [[rreg, d * bs, lreg, s * bs, bs]] if push else [[rreg, s * bs, lreg, d * bs, bs]]
-        if n > 1 and len(set(dst_blocks)) != n:
-            return None   # a destination twice: the ops path decides (the last pair wins there)
-        runs: list[list[int]] = []   # consecutive on both sides, in the caller's order (QuickPlan.ops)
-        ps = pd = -2
-        for a, b in zip(src_blocks, dst_blocks):
-            if a == ps + 1 and b == pd + 1:
-                runs[-1][2] += 1
-            else:
-                runs.append([a, b, 1])
-            ps, pd = a, b
         rows = []
         for lreg, rreg in self.pairs:
             for s0, d0, c in runs:

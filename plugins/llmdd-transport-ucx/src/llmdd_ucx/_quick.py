@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from llmdd.lowlevel import block_runs
+
 from . import _nixl
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS
 
@@ -74,28 +76,10 @@ def quick_plan(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: 
     def fast(src_blocks: Any, dst_blocks: Any) -> int:
         if ep._qver != ev or ch._qver != cv:
             return STALE
-        n = len(dst_blocks)
-        if not 0 < n <= MAX_BLOCKS or len(src_blocks) != n:
+        runs = block_runs(src_blocks, dst_blocks, su, du, MAX_BLOCKS)
+        if runs is None:
             return SHAPE
-        for b in src_blocks:
-            if type(b) is not int or not 0 <= b < su:
-                return SHAPE
-        for b in dst_blocks:
-            if type(b) is not int or not 0 <= b < du:
-                return SHAPE
-        if n == 1:
-            runs: Any = ((src_blocks[0], dst_blocks[0], 1),)
-        else:
-            if len(set(dst_blocks)) != n:   # the ops path decides which pair wins
-                return SHAPE
-            runs = []
-            ps = pd = -2
-            for a, b in zip(src_blocks, dst_blocks):
-                if a == ps + 1 and b == pd + 1:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([a, b, 1])
-                ps, pd = a, b
+        n = len(dst_blocks)
         ldesc = []
         rdesc = []
         for lbase, rbase, dev in rows:
