@@ -18,7 +18,8 @@ HOST = "127.0.0.1"
 BB = 64 * 1024
 
 
-def setup(state: dict, role: str, cluster_id: int, transport: str, listen: bool) -> Optional[int]:
+def setup(state: dict, role: str, cluster_id: int, transport: str, listen: bool,
+          extra: Optional[dict] = None) -> Optional[int]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = True
@@ -28,6 +29,7 @@ def setup(state: dict, role: str, cluster_id: int, transport: str, listen: bool)
         cfg.listen_ip_info = f"{HOST}:0"
     options = cfg.generate_options()
     options["llmdd.transport"] = transport
+    options.update(extra or {})
     dd = LLMDataDist(LLMRole[role], cluster_id)
     dd.init(options)
     state["dd"] = dd

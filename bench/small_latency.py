@@ -4,7 +4,7 @@ same block (16-byte request, ``sendall`` of the block, ``recv_into``) measured i
 anchor, interleaved in rounds.  Prints p50 / p99 and the ratio to the anchor's p50; ``--json`` keeps
 every figure.
 
-    .venv/bin/python bench/small_latency.py --transport tcp --n 2000 --kv-mib 64
+    .venv/bin/python bench/small_latency.py --transport tcp --n 2000 --kv-mib 64 [--option llmdd.tcp.spin_us=0]
 """
 
 from __future__ import annotations
@@ -35,16 +35,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds of n/rounds calls each")
     ap.add_argument("--kv-mib", type=int, default=64)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine option for both engines (repeatable), e.g. llmdd.tcp.spin_us=0")
     a = ap.parse_args()
     from llmdd.testing._harness import Cluster
 
     env = {"PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     nbytes = a.kv_mib << 20
-    out: dict = {"load_before": os.getloadavg(), "transport": a.transport, "n": a.n}
+    out: dict = {"load_before": os.getloadavg(), "transport": a.transport, "n": a.n, "options": a.option}
     with Cluster(env=env) as c:
         p, d = c.spawn("prompt", "decoder")
-        port = p.call(S.setup, "PROMPT", PROMPT, a.transport, True)
-        d.call(S.setup, "DECODER", DECODER, a.transport, False)
+        extra = dict(kv.split("=", 1) for kv in a.option)
+        port = p.call(S.setup, "PROMPT", PROMPT, a.transport, True, extra)
+        d.call(S.setup, "DECODER", DECODER, a.transport, False, extra)
         p.call(S.register, PROMPT, nbytes, 1)
         d.call(S.register, DECODER, nbytes, 2)
         if d.call(S.link, PROMPT, port) != "LLM_SUCCESS":

@@ -68,6 +68,7 @@ class Options:
     seed: int = 0
     step_timeout: float = 300.0
     skip: set = field(default_factory=set)
+    options: dict = field(default_factory=dict)   # engine options for every engine of the run (--option)
 
 
 # ---------------------------------------------------------------------- workers
@@ -206,13 +207,13 @@ class Run:
     def _engine(self, t: str) -> dict:
         """A worker's ``init`` arguments for row ``t``: a variant names its base transport and settings."""
         if t not in VARIANTS:
-            return {"transport": t}
+            return {"transport": t, "options": dict(self.o.options)}
         if self._tls is None:
             try:
                 self._tls = TlsFiles()
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 raise BenchError(f"{t}: {exc}") from None
-        return {"transport": VARIANTS[t], "options": dict(self._tls.options)}
+        return {"transport": VARIANTS[t], "options": {**self._tls.options, **self.o.options}}
 
     # steps are counted up front for the progress bar
     @staticmethod
@@ -526,7 +527,7 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
     meta = machine_facts()
     meta.update({"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": load_average(),
                  "transports": transports, "sizes": asdict(opts.sizes), "seed": opts.seed,
-                 "parent_rss_start": rss_bytes()})
+                 "options": dict(opts.options), "parent_rss_start": rss_bytes()})
     run.results["meta"] = meta
     began = time.monotonic()
     if "anchors" not in opts.skip:

@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", nargs="?", action=_ProfileRenamed, help=argparse.SUPPRESS)
     parser.add_argument("--no-anchors", action="store_true", help="skip the machine's anchors (no ratios)")
     parser.add_argument("--seed", type=int, default=0, help="block tables")
+    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                        help="an engine option for every engine of the run (repeatable), e.g. "
+                             "llmdd.tcp.spin_us=0; recorded in the results (meta.options)")
     parser.add_argument("--json", action="store_true", help="print the results JSON on stdout instead of the table")
     parser.add_argument("--report", default=None, nargs="+", metavar="RESULTS_JSON",
                         help="do not measure: re-render one results.json (with --peers merged) and rewrite it; "
@@ -96,9 +99,16 @@ def run(args: argparse.Namespace) -> int:
                   f"(available: {', '.join(transports)})", file=sys.stderr)
             return 2
         transports = list(args.transport)
+    options = {}
+    for kv in args.option:
+        key, sep, value = kv.partition("=")
+        if not sep or not key:
+            print(f"llmdd bench: --option takes KEY=VALUE, not {kv!r}", file=sys.stderr)
+            return 2
+        options[key] = value
     out = args.out or os.path.join(DEFAULT_OUT, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     opts = Options(sizes=Sizes.quick() if args.quick else Sizes(), transports=transports, profile=args.cprofile,
-                   seed=args.seed, skip={"anchors"} if args.no_anchors else set())
+                   seed=args.seed, skip={"anchors"} if args.no_anchors else set(), options=options)
     if not args.quiet:
         print(f"llmdd bench: transports {', '.join(transports)}; results in {os.path.abspath(out)}", file=sys.stderr)
     results = run_bench(opts, progress_enabled=not args.quiet)

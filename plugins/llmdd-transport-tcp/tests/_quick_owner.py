@@ -2,7 +2,7 @@
 
 The owner opens a tcp endpoint and registers, as blocks of ``bs`` bytes: regions 5 and 8 (seeded random
 contents: :func:`pattern`), 6 and 9 (zeros: the sinks of pushes), all remote-accessible, and 7 (random,
-not remote-accessible).  Commands: ``("snapshot", rid)`` the region's bytes, ``("deregister", rid)``,
+not remote-accessible), with the transport ``options`` given.  Commands: ``("snapshot", rid)`` the region's bytes, ``("deregister", rid)``,
 ``("stats",)``, ``("stop",)``."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def pattern(rid: int, size: int, seed: int) -> np.ndarray:
     return np.random.default_rng([seed, rid]).integers(0, 256, size, dtype=np.uint8)
 
 
-def owner_main(conn, size: int, seed: int) -> None:
-    ep = TcpTransport({}).open_endpoint(host="127.0.0.1")
+def owner_main(conn, size: int, seed: int, options: dict | None = None) -> None:
+    ep = TcpTransport(dict(options or {})).open_endpoint(host="127.0.0.1")
     bufs = {rid: pattern(rid, size, seed) for rid in SOURCES + (PRIVATE,)}
     bufs.update({rid: np.zeros(size, np.uint8) for rid in SINKS})
     descs = {rid: ep.register(MemRegion(region_id=rid, addr=b.ctypes.data, size=size,

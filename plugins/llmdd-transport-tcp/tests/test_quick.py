@@ -35,10 +35,10 @@ SEED = 20261202
 class Owner:
     """The owner child: its descriptors, commands, and its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, options: dict | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=owner_main, args=(child, SIZE, SEED), daemon=True)
+        self.proc = ctx.Process(target=owner_main, args=(child, SIZE, SEED, options), daemon=True)
         self.proc.start()
         assert self.conn.poll(30), "owner did not start"
         self.desc, self.descs = self.conn.recv()
@@ -47,6 +47,14 @@ class Owner:
         self.conn.send(cmd)
         assert self.conn.poll(30), f"owner did not answer {cmd}"
         return self.conn.recv()
+
+    def stats_after(self, requests: int) -> dict:
+        """The owner's statistics once it counted ``requests`` served requests (a request is counted just
+        after its answer left, so the client may see the answer first)."""
+        deadline = time.monotonic() + 10
+        while (stats := self.ask("stats"))["requests"] < requests and time.monotonic() < deadline:
+            pass
+        return stats
 
     def kill(self) -> None:
         self.proc.kill()
@@ -95,10 +103,11 @@ def test_quick_pull_and_push_move_the_right_bytes_between_processes(owner, clien
     pull = ch.quick_plan([(1, 5), (2, 8)], BS, NB, NB, False, timeout_s=10)
     push = ch.quick_plan([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)
     assert pull is not None and push is not None
-    served0 = owner.ask("stats")["ops_served"]
+    base = owner.ask("stats")
     src, dst = [3, 4, 5, 10, 20], [0, 1, 2, 7, 31]   # runs (3,0,3) (10,7,1) (20,31,1): 3 rows a pair
     assert pull(src, dst) == len(src) * BS * 2
-    assert owner.ask("stats")["ops_served"] - served0 == 6, "consecutive blocks were not merged into runs"
+    after = owner.stats_after(base["requests"] + 1)
+    assert after["ops_served"] - base["ops_served"] == 6, "consecutive blocks were not merged into runs"
     for lrid, rrid in ((1, 5), (2, 8)):
         want = _blocks(pattern(rrid, SIZE, SEED))
         got = _blocks(local[lrid])

@@ -152,6 +152,36 @@ def test_bench_default_results_directory_is_named_and_printed(tmp_path, monkeypa
     assert err[0] == f"llmdd bench: transports tcp; results in {tmp_path / out}"
 
 
+def test_bench_option_reaches_every_engine_and_the_results(monkeypatch, tmp_path, capsys):
+    from llmdd._tools.bench import report, runner
+
+    seen = {}
+
+    def fake_run_bench(opts, progress_enabled=True):
+        seen["opts"] = opts
+        run = runner.Run(opts, runner.Progress(1, enabled=False))
+        seen["engine"] = run._engine("tcp")
+        return {"meta": {"options": dict(opts.options)}, "errors": []}
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(runner, "available_transports", lambda: ["tcp"])
+    monkeypatch.setattr(runner, "run_bench", fake_run_bench)
+    monkeypatch.setattr(report, "finish", lambda results, out: dict(results, plots={"skipped": "-"}))
+    monkeypatch.setattr(report, "all_verified", lambda results: True)
+    monkeypatch.setattr(bench_cli, "_emit", lambda results, args, table: seen.setdefault("results", results))
+    argv = ["bench", "--quick", "--option", "llmdd.tcp.spin_us=0", "--option", "llm.x=a=b"]
+    assert main(argv) == 0
+    want = {"llmdd.tcp.spin_us": "0", "llm.x": "a=b"}   # split at the first '='
+    assert seen["opts"].options == want
+    assert seen["engine"] == {"transport": "tcp", "options": want}
+    lines = report.table({"meta": seen["results"]["meta"], "transports": {}}, [], [])
+    assert "engine options: llm.x=a=b, llmdd.tcp.spin_us=0" in lines
+    capsys.readouterr()
+    for bad in ("novalue", "=0"):
+        assert main(["bench", "--quick", "--option", bad]) == 2
+        assert f"--option takes KEY=VALUE, not {bad!r}" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- doctor's output as it runs
 
 

@@ -22,7 +22,7 @@ from ._descriptors import EndpointFields, region_fields
 from ._grants import _cap_key, _handle, _mac
 from ._io import _move, _sendmsg_all, _Where
 from ._options import OPT_INLINE, OPT_SEGMENT, OPT_SPLIT, OPT_STREAMS
-from ._sock import _arm, _close, _map_exc, _readable, _recv_exact, _shutdown, _StaleStream, _tune
+from ._sock import Spinner, _arm, _close, _map_exc, _readable, _recv_exact, _shutdown, _StaleStream, _tune
 from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _M_REQ, _OPEN, _REQ, _RSP, MAX_OPS_PER_REQUEST, READ, ST_OK
 from ._wire import F_PAD, ST_REFUSED, VERSION, WRITE, _parse_rsp, _recv_rsp
 
@@ -85,6 +85,7 @@ class TcpChannel(Channel):
         self._features = 0   # the owner's HELLO features (_wire.FEAT_QUICK: padded and eager writes)
         self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
+        self._spinner = Spinner(endpoint._spin)   # one-call transfers' waits for their answers (llmdd_tcp._quick)
         # int counters, and last_error (str or None)
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
                                        "batches": 0, "failed": 0, "streams_opened": 0, "quick_batches": 0,
@@ -135,7 +136,8 @@ class TcpChannel(Channel):
     def statistics(self) -> dict:
         with self._lock:
             return dict(self._stats, idle_streams=len(self._idle), remote_regions=len(self._remote),
-                        closed=self._batches.closed)
+                        closed=self._batches.closed, answers_spun=self._spinner.hits,
+                        spins_missed=self._spinner.misses)
 
     def quick_plan(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
                    push: bool, *, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:

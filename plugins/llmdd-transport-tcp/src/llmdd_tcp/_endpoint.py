@@ -25,7 +25,7 @@ from ._few import FEW_OPS, discard_payload, serve_few
 from ._grants import _Grant, _handle, _mac
 from ._io import _OK_HEAD, _OK_HEAD_PADDED, _move, _Where
 from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
-from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS
+from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
 from ._request import read_request
 from ._server import _ServerConn
 from ._sock import _close, _map_exc, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
@@ -85,7 +85,8 @@ class TcpEndpoint(Endpoint):
         self._stats: dict[str, Any] = {"bytes_served": 0, "ops_served": 0, "requests": 0, "refused": 0,
                        "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
                        "pending_expired": 0, "evicted": 0, "accept_errors": 0, "listener_failed": None,
-                       "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0}
+                       "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0,
+                       "requests_spun": 0}
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.bind((host, 0))
         self._lsock.listen(128)
@@ -93,6 +94,7 @@ class TcpEndpoint(Endpoint):
         self._port = self._lsock.getsockname()[1]
         self._log = _log.bind(endpoint=self._id.hex()[:8], port=self._port)
         self._linger = max(0.0, float(self._cfg[OPT_LINGER]) / 1000.0)
+        self._spin = max(0.0, float(self._cfg[OPT_SPIN]) / 1e6)
         self._pending_s = max(1, int(self._cfg[OPT_PENDING_TIMEOUT])) / 1000.0
         self._last_accept_warning = 0.0
         self._on_listener_failed: list = []
@@ -401,6 +403,7 @@ class TcpEndpoint(Endpoint):
             sock.setblocking(True)
             _set_timeouts(sock, float(self._cfg[OPT_SERVER_SEND_TIMEOUT]))
             flags = _waitall(sock)
+            spinner = conn.spinner
             while True:
                 # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the header
                 head, conn.head = conn.head, b""
@@ -415,7 +418,10 @@ class TcpEndpoint(Endpoint):
                 self._serve_request(sock, kind, ops, total, grant, rflags)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
-                if not _wait_readable(sock, self._linger):
+                if spinner.wait(sock, self._linger):
+                    with self._lock:
+                        self._stats["requests_spun"] += 1   # the next request came while this thread polled
+                elif not _wait_readable(sock, self._linger):
                     break
         except Exception as exc:  # noqa: BLE001 - a broken client must never break the endpoint
             err = _map_exc(exc)

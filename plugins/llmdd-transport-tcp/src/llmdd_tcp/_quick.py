@@ -273,6 +273,7 @@ class QuickCall:
                     _send_all(sock, [req, *views], len(req) + total, dl)
                 else:
                     sock.sendall(req)
+                ch._spinner.wait(sock, dl.deadline - time.monotonic())   # the answer polled for first
                 _recv_exact(sock, head, dl, stale_ok=True)
             except (_StaleStream, ConnectionResetError, BrokenPipeError) as exc:
                 if not reused or batch.aborted:

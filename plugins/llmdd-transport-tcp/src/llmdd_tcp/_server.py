@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional, Union
 from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, PeerGone, PoolFull, TransportError
 
 from ._grants import _Grant, _mac
-from ._sock import _close, _is_tls, _map_exc, _shutdown
+from ._sock import Spinner, _close, _is_tls, _map_exc, _shutdown
 from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _OPEN, FEAT_QUICK, VERSION
 
 if TYPE_CHECKING:   # the endpoint creates the streams (it imports this module); a stream only calls back into it
@@ -23,7 +23,7 @@ class _ServerConn:
     """One accepted data stream: (TLS handshake,) HELLO/AUTH on the loop, then idle on the loop or
     served by a worker."""
 
-    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed", "grant", "tls", "head")
+    __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed", "grant", "tls", "head", "spinner")
 
     def __init__(self, ep: TcpEndpoint, sock: socket.socket, ip: str) -> None:
         self.ep = ep
@@ -36,6 +36,7 @@ class _ServerConn:
         self.grant: Union[_Grant, None] = None
         self.tls: Optional[ssl.SSLSocket] = sock if _is_tls(sock) else None   # sock, when it is a TLS socket
         self.head = b""          # TLS: the first byte of a request, taken by the loop to see it come
+        self.spinner = Spinner(ep._spin)   # the serving thread's wait for this stream's next request
         self.timer = ep._io.call_later(ep._pending_s, self.expire)
 
     def start(self) -> None:

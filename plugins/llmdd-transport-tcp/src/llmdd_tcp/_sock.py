@@ -5,6 +5,7 @@ from any thread, ``TCP_NODELAY``, the error mapping, and a writable view of raw 
 from __future__ import annotations
 
 import ctypes
+import os
 import select
 import socket
 import ssl
@@ -18,6 +19,7 @@ _memview = ctypes.pythonapi.PyMemoryView_FromMemory
 _memview.restype = ctypes.py_object
 _memview.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
 _PyBUF_WRITE = 0x200
+_yield = getattr(os, "sched_yield", lambda: None)
 
 
 def _region_view(addr: int, size: int) -> memoryview:
@@ -111,6 +113,71 @@ def _close(sock: socket.socket) -> None:
 
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _spin_readable(sock: socket.socket, seconds: float) -> bool:
+    """Poll a plain blocking socket for up to ``seconds`` without sleeping (``MSG_PEEK | MSG_DONTWAIT``):
+    True as soon as a byte, the end of the stream or an error waits (the read that follows takes or
+    reports it), False when the time ran out or the socket cannot be polled this way (TLS, a Python
+    timeout).  A thread asleep in the kernel is woken by an interrupt to its core when the bytes come,
+    which costs more than a small transfer on a small VM (docs/transports.md, "Spinning"): a waiter
+    that expects an answer within microseconds spins first, then sleeps.  Every empty poll yields the
+    core (``sched_yield``): a peer that runs on the same core (the one that is to answer) runs at once
+    instead of waiting until the spin ends."""
+    if seconds <= 0 or _is_tls(sock) or sock.gettimeout() is not None:
+        return False
+    end = time.perf_counter() + seconds
+    flags = socket.MSG_PEEK | socket.MSG_DONTWAIT
+    while True:
+        try:
+            sock.recv(1, flags)
+            return True
+        except (BlockingIOError, InterruptedError):
+            if time.perf_counter() >= end:
+                return False
+            _yield()   # a peer that shares this core runs now, not after the spin
+        except OSError:
+            return True
+
+
+#: the most waits a spinner skips after spins that found nothing (doubling from 1 on each miss)
+SPIN_SKIP_MAX = 64
+
+
+class Spinner:
+    """When to spin before a wait (``llmdd.tcp.spin_us``): always while spins find their bytes; after a
+    spin that ran out, the next wait sleeps at once, after two misses in a row the next two, then four,
+    up to :data:`SPIN_SKIP_MAX`; a spin that finds its bytes starts over.  A spin runs out when the peer
+    that is to answer cannot run (both cores busy: a sleeping waiter would let the scheduler move it
+    here, a spinning one keeps the core), so a busy machine stops paying for spins within a few waits
+    and a quiet one keeps spinning.  Shared by the threads of one channel or stream without a lock: its
+    counters are a hint (a lost update changes when the next spin happens, nothing else)."""
+
+    __slots__ = ("seconds", "skip", "penalty", "hits", "misses")
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = max(0.0, seconds)
+        self.skip = 0
+        self.penalty = 0
+        self.hits = 0
+        self.misses = 0
+
+    def wait(self, sock: socket.socket, limit: float) -> bool:
+        """Spin on ``sock`` for at most the budget (and ``limit``) unless misses say sleep: True when its
+        bytes (or its end) came while spinning."""
+        if self.seconds <= 0 or limit <= 0:
+            return False
+        if self.skip:
+            self.skip -= 1
+            return False
+        if _spin_readable(sock, min(self.seconds, limit)):
+            self.penalty = 0
+            self.hits += 1
+            return True
+        self.penalty = min(SPIN_SKIP_MAX, max(1, 2 * self.penalty))
+        self.skip = self.penalty
+        self.misses += 1
+        return False
 
 
 def _wait_readable(sock: socket.socket, seconds: float) -> bool:
