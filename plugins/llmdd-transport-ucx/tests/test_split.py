@@ -4,10 +4,10 @@ process (``_llmdd_ucx_owner``, regions of seeded random bytes):
 
 * a pull of random 64 KiB blocks and a push of one large op are split (counted in ``split_batches``,
   one batch, its bytes and ops counted once), every byte checked on the other side;
-* the controls: a batch below the threshold is not split, and with ``threads=1`` (the default)
-  nothing is (no posting thread, NIXL's strict mode as before);
-* a failure in one part fails the whole batch with that part's error, the other part is failed and
-  drained, no NIXL request is released while in flight, and the channel works afterwards;
+* the controls: a batch below the threshold is not split, and with ``threads=1`` nothing is (no
+  posting thread, NIXL's strict mode as before);
+* a failure in one part fails the whole batch with that part's error, the other parts are failed
+  and drained, no NIXL request is released while in flight, and the channel works afterwards;
 * deregistering the local region during a split pull fails it (Cancelled) and the deregistration
   returns with no request of it in flight.
 """
@@ -43,7 +43,6 @@ class _Pair:
     """This side (local region 1, seeded random content) connected to an owner process (10, 11)."""
 
     def __init__(self, tls: str = "", **opts) -> None:
-        opts = {"llmdd.ucx.threads": 2, **opts}   # the split is off by default
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
         self.proc = ctx.Process(target=owner_main, args=(there, tls, SIZE), daemon=True)
@@ -95,7 +94,7 @@ def test_split_bounds_cut_by_bytes_into_nonempty_runs():
 def test_a_large_pull_and_push_are_split_and_move_the_right_bytes():
     p = _Pair()
     try:
-        assert p.ep.statistics()["post_threads"] == 2
+        assert p.ep.statistics()["post_threads"] == 2   # the default: two posting threads
         lb, rb = _random_blocks(3, 12 * MiB)
         ops = make_ops(1, lb * BLK, 10, rb * BLK, BLK)
         c = p.ch.read(ops, deadline=time.monotonic() + 60)
@@ -106,7 +105,7 @@ def test_a_large_pull_and_push_are_split_and_move_the_right_bytes():
         assert st["split_batches"] == 1 and st["batches"] == 1, st
         # counted once, as an unsplit batch is: its bytes and its ops after coalescing
         assert st["bytes_read"] == 12 * MiB and st["ops_read"] == len(coalesce_ops(ops)), st
-        # one 10 MiB op pushed: cut into two parts too
+        # one 10 MiB op pushed: cut into parts too
         c = p.ch.write(make_ops(1, 0, 11, 1 * MiB, 10 * MiB), deadline=time.monotonic() + 60)
         assert c.wait(60) and c.error is None, c.error
         sink = p.owner_bytes(11)
@@ -137,11 +136,6 @@ def test_with_one_thread_nothing_is_split():
         assert st["split_batches"] == 0 and st["batches"] == 1 and st["bytes_read"] == 12 * MiB, st
     finally:
         p.close()
-    ep = UcxTransport({}).open_endpoint()   # the default: one thread, no split
-    try:
-        assert ep.statistics()["post_threads"] == 0
-    finally:
-        ep.close()
 
 
 class _Recorder:
@@ -190,37 +184,43 @@ class _Recorder:
         return self._agent.release_xfer_handle(h)
 
 
-def _wrap_parts(monkeypatch, recorders: list) -> None:
-    """Give part i of the next split batches recorder i's agent (set before the part is posted)."""
+def _wrap_parts(monkeypatch, wrap) -> None:
+    """Give the i-th part queued from now on the agent ``wrap(i, agent)`` (set before it is posted)."""
     real = _PostThreads.submit
+    count = [0]
 
-    def submit(self, i, part):
-        part._agent = recorders[i](part._agent)
-        real(self, i, part)
+    def submit(self, part):
+        part._agent = wrap(count[0], part._agent)
+        count[0] += 1
+        real(self, part)
     monkeypatch.setattr(_PostThreads, "submit", submit)
 
 
 def test_a_failure_in_one_part_fails_the_batch_and_drains_the_other(monkeypatch):
     # over UCX's tcp transport requests stay in flight after the post: the other part is drained
-    p = _Pair("tcp", **{"llmdd.ucx.chunk_bytes": 1 * MiB, "llmdd.ucx.inflight": 2, "llmdd.ucx.drain_timeout": 30.0})
+    p = _Pair("tcp", **{"llmdd.ucx.chunk_bytes": 1 * MiB, "llmdd.ucx.inflight": 1, "llmdd.ucx.drain_timeout": 30.0})
     try:
-        other = _Recorder(None)
-        first = _Recorder(None, fail_at=3, after=other.posted)
-        made = [first, other]
+        posted_1 = threading.Event()
+        made: list = []
 
-        def wrap(rec):
-            def f(agent):
-                rec._agent = agent
-                return rec
-            return f
-        _wrap_parts(monkeypatch, [wrap(first), wrap(other)])
+        def wrap(i, agent):
+            if i == 0:   # part 0 fails making its second request, once part 1 has posted one
+                rec = _Recorder(agent, fail_at=2, after=posted_1)
+            else:
+                rec = _Recorder(agent)
+                if i == 1:
+                    rec.posted = posted_1
+            made.append(rec)
+            return rec
+        _wrap_parts(monkeypatch, wrap)
         lb, rb = _random_blocks(6, 12 * MiB)
         c = p.ch.read(make_ops(1, lb * BLK, 10, rb * BLK, BLK), deadline=time.monotonic() + 60)
         assert c.wait(60)
         assert c.error is not None and "injected failure" in str(c.error), c.error
-        assert all(part._finished and part._error is not None for part in c.parts)
+        assert len(c.parts) == 8   # 4 parts per posting thread
+        assert all(part._finished for part in c.parts)
         assert all(not part._posted for part in c.parts), "a request was left in flight"
-        assert made[1].released > 0, "the other part posted nothing"
+        assert made[1].released > 0, "part 1 posted nothing"
         for r in made:
             assert r.released_in_flight == [], "a request was released while in flight"
         st = p.ch.statistics()
@@ -241,10 +241,10 @@ def test_deregistering_the_local_region_fails_a_split_pull_and_drains_it(monkeyp
     try:
         made: list = []
 
-        def wrap(agent):
+        def wrap(i, agent):
             made.append(_Recorder(agent))
             return made[-1]
-        _wrap_parts(monkeypatch, [wrap, wrap])
+        _wrap_parts(monkeypatch, wrap)
         lb, rb = _random_blocks(7, 16 * MiB)
         c = p.ch.read(make_ops(1, lb * BLK, 10, rb * BLK, BLK), deadline=time.monotonic() + 60)
         assert made[0].posted.wait(30)   # a request of the batch is posted (16 requests of 1 MiB each part, over tcp)

@@ -8,8 +8,8 @@ registers and ``probe()`` says why it is unavailable.
 Shape
 -----
 * One ``nixl_agent`` per endpoint (unique name ``llmdd-<pid>-<random>``), UCX backend, thread-safe:
-  ``NIXL_THREAD_SYNC_STRICT`` and one UCX worker (``llmdd.ucx.threads=1``, the default), or
-  ``NIXL_THREAD_SYNC_RW`` with ``llmdd.ucx.threads`` workers.
+  ``NIXL_THREAD_SYNC_RW`` with ``llmdd.ucx.threads`` UCX workers (default 2), or
+  ``NIXL_THREAD_SYNC_STRICT`` and one worker with ``threads=1``.
 * ``register(region)`` registers ``(addr, size, 0)`` as DRAM with the agent and returns the
   descriptor a peer needs: ``addr``, ``size``, ``dev_id``, a generation, and the agent's
   *partial* metadata for that region (its remote key), so regions registered after a link
@@ -25,8 +25,9 @@ Shape
   request (``initialize_xfer`` on ``get_xfer_descs(ndarray)``). At most
   ``llmdd.ucx.inflight`` requests of a batch are in flight. A batch that fits in the window
   is polled by the caller (``wait``/``done``); a longer one gets a driver thread. A batch of at
-  least ``llmdd.ucx.split_min_bytes`` is cut by bytes into one part per posting thread, each on a
-  UCX worker of its own (:mod:`._lanes`): two cores where UCX runs each get in the post call (cma).
+  least ``llmdd.ucx.split_min_bytes`` is cut by bytes into parts run by ``llmdd.ucx.threads``
+  posting threads, each on a UCX worker of its own (:mod:`._lanes`): two cores where UCX runs each
+  get in the post call (cma).
 * Completion: ``check_xfer_state`` is polled with a spin budget, then short sleeps that back
   off, never past the deadline. On error, deadline, ``cancel``, deregistration or close no new
   request is posted and the requests in flight are *drained* (polled until they are no longer

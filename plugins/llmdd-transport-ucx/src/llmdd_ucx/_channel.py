@@ -16,7 +16,7 @@ from . import _proto, _quick
 from ._fields import region_fields
 from ._nixl import _nixl_error
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS, OPT_CONTROL_TIMEOUT
-from ._lanes import _Split, split_bounds
+from ._lanes import PARTS_PER_THREAD, _Split, split_bounds
 from ._xfer import _Xfer, _chunk, split_big
 
 if TYPE_CHECKING:  # annotations only: the endpoint creates its channels
@@ -256,14 +256,14 @@ class UcxChannel(Channel):
 
     def _submit_split(self, op: str, ldesc: Any, rdesc: Any, total: int, nops: int, local_ids: frozenset,
                       remote_ids: frozenset, deadline: float) -> Completion:
-        """Cut a batch (descriptor arrays, both locks held) by bytes into one part per posting thread
-        and hand each part to its thread.  Every part is tracked here, under the locks, before any is
-        posted: a DRAIN, deregistration, close or lost peer either came first (refused above) or
-        fails the parts, and a part failed before its thread runs posts nothing."""
+        """Cut a batch (descriptor arrays, both locks held) by bytes into ``PARTS_PER_THREAD`` parts per
+        posting thread and queue them for the threads.  Every part is tracked here, under the locks,
+        before any is posted: a DRAIN, deregistration, close or lost peer either came first (refused
+        above) or fails the parts, and a part failed before a thread runs it posts nothing."""
         ep = self._ep
         posters = ep._posters
         assert posters is not None
-        n = len(posters._threads)
+        n = len(posters._threads) * PARTS_PER_THREAD
         max_bytes, max_descs = int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS])
         ldesc, rdesc = split_big(ldesc, rdesc, -(-total // n))   # one huge op is cut too
         cuts = split_bounds(ldesc[:, 1], n)
@@ -278,8 +278,8 @@ class UcxChannel(Channel):
         for part in split.parts:
             self._batches.add(part)
             ep._regs.track(part)   # the endpoint's deregistration / close fails it
-        for i, part in enumerate(split.parts):
-            posters.submit(i, part)
+        for part in split.parts:
+            posters.submit(part)
         return split
 
     def _quick_run(self, op: str, ldesc: Any, rdesc: Any, nbytes: int, nops: int, local_ids: frozenset,

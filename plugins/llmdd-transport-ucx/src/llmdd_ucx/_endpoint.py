@@ -82,7 +82,8 @@ class UcxEndpoint(Endpoint):
         # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
         # default: requests are progressed by whoever waits on them (check_xfer_state) and the
         # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
-        sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if threads > 1 else api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        modes = api.nixl_thread_sync_t
+        sync = modes.NIXL_THREAD_SYNC_RW if threads > 1 else modes.NIXL_THREAD_SYNC_STRICT
         conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
                                      sync_mode=sync)
         try:

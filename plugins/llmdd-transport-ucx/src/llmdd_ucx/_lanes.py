@@ -1,7 +1,7 @@
-"""A large ucx batch on several cores: cut into parts by bytes, each part one batch of its own
-(:class:`~llmdd_ucx._xfer._Xfer`) posted and polled by one of the endpoint's persistent posting
-threads, each thread bound to a UCX worker of its own; :class:`_Split` is the caller's completion
-over the parts.
+"""A large ucx batch on several cores: cut into parts by bytes (:data:`PARTS_PER_THREAD` per thread),
+each part one batch of its own (:class:`~llmdd_ucx._xfer._Xfer`) that one of the endpoint's
+persistent posting threads takes from their queue, posts and polls, each thread bound to a UCX
+worker of its own; :class:`_Split` is the caller's completion over the parts.
 
 Why threads and workers: over ``cma`` UCX completes every get inside NIXL's post call, one
 ``process_vm_readv`` per descriptor, on the calling thread; one thread is one core.  NIXL's UCX
@@ -29,18 +29,24 @@ if TYPE_CHECKING:
 _log = get_logger("llmdd.transport.ucx")
 
 
+#: a split batch is cut into this many parts per posting thread, which the threads take from one
+#: queue as each finishes its last: a thread the scheduler preempts holds back one small part, not half
+#: the batch (the other threads run the rest)
+PARTS_PER_THREAD = 4
+
+
 class _PostThreads:
-    """``n`` persistent daemon threads, thread ``i`` bound to UCX worker ``i`` of the agent; each runs
-    the parts handed to it, one at a time, in order.  Idle threads wait on their queue (no CPU)."""
+    """``n`` persistent daemon threads, thread ``i`` bound to UCX worker ``i`` of the agent, taking
+    parts from one queue, one at a time.  Idle threads wait on the queue (no CPU)."""
 
     def __init__(self, n: int, bind: Callable[[], None], name: str) -> None:
-        self._queues: list = [queue.SimpleQueue() for _ in range(n)]
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self._threads: list = []
         self.ok = True
         for i in range(n):   # one at a time: thread i makes its binding request before thread i+1 starts
             bound = threading.Event()
             result: list = []
-            t = threading.Thread(target=self._loop, args=(self._queues[i], bind, bound, result),
+            t = threading.Thread(target=self._loop, args=(self._q, bind, bound, result),
                                  name=f"llmdd-ucx-post-{name}-{i}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -67,13 +73,13 @@ class _PostThreads:
                 _log.error("llmdd.transport.ucx.post_thread_failed", error=repr(exc))
             part = None
 
-    def submit(self, i: int, part: "_Xfer") -> None:
-        self._queues[i].put(part)
+    def submit(self, part: "_Xfer") -> None:
+        self._q.put(part)
 
     def stop(self) -> None:
         """Tell the threads to end once the parts queued before are run; does not wait."""
-        for q in self._queues:
-            q.put(None)
+        for _ in self._threads:
+            self._q.put(None)
 
     def close(self) -> None:
         """Stop the threads and wait for them (each part ends by its batch's deadline)."""

@@ -21,7 +21,7 @@ OPT_SERVICE_LEVEL = "llm.RdmaServiceLevel"      # -> UCX_IB_SL
 _DEFAULTS: dict[str, Any] = {
     OPT_TLS: "", OPT_DEVICES: "", OPT_CHUNK_BYTES: 256 << 20, OPT_CHUNK_DESCS: 1 << 16,
     OPT_INFLIGHT: 4, OPT_CONTROL_TIMEOUT: 5.0, OPT_DRAIN_TIMEOUT: 60.0, OPT_SPIN_US: 50.0,
-    OPT_PROGRESS_THREAD: 0, OPT_NOTIF_IDLE_MS: 20.0, OPT_THREADS: 1, OPT_SPLIT_MIN: 8 << 20,
+    OPT_PROGRESS_THREAD: 0, OPT_NOTIF_IDLE_MS: 20.0, OPT_THREADS: 2, OPT_SPLIT_MIN: 8 << 20,
 }
 
 #: the most posting threads an endpoint may have (llmdd.ucx.threads is clamped to 1..this)

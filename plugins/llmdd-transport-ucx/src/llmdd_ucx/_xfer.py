@@ -68,6 +68,9 @@ class _Xfer(Completion):
         """Post and poll this part to its end in the calling (posting) thread.  A part failed before
         (DRAIN, deregistration, cancel, a sibling's error) posts nothing."""
         parent = self._parent
+        if parent is not None and parent._first_err is not None:
+            self.fail(parent._first_err)   # a sibling failed before this part started: post nothing
+            return
         with self._lock:
             if not self._finished:
                 self._step()
