@@ -8,6 +8,7 @@ process (``_llmdd_ucx_owner``, regions of seeded random bytes):
   posting thread, NIXL's strict mode as before);
 * a failure in one part fails the whole batch with that part's error, the other parts are failed
   and drained, no NIXL request is released while in flight, and the channel works afterwards;
+* an agent that cannot be made with several workers (RW mode) is made with one: no split, bytes move;
 * deregistering the local region during a split pull fails it (Cancelled) and the deregistration
   returns with no request of it in flight.
 """
@@ -257,5 +258,30 @@ def test_deregistering_the_local_region_fails_a_split_pull_and_drains_it(monkeyp
         assert isinstance(c.error, Cancelled), c.error
         st = p.ch.statistics()
         assert st["failed"] == 1 and st["split_batches"] == 1 and st["bytes_read"] == 0, st
+    finally:
+        p.close()
+
+
+def test_an_agent_refusing_several_workers_falls_back_to_one_thread(monkeypatch):
+    from llmdd_ucx._endpoint import UcxEndpoint
+    real = UcxEndpoint._make_agent
+    asked: list = []
+
+    def make_agent(self, api, threads):
+        asked.append(threads)
+        if threads > 1:   # as a UCX without multi-thread support would
+            raise RuntimeError("injected: no multi-thread UCX")
+        return real(self, api, threads)
+    monkeypatch.setattr(UcxEndpoint, "_make_agent", make_agent)
+    p = _Pair()
+    try:
+        assert asked == [2, 1], asked
+        assert p.ep.statistics()["post_threads"] == 0
+        lb, rb = _random_blocks(8, 12 * MiB)
+        c = p.ch.read(make_ops(1, lb * BLK, 10, rb * BLK, BLK), deadline=time.monotonic() + 60)
+        assert c.wait(60) and c.error is None, c.error
+        src = p.owner_bytes(10).reshape(-1, BLK)
+        assert np.array_equal(p.buf.reshape(-1, BLK)[lb], src[rb])
+        assert p.ch.statistics()["split_batches"] == 0
     finally:
         p.close()

@@ -69,29 +69,22 @@ class UcxEndpoint(Endpoint):
         self._qver = 0
         self._host = host
         self._name = f"llmdd-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        init = {}
-        if self._cfg.get(OPT_DEVICES):
-            init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
         # a large batch is split across `threads` posting threads, each on a UCX worker of its own
         # (llmdd_ucx._lanes): the agent then lets data-path calls run concurrently (RW); one thread
         # keeps one worker and NIXL's strict serialisation of every call
         threads = min(THREADS_MAX, max(1, int(self._cfg.get(OPT_THREADS, 1))))
-        if threads > 1:
-            init["num_workers"] = str(threads)
-        # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
-        # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
-        # default: requests are progressed by whoever waits on them (check_xfer_state) and the
-        # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
-        modes = api.nixl_thread_sync_t
-        sync = modes.NIXL_THREAD_SYNC_RW if threads > 1 else modes.NIXL_THREAD_SYNC_STRICT
-        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
-                                     sync_mode=sync)
         try:
-            with _nixl.scoped_env(_ucx_env(self._cfg)):
-                agent = api.nixl_agent(self._name, conf)
-                agent.create_backend("UCX", init)
+            agent = self._make_agent(api, threads)
         except Exception as exc:  # noqa: BLE001
-            raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc!r}") from None
+            if threads == 1:
+                raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc!r}") from None
+            # e.g. a UCX built without multi-thread support refuses RW mode: one thread, as before
+            _log.warning("llmdd.transport.ucx.no_post_threads", threads=threads, error=repr(exc))
+            threads = 1
+            try:
+                agent = self._make_agent(api, 1)
+            except Exception as exc2:  # noqa: BLE001
+                raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc2!r}") from None
         self._agent = agent
         self._lock = threading.RLock()
         self._closed = False
@@ -242,6 +235,26 @@ class UcxEndpoint(Endpoint):
                         stranded_requests=len(self._stranded), closed=self._closed)
 
     # ------------------------------------------------------------------ internals
+
+    def _make_agent(self, api: Any, threads: int) -> Any:
+        """A NIXL agent with the UCX backend: ``threads`` workers in RW mode, or one in strict mode."""
+        init = {}
+        if self._cfg.get(OPT_DEVICES):
+            init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
+        if threads > 1:
+            init["num_workers"] = str(threads)
+        # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
+        # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
+        # default: requests are progressed by whoever waits on them (check_xfer_state) and the
+        # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
+        modes = api.nixl_thread_sync_t
+        sync = modes.NIXL_THREAD_SYNC_RW if threads > 1 else modes.NIXL_THREAD_SYNC_STRICT
+        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
+                                     sync_mode=sync)
+        with _nixl.scoped_env(_ucx_env(self._cfg)):
+            agent = api.nixl_agent(self._name, conf)
+            agent.create_backend("UCX", init)
+        return agent
 
     def _start_posters(self, n: int) -> "_PostThreads | None":
         """``n`` posting threads, thread ``i`` bound to UCX worker ``i`` (a loopback request each, one
