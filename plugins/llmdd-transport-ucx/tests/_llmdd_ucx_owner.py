@@ -1,6 +1,7 @@
-"""The owner process of test_quick.py (a plain module so that spawned children can import it).
+"""The owner process of test_quick.py and test_split.py (a plain module so that spawned children can
+import it).
 
-It registers three regions of :data:`SIZE` bytes of seeded random content (10 and 11 remote-accessible,
+It registers three regions of ``size`` (default :data:`SIZE`) bytes of seeded random content (10 and 11 remote-accessible,
 12 not), sends its endpoint's and regions' descriptors and its pid, then serves commands until told to
 close: ``("bytes", rid)`` (the region's content now), ``("dereg", rid)`` (deregister it)."""
 
@@ -22,10 +23,10 @@ def content(seed: int, size: int = SIZE) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-def owner_main(conn, tls: str) -> None:
+def owner_main(conn, tls: str, size: int = SIZE) -> None:
     ep = UcxTransport({"llmdd.ucx.tls": tls, "llmdd.ucx.control_timeout": 2.0}).open_endpoint()
-    bufs = {rid: content(rid) for rid in REMOTE_RIDS + (PRIVATE_RID,)}
-    descs = {rid: ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=SIZE,
+    bufs = {rid: content(rid, size) for rid in REMOTE_RIDS + (PRIVATE_RID,)}
+    descs = {rid: ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size,
                                         remote_accessible=rid != PRIVATE_RID, placement=0))
              for rid, buf in bufs.items()}
     conn.send((ep.describe(), descs, os.getpid()))

@@ -7,8 +7,9 @@ registers and ``probe()`` says why it is unavailable.
 
 Shape
 -----
-* One ``nixl_agent`` per endpoint (unique name ``llmdd-<pid>-<random>``), UCX backend, NIXL's
-  progress thread on, thread-safe (``NIXL_THREAD_SYNC_STRICT``).
+* One ``nixl_agent`` per endpoint (unique name ``llmdd-<pid>-<random>``), UCX backend, thread-safe:
+  ``NIXL_THREAD_SYNC_RW`` with ``llmdd.ucx.threads`` UCX workers (default 2), or
+  ``NIXL_THREAD_SYNC_STRICT`` and one worker with ``threads=1``.
 * ``register(region)`` registers ``(addr, size, 0)`` as DRAM with the agent and returns the
   descriptor a peer needs: ``addr``, ``size``, ``dev_id``, a generation, and the agent's
   *partial* metadata for that region (its remote key), so regions registered after a link
@@ -23,7 +24,10 @@ Shape
   at most ``llmdd.ucx.chunk_bytes`` / ``llmdd.ucx.chunk_descs``, and each chunk is one NIXL
   request (``initialize_xfer`` on ``get_xfer_descs(ndarray)``). At most
   ``llmdd.ucx.inflight`` requests of a batch are in flight. A batch that fits in the window
-  is polled by the caller (``wait``/``done``); a longer one gets a driver thread.
+  is polled by the caller (``wait``/``done``); a longer one gets a driver thread. A batch of at
+  least ``llmdd.ucx.split_min_bytes`` is cut by bytes into parts run by ``llmdd.ucx.threads``
+  posting threads, each on a UCX worker of its own (:mod:`._lanes`): two cores where UCX runs each
+  get in the post call (cma).
 * Completion: ``check_xfer_state`` is polled with a spin budget, then short sleeps that back
   off, never past the deadline. On error, deadline, ``cancel``, deregistration or close no new
   request is posted and the requests in flight are *drained* (polled until they are no longer
@@ -49,8 +53,9 @@ This package holds the transport class and the plugin hook; each other piece is 
 :mod:`._options` (option names, defaults, the UCX environment they map to), :mod:`._fields` (the
 descriptors' payloads), :mod:`._nixl` (lazy NIXL access, NIXL's errors as typed ones), :mod:`._proto`
 (the control messages), :mod:`._endpoint` (the agent, registrations, the notification loop),
-:mod:`._channel` (ops checked and turned into descriptor arrays) and :mod:`._xfer` (one batch's
-NIXL requests: chunking, the in-flight window, completion and drain).
+:mod:`._channel` (ops checked and turned into descriptor arrays), :mod:`._xfer` (one batch's
+NIXL requests: chunking, the in-flight window, completion and drain) and :mod:`._lanes` (a large
+batch split across the endpoint's posting threads).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ from ._options import OPT_INFLIGHT as OPT_INFLIGHT
 from ._options import OPT_NOTIF_IDLE_MS as OPT_NOTIF_IDLE_MS
 from ._options import OPT_PROGRESS_THREAD as OPT_PROGRESS_THREAD
 from ._options import OPT_SPIN_US as OPT_SPIN_US
+from ._options import OPT_SPLIT_MIN as OPT_SPLIT_MIN
+from ._options import OPT_THREADS as OPT_THREADS
 from ._options import OPT_TLS as OPT_TLS
 from ._options import _DEFAULTS, OPT_SERVICE_LEVEL, OPT_TRAFFIC_CLASS
 

@@ -16,7 +16,8 @@ from . import _proto, _quick
 from ._fields import region_fields
 from ._nixl import _nixl_error
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS, OPT_CONTROL_TIMEOUT
-from ._xfer import _Xfer, _chunk
+from ._lanes import PARTS_PER_THREAD, _Split, split_bounds
+from ._xfer import _Xfer, _chunk, split_big
 
 if TYPE_CHECKING:  # annotations only: the endpoint creates its channels
     from ._endpoint import UcxEndpoint
@@ -80,7 +81,7 @@ class UcxChannel(Channel):
         self._qver = 0
         # int counters, and last_error (str or None); quick_batches: batches of the one-call path
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
-                                       "batches": 0, "quick_batches": 0, "requests": 0, "failed": 0,
+                                       "batches": 0, "quick_batches": 0, "split_batches": 0, "requests": 0, "failed": 0,
                                        "refused": 0, "last_error": None}
 
     # ------------------------------------------------------------------ public API
@@ -171,19 +172,26 @@ class UcxChannel(Channel):
 
     def _batch_done(self, batch: _Xfer, err: Optional[TransportError]) -> None:
         self._ep._regs.untrack(batch)   # not under the channel's lock: _submit takes the endpoint's first
+        done: "_Xfer | _Split" = batch
         with self._lock:
             self._batches.discard_locked(batch)
             stats = self._stats
+            parent = batch._parent
+            if parent is not None:   # a part: the split batch is counted once, when its last part ends
+                if not parent._note(err):
+                    return
+                done, err = parent, parent._first_err
+                stats["split_batches"] += 1
             stats["batches"] += 1
-            if batch.quick:
+            if done.quick:
                 stats["quick_batches"] += 1
             if err is None:
-                if batch._op == "READ":
-                    stats["bytes_read"] += batch.nbytes
-                    stats["ops_read"] += batch.nops
+                if done._op == "READ":
+                    stats["bytes_read"] += done.nbytes
+                    stats["ops_read"] += done.nops
                 else:
-                    stats["bytes_written"] += batch.nbytes
-                    stats["ops_written"] += batch.nops
+                    stats["bytes_written"] += done.nbytes
+                    stats["ops_written"] += done.nops
             else:
                 self._stats["failed"] += 1
                 self._stats["last_error"] = str(err)
@@ -206,6 +214,8 @@ class UcxChannel(Channel):
             max_bytes, max_descs = int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS])
             few = (_few_descs(arr.tolist(), ep._regs.entries, self._remote, max_bytes, max_descs)
                    if len(arr) <= _FEW_OPS else None)
+            if few is not None and few[1] >= ep._split_min and ep._posters is not None:
+                few = None   # large enough to split: the array path below cuts it
             if few is not None:
                 chunks, total, nops, local_ids, remote_ids = few
                 if not nops:
@@ -231,16 +241,46 @@ class UcxChannel(Channel):
             rdesc[:, 1] = arr["length"]
             rdesc[:, 2] = self._devs[rpos]
             total = int(arr["length"].sum(dtype=np.uint64))
+            local_ids = frozenset(np.unique(arr["local_region"]).tolist())
+            remote_ids = frozenset(np.unique(arr["remote_region"]).tolist())
+            if total >= ep._split_min and ep._posters is not None:
+                return self._submit_split(op, ldesc, rdesc, total, len(arr), local_ids, remote_ids, deadline)
             chunks = _chunk(ldesc, rdesc, max_bytes, max_descs)
-            batch = _Xfer(self, op, chunks, deadline, total, len(arr),
-                          frozenset(np.unique(arr["local_region"]).tolist()),
-                          frozenset(np.unique(arr["remote_region"]).tolist()))
+            batch = _Xfer(self, op, chunks, deadline, total, len(arr), local_ids, remote_ids)
             self._batches.add(batch)
             ep._regs.track(batch)   # the endpoint's deregistration / close fails it
             self._stats["requests"] += len(chunks)
             # posted under the locks: a DRAIN/deregistration either sees this batch or refuses it
             batch.start()
         return batch
+
+    def _submit_split(self, op: str, ldesc: Any, rdesc: Any, total: int, nops: int, local_ids: frozenset,
+                      remote_ids: frozenset, deadline: float) -> Completion:
+        """Cut a batch (descriptor arrays, both locks held) by bytes into ``PARTS_PER_THREAD`` parts per
+        posting thread and queue them for the threads.  Every part is tracked here, under the locks,
+        before any is posted: a DRAIN, deregistration, close or lost peer either came first (refused
+        above) or fails the parts, and a part failed before a thread runs it posts nothing."""
+        ep = self._ep
+        posters = ep._posters
+        assert posters is not None
+        n = len(posters._threads) * PARTS_PER_THREAD
+        max_bytes, max_descs = int(ep._cfg[OPT_CHUNK_BYTES]), int(ep._cfg[OPT_CHUNK_DESCS])
+        ldesc, rdesc = split_big(ldesc, rdesc, -(-total // n))   # one huge op is cut too
+        cuts = split_bounds(ldesc[:, 1], n)
+        split = _Split(op, total, nops, deadline)
+        for a, b in zip(cuts, cuts[1:]):
+            chunks = _chunk(ldesc[a:b], rdesc[a:b], max_bytes, max_descs)
+            part = _Xfer(self, op, chunks, deadline, int(ldesc[a:b, 1].sum(dtype=np.uint64)), b - a,
+                         local_ids, remote_ids, parent=split)
+            split.parts.append(part)
+            self._stats["requests"] += len(chunks)
+        split._left = len(split.parts)
+        for part in split.parts:
+            self._batches.add(part)
+            ep._regs.track(part)   # the endpoint's deregistration / close fails it
+        for part in split.parts:
+            posters.submit(part)
+        return split
 
     def _quick_run(self, op: str, ldesc: Any, rdesc: Any, nbytes: int, nops: int, local_ids: frozenset,
                    remote_ids: frozenset, ev: int, cv: int, deadline: float) -> int:

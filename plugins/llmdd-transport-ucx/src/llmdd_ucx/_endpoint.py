@@ -22,7 +22,9 @@ from . import _nixl, _proto
 from ._channel import UcxChannel
 from ._fields import VERSION, EndpointFields, RegionFields, endpoint_fields
 from ._nixl import _nixl_error
-from ._options import OPT_CONTROL_TIMEOUT, OPT_DEVICES, OPT_NOTIF_IDLE_MS, OPT_PROGRESS_THREAD, _ucx_env
+from ._lanes import _PostThreads, bind_request
+from ._options import OPT_CONTROL_TIMEOUT, OPT_DEVICES, OPT_NOTIF_IDLE_MS, OPT_PROGRESS_THREAD, OPT_SPLIT_MIN
+from ._options import OPT_THREADS, THREADS_MAX, _ucx_env
 from ._xfer import xfer_settings
 
 _log = get_logger("llmdd.transport.ucx")
@@ -67,21 +69,22 @@ class UcxEndpoint(Endpoint):
         self._qver = 0
         self._host = host
         self._name = f"llmdd-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        init = {}
-        if self._cfg.get(OPT_DEVICES):
-            init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
-        # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
-        # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
-        # default: requests are progressed by whoever waits on them (check_xfer_state) and the
-        # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
-        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
-                                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # a large batch is split across `threads` posting threads, each on a UCX worker of its own
+        # (llmdd_ucx._lanes): the agent then lets data-path calls run concurrently (RW); one thread
+        # keeps one worker and NIXL's strict serialisation of every call
+        threads = min(THREADS_MAX, max(1, int(self._cfg.get(OPT_THREADS, 1))))
         try:
-            with _nixl.scoped_env(_ucx_env(self._cfg)):
-                agent = api.nixl_agent(self._name, conf)
-                agent.create_backend("UCX", init)
+            agent = self._make_agent(api, threads)
         except Exception as exc:  # noqa: BLE001
-            raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc!r}") from None
+            if threads == 1:
+                raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc!r}") from None
+            # e.g. a UCX built without multi-thread support refuses RW mode: one thread, as before
+            _log.warning("llmdd.transport.ucx.no_post_threads", threads=threads, error=repr(exc))
+            threads = 1
+            try:
+                agent = self._make_agent(api, 1)
+            except Exception as exc2:  # noqa: BLE001
+                raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc2!r}") from None
         self._agent = agent
         self._lock = threading.RLock()
         self._closed = False
@@ -101,6 +104,14 @@ class UcxEndpoint(Endpoint):
         self._metadata = agent.get_partial_agent_metadata(
             api.nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], np.empty((0, 3), np.uint64)), True)
         self._log = _log.bind(agent=self._name)
+        # the posting threads, bound to their workers before any other thread can use the agent
+        self._posters: "_PostThreads | None" = None
+        self._split_min = max(1, int(self._cfg.get(OPT_SPLIT_MIN, 8 << 20)))
+        if threads > 1:
+            self._posters = self._start_posters(threads)
+            if self._posters is not None:   # an endpoint dropped without close() ends its threads too
+                weakref.finalize(self, self._posters.stop)
+        self._stats["post_threads"] = len(self._posters._threads) if self._posters is not None else 0
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the notification loop early (a request awaits a reply, close)
         # owners' DRAIN/BYE are served off the notification loop by at most _OWNER_WORKERS threads
@@ -204,6 +215,8 @@ class UcxEndpoint(Endpoint):
         if self._notif_thread is not threading.current_thread():
             self._notif_thread.join(5.0)
         self._owner_requests.shutdown(wait=False)
+        if self._posters is not None:   # the channels' batches are over (failed and drained above)
+            self._posters.close()
         with self._lock:
             for reg in self._regs.entries.values():
                 if reg.dlist is not None:
@@ -222,6 +235,49 @@ class UcxEndpoint(Endpoint):
                         stranded_requests=len(self._stranded), closed=self._closed)
 
     # ------------------------------------------------------------------ internals
+
+    def _make_agent(self, api: Any, threads: int) -> Any:
+        """A NIXL agent with the UCX backend: ``threads`` workers in RW mode, or one in strict mode."""
+        init = {}
+        if self._cfg.get(OPT_DEVICES):
+            init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
+        if threads > 1:
+            init["num_workers"] = str(threads)
+        # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
+        # same-host shared-memory / cma transports have no event fd): a core per idle engine. Off by
+        # default: requests are progressed by whoever waits on them (check_xfer_state) and the
+        # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
+        modes = api.nixl_thread_sync_t
+        sync = modes.NIXL_THREAD_SYNC_RW if threads > 1 else modes.NIXL_THREAD_SYNC_STRICT
+        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
+                                     sync_mode=sync)
+        with _nixl.scoped_env(_ucx_env(self._cfg)):
+            agent = api.nixl_agent(self._name, conf)
+            agent.create_backend("UCX", init)
+        return agent
+
+    def _start_posters(self, n: int) -> "_PostThreads | None":
+        """``n`` posting threads, thread ``i`` bound to UCX worker ``i`` (a loopback request each, one
+        after another); None (no split) when binding failed."""
+        agent = self._agent
+        scratch = np.zeros(128, np.uint8)
+        try:
+            dl = agent.register_memory(np.array([[scratch.ctypes.data, scratch.nbytes, 0]], np.uint64), "DRAM")
+        except Exception as exc:  # noqa: BLE001
+            self._log.warning("llmdd.transport.ucx.no_post_threads", error=repr(exc))
+            return None
+        try:
+            posters = _PostThreads(n, bind_request(agent, self._name, scratch), self._name[-6:])
+        finally:
+            try:
+                agent.deregister_memory(dl)
+            except Exception as exc:  # noqa: BLE001
+                self._log.warning("llmdd.transport.ucx.deregister_failed", error=repr(exc))
+        if not posters.ok:
+            posters.close()
+            self._log.warning("llmdd.transport.ucx.no_post_threads", error="binding a posting thread failed")
+            return None
+        return posters
 
     def _rebuild(self, regs: RegionRegistry) -> None:
         self._qver += 1   # (the registry's lock is this endpoint's)

@@ -1,5 +1,6 @@
 """One ucx batch as NIXL requests: cut into chunks, at most ``llmdd.ucx.inflight`` in flight, polled
-with a spin-then-sleep backoff, failed by draining (never releasing a request in flight)."""
+with a spin-then-sleep backoff, failed by draining (never releasing a request in flight).  A part of a
+split batch (:mod:`llmdd_ucx._lanes`) is the same object, posted and polled by a posting thread."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ._options import OPT_DRAIN_TIMEOUT, OPT_INFLIGHT, OPT_SPIN_US
 
 if TYPE_CHECKING:  # annotations only: the channel creates batches, a batch reports to its channel
     from ._channel import UcxChannel
+    from ._lanes import _Split
 
 _log = get_logger("llmdd.transport.ucx")
 
@@ -24,7 +26,8 @@ class _Xfer(Completion):
     """One batch: a list of NIXL requests (chunks), at most ``window`` in flight."""
 
     def __init__(self, ch: "UcxChannel", op: str, chunks: list, deadline: float, nbytes: int, nops: int,
-                 local_ids: frozenset, remote_ids: frozenset, *, quick: bool = False) -> None:
+                 local_ids: frozenset, remote_ids: frozenset, *, quick: bool = False,
+                 parent: "Optional[_Split]" = None) -> None:
         self._ch = ch
         ep = ch._ep
         self._agent = ep._agent
@@ -46,6 +49,10 @@ class _Xfer(Completion):
         self._wake: Optional[threading.Event] = None
         self._error: Optional[TransportError] = None
         self._driver: Optional[threading.Thread] = None
+        # a part of a split batch: posted and polled by a posting thread (run_posted), never by a waiter
+        self._parent = parent
+        if parent is not None:
+            self._wake = threading.Event()
 
     # ---------------------------------------------------------------- driving
 
@@ -56,6 +63,25 @@ class _Xfer(Completion):
             self._wake = threading.Event()
             self._driver = threading.Thread(target=self._drive, name="llmdd-ucx-xfer", daemon=True)
             self._driver.start()
+
+    def run_posted(self) -> None:
+        """Post and poll this part to its end in the calling (posting) thread.  A part failed before
+        (DRAIN, deregistration, cancel, a sibling's error) posts nothing."""
+        parent = self._parent
+        if parent is not None and parent._first_err is not None:
+            self.fail(parent._first_err)   # a sibling failed before this part started: post nothing
+            return
+        with self._lock:
+            if not self._finished:
+                self._step()
+        backoff = _Backoff(self._spin)
+        while not self._finished:
+            if parent is not None and parent._first_err is not None:
+                self.fail(parent._first_err)   # first error wins: stop posting, drain
+                return
+            if self.poll():
+                return
+            backoff.pause(self._deadline)
 
     def _drive(self) -> None:
         backoff = _Backoff(self._spin)
@@ -169,6 +195,8 @@ class _Xfer(Completion):
         self._finished = True
         if self._wake is not None:
             self._wake.set()
+        if self._parent is not None:
+            self._parent._part_finished()
 
     # ---------------------------------------------------------------- Completion API
 
@@ -183,7 +211,7 @@ class _Xfer(Completion):
             self._driver.join()
 
     def done(self) -> bool:
-        if self._driver is None:
+        if self._driver is None and self._parent is None:
             return self.poll()
         return self._finished
 
@@ -191,7 +219,7 @@ class _Xfer(Completion):
         end = None if timeout is None else time.monotonic() + timeout
         backoff = _Backoff(self._spin)
         while True:
-            if self._driver is None:
+            if self._driver is None and self._parent is None:
                 if self.poll():
                     return True
             elif self._finished:
@@ -202,8 +230,8 @@ class _Xfer(Completion):
                 return True
             if end is not None and now >= end:
                 return False
-            wake = self._wake   # made before the driver
-            if self._driver is not None and wake is not None:
+            wake = self._wake   # made before the driver (a part's: with the part)
+            if wake is not None:
                 wake.wait(min(x for x in (end, self._deadline, now + 0.05) if x is not None) - now)
             else:
                 backoff.pause(min(self._deadline, end) if end is not None else self._deadline)
@@ -246,23 +274,30 @@ class _Backoff:
 
 
 
+def split_big(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int) -> tuple:
+    """The descriptor arrays with every descriptor longer than ``max_bytes`` cut into consecutive
+    pieces of at most ``max_bytes`` (the arrays themselves when none is)."""
+    lens = ldesc[:, 1]
+    if int(lens.max()) <= max_bytes:
+        return ldesc, rdesc
+    reps = ((lens + np.uint64(max_bytes - 1)) // np.uint64(max_bytes)).astype(np.int64)
+    idx = np.repeat(np.arange(len(lens)), reps)
+    first = np.concatenate(([0], np.cumsum(reps)[:-1]))
+    k = (np.arange(len(idx)) - np.repeat(first, reps)).astype(np.uint64)
+    off = k * np.uint64(max_bytes)
+    piece = np.minimum(lens[idx] - off, np.uint64(max_bytes))
+    return (np.stack([ldesc[idx, 0] + off, piece, ldesc[idx, 2]], axis=1),
+            np.stack([rdesc[idx, 0] + off, piece, rdesc[idx, 2]], axis=1))
+
+
 def _chunk(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int, max_descs: int) -> list:
     """Cut descriptor arrays into consecutive pieces of at most ``max_bytes`` / ``max_descs``.
 
     A single descriptor larger than ``max_bytes`` is split too, so that a drain after cancel or
     deadline waits for at most ``inflight x max_bytes`` of traffic.
     """
+    ldesc, rdesc = split_big(ldesc, rdesc, max_bytes)
     lens = ldesc[:, 1]
-    if int(lens.max()) > max_bytes:
-        reps = ((lens + np.uint64(max_bytes - 1)) // np.uint64(max_bytes)).astype(np.int64)
-        idx = np.repeat(np.arange(len(lens)), reps)
-        first = np.concatenate(([0], np.cumsum(reps)[:-1]))
-        k = (np.arange(len(idx)) - np.repeat(first, reps)).astype(np.uint64)
-        off = k * np.uint64(max_bytes)
-        piece = np.minimum(lens[idx] - off, np.uint64(max_bytes))
-        ldesc = np.stack([ldesc[idx, 0] + off, piece, ldesc[idx, 2]], axis=1)
-        rdesc = np.stack([rdesc[idx, 0] + off, piece, rdesc[idx, 2]], axis=1)
-        lens = piece
     if len(lens) <= max_descs and int(lens.sum(dtype=np.uint64)) <= max_bytes:
         return [(ldesc, rdesc)]
     ends = np.cumsum(lens, dtype=np.uint64)
