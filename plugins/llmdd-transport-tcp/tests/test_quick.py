@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import socket
 import struct
 import sys
@@ -20,7 +21,7 @@ import attrs
 import numpy as np
 import pytest
 
-from llmdd.lowlevel import Cancelled, MemRegion, PeerGone, Refused, TransportTimeout
+from llmdd.lowlevel import Cancelled, MemRegion, PeerGone, Refused, TransportTimeout, make_ops
 from llmdd_tcp import TcpTransport
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -212,6 +213,36 @@ def test_quick_deadline_against_an_owner_that_never_answers_raises_timeout(owner
                     fn([6], [6])
     assert not _blocks(local[1])[6].any()
     assert ch.statistics()["failed"] == 2
+
+
+def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(owner, client):
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.5)
+    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.5)
+    want = _blocks(pattern(5, SIZE, SEED))
+    assert pull([3], [4]) == BS and pull.armed_sock is not None   # armed once, remembered
+    sock, epoch = pull.armed_sock, ch._arm_epoch
+    assert pull([7], [8]) == BS                                    # the same stream: no arming at all
+    assert (pull.armed_sock, ch._arm_epoch) == (sock, epoch)
+    assert np.array_equal(_blocks(local[1])[[4, 8]], want[[3, 7]])
+    assert push([1], [2]) == BS                                    # another plan arms the stream for itself
+    assert push.armed_sock is sock and ch._arm_epoch == epoch + 1
+    assert pull([9], [10]) == BS and ch._arm_epoch == epoch + 2    # ... so this plan arms it again
+    # the ops path takes (and arms) pooled streams: a plan's remembered arming no longer counts
+    c = ch.read(make_ops(1, 11 * BS, 5, 11 * BS, BS), deadline=time.monotonic() + 10)
+    assert c.wait(10) and c.error is None
+    assert ch._arm_epoch > epoch + 2
+    assert pull([11], [12]) == BS and pull.armed_epoch == ch._arm_epoch
+    assert np.array_equal(_blocks(local[1])[[10, 11, 12]], want[[9, 11, 11]])
+    # the deadline holds on a stream whose timeouts were remembered: the owner stops answering
+    assert pull.armed_sock is not None
+    os.kill(owner.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TransportTimeout):
+            pull([13], [14])
+    finally:
+        os.kill(owner.proc.pid, signal.SIGCONT)
+    assert not _blocks(local[1])[14].any()
 
 
 # ---------------------------------------------------------------------------- the owner's two paths

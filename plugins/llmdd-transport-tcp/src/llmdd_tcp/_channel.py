@@ -85,6 +85,7 @@ class TcpChannel(Channel):
         self._features = 0   # the owner's HELLO features (_wire.FEAT_QUICK: padded and eager writes)
         self._batches: BatchSet[_Batch] = BatchSet(threading.Condition(self._lock))
         self._cfg = endpoint._cfg
+        self._arm_epoch = 0   # bumped whenever a stream's timeouts may change (QuickCall.keep_armed)
         self._spinner = Spinner(endpoint._spin)   # one-call transfers' waits for their answers (llmdd_tcp._quick)
         # int counters, and last_error (str or None)
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
@@ -205,6 +206,7 @@ class TcpChannel(Channel):
                 if self._batches.closed:
                     raise Cancelled("channel closed")
                 sock = self._idle.pop() if self._idle else None
+                self._arm_epoch += 1   # the ops path arms the streams it takes (llmdd_tcp._quick caches armings)
             if sock is None or not _readable(sock):
                 break
             # an idle stream has nothing to read: readable means the owner closed it (it fails the

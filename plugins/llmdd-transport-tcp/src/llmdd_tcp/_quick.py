@@ -65,15 +65,24 @@ class _Deadline:
     the last arming re-arms first with what is left (less the slack), so no syscall of the call outlives
     the deadline."""
 
-    __slots__ = ("deadline", "slack", "rearm_at", "sock", "send")
+    __slots__ = ("deadline", "slack", "rearm_at", "sock", "send", "start", "armings")
 
     def __init__(self, timeout_s: float, slack: float, send: bool) -> None:
         now = time.monotonic()
+        self.start = now
         self.deadline = now + timeout_s
         self.send = send
         self.slack = slack
         self.rearm_at = 0.0
+        self.armings = 0
         self.sock: Optional[socket.socket] = None
+
+    def assume(self, sock: socket.socket) -> None:
+        """``sock`` is still armed by the last call of the same plan, with at most this call's timeout less
+        the slack (:meth:`QuickCall.keep_armed`): as if armed when this call began (a syscall that starts
+        more than the slack later re-arms), so no syscall outlives the deadline and none is made."""
+        self.rearm_at = self.start + self.slack
+        self.sock = sock
 
     def arm(self, sock: socket.socket) -> None:
         """Arm ``sock`` with the time left (a fresh stream, or a syscall late in the call)."""
@@ -87,6 +96,7 @@ class _Deadline:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
         self.rearm_at = now + self.slack
         self.sock = sock
+        self.armings += 1
 
     def check(self, sock: socket.socket) -> None:
         """Before a syscall on ``sock``: re-arm when the last arming is older than the slack."""
@@ -160,7 +170,7 @@ class QuickCall:
     """One planned shape on one channel: ``f(src_blocks, dst_blocks) -> bytes moved, or -1``."""
 
     __slots__ = ("ch", "ep", "pairs", "bs", "su", "du", "push", "timeout_s", "slack", "ep_ver", "ch_ver",
-                 "views", "lids", "max_bytes", "kind")
+                 "views", "lids", "max_bytes", "kind", "armed_sock", "armed_epoch")
 
     def __init__(self, ch: TcpChannel, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
                  ep_ver: int, ch_ver: int, views: dict, max_bytes: int) -> None:
@@ -172,6 +182,10 @@ class QuickCall:
         self.lids = frozenset(views)
         self.max_bytes = max_bytes
         self.kind = WRITE if push else READ
+        # the stream this plan armed last and the channel's arming epoch then (TcpChannel._arm_epoch): the
+        # same stream popped again with the epoch unchanged still has this plan's timeouts set
+        self.armed_sock: Optional[socket.socket] = None
+        self.armed_epoch = -1
 
     def rows(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Optional[list]:
         """The request's rows ``[remote region, remote offset, local region, local offset, length]`` as
@@ -226,12 +240,13 @@ class QuickCall:
             if fresh:
                 ch._batches.add(batch)
                 sock = ch._idle.pop() if ch._idle else None
+                armed = sock is not None and sock is self.armed_sock and ch._arm_epoch == self.armed_epoch
         if not fresh:
             ep._end_batch(batch)
             return -1
         err: Optional[TransportError] = None
         try:
-            self._transfer(batch, sock, rows, total)
+            self._transfer(batch, sock, rows, total, armed)
         except BaseException as exc:  # noqa: BLE001 - reported as the ops path reports it
             err = _map_exc(exc)
             if batch.aborted and not isinstance(err, Refused):
@@ -241,7 +256,8 @@ class QuickCall:
             raise err
         return total
 
-    def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> None:
+    def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int,
+                  armed: bool = False) -> None:
         ch = self.ch
         reused = sock is not None
         if sock is not None:
@@ -267,7 +283,10 @@ class QuickCall:
             else:
                 flags, pad = (0 if self.push else F_PAD), 0
             req = _req(len(rows), pad).pack(_M_REQ, self.kind, flags, 0, len(rows), total, *flat)
-            dl.arm(sock)
+            if armed and reused:
+                dl.assume(sock)   # armed by this plan's last call, nothing armed it since: no setsockopt
+            else:
+                dl.arm(sock)
             try:
                 if eager:
                     _send_all(sock, [req, *views], len(req) + total, dl)
@@ -307,7 +326,20 @@ class QuickCall:
             _recv_into(sock, views, total, dl)
         if batch.aborted:
             raise Cancelled("batch aborted")
+        self.keep_armed(sock, dl)
         ch._give_back(batch, sock)
+
+    def keep_armed(self, sock: socket.socket, dl: _Deadline) -> None:
+        """Remember ``sock`` as armed with this plan's timeout less the slack when this call armed it once,
+        within a quarter of the slack of its start (a later or second arming left a shorter timeout on it:
+        forget it); an assumed arming stays remembered."""
+        if dl.armings == 0 and sock is self.armed_sock:
+            return   # assumed (the epoch was current when the stream was taken, and only this call had it)
+        ch = self.ch
+        keep = dl.armings == 1 and dl.sock is sock and dl.rearm_at - dl.slack - dl.start <= dl.slack / 4
+        with ch._lock:
+            ch._arm_epoch += 1
+            self.armed_sock, self.armed_epoch = (sock, ch._arm_epoch) if keep else (None, -1)
 
 
 def quick_plan(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
