@@ -69,8 +69,11 @@ class _Pair:
             self.ep.close()
         finally:
             if self.proc.is_alive():
-                self.conn.send(("close",))
-                self.conn.poll(20)
+                try:
+                    self.conn.send(("close",))
+                    self.conn.poll(20)
+                except OSError:
+                    pass   # the owner was already leaving: its end of the pipe is gone
             self.proc.join(20)
             if self.proc.is_alive():
                 self.proc.kill()
