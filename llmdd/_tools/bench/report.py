@@ -140,10 +140,9 @@ def _fmt(v: Optional[float], kind: str) -> str:
     return f"{v:.2f} GB/s" if kind == "bw" else f"{v:.1f} us"
 
 
-def _options_note(meta: dict) -> str:
-    """The engine options a run was measured with (``llmdd bench --option``), as a suffix of its sizes cell."""
-    opts = meta.get("options") or {}
-    return "; " + ", ".join(f"`{k}={v}`" for k, v in sorted(opts.items())) if opts else ""
+def _options_text(meta: dict, quote: str = "") -> str:
+    """The engine options a run was measured with (``llmdd bench --option``), ``KEY=VALUE, ...`` ("" when none)."""
+    return ", ".join(f"{quote}{k}={v}{quote}" for k, v in sorted((meta.get("options") or {}).items()))
 
 
 def table(results: dict, rows: list, tgts: list) -> list:
@@ -155,7 +154,7 @@ def table(results: dict, rows: list, tgts: list) -> list:
                  f"load {meta.get('load_before')} -> {meta.get('load_after')}  "
                  f"({meta.get('elapsed_s', 0):.0f} s)")
     if meta.get("options"):
-        lines.append("engine options: " + ", ".join(f"{k}={v}" for k, v in sorted(meta["options"].items())))
+        lines.append("engine options: " + _options_text(meta))
     w = 40
     head = f"{'workload':{w}s}" + "".join(f" | {t + ' (x primary anchor)':>30s}" for t in transports)
     lines.append(head)
@@ -451,7 +450,7 @@ def markdown(runs: list, names: list) -> list:
         pcell = (f"{len(pv)} figures" + (f", load {pl}" if pl else "")) if pv else "none"
         L.append(f"| `{name}` | {m.get('started_utc', '?')} | {m.get('load_before')} -> {m.get('load_after')} | "
                  f"{m.get('elapsed_s', 0):.0f} | {', '.join(r.get('transports', {}))} | "
-                 f"{'quick' if _is_quick(r) else 'full'}{_options_note(m)} | {pcell} |")
+                 f"{'quick' if _is_quick(r) else 'full'}{'; ' + _options_text(m, '`') if m.get('options') else ''} | {pcell} |")
     errors = [(name, e) for name, r in zip(names, runs) for e in r.get("errors", [])]
     unverified = [name for name, r in zip(names, runs) if not all_verified(r)]
     L.append("")
