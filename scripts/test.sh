@@ -5,9 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-# the shm plugin's C hot path (llmdd_shm._shmfast) needs a C compiler and Python.h; install them
-# when missing (Debian/Ubuntu images: gcc + python3-dev), else the plugin builds without it and
-# tests/test_native.py fails the run (LLMDD_REQUIRE_NATIVE=1 below)
+# the shm and tcp plugins' C hot paths (llmdd_shm._shmfast, llmdd_tcp._tcpfast) need a C compiler and
+# Python.h; install them when missing (Debian/Ubuntu images: gcc + python3-dev), else the plugins build
+# without them and their tests/test_native.py fail the run (LLMDD_REQUIRE_NATIVE=1 below)
 inc=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 if { ! command -v gcc >/dev/null || [ ! -f "$inc/Python.h" ]; } && command -v apt-get >/dev/null \
     && [ "$(id -u)" = 0 ]; then

@@ -529,17 +529,21 @@ def _make_pair():
 def _stall(endpoint):
     inner = endpoint.inner
     release = threading.Event()
-    original = inner._serve_request
+    originals = {name: getattr(inner, name) for name in ("_serve_request", "_serve_native")}
 
-    def stalled(*args):
-        release.wait()
-        return original(*args)
+    def stalling(original):   # the Python serving and the C path's (the request waits unread)
+        def stalled(*args):
+            release.wait()
+            return original(*args)
+        return stalled
 
-    inner._serve_request = stalled
+    for name, original in originals.items():
+        setattr(inner, name, stalling(original))
     try:
         yield
     finally:
-        inner._serve_request = original
+        for name, original in originals.items():
+            setattr(inner, name, original)
         release.set()
 
 

@@ -24,19 +24,24 @@ def make_pair_with_secret():
 
 @contextlib.contextmanager
 def stall(endpoint):
-    """While inside, ``endpoint`` accepts requests but serves none (a hung peer)."""
+    """While inside, ``endpoint`` accepts requests but serves none (a hung peer): its Python serving and
+    its C path's (a request waits unread in the stream)."""
     release = threading.Event()
-    original = endpoint._serve_request
+    originals = {name: getattr(endpoint, name) for name in ("_serve_request", "_serve_native")}
 
-    def stalled(*args):
-        release.wait()
-        return original(*args)
+    def stalling(original):
+        def stalled(*args):
+            release.wait()
+            return original(*args)
+        return stalled
 
-    endpoint._serve_request = stalled
+    for name, original in originals.items():
+        setattr(endpoint, name, stalling(original))
     try:
         yield
     finally:
-        endpoint._serve_request = original
+        for name, original in originals.items():
+            setattr(endpoint, name, original)
         release.set()
 
 

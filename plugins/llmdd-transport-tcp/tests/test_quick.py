@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from llmdd.lowlevel import Cancelled, MemRegion, PeerGone, Refused, TransportTimeout, make_ops
-from llmdd_tcp import TcpTransport
+from llmdd_tcp import NATIVE_REASON, TcpTransport, data_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _quick_owner import PRIVATE, owner_main, pattern  # noqa: E402  (spawned children import it by name)
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(90)
 BS, NB = 4096, 32
 SIZE = BS * NB
 SEED = 20261202
+NATIVE = data_path()["native"]
 
 
 class Owner:
@@ -72,16 +73,44 @@ class Owner:
             self.kill()
 
 
+#: (client, owner) data paths: the C hot path (llmdd_tcp._tcpfast) or the pure-Python one, and the
+#: mixed pairs (each side speaks the same wire whichever path it runs)
+MODES = ["c-c", "py-py", "c-py", "py-c"]
+OFF = {"llmdd.tcp.native": "off"}
+
+
+def _options(mode: str, side: int) -> dict:
+    if mode.split("-")[side] == "c":
+        return {"llmdd.tcp.native": "on"} if NATIVE else {}
+    return dict(OFF)
+
+
+def c_path_required() -> bool:
+    """CI (LLMDD_REQUIRE_NATIVE=1) requires the C path unless this run switched it off."""
+    return (os.environ.get("LLMDD_REQUIRE_NATIVE") == "1"
+            and os.environ.get("LLMDD_TCP_NATIVE", "").strip().lower() not in ("0", "off", "no", "false")
+            and os.environ.get("LLMDD_TCP_BUILD_NATIVE") != "0")
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    if "c" in request.param.split("-") and not NATIVE:
+        if c_path_required():
+            pytest.fail(f"the tcp C hot path is required here and not active: {NATIVE_REASON}")
+        pytest.skip(f"the tcp C hot path is not active: {NATIVE_REASON}")
+    return request.param
+
+
 @pytest.fixture
-def owner():
-    o = Owner()
+def owner(mode):
+    o = Owner(_options(mode, 1))
     yield o
     o.close()
 
 
 @pytest.fixture
-def client(owner):
-    ep = TcpTransport({}).open_endpoint()
+def client(owner, mode):
+    ep = TcpTransport(_options(mode, 0)).open_endpoint()
     rng = np.random.default_rng(SEED + 1)
     local = {1: np.zeros(SIZE, np.uint8), 2: np.zeros(SIZE, np.uint8),
              3: rng.integers(0, 256, SIZE, dtype=np.uint8), 4: rng.integers(0, 256, SIZE, dtype=np.uint8)}
@@ -93,6 +122,25 @@ def client(owner):
     yield ep, ch, local
     ch.close()
     ep.close()
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (``kill`` returns before a thread
+    running on another core has stopped: a spinning owner could still answer a request sent at once)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass   # a thread that ended
+        if states and all(st in ("T", "t") for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        os.sched_yield()
 
 
 def _blocks(buf: np.ndarray) -> np.ndarray:
@@ -215,7 +263,10 @@ def test_quick_deadline_against_an_owner_that_never_answers_raises_timeout(owner
     assert ch.statistics()["failed"] == 2
 
 
-def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(owner, client):
+def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(owner, client, mode):
+    if mode.startswith("c"):
+        pytest.skip("the C client path sets no socket timeouts (its waits are ppoll()s bounded by the deadline): "
+                    "test_quick_deadline_holds_against_a_stopped_owner covers its deadline")
     ep, ch, local = client
     pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.5)
     push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.5)
@@ -236,7 +287,7 @@ def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(ow
     assert np.array_equal(_blocks(local[1])[[10, 11, 12]], want[[9, 11, 11]])
     # the deadline holds on a stream whose timeouts were remembered: the owner stops answering
     assert pull.armed_sock is not None
-    os.kill(owner.proc.pid, signal.SIGSTOP)
+    _stop(owner.proc.pid)
     try:
         with pytest.raises(TransportTimeout):
             pull([13], [14])
@@ -295,22 +346,28 @@ def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, pa
 
 
 def test_few_ops_path_decides_and_answers_as_the_numpy_path():
-    """Two owners with the same regions and grant, one serving at most 8 ops in plain Python, the other
-    every request with numpy: 400 seeded random requests (regions registered, private, unknown and
+    """Owners with the same regions and grant, one serving at most 8 ops in plain Python, one every
+    request with numpy, and (where it is active) one serving small requests in C (llmdd_tcp._tcpfast)
+    and handing it the others: 400 seeded random requests (regions registered, private, unknown and
     outside the grant; offsets and lengths inside, at and past the bounds, and huge; totals right and
     wrong; reads and writes, padded or not, writes eager or not) get the same answers, bytes and sinks."""
-    t = TcpTransport({})
+    t = TcpTransport(OFF)
     few, wide = t.open_endpoint(), t.open_endpoint()
     wide._few_ops = 0
+    owners = [few, wide]
+    if NATIVE:
+        owners.append(TcpTransport({"llmdd.tcp.native": "on"}).open_endpoint())
+    elif c_path_required():
+        pytest.fail(f"the tcp C hot path is required here and not active: {NATIVE_REASON}")
     client = t.open_endpoint()
     rng = np.random.default_rng(SEED + 5)
     size = 4096
     src = {rid: rng.integers(0, 256, size, dtype=np.uint8) for rid in (10, 11, 12)}
-    sinks = {ep: {rid: np.zeros(size, np.uint8) for rid in (20, 21)} for ep in (few, wide)}
+    sinks = {ep: {rid: np.zeros(size, np.uint8) for rid in (20, 21)} for ep in owners}
     cap = secrets.token_bytes(32)
     socks = {}
     try:
-        for ep in (few, wide):
+        for ep in owners:
             ep.serve_links_only()
             for rid, buf in src.items():
                 ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size, remote_accessible=rid != 12,
@@ -319,7 +376,7 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
                 ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size, remote_accessible=True,
                                       placement=0))
             ep.grant(1, cap, [10, 12, 20, 21])   # 11: remote-accessible but not granted
-        chans = {ep: client.connect(attrs.evolve(ep.describe(), capability=cap), timeout=5) for ep in (few, wide)}
+        chans = {ep: client.connect(attrs.evolve(ep.describe(), capability=cap), timeout=5) for ep in owners}
 
         def stream(ep):
             s = socks.get(ep)
@@ -351,27 +408,33 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
             if kind == 2 and not payload and total:
                 total, ops = 0, []   # a write whose payload the test could not send: an empty one instead
             answers = {}
-            for ep in (few, wide):
+            for ep in owners:
                 answers[ep] = _exchange(stream(ep), kind, flags, ops, total, payload)
                 status, _, tail = answers[ep]
                 if status is None or (status == 0 and kind == 2 and not flags & F_EAGER and not tail):
                     socks.pop(ep).close()   # the owner ended the stream: a fresh one for the next request
-            assert answers[few] == answers[wide], (i, kind, flags, ops, total)
-            for rid in (20, 21):
-                assert np.array_equal(sinks[few][rid], sinks[wide][rid]), (i, ops)
+            for ep in owners[1:]:
+                assert answers[few] == answers[ep], (i, kind, flags, ops, total, owners.index(ep))
+                for rid in (20, 21):
+                    assert np.array_equal(sinks[few][rid], sinks[ep][rid]), (i, ops, owners.index(ep))
             decisions.add((kind, flags & F_EAGER, answers[few][0]))
         # both kinds (writes eager or not) were accepted, refused and ended (a wrong total) at least once
         want = {(1, 0, 0), (1, 0, 1), (2, 0, 0), (2, 0, 1), (2, F_EAGER, 0), (2, F_EAGER, 1), (1, 0, None)}
         assert want <= decisions, decisions
         assert sinks[few][20].any() and sinks[few][21].any()
         # (refusals are counted before the answer leaves; served requests after it)
-        assert few.statistics()["refused"] == wide.statistics()["refused"] > 0
+        stats = [ep.statistics() for ep in owners]
+        assert stats[0]["refused"] > 0 and all(st["refused"] == stats[0]["refused"] for st in stats), stats
+        # every owner served the same requests; the C one served some of them in C (its own counters)
+        assert all(st["requests"] == stats[0]["requests"] for st in stats), stats
+        if NATIVE:
+            assert owners[2]._fast.counters()[2] > 0
     finally:
         for s in socks.values():
             s.close()
         client.close()
-        few.close()
-        wide.close()
+        for ep in owners:
+            ep.close()
 
 
 def test_quick_pull_in_flight_is_cancelled_by_deregistration_and_lands_nothing_after(owner, client):
@@ -411,3 +474,102 @@ def _raised(fn, *args):
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         return exc
     return None
+
+
+# ---------------------------------------------------------------------------- the C path (llmdd_tcp._tcpfast)
+
+def test_each_side_takes_the_path_it_was_given(owner, client, mode):
+    """The C path is used exactly where it was asked for (a silent fall back fails here): the client's
+    plans and their calls (``quick_native``), the owner's serving (``requests_native``)."""
+    ep, ch, local = client
+    c_client, c_owner = (side == "c" for side in mode.split("-"))
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=10)
+    assert pull.native is c_client and push.native is c_client
+    assert ep.statistics()["native"] is c_client
+    base = owner.ask("stats")
+    assert base["native"] is c_owner
+    for i in range(5):
+        assert pull([i], [i]) == BS and push([i], [i]) == BS
+    assert np.array_equal(_blocks(local[1])[:5], _blocks(pattern(5, SIZE, SEED))[:5])
+    assert np.array_equal(_blocks(np.frombuffer(owner.ask("snapshot", 6), np.uint8))[:5], _blocks(local[3])[:5])
+    st = ch.statistics()
+    assert st["quick_batches"] == 10 and st["quick_native"] == (10 if c_client else 0)
+    after = owner.stats_after(base["requests"] + 10)
+    assert after["requests"] == base["requests"] + 10
+    assert after["requests_native"] - base["requests_native"] == (10 if c_owner else 0)
+
+
+def test_quick_deadline_holds_against_a_stopped_owner(owner, client, mode):
+    """The owner stops (SIGSTOP, every thread stopped) on a stream the client reuses: a pull and a push
+    fail with TransportTimeout by their deadline; once the owner runs again nothing of the stale
+    answers lands (the failed calls closed their streams), and the channel works."""
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.4)
+    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.4)
+    assert pull([2], [2]) == BS and push([2], [2]) == BS   # pooled streams, served
+    before = np.frombuffer(owner.ask("snapshot", 6), np.uint8).copy()
+    _stop(owner.proc.pid)
+    try:
+        for fn in (pull, push):
+            t0 = time.monotonic()
+            with pytest.raises(TransportTimeout):
+                fn([13], [14])
+            took = time.monotonic() - t0
+            assert 0.4 <= took < 0.4 + 1.0, took
+    finally:
+        os.kill(owner.proc.pid, signal.SIGCONT)
+    ok = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    assert ok([20], [20]) == BS   # the owner runs again (and served what was sent to it before this)
+    assert not _blocks(local[1])[14].any()
+    assert np.array_equal(_blocks(local[1])[20], _blocks(pattern(5, SIZE, SEED))[20])
+    after = np.frombuffer(owner.ask("snapshot", 6), np.uint8)
+    # the push's eager payload may have reached the owner before it stopped: then it landed whole
+    moved = not np.array_equal(_blocks(after)[14], _blocks(before)[14])
+    if moved:
+        assert np.array_equal(_blocks(after)[14], _blocks(local[3])[13])
+    assert np.array_equal(np.delete(_blocks(after), 14, 0), np.delete(_blocks(before), 14, 0))
+    assert ch.statistics()["failed"] == 2
+
+
+def test_owner_deregistering_a_region_it_serves_ends_with_a_refusal(owner, client):
+    """A client pulls a region in a loop on a stream the owner is serving (in C, the owner's worker
+    keeps it between requests) while the owner deregisters the region: the deregistration returns,
+    calls already answered moved the right bytes, and from then on the owner refuses the region
+    ("not registered") without serving a byte of it."""
+    ep, ch, local = client
+    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    want = _blocks(pattern(5, SIZE, SEED))
+    state = {"n": 0, "gone": 0, "err": None}
+    started = threading.Event()
+
+    def loop():
+        i = 0
+        while True:
+            blk = i % NB
+            try:
+                pull([blk], [blk])
+            except PeerGone:
+                state["gone"] += 1   # the owner shut the stream it was serving the region on
+                continue
+            except Exception as exc:  # noqa: BLE001 - inspected below
+                state["err"] = exc
+                return
+            assert np.array_equal(_blocks(local[1])[blk], want[blk])
+            state["n"] += 1
+            i += 1
+            if state["n"] == 20:
+                started.set()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    assert started.wait(20), state
+    owner.ask("deregister", 5)   # returns once drained
+    t.join(20)
+    assert not t.is_alive()
+    err = state["err"]
+    assert isinstance(err, Refused) and "not registered" in str(err), err
+    local[1][:] = 0
+    with pytest.raises(Refused):
+        pull([0], [0])
+    assert not local[1].any()

@@ -213,7 +213,7 @@ def test_interpreter_exits_promptly_with_transfer_in_flight():
         "    d = e.register(MemRegion(region_id=r, addr=buf.ctypes.data, size=buf.size, remote_accessible=True,"
         " placement=0))\n"
         "ch = a.connect(b.describe(), timeout=5); ch.add_remote_region(2, buf.size, d)\n"
-        "ev = threading.Event(); b._serve_request = lambda *a: ev.wait()\n"
+        "ev = threading.Event(); b._serve_request = b._serve_native = lambda *a: ev.wait()\n"
         "c = ch.read(make_ops(1, 0, 2, 0, buf.size), deadline=time.monotonic() + 600)\n"
         "print('leaving', flush=True)\n"
     )

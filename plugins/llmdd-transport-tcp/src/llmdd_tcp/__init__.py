@@ -77,7 +77,8 @@ stream on the I/O loop); ``_request`` (the owner's reading of a request); ``_few
 path, plain Python); ``_channel`` (:class:`TcpChannel`: the client side); ``_quick`` (the channel's
 one-call small transfers, issue 21); ``_grants`` (capability
 handles, MAC keys, the owner's record of a grant); ``_wire`` (the messages and an answer's framing);
-``_io`` (a request's bytes on a plain socket: iovec arrays through ``sendmsg`` / ``recvmsg``); ``_tls_io``
+``_native`` and ``_tcpfast.c`` (the C hot path: a client's one-call transfer, the owner's serving of small
+requests; the pure-Python path where it is absent); ``_io`` (a request's bytes on a plain socket: iovec arrays through ``sendmsg`` / ``recvmsg``); ``_tls_io``
 (a request's bytes over TLS: staging); ``_sock`` (blocking-socket helpers); ``_descriptors`` (the
 descriptor payloads); ``_options`` (options and defaults).
 """
@@ -88,18 +89,20 @@ import socket
 from typing import Any, Callable, Mapping, Union
 
 from llmdd.abc import Transport, TransportInfo
-from llmdd.lowlevel import tls_config
+from llmdd.lowlevel import Refused, tls_config
 from llmdd.plugin import hookimpl
 
 from ._channel import TcpChannel
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields, region_fields
 from ._endpoint import TcpEndpoint
 from ._io import _WINDOW
-from ._options import _DEFAULTS
+from ._native import ENV_NATIVE, NATIVE_ABI, NATIVE_REASON, data_path, native
+from ._options import _DEFAULTS, OPT_NATIVE
 from ._wire import VERSION
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "EndpointFields", "RegionFields", "endpoint_fields",
-           "region_fields", "hookimpl", "llmdd_register_transports"]
+           "region_fields", "hookimpl", "llmdd_register_transports", "data_path", "OPT_NATIVE", "NATIVE_ABI",
+           "ENV_NATIVE", "NATIVE_REASON"]
 
 
 class TcpTransport(Transport):
@@ -120,11 +123,17 @@ class TcpTransport(Transport):
         if not hasattr(socket.socket, "recvmsg_into"):
             return TransportInfo(name=cls.name, available=False, reason="socket.recvmsg_into is not available")
         return TransportInfo(name=cls.name, available=True, reason="",
-                             details={"version": VERSION, "window": _WINDOW})
+                             details={"version": VERSION, "window": _WINDOW, "data_path": data_path()})
 
     def __init__(self, options: Mapping[str, str]) -> None:
         super().__init__(options)
         self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+        mode = str(self._cfg[OPT_NATIVE]).strip().lower()
+        if mode not in ("auto", "on", "off"):
+            raise Refused(f"{OPT_NATIVE} must be auto, on or off, got {self._cfg[OPT_NATIVE]!r}")
+        if mode == "on" and native is None:
+            raise Refused(f"{OPT_NATIVE}=on but the C hot path is unavailable: {NATIVE_REASON}")
+        self._cfg[OPT_NATIVE] = mode
         # the engine's options reach every transport: with llmdd.tls_* set, data connections use TLS
         # under the same policy as the engine's control connections (llmdd._base.options.tls_config)
         self._tls = tls_config(self.options)

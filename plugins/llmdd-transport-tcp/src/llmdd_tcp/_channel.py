@@ -89,7 +89,7 @@ class TcpChannel(Channel):
         self._spinner = Spinner(endpoint._spin)   # one-call transfers' waits for their answers (llmdd_tcp._quick)
         # int counters, and last_error (str or None)
         self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "ops_read": 0, "ops_written": 0,
-                                       "batches": 0, "failed": 0, "streams_opened": 0, "quick_batches": 0,
+                                       "batches": 0, "failed": 0, "streams_opened": 0, "quick_batches": 0, "quick_native": 0,
                                        "last_error": None}
 
     # ------------------------------------------------------------------ public API
@@ -265,9 +265,9 @@ class TcpChannel(Channel):
         return batch.completion
 
     def _finish(self, batch: _Batch, err: Union[TransportError, None] = None, kind: int = READ,
-                nops: Union[int, None] = None, total: int = 0, *, quick: bool = False) -> None:
+                nops: Union[int, None] = None, total: int = 0, *, quick: bool = False, native: bool = False) -> None:
         """``batch`` ended: its broken streams closed, its pins dropped, counted (``nops`` ops of ``total``
-        bytes; not counted when None; ``quick``: by the one-call path)."""
+        bytes; not counted when None; ``quick``: by the one-call path, ``native``: in its C path)."""
         with batch.lock:
             socks, batch.socks = batch.socks, []
         for s in socks:  # streams still owned by the batch were not released: they are broken
@@ -281,6 +281,7 @@ class TcpChannel(Channel):
             stats["batches"] += 1
             if quick:
                 stats["quick_batches"] += 1
+                stats["quick_native"] += native
             if err is None:
                 if kind == READ:
                     stats["bytes_read"] += total

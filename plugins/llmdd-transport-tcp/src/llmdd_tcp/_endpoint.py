@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from llmdd.abc import CAPABILITY_BYTES, Endpoint, EndpointDescriptor, RegionDescriptor
 from llmdd.lowlevel import EVENT_READ, Batch, Cancelled, Corrupt, IoLoop, MemRegion, PeerGone, Refused, RegionRegistry
+from llmdd.lowlevel import TransportTimeout
 from llmdd.lowlevel import RegionTable, RegisteredRegion, TlsConfig, encode_payload, get_logger
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
@@ -24,11 +25,12 @@ from ._descriptors import EndpointFields, RegionFields, endpoint_fields
 from ._few import FEW_OPS, discard_payload, serve_few
 from ._grants import _Grant, _handle, _mac
 from ._io import _OK_HEAD, _OK_HEAD_PADDED, _move, _Where
+from ._native import native
 from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
-from ._options import OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
+from ._options import OPT_NATIVE, OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
 from ._request import read_request
 from ._server import _ServerConn
-from ._sock import _close, _map_exc, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
+from ._sock import SPIN_SKIP_MAX, _close, _map_exc, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
 from ._sock import _waitall
 from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, _send_rsp
 
@@ -38,6 +40,9 @@ _log = get_logger("llmdd.transport.tcp")
 _ACCEPT_PAUSE_S = 0.1
 #: the grant of an endpoint not (yet) serving links only: every region, for holders of ``describe()``
 _DIRECT = -1
+#: what :meth:`TcpEndpoint._serve_native` returns besides a request for Python: the stream stays idle
+#: past the linger (back to the loop), it ended (finished), or Python serves the next request itself
+_IDLE, _ENDED, _PYTHON = "idle", "ended", "python"
 
 
 class _Reg(RegisteredRegion):
@@ -69,6 +74,9 @@ class TcpEndpoint(Endpoint):
         self._closed = False
         self._qver = 0   # the region table's version: bumped on every change and on close (llmdd_tcp._quick)
         self._few_ops = FEW_OPS   # requests of at most this many ops are served without numpy (llmdd_tcp._few)
+        # the C path's mirror of the served regions, their pins and its counters (llmdd_tcp._tcpfast): small
+        # requests on plain streams are served there, without Python per request; None: the Python path
+        self._fast = native.Table() if native is not None and tls is None and cfg.get(OPT_NATIVE) != "off" else None
         self._eager_max = int(self._cfg[OPT_SEGMENT])   # the most a refused eager write's payload is read to drop
         self._server_conns: dict[socket.socket, _ServerConn] = {}
         self._pending: dict[_ServerConn, None] = {}
@@ -86,7 +94,7 @@ class TcpEndpoint(Endpoint):
                        "connections": 0, "auth_failures": 0, "last_error": None, "refused_connections": 0,
                        "pending_expired": 0, "evicted": 0, "accept_errors": 0, "listener_failed": None,
                        "capability_refused": 0, "grants_revoked": 0, "tls_failures": 0,
-                       "requests_spun": 0}
+                       "requests_spun": 0, "requests_native": 0}
         self._lsock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._lsock.bind((host, 0))
         self._lsock.listen(128)
@@ -140,6 +148,7 @@ class TcpEndpoint(Endpoint):
             old = self._grants.get(link_id)
             if old is not None and hmac.compare_digest(old.handle, _handle(capability)):
                 old.set_regions(ids)
+                self._bump_fast()   # the C path serves no stream of it on the old regions from now on
                 return
         if old is not None:
             self.revoke(link_id)   # another capability for the same link: the old one dies first
@@ -158,6 +167,7 @@ class TcpEndpoint(Endpoint):
                 return
             self._by_handle.pop(grant.handle, None)
             grant.alive = False
+            self._bump_fast()
             self._stats["grants_revoked"] += 1
             conns = list(grant.conns)
         for conn in conns:      # idle ones see the end of stream on the loop, served ones fail in the worker
@@ -172,6 +182,8 @@ class TcpEndpoint(Endpoint):
                 raise Cancelled("endpoint is closed")
             self._regs.add(_Reg(region))
             self._qver += 1
+            if self._fast is not None and region.remote_accessible:
+                self._fast.add(region.region_id, int(region.addr), int(region.size))
         fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
                               remote_accessible=region.remote_accessible)
         return RegionDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields))
@@ -182,8 +194,12 @@ class TcpEndpoint(Endpoint):
             for sock, regions in list(self._serving.values()):
                 if region_id in regions:
                     _shutdown(sock)
+            if self._fast is not None:
+                self._fast.remove(region_id)   # the C path's too (the streams it serves it on shut down)
         # cancel the batches touching it, then drain: wait until no batch or request pins it
         self._regs.deregister(region_id, locked=stop_serving)
+        if self._fast is not None:
+            self._fast.drain(region_id)
 
     def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "TcpChannel":
         if self._closed:
@@ -226,12 +242,23 @@ class TcpEndpoint(Endpoint):
         for sock, conn in conns:
             _shutdown(sock)
             self._io.call_soon(conn.release)
+        if self._fast is not None:
+            self._fast.close()   # the streams the C path serves shut down, its pins drained
         self._io.close()   # joins the loop and the workers (each ends its stream: shut down above)
         self._regs.close()   # what is left: cancel, then drain
 
     def statistics(self) -> dict:
         with self._lock:
-            return dict(self._stats, regions=len(self._regs), port=self._port, closed=self._closed,
+            stats = dict(self._stats)
+            if self._fast is not None:   # what the C path served (counted there)
+                nbytes, ops, requests, spun, _ = self._fast.counters()
+                stats["bytes_served"] += nbytes
+                stats["ops_served"] += ops
+                stats["requests"] += requests
+                stats["requests_spun"] += spun
+                stats["requests_native"] = requests
+            return dict(stats, regions=len(self._regs), port=self._port, closed=self._closed,
+                        native=self._fast is not None,
                         tls=self._tls is not None,
                         open_connections=len(self._server_conns), pending_connections=len(self._pending),
                         threads=self._io.threads())
@@ -251,6 +278,11 @@ class TcpEndpoint(Endpoint):
 
     def _end_batch(self, batch: _Batch) -> None:
         self._regs.unpin(batch)   # a deregistered _Reg is still counted down: its drain waits on it
+
+    def _bump_fast(self) -> None:
+        """A grant changed (under the lock): the C path serves no stream on what it knew of it any more."""
+        if self._fast is not None:
+            self._fast.bump()
 
     def _forget_channel(self, ch: "TcpChannel") -> None:
         with self._lock:
@@ -397,27 +429,45 @@ class TcpEndpoint(Endpoint):
         return None
 
     def _serve_ready(self, conn: "_ServerConn") -> None:
-        """A worker serves ``conn`` while requests keep coming, then hands it back to the loop."""
+        """A worker serves ``conn`` while requests keep coming, then hands it back to the loop.  On a plain
+        stream with the C path, it serves the small requests (:meth:`_serve_native`) and gives this loop
+        the others, read as far as it read them."""
         sock = conn.sock
+        fast = self._fast if conn.tls is None else None
         try:
             sock.setblocking(True)
             _set_timeouts(sock, float(self._cfg[OPT_SERVER_SEND_TIMEOUT]))
             flags = _waitall(sock)
             spinner = conn.spinner
+            wait_next = False   # (the C path) wait for the next request first (not at first: the loop saw one)
             while True:
-                # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the header
-                head, conn.head = conn.head, b""
-                try:
-                    kind, rflags, ops, total = read_request(sock, head, flags, 0 if conn.tls else self._few_ops)
-                except PeerGone:
-                    conn.finish(None)
-                    return
+                got: Any = _PYTHON
+                if fast is not None:
+                    got = self._serve_native(conn, fast, wait_next)
+                    if got is _IDLE:
+                        break
+                    if got is _ENDED:
+                        return
+                wait_next = True
+                if isinstance(got, tuple):   # read in full by the C path, not served there
+                    kind, rflags, ops, total = got
+                else:
+                    # over TLS the loop took the request's first byte (no MSG_PEEK there): it starts the
+                    # header; the C path may have read the whole header
+                    head, conn.head = (got if isinstance(got, bytes) else conn.head), b""
+                    try:
+                        kind, rflags, ops, total = read_request(sock, head, flags, 0 if conn.tls else self._few_ops)
+                    except PeerGone:
+                        conn.finish(None)
+                        return
                 grant = conn.grant
                 if grant is None:   # a stream is served only after its OPEN proved a grant
                     raise Refused("request on a stream that proved no grant")
                 self._serve_request(sock, kind, ops, total, grant, rflags)
                 if self._closed:
                     raise Cancelled("endpoint is closed")
+                if fast is not None:
+                    continue   # the C path waits for the next request (spin, then the linger)
                 if spinner.wait(sock, self._linger):
                     with self._lock:
                         self._stats["requests_spun"] += 1   # the next request came while this thread polled
@@ -437,6 +487,46 @@ class TcpEndpoint(Endpoint):
             conn.finish(_map_exc(exc))
             return
         self._io.call_soon(conn.watch)
+
+    def _serve_native(self, conn: "_ServerConn", fast: Any, wait_next: bool) -> Any:
+        """Serve ``conn``'s small requests in C (``Table.serve``, the GIL released) for the stream's live
+        grant, as seen now (any change of the regions or grants since makes the C path hand the next
+        request back).  Returns :data:`_IDLE`, :data:`_ENDED` (finished here), :data:`_PYTHON` (no live
+        grant: the Python path reads and answers the next request), a request header (``bytes``: Python
+        reads on from it) or a request read in full (``(kind, flags, ops, total)``: Python serves or
+        refuses it); raises what ended the stream in the middle of a request."""
+        with self._lock:
+            grant = conn.grant
+            if grant is None or not grant.alive or self._closed:
+                return _PYTHON
+            epoch = fast.epoch()   # every change of a grant bumps it under this lock
+            grant.busy += 1        # (revoke waits for it; it shuts the stream down first)
+        spinner = conn.spinner
+        try:
+            res, value, spinner.skip, spinner.penalty, hits, misses = fast.serve(
+                conn.sock.fileno(), grant.sorted_ids, epoch, wait_next, int(spinner.seconds * 1e9), spinner.skip,
+                spinner.penalty, SPIN_SKIP_MAX, int(self._linger * 1e9))
+        finally:
+            with self._cond:
+                grant.busy -= 1
+                self._cond.notify_all()
+        spinner.hits += hits
+        spinner.misses += misses
+        if res == native.S_IDLE:
+            return _IDLE
+        if res == native.S_EOF:
+            conn.finish(None)
+            return _ENDED
+        if res in (native.S_HEADER, native.S_REQUEST):
+            return value
+        errno_, writing = value
+        if writing is not None:
+            self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(writing), bytes=None)
+        if res == native.S_GONE:
+            raise PeerGone("peer closed the stream in the middle of a request")
+        if res == native.S_TIMEOUT:
+            raise TransportTimeout("the stream's peer neither sent nor took bytes within the send timeout")
+        raise OSError(errno_, os.strerror(errno_))
 
     def _serve_request(self, sock: socket.socket, kind: int, wire: Union[np.ndarray, tuple], total: int,
                        grant: _Grant, flags: int = 0) -> None:

@@ -28,7 +28,7 @@ def _cap_key(cap: bytes, secret: Union[bytes, None]) -> bytes:
 class _Grant:
     """What one link (``link_id``) may do on this endpoint's data port, while ``alive``."""
 
-    __slots__ = ("link_id", "handle", "key", "regions", "region_ids", "alive", "busy", "conns")
+    __slots__ = ("link_id", "handle", "key", "regions", "region_ids", "sorted_ids", "alive", "busy", "conns")
 
     def __init__(self, link_id: int, cap: bytes, secret: Union[bytes, None],
                  regions: Union[frozenset, None]) -> None:
@@ -42,7 +42,9 @@ class _Grant:
 
     def set_regions(self, regions: Union[frozenset, None]) -> None:
         self.regions = regions
-        self.region_ids = None if regions is None else np.array(sorted(regions), dtype=np.int64)
+        # as the C path takes them: sorted wire ids (an id no request can name is left out)
+        self.sorted_ids = None if regions is None else sorted(r for r in regions if 0 <= r < 1 << 32)
+        self.region_ids = None if regions is None else np.array(self.sorted_ids, dtype=np.int64)
 
     def __repr__(self) -> str:   # never the key
         return f"<tcp grant link={self.link_id} alive={self.alive} regions={self.regions!r}>"

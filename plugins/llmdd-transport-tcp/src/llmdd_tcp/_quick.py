@@ -24,6 +24,8 @@ path.  A transfer it started that fails raises the transport error, as the ops p
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
 import struct
 import time
@@ -33,6 +35,7 @@ from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError
 
 from ._channel import TcpChannel, _Batch   # (the channel imports this module when it plans)
 from ._io import _advance
+from ._native import native
 from ._options import OPT_INLINE, OPT_SEGMENT
 from ._sock import _close, _map_exc, _StaleStream
 from ._request import request_pad
@@ -170,10 +173,10 @@ class QuickCall:
     """One planned shape on one channel: ``f(src_blocks, dst_blocks) -> bytes moved, or -1``."""
 
     __slots__ = ("ch", "ep", "pairs", "bs", "su", "du", "push", "timeout_s", "slack", "ep_ver", "ch_ver",
-                 "views", "lids", "max_bytes", "kind", "armed_sock", "armed_epoch")
+                 "views", "lids", "max_bytes", "kind", "armed_sock", "armed_epoch", "bases", "native")
 
     def __init__(self, ch: TcpChannel, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
-                 ep_ver: int, ch_ver: int, views: dict, max_bytes: int) -> None:
+                 ep_ver: int, ch_ver: int, views: dict, max_bytes: int, bases: Optional[dict] = None) -> None:
         self.ch, self.ep = ch, ch._ep
         self.pairs, self.bs, self.su, self.du, self.push = pairs, bs, su, du, push
         self.timeout_s, self.slack = timeout_s, min(_SLACK_S, timeout_s / 4)
@@ -186,6 +189,11 @@ class QuickCall:
         # same stream popped again with the epoch unchanged still has this plan's timeouts set
         self.armed_sock: Optional[socket.socket] = None
         self.armed_epoch = -1
+        # the C path (llmdd_tcp._tcpfast.quick) takes the calls when it is loaded, the endpoint uses it and
+        # the owner knows padded and eager requests; it needs the local regions' addresses
+        self.bases = bases or {}
+        self.native = (native is not None and ch._ep._fast is not None and bool(ch._features & FEAT_QUICK)
+                       and set(self.bases) >= set(views))
 
     def rows(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Optional[list]:
         """The request's rows ``[remote region, remote offset, local region, local offset, length]`` as
@@ -246,12 +254,15 @@ class QuickCall:
             return -1
         err: Optional[TransportError] = None
         try:
-            self._transfer(batch, sock, rows, total, armed)
+            if self.native and len(rows) <= native.QUICK_ROWS:
+                self._transfer_native(batch, sock, rows, total)
+            else:
+                self._transfer(batch, sock, rows, total, armed)
         except BaseException as exc:  # noqa: BLE001 - reported as the ops path reports it
             err = _map_exc(exc)
             if batch.aborted and not isinstance(err, Refused):
                 err = Cancelled(f"batch aborted: {err}")
-        ch._finish(batch, err, self.kind, len(rows), total, quick=True)
+        ch._finish(batch, err, self.kind, len(rows), total, quick=True, native=self.native)
         if err is not None:
             raise err
         return total
@@ -329,6 +340,69 @@ class QuickCall:
         self.keep_armed(sock, dl)
         ch._give_back(batch, sock)
 
+    def _transfer_native(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> None:
+        """:meth:`_transfer` in one C call (the GIL released): the request (a push's payload with it) sent,
+        the answer polled for and received, a pull's bytes straight into the local regions; the deadline
+        bounds every wait there (``ppoll``), no socket option is set.  An answer other than the expected
+        OK comes back as its header and is read on and reported here as :meth:`_transfer` reports it."""
+        ch = self.ch
+        reused = sock is not None
+        if sock is not None:
+            batch.adopt(sock)
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        flat: list = []
+        bases = self.bases
+        for rr, ro, lr, lo, ln in rows:
+            flat += (rr, ro, bases[lr] + lo, ln)
+        kind, push = self.kind, self.push
+        flags, pad = (F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))) if push else (F_PAD, 0)
+        spinner = ch._spinner
+        while True:
+            if sock is None:
+                sock = ch._open_stream(deadline)
+                batch.adopt(sock)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportTimeout("deadline passed")
+            spin = spinner.take(left)
+            res, value, head, spun = native.quick(sock.fileno(), kind, flags, pad, flat, total, 16, int(left * 1e9),
+                                                  int(spin * 1e9))
+            if spin:
+                spinner.record(bool(spun))
+            stale = res == native.Q_STALE or (res == native.Q_ERRNO and value in (errno.ECONNRESET, errno.EPIPE))
+            if stale and reused and not batch.aborted:
+                # the owner closed this idle stream just as it was reused (nothing moved): once more, fresh
+                with batch.lock:
+                    if sock in batch.socks:
+                        batch.socks.remove(sock)
+                _close(sock)
+                sock, reused = None, False
+                continue
+            break
+        if res == native.Q_ANSWER:
+            dl = _Deadline(max(deadline - time.monotonic(), 1e-6), min(self.slack, self.timeout_s / 4), False)
+            dl.arm(sock)
+            with ch._lock:
+                ch._arm_epoch += 1   # (timeouts set on this stream: no plan assumes its own are)
+            status, msg = _answer(sock, bytearray(head), dl)
+            if status == ST_REFUSED:
+                ch._give_back(batch, sock)
+                raise Refused(f"peer refused the batch: {msg}")
+            raise Corrupt(f"peer failed the batch: {msg}")
+        if res == native.Q_STALE:
+            raise PeerGone("stream closed by the owner before it answered")
+        if res == native.Q_GONE:
+            why = f": {os.strerror(value)}" if value else ""
+            raise PeerGone(f"peer closed the stream in the middle of a batch{why}")
+        if res == native.Q_TIMEOUT:
+            raise TransportTimeout(f"no answer within the deadline ({self.timeout_s:.3f} s)")
+        if res == native.Q_ERRNO:
+            raise OSError(value, os.strerror(value))
+        if batch.aborted:
+            raise Cancelled("batch aborted")
+        ch._give_back(batch, sock)
+
     def keep_armed(self, sock: socket.socket, dl: _Deadline) -> None:
         """Remember ``sock`` as armed with this plan's timeout less the slack when this call armed it once,
         within a quarter of the slack of its start (a later or second arming left a shorter timeout on it:
@@ -357,7 +431,7 @@ def quick_plan(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: in
         return None
     local_units, remote_units = (su, du) if push else (du, su)
     plan = [(int(lid), int(rid)) for lid, rid in pairs]
-    views = {}
+    views, bases = {}, {}
     with ep._lock:   # the local table and its version together
         if ep._closed:
             return None
@@ -367,6 +441,7 @@ def quick_plan(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: in
             if entry is None or entry.region.size < bs * local_units:
                 return None
             views[lid] = entry.view
+            bases[lid] = int(entry.region.addr)
     with ch._lock:   # the remote table and its version together
         if ch._batches.closed:
             return None
@@ -375,4 +450,4 @@ def quick_plan(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: in
             size = ch._remote.get(rid)
             if size is None or rid in ch._private or size < bs * remote_units:
                 return None
-    return QuickCall(ch, plan, bs, su, du, bool(push), timeout_s, ep_ver, ch_ver, views, max_bytes)
+    return QuickCall(ch, plan, bs, su, du, bool(push), timeout_s, ep_ver, ch_ver, views, max_bytes, bases)

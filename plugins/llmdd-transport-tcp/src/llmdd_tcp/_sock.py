@@ -165,19 +165,32 @@ class Spinner:
     def wait(self, sock: socket.socket, limit: float) -> bool:
         """Spin on ``sock`` for at most the budget (and ``limit``) unless misses say sleep: True when its
         bytes (or its end) came while spinning."""
-        if self.seconds <= 0 or limit <= 0:
+        budget = self.take(limit)
+        if not budget:
             return False
+        hit = _spin_readable(sock, budget)
+        self.record(hit)
+        return hit
+
+    def take(self, limit: float) -> float:
+        """The seconds the next wait spins (0: it sleeps at once), for a wait of at most ``limit``; a spin
+        taken is followed by :meth:`record` of what it found (the C path spins itself)."""
+        if self.seconds <= 0 or limit <= 0:
+            return 0.0
         if self.skip:
             self.skip -= 1
-            return False
-        if _spin_readable(sock, min(self.seconds, limit)):
+            return 0.0
+        return min(self.seconds, limit)
+
+    def record(self, hit: bool) -> None:
+        """What a spin taken from :meth:`take` found."""
+        if hit:
             self.penalty = 0
             self.hits += 1
-            return True
+            return
         self.penalty = min(SPIN_SKIP_MAX, max(1, 2 * self.penalty))
         self.skip = self.penalty
         self.misses += 1
-        return False
 
 
 def _wait_readable(sock: socket.socket, seconds: float) -> bool:
