@@ -151,6 +151,14 @@ def _recv_exact(sock: socket.socket, buf: bytearray, dl: _Deadline, *, stale_ok:
             dl.check(sock)
 
 
+def _drop(batch: _Batch, sock: socket.socket) -> None:
+    """Take ``sock`` from ``batch`` and close it (an idle stream the owner closed; nothing moved on it)."""
+    with batch.lock:
+        if sock in batch.socks:
+            batch.socks.remove(sock)
+    _close(sock)
+
+
 def _answer(sock: socket.socket, head: bytearray, dl: _Deadline) -> tuple[int, str]:
     """The status and message of the answer whose first bytes are in ``head``: its 12-byte header, or 16
     bytes of a padded answer (``F_PAD`` to an owner with ``FEAT_QUICK``: at least 4 bytes of message, a
@@ -176,7 +184,7 @@ class QuickCall:
                  "views", "lids", "max_bytes", "kind", "armed_sock", "armed_epoch", "bases", "native")
 
     def __init__(self, ch: TcpChannel, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
-                 ep_ver: int, ch_ver: int, views: dict, max_bytes: int, bases: Optional[dict] = None) -> None:
+                 ep_ver: int, ch_ver: int, views: dict, max_bytes: int, bases: dict) -> None:
         self.ch, self.ep = ch, ch._ep
         self.pairs, self.bs, self.su, self.du, self.push = pairs, bs, su, du, push
         self.timeout_s, self.slack = timeout_s, min(_SLACK_S, timeout_s / 4)
@@ -190,10 +198,10 @@ class QuickCall:
         self.armed_sock: Optional[socket.socket] = None
         self.armed_epoch = -1
         # the C path (llmdd_tcp._tcpfast.quick) takes the calls when it is loaded, the endpoint uses it and
-        # the owner knows padded and eager requests; it needs the local regions' addresses
-        self.bases = bases or {}
-        self.native = (native is not None and ch._ep._fast is not None and bool(ch._features & FEAT_QUICK)
-                       and set(self.bases) >= set(views))
+        # the owner knows padded and eager requests; it needs the local regions' addresses (a call's rows,
+        # at most QUICK_MAX_PAIRS x QUICK_MAX_BLOCKS, never exceed its QUICK_ROWS: test_native.py)
+        self.bases = bases   # local region id -> its address
+        self.native = native is not None and ch._ep._fast is not None and bool(ch._features & FEAT_QUICK)
 
     def rows(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Optional[list]:
         """The request's rows ``[remote region, remote offset, local region, local offset, length]`` as
@@ -254,7 +262,7 @@ class QuickCall:
             return -1
         err: Optional[TransportError] = None
         try:
-            if self.native and len(rows) <= native.QUICK_ROWS:
+            if self.native:
                 self._transfer_native(batch, sock, rows, total)
             else:
                 self._transfer(batch, sock, rows, total, armed)
@@ -308,11 +316,7 @@ class QuickCall:
             except (_StaleStream, ConnectionResetError, BrokenPipeError) as exc:
                 if not reused or batch.aborted:
                     raise PeerGone(f"stream closed by the owner: {exc}") from None
-                # the owner closed this idle stream just as it was reused (nothing moved): once more, fresh
-                with batch.lock:
-                    if sock in batch.socks:
-                        batch.socks.remove(sock)
-                _close(sock)
+                _drop(batch, sock)   # the owner closed this idle stream just as it was reused: once more, fresh
                 sock, reused = None, False
                 continue
             break
@@ -372,11 +376,7 @@ class QuickCall:
                 spinner.record(bool(spun))
             stale = res == native.Q_STALE or (res == native.Q_ERRNO and value in (errno.ECONNRESET, errno.EPIPE))
             if stale and reused and not batch.aborted:
-                # the owner closed this idle stream just as it was reused (nothing moved): once more, fresh
-                with batch.lock:
-                    if sock in batch.socks:
-                        batch.socks.remove(sock)
-                _close(sock)
+                _drop(batch, sock)   # the owner closed this idle stream just as it was reused: once more, fresh
                 sock, reused = None, False
                 continue
             break

@@ -111,17 +111,19 @@ static void advance(struct iovec **iov, int *n, size_t k) {
     while (*n && (*iov)->iov_len == 0) { (*iov)++; (*n)--; }
 }
 
-/* Send every byte of iov (non-blocking sends, polled until the deadline): 0 or -errno (-ETIMEDOUT). */
+/* Send every byte of iov: 0 or -errno.  With a deadline, non-blocking sends polled until it passes
+ * (-ETIMEDOUT); with deadline 0, blocking sends (the stream's SO_SNDTIMEO bounds each: -EAGAIN). */
 static int send_all(int fd, struct iovec *iov, int n, uint64_t deadline) {
+    int flags = MSG_NOSIGNAL | (deadline ? MSG_DONTWAIT : 0);
     advance(&iov, &n, 0);
     while (n) {
         struct msghdr m = {0};
         m.msg_iov = iov;
         m.msg_iovlen = (size_t)n;
-        ssize_t k = sendmsg(fd, &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+        ssize_t k = sendmsg(fd, &m, flags);
         if (k < 0) {
             if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+            if (!deadline || (errno != EAGAIN && errno != EWOULDBLOCK)) return -errno;
             int w = wait_fd(fd, POLLOUT, deadline);
             if (w) return w;
             continue;
@@ -131,20 +133,22 @@ static int send_all(int fd, struct iovec *iov, int n, uint64_t deadline) {
     return 0;
 }
 
-/* Receive exactly the bytes of iov (non-blocking receives, polled until the deadline): 0, 1 when the
- * stream ended before its first byte, 2 when it ended after some, or -errno (-ETIMEDOUT). */
+/* Receive exactly the bytes of iov: 0, 1 when the stream ended before its first byte, 2 when it ended
+ * after some, or -errno.  With a deadline, non-blocking receives polled until it passes (-ETIMEDOUT);
+ * with deadline 0, blocking MSG_WAITALL receives (the stream's SO_RCVTIMEO bounds each: -EAGAIN). */
 static int recv_all(int fd, struct iovec *iov, int n, uint64_t deadline) {
+    int flags = deadline ? MSG_DONTWAIT : MSG_WAITALL;
     size_t got = 0;
     advance(&iov, &n, 0);
     while (n) {
         struct msghdr m = {0};
         m.msg_iov = iov;
         m.msg_iovlen = (size_t)n;
-        ssize_t k = recvmsg(fd, &m, MSG_DONTWAIT);
+        ssize_t k = recvmsg(fd, &m, flags);
         if (k == 0) return got ? 2 : 1;
         if (k < 0) {
             if (errno == EINTR) continue;
-            if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
+            if (!deadline || (errno != EAGAIN && errno != EWOULDBLOCK)) return -errno;
             int w = wait_fd(fd, POLLIN, deadline);
             if (w) return w;
             continue;
@@ -153,6 +157,11 @@ static int recv_all(int fd, struct iovec *iov, int n, uint64_t deadline) {
         advance(&iov, &n, (size_t)k);
     }
     return 0;
+}
+
+static int recv_exact(int fd, unsigned char *buf, size_t len) {   /* (blocking) */
+    struct iovec v = {buf, len};
+    return recv_all(fd, &v, 1, 0);
 }
 
 /* ---------------------------------------------------------------------------------------- client */
@@ -505,57 +514,6 @@ static int in_grant(const uint32_t *grant, Py_ssize_t ng, uint32_t id) {
     return lo < ng && grant[lo] == id;
 }
 
-/* Blocking receive of exactly len bytes (the stream's SO_RCVTIMEO bounds each wait): 0, 1 (ended before
- * the first byte), 2 (ended after some), -errno. */
-static int recv_exact(int fd, unsigned char *buf, size_t len) {
-    size_t got = 0;
-    while (got < len) {
-        ssize_t k = recv(fd, buf + got, len - got, MSG_WAITALL);
-        if (k == 0) return got ? 2 : 1;
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        got += (size_t)k;
-    }
-    return 0;
-}
-
-static int send_blocking(int fd, struct iovec *iov, int n) {   /* (the stream's SO_SNDTIMEO bounds it) */
-    advance(&iov, &n, 0);
-    while (n) {
-        struct msghdr m = {0};
-        m.msg_iov = iov;
-        m.msg_iovlen = (size_t)n;
-        ssize_t k = sendmsg(fd, &m, MSG_NOSIGNAL);
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        advance(&iov, &n, (size_t)k);
-    }
-    return 0;
-}
-
-static int recv_blocking(int fd, struct iovec *iov, int n) {
-    size_t got = 0;
-    advance(&iov, &n, 0);
-    while (n) {
-        struct msghdr m = {0};
-        m.msg_iov = iov;
-        m.msg_iovlen = (size_t)n;
-        ssize_t k = recvmsg(fd, &m, MSG_WAITALL);
-        if (k == 0) return got ? 2 : 1;
-        if (k < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        got += (size_t)k;
-        advance(&iov, &n, (size_t)k);
-    }
-    return 0;
-}
-
 static const unsigned char OK_HEAD[16] = {'L', 'D', 'R', 'S', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 static const unsigned char OK_PADDED[16] = {'L', 'D', 'R', 'S', 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0};
 
@@ -721,14 +679,14 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
         if (kind == READ_K) {
             iov[0].iov_base = (void *)((rflags & F_PAD) ? OK_PADDED : OK_HEAD);
             iov[0].iov_len = (rflags & F_PAD) ? 16 : RSP_SIZE;
-            r = send_blocking(fd, iov, count + 1);
+            r = send_all(fd, iov, count + 1, 0);
         } else {
             writing = 1;
-            r = recv_blocking(fd, iov + 1, count);
+            r = recv_all(fd, iov + 1, count, 0);
             if (r == 0) {
                 writing = 0;
                 struct iovec a = {(void *)((rflags & F_PAD) ? OK_PADDED : OK_HEAD), (rflags & F_PAD) ? 16 : RSP_SIZE};
-                r = send_blocking(fd, &a, 1);
+                r = send_all(fd, &a, 1, 0);
             }
         }
         pthread_mutex_lock(&t->mu);
