@@ -38,6 +38,12 @@ def test_bench_quick(tmp_path):
             assert f["verified"] is True, (t, key, f)
         lat = figs["latency_64k"]
         assert lat["n"] >= 100 and lat["p50"] > 0 and lat["p99"] >= lat["p50"] and lat["verified"] is True
+        for key in ("latency_64k", "latency_push_64k"):   # over tcp, the raw anchor interleaved with the calls
+            paired = figs[key].get("paired")
+            if t == "tcp":
+                assert paired["n"] == figs[key]["n"] and paired["p50"] > 0 and paired["chunk"] >= 1, (key, paired)
+            else:
+                assert paired is None, (t, key)
         dec = figs["decoders"]
         for n in ("1", "2"):
             assert dec[n]["verified"] is True and len(dec[n]["per_decoder_gbps"]) == int(n), (t, n)
@@ -48,5 +54,9 @@ def test_bench_quick(tmp_path):
     assert any(r["anchor"] == "cma_64k" for r in results["ratios"])
     assert any(r["anchor"] == "tcp_2stream" and r["transport"] == "tcp" for r in results["ratios"])
     assert {g["met"] for g in results["targets"]} <= {True, False, None}
+    paired = {g["id"]: g for g in results["targets"] if g["id"] in ("21.1-tcp-paired", "21.1-tcp-push-paired")}
+    assert set(paired) == {"21.1-tcp-paired", "21.1-tcp-push-paired"}
+    for g in paired.values():   # evaluated on this run's own figures (a ratio, not "not measured")
+        assert g["transport"] == "tcp" and g["value"] > 0 and g["met"] in (True, False), g
     assert "plots" in results
     assert "targets (llmdd/_tools/bench/targets.toml):" in proc.stdout

@@ -378,25 +378,32 @@ class Run:
             self.p.step(f"{t}: pull_cache {s.contiguous_bytes / MiB:g} MiB: {r['median']:.2f} GB/s, "
                         f"verified={r['verified']}")
 
-            # one block of one tensor (tensor 0 of the 64 KiB layout)
+            # one block of one tensor (tensor 0 of the 64 KiB layout); over tcp, raw request/replies
+            # between the same two processes and on the same memory are interleaved with the calls
+            # (the paired anchor: the same load as the engine's calls, not the run's start)
+            paired = prompt.call("rr_paired_serve", name=name) if t == "tcp" else {}
             r = d1.call("latency_pull", remote=PROMPT, model_id=mid, remote_model_id=mid, num_blocks=nb,
-                        n=s.latency_n, warmup=s.latency_warmup)
+                        n=s.latency_n, warmup=s.latency_warmup, paired_port=paired.get("pull"), name=name,
+                        block_bytes=bb)
             last = r.pop("last")
             r.update(d1.call("check_blocks", num_tensors=1, tensor_bytes=nb * bb, block_bytes=bb,
                              dst_blocks=[last["dst"]], src_blocks=[last["src"]], salt=SALT_PROMPT, name=name))
             res["latency_64k"] = r
-            self.p.step(f"{t}: one 64 KiB block: p50 {r['p50']:.1f} us, p99 {r['p99']:.1f} us")
+            self.p.step(f"{t}: one 64 KiB block: p50 {r['p50']:.1f} us, p99 {r['p99']:.1f} us"
+                        + (f"; paired raw request/reply p50 {r['paired']['p50']:.1f} us" if "paired" in r else ""))
             # one block of one tensor pushed (decoder -> prompt), checked on the prompt; the prompt's
             # bytes are its own pattern again afterwards (the decoders below pull them)
             d1.call("fill", salt=SALT_DECODER, name=name)
             r = d1.call("latency_pull", op="push", remote=PROMPT, model_id=mid, remote_model_id=mid, num_blocks=nb,
-                        n=s.latency_n, warmup=s.latency_warmup)
+                        n=s.latency_n, warmup=s.latency_warmup, paired_port=paired.get("push"), name=name,
+                        block_bytes=bb)
             last = r.pop("last")
             r.update(prompt.call("check_blocks", num_tensors=1, tensor_bytes=nb * bb, block_bytes=bb,
                                  dst_blocks=[last["dst"]], src_blocks=[last["src"]], salt=SALT_DECODER, name=name))
             res["latency_push_64k"] = r
             prompt.call("fill", salt=SALT_PROMPT, name=name)
-            self.p.step(f"{t}: one 64 KiB block pushed: p50 {r['p50']:.1f} us, p99 {r['p99']:.1f} us")
+            self.p.step(f"{t}: one 64 KiB block pushed: p50 {r['p50']:.1f} us, p99 {r['p99']:.1f} us"
+                        + (f"; paired raw push p50 {r['paired']['p50']:.1f} us" if "paired" in r else ""))
             if self.o.profile:
                 prof = d1.call("latency_pull", remote=PROMPT, model_id=mid, remote_model_id=mid, num_blocks=nb,
                                n=s.latency_n, warmup=s.latency_warmup, profile=True)

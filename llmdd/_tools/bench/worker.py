@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from llmdd._api.datadist import LLMDataDist
 
 HOST = "127.0.0.1"
+PAIRED_CHUNK = 50   # engine calls and raw anchor calls alternate in chunks of this many (cmd_latency_pull)
 _IOV_MAX = 1024
 
 
@@ -50,6 +51,51 @@ def _recv_exact(sock: socket.socket, mv: memoryview) -> None:
         if r == 0:
             raise ConnectionError("peer closed")
         got += r
+
+
+_RR_HEADER = struct.Struct("<QQ")   # the raw anchors' request: (offset, length)
+
+
+def _rr_pull(sock: socket.socket, mv: memoryview, src_off: int, dst_off: int, nbytes: int) -> None:
+    """One raw request/reply: the 16-byte request, the block back into ``mv`` at ``dst_off``."""
+    sock.sendall(_RR_HEADER.pack(src_off, nbytes))
+    _recv_exact(sock, mv[dst_off:dst_off + nbytes])
+
+
+def _rr_push(sock: socket.socket, mv: memoryview, src_off: int, dst_off: int, nbytes: int, ack: memoryview) -> None:
+    """One raw push: header and block in one ``sendmsg`` (the rest after a short send), the 1-byte answer."""
+    head = _RR_HEADER.pack(dst_off, nbytes)
+    k = sock.sendmsg([head, mv[src_off:src_off + nbytes]])
+    if k < 16 + nbytes:
+        if k < 16:
+            sock.sendall(head[k:])
+            k = 16
+        sock.sendall(mv[src_off + k - 16:src_off + nbytes])
+    _recv_exact(sock, ack)
+
+
+def _serve_rr(conn: socket.socket, mv: memoryview, push: bool, n: Optional[int]) -> None:
+    """Serve raw pulls (``push=False``: the bytes as reply) or pushes (the bytes stored, a 1-byte answer):
+    ``n`` of them, or (``n=None``) until the client closes."""
+    req = bytearray(16)
+    rv = memoryview(req)
+    done = 0
+    while n is None or done < n:
+        if n is None:
+            first = conn.recv_into(rv, 16)
+            if first == 0:
+                return
+            if first < 16:
+                _recv_exact(conn, rv[first:])
+        else:
+            _recv_exact(conn, rv)
+        off, length = _RR_HEADER.unpack(req)
+        if push:
+            _recv_exact(conn, mv[off:off + length])
+            conn.sendall(b"k")
+        else:
+            conn.sendall(mv[off:off + length])
+        done += 1
 
 
 def _until_known(fn, limit_s: float = 15.0) -> float:
@@ -270,9 +316,17 @@ class Worker:
         return {"start": began, "end": time.monotonic()}
 
     def cmd_latency_pull(self, remote: int, model_id: int, remote_model_id: int, num_blocks: int, n: int,
-                         warmup: int, profile: bool = False, op: str = "pull") -> dict:
+                         warmup: int, profile: bool = False, op: str = "pull", paired_port: Optional[int] = None,
+                         name: str = "main", block_bytes: int = 64 * KiB) -> dict:
         """p50/p99 of ``n`` ``pull_blocks`` (``op="push"``: ``push_blocks``) calls of one block of one
-        tensor (tensor 0: layer range of one layer with one tensor per layer), random block ids."""
+        tensor (tensor 0: layer range of one layer with one tensor per layer), random block ids.
+
+        With ``paired_port`` (a ``cmd_rr_paired_serve`` port of the remote worker, for this ``op``),
+        the same number of raw request/replies (or raw pushes) of one block of buffer ``name`` (the
+        cache's memory on both sides) are interleaved with the engine's calls in chunks of
+        ``PAIRED_CHUNK``, each raw chunk just before an engine chunk: the anchor sees the same
+        processes, the same memory and the same load as the engine.  Their figures are ``paired``;
+        the engine's call is the last one, so the caller's check of the last blocks checks the engine."""
         import llmdd
 
         cm = self.engine.cache_manager
@@ -286,20 +340,55 @@ class Worker:
         move = cm.pull_blocks if op == "pull" else cm.push_blocks
         waited = _until_known(lambda: move(key, cache, [0], [0], src_layer_range=one, dst_layer_range=one,
                                            tensor_num_per_layer=1))
-        us = []
+        raw = None
+        if paired_port is not None:
+            if profile:
+                raise ValueError("a paired run is not profiled (the raw calls would be in the profile)")
+            sock = socket.create_connection((HOST, paired_port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            mv = self.bufs[name].data
+            prng = np.random.default_rng(17 if op == "pull" else 18)   # the raw calls' own block ids
+            psrcs = (prng.integers(0, num_blocks, n + warmup) * block_bytes).tolist()
+            pdsts = (prng.integers(0, num_blocks, n + warmup) * block_bytes).tolist()
+            ack = memoryview(bytearray(1))
+            if op == "pull":
+                def raw(j: int) -> None:
+                    _rr_pull(sock, mv, psrcs[j], pdsts[j], block_bytes)
+            else:
+                def raw(j: int) -> None:
+                    _rr_push(sock, mv, psrcs[j], pdsts[j], block_bytes, ack)
+        us: list = []
+        raw_us: list = []
         pc = time.perf_counter
-        for i in range(n + warmup):
-            s, d = [srcs[i]], [dsts[i]]
-            if prof is not None and i == warmup:
-                prof.enable()
-            t0 = pc()
-            move(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=1)
-            dt = pc() - t0
-            if i >= warmup:
-                us.append(dt * 1e6)
+        chunk = PAIRED_CHUNK if raw is not None else n + warmup
+        try:
+            for first in range(0, n + warmup, chunk):
+                last = min(n + warmup, first + chunk)
+                if raw is not None:
+                    for j in range(first, last):
+                        t0 = pc()
+                        raw(j)
+                        dt = pc() - t0
+                        if j >= warmup:
+                            raw_us.append(dt * 1e6)
+                for i in range(first, last):
+                    s, d = [srcs[i]], [dsts[i]]
+                    if prof is not None and i == warmup:
+                        prof.enable()
+                    t0 = pc()
+                    move(key, cache, s, d, src_layer_range=one, dst_layer_range=one, tensor_num_per_layer=1)
+                    dt = pc() - t0
+                    if i >= warmup:
+                        us.append(dt * 1e6)
+        finally:
+            if raw is not None:
+                sock.close()
         out = lat_summary(us)
         out["last"] = {"src": srcs[-1], "dst": dsts[-1]}
         out["first_call_s"] = waited
+        if raw is not None:
+            out["paired"] = lat_summary(raw_us)
+            out["paired"]["chunk"] = chunk
         if prof is not None:
             prof.disable()
             text = io.StringIO()
@@ -576,28 +665,37 @@ class Worker:
         """Serve ``n`` pulls: a 16-byte request ``(offset, length)``, the bytes as reply."""
         c, _ = self._listening().accept()
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mv = self.buf.data
-        req = bytearray(16)
-        rv = memoryview(req)
-        for _ in range(n):
-            _recv_exact(c, rv)
-            off, length = struct.unpack("<QQ", req)
-            c.sendall(mv[off:off + length])
+        _serve_rr(c, self.buf.data, push=False, n=n)
         c.close()
 
     def cmd_rr_push_serve(self, n: int) -> None:
         """Take ``n`` pushes: a 16-byte header ``(offset, length)`` and the bytes, stored; a 1-byte answer."""
         c, _ = self._listening().accept()
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        mv = self.buf.data
-        req = bytearray(16)
-        rv = memoryview(req)
-        for _ in range(n):
-            _recv_exact(c, rv)
-            off, length = struct.unpack("<QQ", req)
-            _recv_exact(c, mv[off:off + length])
-            c.sendall(b"k")
+        _serve_rr(c, self.buf.data, push=True, n=n)
         c.close()
+
+    def cmd_rr_paired_serve(self, name: str) -> dict:
+        """Serve raw pulls and raw pushes on buffer ``name`` (the engine's registered blocks), each on a
+        port of its own, in background threads, until the client closes: the anchors that
+        ``cmd_latency_pull(paired_port=...)`` interleaves with the engine's calls."""
+        mv = self.bufs[name].data
+        ports = {}
+        for kind in ("pull", "push"):
+            ls = socket.socket()
+            ls.bind((HOST, 0))
+            ls.listen(1)
+            ports[kind] = ls.getsockname()[1]
+
+            def serve(ls: socket.socket = ls, push: bool = kind == "push") -> None:
+                with ls:
+                    c, _ = ls.accept()
+                with c:
+                    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    _serve_rr(c, mv, push=push, n=None)
+
+            threading.Thread(target=serve, name=f"llmdd-bench-rr-{kind}", daemon=True).start()
+        return ports
 
     def cmd_rr_push_client(self, port: int, block_bytes: int, num_blocks: int, n: int, warmup: int) -> dict:
         """The raw push a tcp ``push_blocks`` of one block is compared with: header and block in one
@@ -608,20 +706,12 @@ class Worker:
         rng = np.random.default_rng(9)
         srcs = rng.integers(0, num_blocks, n + warmup).tolist()
         dsts = rng.integers(0, num_blocks, n + warmup).tolist()
-        pack = struct.Struct("<QQ").pack
         ack = memoryview(bytearray(1))
         us = []
         pc = time.perf_counter
         for i in range(n + warmup):
             t0 = pc()
-            off = srcs[i] * block_bytes
-            k = s.sendmsg([pack(dsts[i] * block_bytes, block_bytes), mv[off:off + block_bytes]])
-            if k < 16 + block_bytes:   # a short send: the rest of the header, then of the block
-                if k < 16:
-                    s.sendall(pack(dsts[i] * block_bytes, block_bytes)[k:])
-                    k = 16
-                s.sendall(mv[off + k - 16:off + block_bytes])
-            _recv_exact(s, ack)
+            _rr_push(s, mv, srcs[i] * block_bytes, dsts[i] * block_bytes, block_bytes, ack)
             dt = pc() - t0
             if i >= warmup:
                 us.append(dt * 1e6)
@@ -637,14 +727,11 @@ class Worker:
         rng = np.random.default_rng(7)
         srcs = rng.integers(0, num_blocks, n + warmup).tolist()
         dsts = rng.integers(0, num_blocks, n + warmup).tolist()
-        pack = struct.Struct("<QQ").pack
         us = []
         pc = time.perf_counter
         for i in range(n + warmup):
             t0 = pc()
-            s.sendall(pack(srcs[i] * block_bytes, block_bytes))
-            off = dsts[i] * block_bytes
-            _recv_exact(s, mv[off:off + block_bytes])
+            _rr_pull(s, mv, srcs[i] * block_bytes, dsts[i] * block_bytes, block_bytes)
             dt = pc() - t0
             if i >= warmup:
                 us.append(dt * 1e6)
