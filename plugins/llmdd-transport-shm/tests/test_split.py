@@ -1,6 +1,7 @@
 """Split batches (issue 22): a batch at or above ``llmdd.shm.split_min_bytes`` is copied by the caller's
-thread (first part) and the process's persistent copy threads (the others), on both data paths; no thread
-is started per batch; the first error wins, a deadline or cancel fails the batch and stops every part."""
+thread and the process's persistent copy threads, which take its chunks from one shared list (smaller
+towards the end), on both data paths; no thread is started per batch; the first error wins, a deadline
+or cancel fails the batch and stops every part."""
 
 from __future__ import annotations
 
@@ -77,8 +78,10 @@ def _threads_of_parts(monkeypatch) -> list:
     real = llmdd_shm.ShmChannel._run_mapped
 
     def spy(self, batch, write, plan, deadline):
-        seen.append((threading.current_thread().name, plan.total))
-        return real(self, batch, write, plan, deadline)
+        try:
+            return real(self, batch, write, plan, deadline)
+        finally:  # the bytes this thread copied, of chunks it took from the batch's shared list
+            seen.append((threading.current_thread().name, plan.moved))
 
     monkeypatch.setattr(llmdd_shm.ShmChannel, "_run_mapped", spy)
     return seen
@@ -106,9 +109,74 @@ def test_a_split_read_runs_in_the_caller_and_one_pool_thread_and_moves_every_byt
     for i in range(0, 8, 2):
         names = {seen[i][0], seen[i + 1][0]}
         assert me in names and any(n.startswith("llmdd-shm-copy-") for n in names), seen
-        assert seen[i][1] + seen[i + 1][1] == 160 * BLOCK
+        assert seen[i][1] + seen[i + 1][1] == 160 * BLOCK  # every chunk copied once, by one of them
     assert counts[1:] == counts[:1] * 3, counts  # no thread started after the first batch
     assert ch.statistics()["failed"] == 0
+
+
+def test_a_part_that_starts_late_finds_every_chunk_taken_and_returns_without_locking(channel, monkeypatch):
+    """The copy threads take chunks from one list: a pool thread that starts only after the caller's
+    thread has copied everything moves nothing and does not lock the owner's slots."""
+    conn, ep, ch, local = channel
+    real = llmdd_shm.ShmChannel._run_mapped
+    caller_done = threading.Event()
+    moved: dict = {}
+    locks: list = []
+    real_lock = llmdd_shm._seg.lock
+
+    def late(self, batch, write, plan, deadline):
+        name = threading.current_thread().name
+        if name.startswith("llmdd-shm-copy-"):
+            assert caller_done.wait(20)
+        try:
+            return real(self, batch, write, plan, deadline)
+        finally:
+            moved[name] = plan.moved
+            if not name.startswith("llmdd-shm-copy-"):
+                caller_done.set()
+
+    def counting_lock(fd, kind, start, length):
+        locks.append((threading.current_thread().name, kind))
+        return real_lock(fd, kind, start, length)
+
+    monkeypatch.setattr(llmdd_shm.ShmChannel, "_run_mapped", late)
+    monkeypatch.setattr(llmdd_shm._seg, "lock", counting_lock)
+    lb, rb = _tables(19, 160)
+    local[:] = 0
+    c = ch.read(make_ops(1, lb * BLOCK, USER_RID, rb * BLOCK, BLOCK), deadline=time.monotonic() + 30)
+    assert c.wait(30) and c.error is None, repr(c.error)
+    assert np.array_equal(local.reshape(-1, BLOCK)[lb], _content(2).reshape(-1, BLOCK)[rb])
+    me = threading.current_thread().name
+    pool = [n for n in moved if n != me]
+    assert moved[me] == 160 * BLOCK and len(pool) == 1 and moved[pool[0]] == 0, moved
+    assert {n for n, _ in locks} == {me}, locks  # the caller's lock and unlock only
+
+
+def test_shared_chunks_cover_the_batch_once_and_shrink_towards_its_end():
+    from llmdd_shm._plans import _MIN_PIECE, _bounds
+
+    rng = np.random.default_rng(23)
+    ln = rng.integers(1, 256 * 1024, 3000).astype(np.uint64)
+    total = int(ln.sum())
+    chunk = 8 << 20
+    for parts, after in ((1, 0), (2, 0), (2, 5 << 20), (4, 0)):
+        b = _bounds(ln, chunk, 1024, parts, after)
+        assert b[0][0] == 0 and b[-1][1] == len(ln)
+        assert all(x[1] == y[0] for x, y in zip(b, b[1:]))  # consecutive, no op twice, none left out
+        assert all(int(ln[s:e].sum()) == nb for s, e, nb in b) and sum(nb for _, _, nb in b) == total
+        assert all(e - s <= 1024 for s, e, _ in b)
+        left = total + after
+        for s, e, nb in b:  # as many ops as fit the chunk's size (one when a single op is larger)
+            want = chunk if parts == 1 else max(_MIN_PIECE, min(chunk, left // (2 * parts)))
+            assert nb <= want or e - s == 1, (s, e, nb, want)
+            assert e == len(ln) or e - s == 1024 or nb + int(ln[e]) > want, (s, e, nb, want)
+            left -= nb
+        if parts == 1:
+            continue
+        assert b[-2][2] < chunk // 2  # the last chunks are small, so the threads finish together
+    # a batch of exactly one chunk is still shared when there are several threads
+    one = np.full(128, 64 * 1024, np.uint64)
+    assert len(_bounds(one, chunk, 1024, 1, 0)) == 1 and len(_bounds(one, chunk, 1024, 2, 0)) > 2
 
 
 def test_a_split_write_lands_on_the_owner(channel):

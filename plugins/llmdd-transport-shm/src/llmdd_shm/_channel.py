@@ -29,7 +29,7 @@ from ._format import (_CTL_SIZE, _LIVE, _MAGIC, _OPEN, _PROBE_MAGIC, KIND_CMA, K
 from ._host import _Liveness, host_identity
 from ._hotpath import _ST_BUSY, _ST_CLOSED, _ST_CMA, _ST_DEAD, _ST_FALLBACK, _ST_LOCKERR, _ST_NOPROGRESS, _ST_OK
 from ._hotpath import _ST_STALE
-from ._plans import _AnyPlan, _FewPlan, _Plan
+from ._plans import _AnyPlan, _FewPlan, _Part, _Plan
 
 
 if TYPE_CHECKING:  # annotations only: the endpoint opens its channels
@@ -452,7 +452,7 @@ class ShmChannel(Channel):
             except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
                 err = self._map_exc(exc)
             return self._done(batch, write, plan, err)
-        parts = plan.split(int(self._cfg[OPT_THREADS]))
+        parts = plan.share(int(self._cfg[OPT_THREADS]), int(self._cfg[OPT_CHUNK]), self._cma.iov_max)
         workers = [(lambda p=p: self._run_mapped(batch, write, p, deadline)) for p in parts]
         # part 0 in this thread, the others on the copy pool (no thread start per batch)
         completion = ThreadCompletion(
@@ -531,7 +531,7 @@ class ShmChannel(Channel):
                     raise Refused(f"remote region {rid} is not registered by its owner any more")
                 raise Cancelled(f"remote region {rid} was deregistered by its owner")
 
-    def _run_mapped(self, batch: _Batch, write: bool, plan: "_Plan", deadline: float) -> None:
+    def _run_mapped(self, batch: _Batch, write: bool, plan: "_Part", deadline: float) -> None:
         try:
             self._run(batch, write, plan, deadline)
         except BaseException as exc:  # noqa: BLE001 - typed errors reach the completion

@@ -1,11 +1,13 @@
-"""A validated shm batch as a copy plan: :class:`_Plan` (numpy address arrays: coalesced, capped, chunked,
-split across the copy threads) and :class:`_FewPlan` (a few ops as Python ints, the latency path), with
-the array helpers :func:`_cap`, :func:`_chunks` and :func:`_split_arrays`."""
+"""A validated shm batch as a copy plan: :class:`_Plan` (numpy address arrays: coalesced, capped),
+:class:`_Shared` (its chunks, which one or more copy threads take in turn; :class:`_Part` is one
+thread's view) and :class:`_FewPlan` (a few ops as Python ints, the latency path), with the array
+helpers :func:`_cap` and :func:`_bounds`."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import os
 from typing import TYPE_CHECKING, Union
 
@@ -66,68 +68,106 @@ class _Plan:
         self.n = len(self.mlen) + len(self.clen)
         self.total = int(self.mlen.sum(dtype=np.uint64)) + int(self.clen.sum(dtype=np.uint64))
 
-    def split(self, parts: int) -> list["_Plan"]:
-        """At most ``parts`` sub-plans of about equal bytes (each kind split on its own)."""
-        out = []
-        mp = _split_arrays(self.mlocal, self.mremote, self.mlen, parts)
-        cp = _split_arrays(self.clocal, self.cremote, self.clen, parts)
-        e = np.empty(0, np.uint64)
-        for i in range(max(len(mp), len(cp))):
-            p = object.__new__(_Plan)
-            p.slots, p.gens, p.rids, p.slot_range = self.slots, self.gens, self.rids, self.slot_range
-            ml, mr, mn = mp[i] if i < len(mp) else (e, e, e)
-            cl, cr, cn = cp[i] if i < len(cp) else (e, e, e)
-            p._set(ml, mr, mn, cl, cr, cn)
-            if p.n:
-                out.append(p)
-        return out or [self]
+    def share(self, parts: int, chunk: int, iov_max: int) -> list["_Part"]:
+        """``parts`` workers' views of one :class:`_Shared` list of this plan's chunks (each worker
+        takes the next chunk not yet taken, so the threads finish together however fast each runs)."""
+        sh = _Shared(self, chunk, iov_max, parts)
+        return [_Part(sh) for _ in range(max(1, min(parts, len(sh.tasks))))]
 
     def execute(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
-        chunk = int(ch._cfg[OPT_CHUNK])
-        if len(self.mlen):
-            self._memmove(ch, batch, write, deadline, chunk)
-        if len(self.clen):
-            self._cma(ch, batch, write, deadline, chunk)
+        """Every chunk in this thread, the peer checked between chunks."""
+        _Part(_Shared(self, int(ch._cfg[OPT_CHUNK]), ch._cma.iov_max, 1)).execute(ch, batch, write, deadline)
 
-    def _memmove(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float, chunk: int) -> None:
-        la, ra, ln = _cap(self.mlocal, self.mremote, self.mlen, chunk)
-        dst, src = (ra, la) if write else (la, ra)
-        bounds = _chunks(ln, chunk, IOV_MAX)
+
+class _Shared:
+    """One plan's chunks as a list every copy thread takes from (``tasks``: ``(kind, start, stop, bytes)``,
+    kind 0 the mapped-segment runs, 1 the CMA iovecs), the iovecs built once for all of them.
+
+    Split work used to be cut by bytes into one fixed part per thread; on two shared cores one
+    thread often ran 10-20% slower than the other and the batch waited for it.  Here a thread takes
+    the next chunk (``itertools.count``'s ``__next__``: one atomic step under the GIL), and with more
+    than one worker the chunks shrink towards the end (guided: a chunk is at most a ``2 x parts``-th
+    of what is left, not below :data:`_MIN_PIECE`), so the last chunks are small.
+    """
+
+    __slots__ = ("plan", "tasks", "take", "m", "c", "exhausted")
+
+    def __init__(self, plan: _Plan, chunk: int, iov_max: int, parts: int) -> None:
+        self.plan = plan
+        m = _cap(plan.mlocal, plan.mremote, plan.mlen, chunk)
+        c = _cap(plan.clocal, plan.cremote, plan.clen, chunk)
+        self.m = (m[0], m[1], m[2], iovecs(m[0], m[2]), iovecs(m[1], m[2]))
+        self.c = (c[0], c[1], c[2], iovecs(c[0], c[2]), iovecs(c[1], c[2]))
+        ctotal = int(plan.clen.sum(dtype=np.uint64))
+        tasks = [(0, s, e, b) for s, e, b in _bounds(m[2], chunk, IOV_MAX, parts, ctotal)] if len(m[2]) else []
+        if len(c[2]):
+            tasks += [(1, s, e, b) for s, e, b in _bounds(c[2], chunk, iov_max, parts, 0)]
+        self.tasks = tasks
+        self.take = itertools.count().__next__
+        self.exhausted = False  # a worker found every chunk taken (a later one returns without locking)
+
+    def run(self, part: "_Part", ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
+        tasks, n = self.tasks, len(self.tasks)
         nat = ch._native
-        if nat is not None:  # one C call per chunk, no Python object per op
-            liov, riov = iovecs(la, ln), iovecs(ra, ln)
-            for k, (s, e) in enumerate(bounds):
-                if k:
-                    ch._check_peer(self, batch, deadline, first=False)
-                nat.copy(int(write), 0, KIND_SHM, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
+        first = True
+        while True:
+            k = self.take()
+            if k >= n:
+                self.exhausted = True
+                return
+            if not first:
+                ch._check_peer(part, batch, deadline, first=False)
+            first = False
+            kind, s, e, nbytes = tasks[k]
+            if kind == 0:
+                la, ra, ln, liov, riov = self.m
+                if nat is not None:  # one C call per chunk, no Python object per op
+                    nat.copy(int(write), 0, KIND_SHM, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
+                elif write:          # numpy gathers per chunk (llmdd.lowlevel.copy_runs)
+                    copy_runs(ra[s:e], la[s:e], ln[s:e])
+                else:
+                    copy_runs(la[s:e], ra[s:e], ln[s:e])
+            else:
+                self._cma(part, ch, batch, write, deadline, s, e)
+            part.moved += nbytes
+
+    def _cma(self, part: "_Part", ch: ShmChannel, batch: _Batch, write: bool, deadline: float, s: int, e: int) -> None:
+        _, _, _, liov, riov = self.c
+        nat = ch._native
+        if nat is None:
+            ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write,
+                             between=lambda: ch._check_peer(part, batch, deadline, first=False))
             return
-        for k, (s, e) in enumerate(bounds):   # numpy gathers per chunk (llmdd.lowlevel.copy_runs)
-            if k:
-                ch._check_peer(self, batch, deadline, first=False)
-            copy_runs(dst[s:e], src[s:e], ln[s:e])
+        # one C call per chunk (short transfers resumed inside it)
+        st, a, b = nat.copy(int(write), ch._pid, KIND_CMA, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
+        call = f"process_vm_{'writev' if write else 'readv'}(pid={ch._pid})"
+        if st == _ST_CMA:
+            ch._cma.calls += 1
+            raise CmaError(a, f"{call}: {os.strerror(a)}")
+        if st == _ST_NOPROGRESS:
+            ch._cma.calls += 1
+            raise CmaError(errno.EFAULT, f"{call} made no progress ({a} bytes left)")
+        ch._cma.calls += b
 
-    def _cma(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float, chunk: int) -> None:
-        la, ra, ln = _cap(self.clocal, self.cremote, self.clen, chunk)
-        liov = iovecs(la, ln)
-        riov = iovecs(ra, ln)
-        check = lambda: ch._check_peer(self, batch, deadline, first=False)  # noqa: E731
-        nat = ch._native
-        for k, (s, e) in enumerate(_chunks(ln, chunk, ch._cma.iov_max)):
-            if k:
-                check()
-            if nat is None:
-                ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write, between=check)
-                continue
-            # one C call per chunk (short transfers resumed inside it)
-            st, a, b = nat.copy(int(write), ch._pid, KIND_CMA, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
-            call = f"process_vm_{'writev' if write else 'readv'}(pid={ch._pid})"
-            if st == _ST_CMA:
-                ch._cma.calls += 1
-                raise CmaError(a, f"{call}: {os.strerror(a)}")
-            if st == _ST_NOPROGRESS:
-                ch._cma.calls += 1
-                raise CmaError(errno.EFAULT, f"{call} made no progress ({a} bytes left)")
-            ch._cma.calls += b
+
+class _Part:
+    """One worker's view of a :class:`_Shared` plan: the plan's slots for the peer checks, ``n`` the
+    chunks not yet taken by anyone (0: the worker returns without locking), ``moved`` its bytes."""
+
+    __slots__ = ("sh", "slots", "gens", "rids", "slot_range", "total", "moved")
+
+    def __init__(self, sh: _Shared) -> None:
+        p = sh.plan
+        self.sh = sh
+        self.slots, self.gens, self.rids, self.slot_range, self.total = p.slots, p.gens, p.rids, p.slot_range, p.total
+        self.moved = 0
+
+    @property
+    def n(self) -> int:
+        return 0 if self.sh.exhausted else len(self.sh.tasks)
+
+    def execute(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
+        self.sh.run(self, ch, batch, write, deadline)
 
 
 class _FewPlan:
@@ -171,8 +211,8 @@ class _FewPlan:
                      np.asarray([rinfo[r][2] for r in ids], np.int64),
                      np.asarray([rinfo[r][3] for r in ids], np.uint32), np.asarray(ids, np.int64))
 
-    def split(self, parts: int) -> list:
-        return self.full().split(parts)
+    def share(self, parts: int, chunk: int, iov_max: int) -> list:
+        return self.full().share(parts, chunk, iov_max)
 
     def execute(self, ch: "ShmChannel", batch: _Batch, write: bool, deadline: float) -> None:
         chunk = int(ch._cfg[OPT_CHUNK])
@@ -195,8 +235,9 @@ class _FewPlan:
                                  between=lambda: ch._check_peer(self, batch, deadline, first=False))
 
 
-#: either plan of a batch (same contract: n, total, slots / gens / rids, execute)
-_AnyPlan = Union[_Plan, _FewPlan]
+#: a batch's plan, or one copy thread's part of a shared one (same contract: n, total, slots / gens / rids,
+#: slot_range, execute)
+_AnyPlan = Union[_Plan, _FewPlan, _Part]
 
 
 def _cap(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -212,31 +253,31 @@ def _cap(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, cap: int) -> tuple[np.n
     return la[idx] + off, ra[idx] + off, np.minimum(ln[idx] - off, cap_u)
 
 
-def _chunks(ln: np.ndarray, chunk_bytes: int, max_ops: int) -> list[tuple[int, int]]:
-    """Consecutive ``(start, stop)`` index ranges of at most ``max_ops`` ops and about ``chunk_bytes``."""
+def _bounds(ln: np.ndarray, chunk_bytes: int, max_ops: int, parts: int, after: int) -> list[tuple[int, int, int]]:
+    """Consecutive chunks ``(start, stop, bytes)`` of at most ``max_ops`` ops and about ``chunk_bytes``
+    (one op more than that only when a single op is larger). With ``parts`` > 1 (threads sharing the
+    chunks) a chunk is also at most a ``2 x parts``-th of the bytes left, ``after`` (bytes of the
+    plan's other kind, taken later) counted, and not below :data:`_MIN_PIECE`."""
     n = len(ln)
-    if n <= max_ops and int(ln.sum(dtype=np.uint64)) <= chunk_bytes:
-        return [(0, n)]
     ends = np.cumsum(ln, dtype=np.uint64)
+    total = int(ends[-1]) if n else 0
+    if parts <= 1 and n <= max_ops and total <= chunk_bytes:
+        return [(0, n, total)] if n else []
+    floor = min(chunk_bytes, _MIN_PIECE)
     out = []
     s = 0
+    base = 0
     while s < n:
-        base = int(ends[s - 1]) if s else 0
-        e = int(np.searchsorted(ends, np.uint64(base + chunk_bytes), side="right"))
+        want = chunk_bytes
+        if parts > 1:
+            want = max(floor, min(chunk_bytes, (total - base + after) // (2 * parts)))
+        e = int(np.searchsorted(ends, np.uint64(base + want), side="right"))
         e = min(max(e, s + 1), s + max_ops, n)
-        out.append((s, e))
-        s = e
+        top = int(ends[e - 1])
+        out.append((s, e, top - base))
+        s, base = e, top
     return out
 
 
-def _split_arrays(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, parts: int) -> list:
-    if not len(ln):
-        return []
-    if parts <= 1 or len(ln) < 2:
-        return [(la, ra, ln)]
-    ends = np.cumsum(ln, dtype=np.uint64)
-    total = int(ends[-1])
-    cuts = np.searchsorted(ends, [total * k // parts for k in range(1, parts)], side="left") + 1
-    cuts = np.unique(np.clip(cuts, 1, len(ln) - 1)).tolist()
-    bounds = [0] + cuts + [len(ln)]
-    return [(la[a:b], ra[a:b], ln[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+#: the smallest chunk the copy threads share at a batch's end (a few per-chunk checks per MiB at most)
+_MIN_PIECE = 1 << 20

@@ -264,6 +264,8 @@ static PyObject *shmfast_batch(PyObject *self, PyObject *args) {
             (*cnt)++;
         }
         total += op.length;
+        if (nm > iov_max || nc > iov_max || total > chunk_bytes)
+            break;  /* more than one chunk already: the rest of a big batch is not looked at */
     }
     if (nm > iov_max || nc > iov_max || total > chunk_bytes) {
         status = ST_FALLBACK;  /* more than one chunk: the Python path checks between chunks */
