@@ -12,8 +12,8 @@ pytestmark = pytest.mark.timeout(180)
 
 FIGURES = ("pull_blocks_64k", "push_blocks_64k", "pull_blocks_16k", "push_blocks_16k", "transfer_cache_async_64k",
            "pull_cache")
-ANCHORS = ("memcpy", "gather_64k", "gather_16k", "cma_contiguous", "cma_64k", "cma_16k", "cma_latency_64k",
-           "tcp_1stream", "tcp_2stream", "tcp_rr_64k")
+ANCHORS = ("memcpy", "gather_64k", "gather_16k", "cma_contiguous", "cma_64k", "cma_16k", "cma2_64k", "cma2_16k",
+           "cma_latency_64k", "tcp_1stream", "tcp_2stream", "tcp_rr_64k")
 
 
 def test_bench_quick(tmp_path):
@@ -29,7 +29,8 @@ def test_bench_quick(tmp_path):
     for key in ANCHORS:
         a = results["anchors"][key]
         assert a["n"] >= 1 and (a.get("median") or 0) > 0, key
-    for key in ("gather_64k", "gather_16k", "cma_contiguous", "cma_64k", "cma_16k", "tcp_1stream", "tcp_2stream"):
+    for key in ("gather_64k", "gather_16k", "cma_contiguous", "cma_64k", "cma_16k", "cma2_64k", "cma2_16k",
+                "tcp_1stream", "tcp_2stream"):
         assert results["anchors"][key]["verified"] is True, key
     for t, figs in results["transports"].items():
         for key in FIGURES:

@@ -29,6 +29,8 @@ ANCHORS = {
     "cma_contiguous": "process_vm_readv contiguous, 1 thread",
     "cma_64k": "process_vm_readv 64 KiB blocks, 1 thread",
     "cma_16k": "process_vm_readv 16 KiB blocks, 1 thread",
+    "cma2_64k": "process_vm_readv 64 KiB blocks, 2 threads",
+    "cma2_16k": "process_vm_readv 16 KiB blocks, 2 threads",
     "cma_latency_64k": "process_vm_readv one 64 KiB block, p50",
     "tcp_1stream": "raw tcp socket, 1 stream",
     "tcp_2stream": "raw tcp socket, 2 streams",
@@ -71,9 +73,9 @@ def anchor_match(figure: str, transport: str) -> list:
     """The anchors of one llmdd figure, the primary (the physical path of that transport) first."""
     sh = same_host(transport)
     if figure in ("pull_blocks_64k", "push_blocks_64k", "transfer_cache_async_64k"):
-        return ["cma_64k", "gather_64k"] if sh else ["tcp_2stream", "tcp_1stream", "cma_64k"]
+        return ["cma_64k", "gather_64k", "cma2_64k"] if sh else ["tcp_2stream", "tcp_1stream", "cma_64k"]
     if figure in ("pull_blocks_16k", "push_blocks_16k"):
-        return ["cma_16k", "gather_16k"] if sh else ["tcp_2stream", "tcp_1stream", "cma_16k"]
+        return ["cma_16k", "gather_16k", "cma2_16k"] if sh else ["tcp_2stream", "tcp_1stream", "cma_16k"]
     if figure == "pull_cache":
         return ["cma_contiguous", "memcpy"] if sh else ["tcp_2stream", "tcp_1stream", "memcpy"]
     if figure == "latency_64k":
@@ -293,6 +295,8 @@ def plots(runs: list, out_dir: str) -> dict:
                              ("pull_blocks_16k", "pull_blocks_64k", "pull_cache")]) for t in transports]
     series.append(("process_vm_readv, 1 thread", [functools.partial(an, key=k) for k in
                                                   ("cma_16k", "cma_64k", "cma_contiguous")]))
+    series.append(("process_vm_readv, 2 threads (blocks)", [functools.partial(an, key=k) for k in
+                                                            ("cma2_16k", "cma2_64k", "-")]))
     series.append(("in-process gather (blocks) / memcpy (contiguous), 1 thread",
                    [functools.partial(an, key=k) for k in ("gather_16k", "gather_64k", "memcpy")]))
     fig, ax = plt.subplots(figsize=(9.5, 4.5))

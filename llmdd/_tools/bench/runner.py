@@ -219,7 +219,8 @@ class Run:
     @staticmethod
     def count_steps(opts: Options, transports: list) -> int:
         s = opts.sizes
-        anchors = 1 + 1 + 2 + 1 + 2 + 1 + 2 + 1  # start, memcpy, gather x2, cma contig, cma x2, cma lat, tcp x2, rr
+        # start, memcpy, gather x2, cma contig, cma x2, cma 2-thread x2, cma lat, tcp x2, rr
+        anchors = 1 + 1 + 2 + 1 + 2 + 2 + 1 + 2 + 1
         per_t = 2 + 2 * len(s.block_sizes) + 3 + len(s.decoders) + 2 + len(s.links)
         if opts.profile:
             per_t += len(s.block_sizes) + 1
@@ -259,6 +260,13 @@ class Run:
                 out[k] = b.call("cma", pid=info["pid"], raddr=info["addr"], num_tensors=NUM_TENSORS, num_blocks=nb,
                                 block_bytes=bb, src=src, dst=dst, salt=SALT_ANCHOR, runs=s.runs, warmup=s.warmup)
                 self.p.step(f"anchor process_vm_readv {bb // KiB} KiB blocks: {out[k]['median']:.2f} GB/s")
+            for bb in s.block_sizes:  # the same on both cores: what a cross-process copy can reach here
+                nb, src, dst = self._tables(bb)
+                k = f"cma2_{bb // KiB}k"
+                out[k] = b.call("cma", pid=info["pid"], raddr=info["addr"], num_tensors=NUM_TENSORS, num_blocks=nb,
+                                block_bytes=bb, src=src, dst=dst, salt=SALT_ANCHOR, runs=s.runs, warmup=s.warmup,
+                                threads=2)
+                self.p.step(f"anchor process_vm_readv {bb // KiB} KiB blocks, 2 threads: {out[k]['median']:.2f} GB/s")
             nb64 = s.kv_bytes // (64 * KiB)
             out["cma_latency_64k"] = b.call("cma_latency", pid=info["pid"], raddr=info["addr"], num_blocks=nb64,
                                             block_bytes=64 * KiB, n=s.latency_n, warmup=s.latency_warmup)

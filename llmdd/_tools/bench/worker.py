@@ -517,9 +517,11 @@ class Worker:
         return res
 
     def cmd_cma(self, pid: int, raddr: int, num_tensors: int, num_blocks: int, block_bytes: int, src: list,
-                dst: list, salt: int, runs: int, warmup: int) -> dict:
-        """Single-thread ``process_vm_readv`` of the same blocks from ``pid``: one iovec per block (a
-        contiguous pull when ``num_blocks == 1``), at most IOV_MAX iovecs per call."""
+                dst: list, salt: int, runs: int, warmup: int, threads: int = 1) -> dict:
+        """``process_vm_readv`` of the same blocks from ``pid``: one iovec per block (a contiguous pull
+        when ``num_blocks == 1``), at most IOV_MAX iovecs per call; single-thread, or with ``threads``
+        > 1 the calls cut into that many consecutive groups of about equal bytes, one thread each (started
+        inside the timed interval, as a batch on both cores has to)."""
         readv = _libc_readv()
         tensor = num_blocks * block_bytes
         nbytes = num_tensors * tensor
@@ -541,18 +543,34 @@ class Worker:
             riov[:, 0] = (np.uint64(raddr) + t_off + s).ravel()
             liov[:, 1] = riov[:, 1] = block_bytes
         total = int(liov[:, 1].sum())
-        chunks = [(liov[i:i + _IOV_MAX], riov[i:i + _IOV_MAX]) for i in range(0, len(liov), _IOV_MAX)]
+        per = -(-len(liov) // max(1, threads))  # iovecs per thread (equal-sized blocks: equal bytes)
+        groups = [[(liov[i:min(i + _IOV_MAX, g + per)], riov[i:min(i + _IOV_MAX, g + per)])
+                   for i in range(g, min(g + per, len(liov)), _IOV_MAX)] for g in range(0, len(liov), per)]
+        moved = [0] * len(groups)
 
-        def fn() -> None:
+        def one(k: int) -> None:
             done = 0
-            for lv, rv in chunks:
+            for lv, rv in groups[k]:
                 got = readv(pid, lv.ctypes.data, len(lv), rv.ctypes.data, len(rv), 0)
                 if got < 0:
                     err = ctypes.get_errno()
                     raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
                 done += got
-            if done != total:
-                raise RuntimeError(f"short process_vm_readv: {done} of {total} bytes")
+            moved[k] = done
+
+        def fn() -> None:
+            if len(groups) == 1:
+                one(0)
+            else:
+                ts = [threading.Thread(target=one, args=(k,)) for k in range(1, len(groups))]
+                for t in ts:
+                    t.start()
+                one(0)
+                for t in ts:
+                    t.join()
+            if sum(moved) != total:
+                raise RuntimeError(f"short process_vm_readv: {sum(moved)} of {total} bytes")
+            moved[:] = [0] * len(groups)
 
         self.buf[:nbytes] = 0
         for _ in range(warmup):

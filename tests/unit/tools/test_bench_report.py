@@ -68,7 +68,7 @@ def test_targets_file_loads_and_every_row_says_where_it_comes_from():
     ids = [t.id for t in rows]
     assert len(ids) == len(set(ids)) and len(ids) >= 15
     for t in rows:
-        assert re.fullmatch(r"issue \d+|v1", t.source), t
+        assert re.fullmatch(r"issue \d+|v1|ceiling", t.source), t
         assert t.op in (">=", ">", "<=", "<") and t.bound > 0, t
         for path in t.paths("shm"):
             assert path.split(".")[0] in ("transports", "anchors", "peers", "control"), path
