@@ -255,8 +255,7 @@ def test_64_decoders_link_to_one_prompt_at_once():
         per_link_s = sorted(d.call(P.last_link_s) for d in decoders)
         states = p.call(P.link_states)
         assert len(states) == N_DECODERS and set(states.values()) == {"linked"}
-        time.sleep(0.5)
-        rss_after = p.call(P.rss)
+        rss_after = p.call(P.rss)   # reported, not asserted (22.5-link in llmdd bench is the measured bound)
         # every decoder can pull
         want = P.pattern(1, 1)
         for d in decoders[:: max(1, N_DECODERS // 8)]:
