@@ -254,19 +254,15 @@ class Run:
                                            block_bytes=s.contiguous_bytes, src=[0], dst=[0], salt=SALT_ANCHOR,
                                            runs=s.runs, warmup=s.warmup)
             self.p.step(f"anchor process_vm_readv contiguous: {out['cma_contiguous']['median']:.2f} GB/s")
-            for bb in s.block_sizes:
-                nb, src, dst = self._tables(bb)
-                k = f"cma_{bb // KiB}k"
-                out[k] = b.call("cma", pid=info["pid"], raddr=info["addr"], num_tensors=NUM_TENSORS, num_blocks=nb,
-                                block_bytes=bb, src=src, dst=dst, salt=SALT_ANCHOR, runs=s.runs, warmup=s.warmup)
-                self.p.step(f"anchor process_vm_readv {bb // KiB} KiB blocks: {out[k]['median']:.2f} GB/s")
-            for bb in s.block_sizes:  # the same on both cores: what a cross-process copy can reach here
-                nb, src, dst = self._tables(bb)
-                k = f"cma2_{bb // KiB}k"
-                out[k] = b.call("cma", pid=info["pid"], raddr=info["addr"], num_tensors=NUM_TENSORS, num_blocks=nb,
-                                block_bytes=bb, src=src, dst=dst, salt=SALT_ANCHOR, runs=s.runs, warmup=s.warmup,
-                                threads=2)
-                self.p.step(f"anchor process_vm_readv {bb // KiB} KiB blocks, 2 threads: {out[k]['median']:.2f} GB/s")
+            # one thread, then both cores (what a cross-process copy can reach here)
+            for threads, prefix, how in ((1, "cma", ""), (2, "cma2", ", 2 threads")):
+                for bb in s.block_sizes:
+                    nb, src, dst = self._tables(bb)
+                    k = f"{prefix}_{bb // KiB}k"
+                    out[k] = b.call("cma", pid=info["pid"], raddr=info["addr"], num_tensors=NUM_TENSORS,
+                                    num_blocks=nb, block_bytes=bb, src=src, dst=dst, salt=SALT_ANCHOR, runs=s.runs,
+                                    warmup=s.warmup, threads=threads)
+                    self.p.step(f"anchor process_vm_readv {bb // KiB} KiB blocks{how}: {out[k]['median']:.2f} GB/s")
             nb64 = s.kv_bytes // (64 * KiB)
             out["cma_latency_64k"] = b.call("cma_latency", pid=info["pid"], raddr=info["addr"], num_blocks=nb64,
                                             block_bytes=64 * KiB, n=s.latency_n, warmup=s.latency_warmup)

@@ -472,7 +472,7 @@ class ShmChannel(Channel):
             return Corrupt(f"cross-memory attach failed: {exc}")
         return map_os_error(exc, what="peer endpoint unreachable", peer_alive=self._live.alive)
 
-    def _done(self, batch: _Batch, write: bool, plan: "_AnyPlan", err: Optional[TransportError]) -> Completion:
+    def _done(self, batch: _Batch, write: bool, plan: Union[_Plan, _FewPlan], err: Optional[TransportError]) -> Completion:
         self._ep._end(batch)
         for m in batch.maps:
             self._release_map(m, pin=True)

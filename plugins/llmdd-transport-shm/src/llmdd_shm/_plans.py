@@ -97,7 +97,7 @@ class _Shared:
         m = _cap(plan.mlocal, plan.mremote, plan.mlen, chunk)
         c = _cap(plan.clocal, plan.cremote, plan.clen, chunk)
         self.m = (m[0], m[1], m[2], iovecs(m[0], m[2]), iovecs(m[1], m[2]))
-        self.c = (c[0], c[1], c[2], iovecs(c[0], c[2]), iovecs(c[1], c[2]))
+        self.c = (iovecs(c[0], c[2]), iovecs(c[1], c[2]))   # CMA chunks need the iovecs only
         ctotal = int(plan.clen.sum(dtype=np.uint64))
         tasks = [(0, s, e, b) for s, e, b in _bounds(m[2], chunk, IOV_MAX, parts, ctotal)] if len(m[2]) else []
         if len(c[2]):
@@ -132,7 +132,7 @@ class _Shared:
             part.moved += nbytes
 
     def _cma(self, part: "_Part", ch: ShmChannel, batch: _Batch, write: bool, deadline: float, s: int, e: int) -> None:
-        _, _, _, liov, riov = self.c
+        liov, riov = self.c
         nat = ch._native
         if nat is None:
             ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write,
@@ -152,14 +152,15 @@ class _Shared:
 
 class _Part:
     """One worker's view of a :class:`_Shared` plan: the plan's slots for the peer checks, ``n`` the
-    chunks not yet taken by anyone (0: the worker returns without locking), ``moved`` its bytes."""
+    chunks not yet taken by anyone (0: the worker returns without locking), ``moved`` its bytes (the
+    batch's totals stay the plan's)."""
 
-    __slots__ = ("sh", "slots", "gens", "rids", "slot_range", "total", "moved")
+    __slots__ = ("sh", "slots", "gens", "rids", "slot_range", "moved")
 
     def __init__(self, sh: _Shared) -> None:
         p = sh.plan
         self.sh = sh
-        self.slots, self.gens, self.rids, self.slot_range, self.total = p.slots, p.gens, p.rids, p.slot_range, p.total
+        self.slots, self.gens, self.rids, self.slot_range = p.slots, p.gens, p.rids, p.slot_range
         self.moved = 0
 
     @property
@@ -235,8 +236,8 @@ class _FewPlan:
                                  between=lambda: ch._check_peer(self, batch, deadline, first=False))
 
 
-#: a batch's plan, or one copy thread's part of a shared one (same contract: n, total, slots / gens / rids,
-#: slot_range, execute)
+#: a batch's plan, or one copy thread's part of a shared one (what a copy thread uses: n, slots / gens /
+#: rids, slot_range, execute; a whole plan also has total)
 _AnyPlan = Union[_Plan, _FewPlan, _Part]
 
 
