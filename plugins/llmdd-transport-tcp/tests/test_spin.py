@@ -107,7 +107,7 @@ def _pull_n(options: dict, n: int) -> tuple[dict, list]:
         for s, d in pairs:
             assert pull([s], [d]) == BS
             assert np.array_equal(local.reshape(NB, BS)[d], want[s])
-        stats = owner.stats_after(n)   # before the channel closes: its end would be found by a spin too
+        stats = owner.ask("stats")   # before the channel closes: its end would be found by a spin too
         ch.close()
         return stats, pairs
     finally:

@@ -24,7 +24,7 @@ from ._channel import TcpChannel, _Batch
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields
 from ._few import FEW_OPS, discard_payload, serve_few
 from ._grants import _Grant, _handle, _mac
-from ._io import _OK_HEAD, _OK_HEAD_PADDED, _move, _Where
+from ._io import _OK_HEAD, _OK_HEAD_PADDED, _cut_tail, _move, _sendmsg_all, _Where
 from ._native import native
 from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
 from ._options import OPT_NATIVE, OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
@@ -566,12 +566,22 @@ class TcpEndpoint(Endpoint):
             if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
                 discard_payload(sock, total, self._eager_max, refused)
             return
+        released = False
         try:
             if kind == READ:
-                # the OK header and the first window of bytes leave in one sendmsg
+                # the OK header and the first window of bytes leave in one sendmsg; the last bytes leave
+                # from a copy, after the request let go of its regions (_cut_tail says why)
                 head = _OK_HEAD_PADDED if flags & F_PAD else _OK_HEAD
-                _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=True, head=head,
-                      total=total)
+                reg, off, ln, tail = _cut_tail(where, wire["region"], wire["offset"], wire["length"])
+                if len(tail) == total:   # all of it in the copy: the header and the bytes in one sendmsg
+                    self._end_request(token, grant, served, total, len(wire))
+                    released = True
+                    _sendmsg_all(sock, [head[0].raw, tail])
+                else:
+                    _move(sock, where, reg, off, ln, None, send=True, head=head, total=total - len(tail))
+                    self._end_request(token, grant, served, total, len(wire))
+                    released = True
+                    _sendmsg_all(sock, [tail])
             else:
                 if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
                     _send_rsp(sock, ST_OK, "", flags & F_PAD)
@@ -580,13 +590,25 @@ class TcpEndpoint(Endpoint):
                 except Exception:
                     self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                     raise
+                self._end_request(token, grant, served, total, len(wire))   # before the answer (as a read's tail)
+                released = True
                 _send_rsp(sock, ST_OK, "", flags & F_PAD)
-            with self._lock:
-                self._stats["bytes_served"] += total
-                self._stats["ops_served"] += len(wire)
-                self._stats["requests"] += 1
         finally:
-            with self._cond:
-                self._serving.pop(token, None)
-                grant.busy -= 1
-                self._regs.unpin_locked(served)
+            if not released:
+                self._end_request(token, grant, served)
+
+    def _end_request(self, token: int, grant: _Grant, served: Batch, nbytes: int = 0, nops: int = -1) -> None:
+        """A request lets go of its regions: out of the streams a deregistration cuts, its pins and its
+        grant's busy count given back (``unpin_locked`` notifies the waiters of ``_cond``: a deregistration
+        draining, a revocation waiting on ``grant.busy``), and, when it moved its bytes (``nops`` >= 0),
+        counted as served.  Before the answer's last byte leaves: a client holding its answer never sees
+        its stream cut for a region it is done with, and the owner's statistics already count it."""
+        with self._cond:
+            if nops >= 0:
+                stats = self._stats
+                stats["bytes_served"] += nbytes
+                stats["ops_served"] += nops
+                stats["requests"] += 1
+            self._serving.pop(token, None)
+            grant.busy -= 1
+            self._regs.unpin_locked(served)

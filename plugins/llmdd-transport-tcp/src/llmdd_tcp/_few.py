@@ -5,9 +5,10 @@ the same messages (a property test holds the two to it): the grant alive, every 
 (registered, remote-accessible) region (``RegionTable.check`` of a few ops: the first missing region or
 the first op out of bounds), every region in the grant, the announced total equal to the op lengths;
 all before a byte moves.  The rows come in with one ``recv_into`` (``MSG_WAITALL``) and are unpacked
-with ``struct``; the regions are pinned and their streams recorded as the numpy path does; a READ's
-answer leaves in one ``sendmsg`` of the OK header and views of the regions (the entries' views,
-sliced), a WRITE's bytes come in with ``recvmsg_into`` straight into them.  Plain sockets only: a TLS
+with ``struct``; the regions are pinned and their streams recorded as the numpy path does; a READ of at
+most 64 KiB is answered with one ``sendmsg`` of a copy of the OK header and the bytes (the entries'
+views, sliced), a larger one from the views but its last bytes (``llmdd_tcp._io._cut_tail`` says why);
+a WRITE's bytes come in with ``recvmsg_into`` straight into them.  Plain sockets only: a TLS
 stream takes the numpy path (its staging).
 """
 
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from llmdd.lowlevel import Batch, Corrupt, PeerGone, Refused
 
 from ._grants import _Grant
-from ._io import _advance
+from ._io import _TAIL, _advance
 from ._wire import _M_RSP, _OK_PADDED, _RSP, F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, _send_rsp
 
 if TYPE_CHECKING:
@@ -31,6 +32,8 @@ FEW_OPS = 8
 
 _ROWS = [struct.Struct("<" + "IQQ" * n) for n in range(FEW_OPS + 1)]
 _OK = _RSP.pack(_M_RSP, ST_OK, 0, 0, 0)
+#: a READ of at most this many bytes leaves as one copy (header and bytes), sent after the release
+_COPY_ALL = 1 << 16
 
 
 def _refusal(served: Any, grant: _Grant, regions: tuple, offsets: tuple, lengths: tuple, total: int) -> Optional[str]:
@@ -94,11 +97,26 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
         if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
             discard_payload(sock, total, ep._eager_max, refused)
         return
-    done = False
+    released = False
     try:
         if kind == READ:
+            # the answer's last bytes leave from a copy, after the request let go of its regions (as the
+            # numpy path: llmdd_tcp._io._cut_tail says why)
             ok = _OK_PADDED if flags & F_PAD else _OK
-            _send(sock, [ok, *views], total + len(ok))   # the OK header and the bytes in one sendmsg
+            if total <= _COPY_ALL:   # the OK header and a copy of the bytes in one sendmsg
+                data = b"".join([ok, *views])
+                ep._end_request(token, grant, served, total, len(regions))
+                released = True
+                _send(sock, [data], len(data))
+            else:
+                j = max(i for i, v in enumerate(views) if len(v))
+                last = views[j]
+                k = min(len(last), _TAIL)
+                _send(sock, [ok, *views[:j], last[:len(last) - k]], total - k + len(ok))
+                tail = bytes(last[len(last) - k:])
+                ep._end_request(token, grant, served, total, len(regions))
+                released = True
+                _send(sock, [tail], k)
         else:
             if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
                 _send_rsp(sock, ST_OK, "", flags & F_PAD)
@@ -107,18 +125,12 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
             except Exception:
                 ep._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                 raise
+            ep._end_request(token, grant, served, total, len(regions))   # before the answer (as a read's tail)
+            released = True
             _send_rsp(sock, ST_OK, "", flags & F_PAD)
-        done = True
     finally:
-        with ep._lock:   # (the lock of ep._cond, which unpin_locked notifies)
-            if done:
-                stats = ep._stats
-                stats["bytes_served"] += total
-                stats["ops_served"] += len(regions)
-                stats["requests"] += 1
-            ep._serving.pop(token, None)
-            grant.busy -= 1
-            ep._regs.unpin_locked(served)
+        if not released:
+            ep._end_request(token, grant, served)
 
 
 def discard_payload(sock: socket.socket, total: int, limit: int, reason: str) -> None:

@@ -140,6 +140,31 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
     return int(ends[-1]) - (head[2] if head is not None else 0)
 
 
+#: a read's last bytes leave from a copy of at most this many (see :func:`_cut_tail`)
+_TAIL = 4096
+
+
+def _cut_tail(where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray) -> tuple:
+    """``(reg, off, ln, tail)``: the ops without the last (at most :data:`_TAIL`) bytes of their last
+    non-empty op, and a copy of those bytes.  An owner sends the ops, copies the tail while the request
+    still pins its regions, releases them, then sends the copy: the client has its whole answer only
+    after the owner let go of the regions, so a deregistration the client asks for next never finds the
+    request still serving (and never cuts the stream the client keeps for its next request)."""
+    nz = np.flatnonzero(ln)
+    if not len(nz):
+        return reg, off, ln, b""
+    j = int(nz[-1])
+    n = int(ln[j])
+    k = min(n, _TAIL)
+    addr = int(where.addrs[np.searchsorted(where.ids, reg[j])]) + int(off[j]) + n - k
+    tail = ctypes.string_at(addr, k)
+    if n == k:   # the whole op is in the tail
+        return reg[:j], off[:j], ln[:j], tail
+    body = ln[:j + 1].copy()
+    body[j] = n - k
+    return reg[:j + 1], off[:j + 1], body, tail
+
+
 def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
     if _is_tls(sock):
         _send_tls(sock, bufs)

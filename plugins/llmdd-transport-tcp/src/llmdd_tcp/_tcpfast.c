@@ -15,7 +15,8 @@
  *    of its regions or grants.  serve() serves one stream's requests while they keep coming: a READ
  *    or an eager WRITE of at most FEW ops, every op inside a region of the table and of the stream's
  *    grant, the announced total equal to the op lengths, the epoch unchanged since Python looked at
- *    the grant; the regions pinned while their bytes move.  Whatever it does not serve (a bigger
+ *    the grant; the regions pinned while their bytes move, released (and the request counted) before
+ *    the answer's last byte leaves (a read's last bytes from a copy).  Whatever it does not serve (a bigger
  *    request, a check that fails, a changed epoch) goes back to Python, read as far as it was, and
  *    Python serves or refuses it with its own messages.  Table.remove() (deregistration) takes the
  *    region out of the table and shuts down the streams serving it; Table.drain() waits for its pins.
@@ -45,6 +46,8 @@
 #define OP_SIZE 20
 #define RSP_SIZE 12
 #define FEW 8            /* the owner serves requests of at most this many ops here */
+#define COPY_ALL 65536   /* a read of at most this many bytes is answered from one copy (header and bytes) */
+#define TAIL 4096        /* a larger read's last bytes (at most this many) leave from a copy */
 #define QUICK_ROWS 128   /* the most rows of one quick() call (llmdd_tcp._quick: 8 pairs x 16 blocks) */
 #define READ_K 1
 #define WRITE_K 2
@@ -396,6 +399,21 @@ static void shutdown_serving(Table *t, uint32_t id, int all) {   /* under the mu
             }
 }
 
+/* a served request lets go of its regions: unpinned, off the list of streams being served, and a
+ * drain() waiting on a removed region woken */
+static void release_locked(Table *t, active_t *me, int moved, uint64_t total, int count) {   /* under the mutex */
+    if (moved) {   /* its bytes moved: counted as served (before its answer's last byte leaves) */
+        t->bytes += total;
+        t->ops += (unsigned long long)count;
+        t->requests++;
+    }
+    for (int j = 0; j < me->n; j++) me->regs[j]->pins--;
+    if (me->prev) me->prev->next = me->next;
+    else t->active = me->next;
+    if (me->next) me->next->prev = me->prev;
+    if (t->gone) pthread_cond_broadcast(&t->cv);
+}
+
 /* remove(id): out of the table (no request pins it from now on); the streams serving it are shut down.
  * True when it was there. */
 static PyObject *Table_remove(Table *t, PyObject *args) {
@@ -574,6 +592,12 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
         if (grant) PyMem_Free(grant);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    unsigned char *copy = malloc(COPY_ALL + 16);   /* a read's copied bytes (and header) */
+    if (!copy) {
+        close(fd);
+        if (grant) PyMem_Free(grant);
+        return PyErr_NoMemory();
+    }
     unsigned char req[REQ_SIZE + OP_SIZE * FEW + 16];
     int res = S_IDLE, err = 0, count = 0, kind = 0, rflags = 0, writing = 0, hits = 0, misses = 0;
     uint64_t total = 0;
@@ -676,31 +700,62 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
         if (t->active) t->active->prev = &me;
         t->active = &me;
         pthread_mutex_unlock(&t->mu);
+        /* the answer's last bytes leave after the request let go of its regions (a read's from a copy
+         * taken while pinned): a client holding its answer never finds its stream among those a
+         * deregistration shuts down */
+        int released = 0;
+        const void *head = (rflags & F_PAD) ? OK_PADDED : OK_HEAD;
+        size_t head_len = (rflags & F_PAD) ? 16 : RSP_SIZE;
         if (kind == READ_K) {
-            iov[0].iov_base = (void *)((rflags & F_PAD) ? OK_PADDED : OK_HEAD);
-            iov[0].iov_len = (rflags & F_PAD) ? 16 : RSP_SIZE;
-            r = send_all(fd, iov, count + 1, 0);
+            iov[0].iov_base = (void *)head;
+            iov[0].iov_len = head_len;
+            if (total <= COPY_ALL) {   /* the header and a copy of the bytes in one send */
+                size_t at = 0;
+                for (int i = 0; i <= count; i++) {
+                    memcpy(copy + at, iov[i].iov_base, iov[i].iov_len);
+                    at += iov[i].iov_len;
+                }
+                pthread_mutex_lock(&t->mu);
+                release_locked(t, &me, 1, total, count);
+                pthread_mutex_unlock(&t->mu);
+                released = 1;
+                struct iovec a = {copy, at};
+                r = send_all(fd, &a, 1, 0);
+            } else {   /* all but the last (at most TAIL) bytes of the last non-empty op, then those */
+                int j = count;
+                while (j > 0 && iov[j].iov_len == 0) j--;
+                size_t k = iov[j].iov_len < TAIL ? iov[j].iov_len : TAIL;
+                const unsigned char *src = (const unsigned char *)iov[j].iov_base + iov[j].iov_len - k;
+                iov[j].iov_len -= k;
+                r = send_all(fd, iov, j + 1, 0);
+                if (r == 0) {
+                    memcpy(copy, src, k);
+                    pthread_mutex_lock(&t->mu);
+                    release_locked(t, &me, 1, total, count);
+                    pthread_mutex_unlock(&t->mu);
+                    released = 1;
+                    struct iovec a = {copy, k};
+                    r = send_all(fd, &a, 1, 0);
+                }
+            }
         } else {
             writing = 1;
             r = recv_all(fd, iov + 1, count, 0);
             if (r == 0) {
                 writing = 0;
-                struct iovec a = {(void *)((rflags & F_PAD) ? OK_PADDED : OK_HEAD), (rflags & F_PAD) ? 16 : RSP_SIZE};
+                pthread_mutex_lock(&t->mu);
+                release_locked(t, &me, 1, total, count);
+                pthread_mutex_unlock(&t->mu);
+                released = 1;
+                struct iovec a = {(void *)head, head_len};
                 r = send_all(fd, &a, 1, 0);
             }
         }
-        pthread_mutex_lock(&t->mu);
-        for (int j = 0; j < me.n; j++) me.regs[j]->pins--;
-        if (me.prev) me.prev->next = me.next;
-        else t->active = me.next;
-        if (me.next) me.next->prev = me.prev;
-        if (r == 0) {
-            t->bytes += total;
-            t->ops += (unsigned long long)count;
-            t->requests++;
+        if (!released) {
+            pthread_mutex_lock(&t->mu);
+            release_locked(t, &me, 0, 0, 0);
+            pthread_mutex_unlock(&t->mu);
         }
-        if (t->gone) pthread_cond_broadcast(&t->cv);
-        pthread_mutex_unlock(&t->mu);
         if (r) {
             if (r == 1 || r == 2) res = S_GONE;
             else if (r == -EAGAIN || r == -EWOULDBLOCK) res = S_TIMEOUT;
@@ -710,6 +765,7 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
         writing = 0;
     }
     close(fd);
+    free(copy);
     Py_END_ALLOW_THREADS
     if (grant) PyMem_Free(grant);
     PyObject *value;
