@@ -6,7 +6,7 @@ the same messages (a property test holds the two to it): the grant alive, every 
 the first op out of bounds), every region in the grant, the announced total equal to the op lengths;
 all before a byte moves.  The rows come in with one ``recv_into`` (``MSG_WAITALL``) and are unpacked
 with ``struct``; the regions are pinned and their streams recorded as the numpy path does; a READ of at
-most 64 KiB is answered with one ``sendmsg`` of a copy of the OK header and the bytes (the entries'
+most 16 KiB is answered with one ``sendmsg`` of a copy of the OK header and the bytes (the entries'
 views, sliced), a larger one from the views but its last bytes (``llmdd_tcp._io._cut_tail`` says why);
 a WRITE's bytes come in with ``recvmsg_into`` straight into them.  Plain sockets only: a TLS
 stream takes the numpy path (its staging).
@@ -33,7 +33,7 @@ FEW_OPS = 8
 _ROWS = [struct.Struct("<" + "IQQ" * n) for n in range(FEW_OPS + 1)]
 _OK = _RSP.pack(_M_RSP, ST_OK, 0, 0, 0)
 #: a READ of at most this many bytes leaves as one copy (header and bytes), sent after the release
-_COPY_ALL = 1 << 16
+_COPY_ALL = 1 << 14
 
 
 def _refusal(served: Any, grant: _Grant, regions: tuple, offsets: tuple, lengths: tuple, total: int) -> Optional[str]:

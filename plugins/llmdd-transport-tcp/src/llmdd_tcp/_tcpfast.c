@@ -46,7 +46,7 @@
 #define OP_SIZE 20
 #define RSP_SIZE 12
 #define FEW 8            /* the owner serves requests of at most this many ops here */
-#define COPY_ALL 65536   /* a read of at most this many bytes is answered from one copy (header and bytes) */
+#define COPY_ALL 16384   /* a read of at most this many bytes is answered from one copy (header and bytes) */
 #define TAIL 4096        /* a larger read's last bytes (at most this many) leave from a copy */
 #define QUICK_ROWS 128   /* the most rows of one quick() call (llmdd_tcp._quick: 8 pairs x 16 blocks) */
 #define READ_K 1
