@@ -130,9 +130,10 @@ class BatchSet(Generic[_B]):
             self.discard_locked(batch)
 
     def discard_locked(self, batch: _B) -> None:
-        """:meth:`discard` with the lock held."""
+        """:meth:`discard` with the lock held (only a :meth:`close` waits, once the set is closed)."""
         self.active.discard(batch)
-        self.cond.notify_all()
+        if self.closed:
+            self.cond.notify_all()
 
     def enter(self) -> None:
         """One untracked batch starts (lock held); :class:`Cancelled` once closed."""
@@ -186,8 +187,9 @@ class RegionRegistry(Generic[_E]):
         self.entries: dict[int, _E] = {}
         self.batches: set[Batch] = set()
         self.closed = False
-        #: calls waiting in :meth:`deregister` / :meth:`close` (a transport with other pins notifies
-        #: :attr:`cond` when they end and this is non-zero)
+        #: calls waiting on :attr:`cond`: :meth:`deregister` / :meth:`close`, and a transport's own
+        #: waits on it, which count themselves here (:meth:`unpin_locked` and a transport whose other
+        #: pins end notify :attr:`cond` only while this is non-zero)
         self.waiting = 0
         self._on_rebuild = on_rebuild
         self.table = RegionTable()
@@ -277,11 +279,15 @@ class RegionRegistry(Generic[_E]):
             self.unpin_locked(batch)
 
     def unpin_locked(self, batch: Batch) -> None:
+        """:meth:`unpin` with the lock held.  Wakes :attr:`cond`'s waiters only while :attr:`waiting`
+        counts some: a transport that waits on :attr:`cond` for a reason of its own counts itself
+        there while it waits, as :meth:`deregister` and :meth:`close` do."""
         self.batches.discard(batch)
         for e in batch.pinned:
             e.busy -= 1
         batch.pinned = []
-        self.cond.notify_all()
+        if self.waiting:
+            self.cond.notify_all()
 
     def track(self, batch: Any) -> None:
         """Track a batch that pins nothing (lock held), so that deregistration and close fail it;

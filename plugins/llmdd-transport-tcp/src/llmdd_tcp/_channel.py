@@ -293,6 +293,32 @@ class TcpChannel(Channel):
                 self._stats["failed"] += 1
                 self._stats["last_error"] = str(err)
 
+    def _quick_done(self, batch: _Batch, sock: socket.socket, kind: int, nops: int, total: int, native: bool) -> None:
+        """A one-call transfer (``llmdd_tcp._quick``) ended well on ``sock``: :meth:`_give_back` and
+        :meth:`_finish` in one pass (the stream back to the pool unless the batch was aborted meanwhile,
+        its pins dropped, counted), each lock taken once."""
+        with batch.lock:
+            socks, batch.socks = batch.socks, []
+            keep = not batch.aborted
+        self._ep._end_batch(batch)
+        with self._lock:
+            self._batches.discard_locked(batch)
+            stats = self._stats
+            stats["batches"] += 1
+            stats["quick_batches"] += 1
+            stats["quick_native"] += native
+            if kind == READ:
+                stats["bytes_read"] += total
+                stats["ops_read"] += nops
+            else:
+                stats["bytes_written"] += total
+                stats["ops_written"] += nops
+            if keep and sock in socks and not self._batches.closed and len(self._idle) < 4:
+                self._idle.append(sock)
+                socks.remove(sock)
+        for s in socks:   # an aborted batch's stream, or one the pool has no room for
+            _close(s)
+
     def _run_stream_mapped(self, batch: _Batch, kind: int, ops: np.ndarray, where: _Where, deadline: float) -> None:
         try:
             self._run_stream(batch, kind, ops, where, deadline)

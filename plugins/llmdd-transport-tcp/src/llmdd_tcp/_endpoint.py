@@ -173,8 +173,12 @@ class TcpEndpoint(Endpoint):
         for conn in conns:      # idle ones see the end of stream on the loop, served ones fail in the worker
             _shutdown(conn.sock)
         with self._cond:
-            while grant.busy:
-                self._cond.wait()
+            self._regs.waiting += 1   # (counted: a request ending notifies the condition only then)
+            try:
+                while grant.busy:
+                    self._cond.wait()
+            finally:
+                self._regs.waiting -= 1
 
     def register(self, region: MemRegion) -> RegionDescriptor:
         with self._lock:
@@ -277,7 +281,8 @@ class TcpEndpoint(Endpoint):
         return batch, where
 
     def _end_batch(self, batch: _Batch) -> None:
-        self._regs.unpin(batch)   # a deregistered _Reg is still counted down: its drain waits on it
+        with self._lock:   # (the lock of the registry's condition: a plain lock is cheaper to enter)
+            self._regs.unpin_locked(batch)   # a deregistered _Reg is still counted down: its drain waits on it
 
     def _bump_fast(self) -> None:
         """A grant changed (under the lock): the C path serves no stream on what it knew of it any more."""
@@ -509,7 +514,8 @@ class TcpEndpoint(Endpoint):
         finally:
             with self._cond:
                 grant.busy -= 1
-                self._cond.notify_all()
+                if self._regs.waiting:   # a revocation waiting for the grant's busy count
+                    self._cond.notify_all()
         spinner.hits += hits
         spinner.misses += misses
         if res == native.S_IDLE:

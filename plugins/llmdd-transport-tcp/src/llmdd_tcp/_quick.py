@@ -44,6 +44,8 @@ from ._wire import _M_REQ, _M_RSP, _RSP, F_EAGER, F_PAD, FEAT_QUICK, MAX_MESSAGE
 #: the most tensor pairs and blocks of one call the quick path takes (the engine's small path: 16 blocks)
 QUICK_MAX_PAIRS = 8
 QUICK_MAX_BLOCKS = 16
+#: the C call's "done" result (llmdd_tcp._tcpfast.Q_OK; its other results are read off the module)
+_Q_OK = native.Q_OK if native is not None else 0
 #: the longest a syscall may start after the deadline was (re)armed: the deadline is armed that much early
 _SLACK_S = 0.002
 
@@ -260,23 +262,24 @@ class QuickCall:
         if not fresh:
             ep._end_batch(batch)
             return -1
-        err: Optional[TransportError] = None
         try:
             if self.native:
-                self._transfer_native(batch, sock, rows, total)
+                sock = self._transfer_native(batch, sock, rows, total)
             else:
-                self._transfer(batch, sock, rows, total, armed)
+                sock = self._transfer(batch, sock, rows, total, armed)
         except BaseException as exc:  # noqa: BLE001 - reported as the ops path reports it
             err = _map_exc(exc)
             if batch.aborted and not isinstance(err, Refused):
                 err = Cancelled(f"batch aborted: {err}")
-        ch._finish(batch, err, self.kind, len(rows), total, quick=True, native=self.native)
-        if err is not None:
-            raise err
+            ch._finish(batch, err, self.kind, len(rows), total, quick=True, native=self.native)
+            raise err from None
+        ch._quick_done(batch, sock, self.kind, len(rows), total, self.native)
         return total
 
     def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int,
-                  armed: bool = False) -> None:
+                  armed: bool = False) -> socket.socket:
+        """The call's transfer in Python; the stream it ended on (still the batch's: the caller gives it
+        back with the batch's end)."""
         ch = self.ch
         reused = sock is not None
         if sock is not None:
@@ -342,25 +345,29 @@ class QuickCall:
         if batch.aborted:
             raise Cancelled("batch aborted")
         self.keep_armed(sock, dl)
-        ch._give_back(batch, sock)
+        return sock
 
-    def _transfer_native(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> None:
+    def _transfer_native(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> socket.socket:
         """:meth:`_transfer` in one C call (the GIL released): the request (a push's payload with it) sent,
         the answer polled for and received, a pull's bytes straight into the local regions; the deadline
         bounds every wait there (``ppoll``), no socket option is set.  An answer other than the expected
-        OK comes back as its header and is read on and reported here as :meth:`_transfer` reports it."""
+        OK comes back as its header and is read on and reported here as :meth:`_transfer` reports it.
+        Returns the stream, as :meth:`_transfer`."""
         ch = self.ch
         reused = sock is not None
         if sock is not None:
             batch.adopt(sock)
-        start = time.monotonic()
-        deadline = start + self.timeout_s
-        flat: list = []
+        deadline = time.monotonic() + self.timeout_s
         bases = self.bases
-        for rr, ro, lr, lo, ln in rows:
-            flat += (rr, ro, bases[lr] + lo, ln)
-        kind, push = self.kind, self.push
-        flags, pad = (F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))) if push else (F_PAD, 0)
+        if len(rows) == 1:
+            rr, ro, lr, lo, ln = rows[0]
+            flat = [rr, ro, bases[lr] + lo, ln]
+        else:
+            flat = []
+            for rr, ro, lr, lo, ln in rows:
+                flat += (rr, ro, bases[lr] + lo, ln)
+        kind = self.kind
+        flags, pad = (F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))) if self.push else (F_PAD, 0)
         spinner = ch._spinner
         while True:
             if sock is None:
@@ -374,6 +381,10 @@ class QuickCall:
                                                   int(spin * 1e9))
             if spin:
                 spinner.record(bool(spun))
+            if res == _Q_OK:
+                if batch.aborted:
+                    raise Cancelled("batch aborted")
+                return sock
             stale = res == native.Q_STALE or (res == native.Q_ERRNO and value in (errno.ECONNRESET, errno.EPIPE))
             if stale and reused and not batch.aborted:
                 _drop(batch, sock)   # the owner closed this idle stream just as it was reused: once more, fresh
@@ -399,9 +410,7 @@ class QuickCall:
             raise TransportTimeout(f"no answer within the deadline ({self.timeout_s:.3f} s)")
         if res == native.Q_ERRNO:
             raise OSError(value, os.strerror(value))
-        if batch.aborted:
-            raise Cancelled("batch aborted")
-        ch._give_back(batch, sock)
+        raise Corrupt(f"the C quick call returned an unknown result {res!r}")
 
     def keep_armed(self, sock: socket.socket, dl: _Deadline) -> None:
         """Remember ``sock`` as armed with this plan's timeout less the slack when this call armed it once,
