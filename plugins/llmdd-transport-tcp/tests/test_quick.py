@@ -454,7 +454,7 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
         want = {(1, 0, 0), (1, 0, 1), (2, 0, 0), (2, 0, 1), (2, F_EAGER, 0), (2, F_EAGER, 1), (1, 0, None)}
         assert want <= decisions, decisions
         assert sinks[few][20].any() and sinks[few][21].any()
-        # (refusals are counted before the answer leaves; served requests after it)
+        # (refusals and served requests are both counted before the answer's last byte leaves)
         stats = [ep.statistics() for ep in owners]
         assert stats[0]["refused"] > 0 and all(st["refused"] == stats[0]["refused"] for st in stats), stats
         # every owner served the same requests; the C one served some of them in C (its own counters)
