@@ -275,23 +275,27 @@ class TcpChannel(Channel):
         self._ep._end_batch(batch)
         with self._lock:
             self._batches.discard_locked(batch)
-            if nops is None:
-                return
-            stats = self._stats
-            stats["batches"] += 1
-            if quick:
-                stats["quick_batches"] += 1
-                stats["quick_native"] += native
-            if err is None:
-                if kind == READ:
-                    stats["bytes_read"] += total
-                    stats["ops_read"] += nops
-                else:
-                    stats["bytes_written"] += total
-                    stats["ops_written"] += nops
+            if nops is not None:
+                self._count_locked(err, kind, nops, total, quick, native)
+
+    def _count_locked(self, err: Union[TransportError, None], kind: int, nops: int, total: int, quick: bool,
+                      native: bool) -> None:
+        """Count a batch that ended (lock held): ``nops`` ops of ``total`` bytes, or its error."""
+        stats = self._stats
+        stats["batches"] += 1
+        if quick:
+            stats["quick_batches"] += 1
+            stats["quick_native"] += native
+        if err is None:
+            if kind == READ:
+                stats["bytes_read"] += total
+                stats["ops_read"] += nops
             else:
-                self._stats["failed"] += 1
-                self._stats["last_error"] = str(err)
+                stats["bytes_written"] += total
+                stats["ops_written"] += nops
+        else:
+            stats["failed"] += 1
+            stats["last_error"] = str(err)
 
     def _quick_done(self, batch: _Batch, sock: socket.socket, kind: int, nops: int, total: int, native: bool) -> None:
         """A one-call transfer (``llmdd_tcp._quick``) ended well on ``sock``: :meth:`_give_back` and
@@ -303,16 +307,7 @@ class TcpChannel(Channel):
         self._ep._end_batch(batch)
         with self._lock:
             self._batches.discard_locked(batch)
-            stats = self._stats
-            stats["batches"] += 1
-            stats["quick_batches"] += 1
-            stats["quick_native"] += native
-            if kind == READ:
-                stats["bytes_read"] += total
-                stats["ops_read"] += nops
-            else:
-                stats["bytes_written"] += total
-                stats["ops_written"] += nops
+            self._count_locked(None, kind, nops, total, True, native)
             if keep and sock in socks and not self._batches.closed and len(self._idle) < 4:
                 self._idle.append(sock)
                 socks.remove(sock)

@@ -580,14 +580,13 @@ class TcpEndpoint(Endpoint):
                 head = _OK_HEAD_PADDED if flags & F_PAD else _OK_HEAD
                 reg, off, ln, tail = _cut_tail(where, wire["region"], wire["offset"], wire["length"])
                 if len(tail) == total:   # all of it in the copy: the header and the bytes in one sendmsg
-                    self._end_request(token, grant, served, total, len(wire))
-                    released = True
-                    _sendmsg_all(sock, [head[0].raw, tail])
+                    last = [head[0].raw, tail]
                 else:
                     _move(sock, where, reg, off, ln, None, send=True, head=head, total=total - len(tail))
-                    self._end_request(token, grant, served, total, len(wire))
-                    released = True
-                    _sendmsg_all(sock, [tail])
+                    last = [tail]
+                self._end_request(token, grant, served, total, len(wire))
+                released = True
+                _sendmsg_all(sock, last)
             else:
                 if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
                     _send_rsp(sock, ST_OK, "", flags & F_PAD)

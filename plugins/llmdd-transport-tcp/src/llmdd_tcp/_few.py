@@ -104,19 +104,16 @@ def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, to
             # numpy path: llmdd_tcp._io._cut_tail says why)
             ok = _OK_PADDED if flags & F_PAD else _OK
             if total <= _COPY_ALL:   # the OK header and a copy of the bytes in one sendmsg
-                data = b"".join([ok, *views])
-                ep._end_request(token, grant, served, total, len(regions))
-                released = True
-                _send(sock, [data], len(data))
+                tail = b"".join([ok, *views])
             else:
                 j = max(i for i, v in enumerate(views) if len(v))
-                last = views[j]
-                k = min(len(last), _TAIL)
-                _send(sock, [ok, *views[:j], last[:len(last) - k]], total - k + len(ok))
-                tail = bytes(last[len(last) - k:])
-                ep._end_request(token, grant, served, total, len(regions))
-                released = True
-                _send(sock, [tail], k)
+                view = views[j]
+                k = min(len(view), _TAIL)
+                _send(sock, [ok, *views[:j], view[:len(view) - k]], total - k + len(ok))
+                tail = bytes(view[len(view) - k:])
+            ep._end_request(token, grant, served, total, len(regions))
+            released = True
+            _send(sock, [tail], len(tail))
         else:
             if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
                 _send_rsp(sock, ST_OK, "", flags & F_PAD)

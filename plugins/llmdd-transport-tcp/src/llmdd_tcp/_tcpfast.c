@@ -414,6 +414,16 @@ static void release_locked(Table *t, active_t *me, int moved, uint64_t total, in
     if (t->gone) pthread_cond_broadcast(&t->cv);
 }
 
+/* a request whose bytes moved lets go of its regions (counted), then its answer's last bytes leave */
+static int release_and_send(Table *t, active_t *me, uint64_t total, int count, int fd, const void *buf,
+                            size_t len) {
+    pthread_mutex_lock(&t->mu);
+    release_locked(t, me, 1, total, count);
+    pthread_mutex_unlock(&t->mu);
+    struct iovec a = {(void *)buf, len};
+    return send_all(fd, &a, 1, 0);
+}
+
 /* remove(id): out of the table (no request pins it from now on); the streams serving it are shut down.
  * True when it was there. */
 static PyObject *Table_remove(Table *t, PyObject *args) {
@@ -715,12 +725,8 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
                     memcpy(copy + at, iov[i].iov_base, iov[i].iov_len);
                     at += iov[i].iov_len;
                 }
-                pthread_mutex_lock(&t->mu);
-                release_locked(t, &me, 1, total, count);
-                pthread_mutex_unlock(&t->mu);
+                r = release_and_send(t, &me, total, count, fd, copy, at);
                 released = 1;
-                struct iovec a = {copy, at};
-                r = send_all(fd, &a, 1, 0);
             } else {   /* all but the last (at most TAIL) bytes of the last non-empty op, then those */
                 int j = count;
                 while (j > 0 && iov[j].iov_len == 0) j--;
@@ -730,12 +736,8 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
                 r = send_all(fd, iov, j + 1, 0);
                 if (r == 0) {
                     memcpy(copy, src, k);
-                    pthread_mutex_lock(&t->mu);
-                    release_locked(t, &me, 1, total, count);
-                    pthread_mutex_unlock(&t->mu);
+                    r = release_and_send(t, &me, total, count, fd, copy, k);
                     released = 1;
-                    struct iovec a = {copy, k};
-                    r = send_all(fd, &a, 1, 0);
                 }
             }
         } else {
@@ -743,12 +745,8 @@ static PyObject *Table_serve(Table *t, PyObject *args) {
             r = recv_all(fd, iov + 1, count, 0);
             if (r == 0) {
                 writing = 0;
-                pthread_mutex_lock(&t->mu);
-                release_locked(t, &me, 1, total, count);
-                pthread_mutex_unlock(&t->mu);
+                r = release_and_send(t, &me, total, count, fd, head, head_len);
                 released = 1;
-                struct iovec a = {(void *)head, head_len};
-                r = send_all(fd, &a, 1, 0);
             }
         }
         if (!released) {
