@@ -26,6 +26,9 @@ from ._sock import Spinner, _arm, _close, _map_exc, _readable, _recv_exact, _shu
 from ._wire import _AUTH_RSP, _HELLO, _M_HELLO, _M_REQ, _OPEN, _REQ, _RSP, MAX_OPS_PER_REQUEST, READ, ST_OK
 from ._wire import F_PAD, ST_REFUSED, VERSION, WRITE, _parse_rsp, _recv_rsp
 
+#: idle streams a channel keeps for its next batches (more are closed when they come back)
+_POOL_MAX = 4
+
 if TYPE_CHECKING:   # the endpoint opens channels (it imports this module); a channel only calls back into it
     from ._endpoint import TcpEndpoint
 
@@ -220,10 +223,17 @@ class TcpChannel(Channel):
 
     def _release(self, sock: socket.socket) -> None:
         with self._lock:
-            if not self._batches.closed and len(self._idle) < 4:
-                self._idle.append(sock)
+            if self._pool_locked(sock):
                 return
         _close(sock)
+
+    def _pool_locked(self, sock: socket.socket) -> bool:
+        """Keep ``sock`` as an idle stream (lock held); False when the channel is closed or already keeps
+        :data:`_POOL_MAX` (the caller then closes it)."""
+        if self._batches.closed or len(self._idle) >= _POOL_MAX:
+            return False
+        self._idle.append(sock)
+        return True
 
     # ------------------------------------------------------------------ batches
 
@@ -308,8 +318,7 @@ class TcpChannel(Channel):
         with self._lock:
             self._batches.discard_locked(batch)
             self._count_locked(None, kind, nops, total, True, native)
-            if keep and sock in socks and not self._batches.closed and len(self._idle) < 4:
-                self._idle.append(sock)
+            if keep and sock in socks and self._pool_locked(sock):
                 socks.remove(sock)
         for s in socks:   # an aborted batch's stream, or one the pool has no room for
             _close(s)

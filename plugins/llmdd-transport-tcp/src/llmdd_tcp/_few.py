@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from llmdd.lowlevel import Batch, Corrupt, PeerGone, Refused
 
 from ._grants import _Grant
-from ._io import _TAIL, _advance
+from ._io import _COPY_ALL, _TAIL, _advance
 from ._wire import _M_RSP, _OK_PADDED, _RSP, F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, _send_rsp
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ FEW_OPS = 8
 
 _ROWS = [struct.Struct("<" + "IQQ" * n) for n in range(FEW_OPS + 1)]
 _OK = _RSP.pack(_M_RSP, ST_OK, 0, 0, 0)
-#: a READ of at most this many bytes leaves as one copy (header and bytes), sent after the release
-_COPY_ALL = 1 << 14
 
 
 def _refusal(served: Any, grant: _Grant, regions: tuple, offsets: tuple, lengths: tuple, total: int) -> Optional[str]:

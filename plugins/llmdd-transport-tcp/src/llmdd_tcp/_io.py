@@ -140,8 +140,12 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
     return int(ends[-1]) - (head[2] if head is not None else 0)
 
 
-#: a read's last bytes leave from a copy of at most this many (see :func:`_cut_tail`)
+#: a read's last bytes leave from a copy of at most this many (see :func:`_cut_tail`; the C owner's
+#: TAIL and COPY_ALL in _tcpfast.c are the same two sizes)
 _TAIL = 4096
+#: the few-ops path answers a read of at most this many bytes from one copy of the header and the
+#: bytes, sent after the release (past about there a second send costs less than the copy)
+_COPY_ALL = 1 << 14
 
 
 def _cut_tail(where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray) -> tuple:
