@@ -14,7 +14,7 @@ per call.  The anchor's figure therefore depends on what else the machine runs a
 measured; ``llmdd bench`` also measures it interleaved with the engine's own calls
 (``latency_64k.paired``), which is the comparison the ``21.1-tcp-paired`` target makes.
 
-    .venv/bin/python bench/rr_idle_wakeup.py --rounds 4 --n 1000 --out results.json
+    .venv/bin/python bench/probes/rr_idle_wakeup.py --rounds 4 --n 1000 --out results.json
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
   protocol, each link from its own loopback address): the server's RSS growth from 1 to 1 + N links,
   divided by N.  Target: <= 64 KiB per link.
 
-Run: ``python bench/idle_rss.py [--links 16] [--out FILE.json]``.  The library never prints; this
+Run: ``python bench/probes/idle_rss.py [--links 16] [--out FILE.json]``.  The library never prints; this
 script does.
 """
 
@@ -83,7 +83,7 @@ def main(argv: Optional[list] = None) -> int:
     doc = {
         "bench": "idle_rss",
         "command": " ".join(([f"PYTHONPATH={os.environ['PYTHONPATH']}"] if os.environ.get("PYTHONPATH") else [])
-                            + [os.path.basename(sys.executable), "bench/idle_rss.py", *(argv or sys.argv[1:])]),
+                            + [os.path.basename(sys.executable), "bench/probes/idle_rss.py", *(argv or sys.argv[1:])]),
         "llmdd": __import__("llmdd").__file__,
         "load_before": load_before, "load_after": _load(), "cpus": os.cpu_count(),
         "idle": {"runs": idle, "rss_idle_median": median, "target_max": IDLE_MAX_BYTES,

@@ -11,7 +11,7 @@
    needs no interrupt to another core) to see the cost of a cross-core wake-up.  The client checks the
    last reply's bytes against the buffer; p50 / p99 in microseconds on stdout.
 
-     gcc -O2 -o /tmp/rr_wakeup bench/rr_wakeup.c && /tmp/rr_wakeup 3000 block
+     gcc -O2 -o /tmp/rr_wakeup bench/probes/rr_wakeup.c && /tmp/rr_wakeup 3000 block
 */
 #define _GNU_SOURCE
 #include <arpa/inet.h>

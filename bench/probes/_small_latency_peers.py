@@ -1,4 +1,4 @@
-"""Child side of bench/small_latency.py (run in harness children: ``fn(state, ...)``, module level)."""
+"""Child side of bench/probes/small_latency.py (run in harness children: ``fn(state, ...)``, module level)."""
 
 from __future__ import annotations
 

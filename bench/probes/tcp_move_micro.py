@@ -2,7 +2,7 @@
 trees, same run, interleaved: per-op memoryview slices (old) vs numpy iovec arrays through
 sendmsg/recvmsg (new).  Median microseconds per move over REPS, three rounds, and the new/old ratio.
 
-    python bench/tcp_move_micro.py OLD_TREE NEW_TREE     # e.g. a `git archive` of the older commit, .
+    python bench/probes/tcp_move_micro.py OLD_TREE NEW_TREE     # e.g. a `git archive` of the older commit, .
 """
 import importlib.util, os, socket, sys, threading, time, numpy as np
 def load(path, name):

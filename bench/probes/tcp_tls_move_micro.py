@@ -4,7 +4,7 @@ scattered with llmdd.lowlevel.copy_runs (new).  Median microseconds per move ove
 and the new/old ratio.  Certificates from trustme (the test extra).  Seeded random bytes, random
 distinct blocks on both sides; every block checked after each round.
 
-    python bench/tcp_tls_move_micro.py OLD_TREE NEW_TREE     # e.g. a `git archive` of the older commit, .
+    python bench/probes/tcp_tls_move_micro.py OLD_TREE NEW_TREE     # e.g. a `git archive` of the older commit, .
 """
 import importlib.util
 import os

@@ -9,7 +9,7 @@ shared-memory segments of this process, same run, interleaved, median microsecon
 Random distinct blocks of a 64 MiB segment into random distinct blocks of another; every run's
 bytes checked after each method.  Ratios are against ``loop``.
 
-    python bench/shm_copy_micro.py
+    python bench/probes/shm_copy_micro.py
 """
 
 from __future__ import annotations

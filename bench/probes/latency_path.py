@@ -7,7 +7,7 @@ With ``--push``, also one 64 KiB block of one tensor per ``push_blocks`` call (p
 calls, the same random block draws for every transport, the last push checked on the prompt's side).
 Uses the workers of ``llmdd bench`` (:mod:`llmdd._tools.bench`), so the figures are measured the same way.
 
-    .venv/bin/python bench/latency_path.py --transport shm --transport tcp [--push] [--bulk] [--profile]
+    .venv/bin/python bench/probes/latency_path.py --transport shm --transport tcp [--push] [--bulk] [--profile]
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ drawn without replacement, offsets multiples of the block) as the median of ``re
 bytes of every block of the last batch are checked against the source.  The driver runs the trees
 alternately ``--rounds`` times and reports per shape the median over rounds of the new/old ratio.
 
-    python bench/shm_mapped_path.py --trees OLD_TREE NEW_TREE --rounds 3 --out DIR
-    python bench/shm_mapped_path.py --worker [--cprofile FILE]      # one tree: the one on PYTHONPATH
+    python bench/probes/shm_mapped_path.py --trees OLD_TREE NEW_TREE --rounds 3 --out DIR
+    python bench/probes/shm_mapped_path.py --worker [--cprofile FILE]      # one tree: the one on PYTHONPATH
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def worker(cprofile: str = "") -> dict:
             ps = pstats.Stats(prof, stream=s)
             ps.sort_stats("tottime").print_stats(30)
             with open(cprofile, "w") as f:
-                f.write(f"# cProfile of every timed batch of bench/shm_mapped_path.py --worker (shapes {SHAPES})\n")
+                f.write(f"# cProfile of every timed batch of bench/probes/shm_mapped_path.py --worker (shapes {SHAPES})\n")
                 f.write(s.getvalue())
         out["statistics"] = {k: v for k, v in ch.statistics().items() if isinstance(v, int)}
         ch.close()

@@ -8,7 +8,7 @@ list cut in halves; the caller takes the first), interleaved, the first round a 
 writes (``--out``) GB/s per case, every round, the load before and after, and the transparent huge
 page settings (they decide the page size of both sources).
 
-Usage: python bench/gather_threads.py [--rounds 5] [--out FILE]
+Usage: python bench/probes/gather_threads.py [--rounds 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> None:
         shm.close()
         shm.unlink()
     med = {k: statistics.median(v) for k, v in res.items()}
-    doc = {"command": "python bench/gather_threads.py" + (f" --rounds {args.rounds}" if args.rounds != 5 else ""),
+    doc = {"command": "python bench/probes/gather_threads.py" + (f" --rounds {args.rounds}" if args.rounds != 5 else ""),
            "cpus": os.cpu_count(), "load_before": load_before, "load_after": _read("/proc/loadavg"),
            "thp_enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
            "thp_shmem_enabled": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),

@@ -16,7 +16,7 @@ Reported per split batch: wall time, each part's start delay and duration, how l
 waited after its own part for the other part (``tail_wait``), and the overlap of the two parts.
 Seeded tables; every batch's bytes are checked on a sample.  Writes JSON with ``--out``.
 
-Usage: python bench/shm_split_profile.py [--runs 5] [--out FILE]
+Usage: python bench/probes/shm_split_profile.py [--runs 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_prompt, args=(child,), daemon=True)
     p.start()
-    out: dict = {"command": "python bench/shm_split_profile.py " + " ".join(
+    out: dict = {"command": "python bench/probes/shm_split_profile.py " + " ".join(
         f"--{k} {v}" for k, v in vars(args).items() if v is not None), "cpus": os.cpu_count(),
         "load_before": load_before, "cases": {}}
     try:

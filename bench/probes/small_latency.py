@@ -4,7 +4,7 @@ same block (16-byte request, ``sendall`` of the block, ``recv_into``) measured i
 anchor, interleaved in rounds.  Prints p50 / p99 and the ratio to the anchor's p50; ``--json`` keeps
 every figure.
 
-    .venv/bin/python bench/small_latency.py --transport tcp --n 2000 --kv-mib 64 [--option llmdd.tcp.spin_us=0]
+    .venv/bin/python bench/probes/small_latency.py --transport tcp --n 2000 --kv-mib 64 [--option llmdd.tcp.spin_us=0]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ The NIXL rows are measured for each agent configuration of ``--configs`` (sync m
 ``num_workers``); each configuration is its own reader agent. Every pull's bytes are compared with
 the owner's (seeded random data). Prints GB/s (1e9 B/s): median, min, max of ``--runs``.
 
-Usage: UCX_MODULES=^ib python bench/ucx_threads_probe.py [--runs 15] [--mib 64] [--block-kib 64]
+Usage: UCX_MODULES=^ib python bench/probes/ucx_threads_probe.py [--runs 15] [--mib 64] [--block-kib 64]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Python request/reply of ``llmdd bench`` (16-byte request, ``sendall`` of the blo
 rounds of 100), and prints p50 / p99 and the ratios; ``--profile`` adds a cProfile of the owner side
 (the child's serving threads) and of the client's quick calls.
 
-    .venv/bin/python bench/tcp_quick_micro.py --n 5000 [--profile]
+    .venv/bin/python bench/probes/tcp_quick_micro.py --n 5000 [--profile]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the bare system call of the same shape (its own random blocks, iovecs built befo
 warms the cache for the other), and checks the bytes of the last batch on the owner's side.
 Shapes: 1 x 64 KiB (read and write), 8 blocks x 2 tensors x 16 KiB (read).
 
-    .venv/bin/python bench/shm_seam_latency.py --out bench/results-committed/issue21/<name>
+    .venv/bin/python bench/probes/shm_seam_latency.py --out bench/results-committed/issue21/<name>
 """
 
 from __future__ import annotations
