@@ -409,24 +409,27 @@ class Hooks:
         integer compare (and each declared predicate, e.g. a logger level check) per transition."""
         hook = self._transition_hooks[machine]
         pm = self._pm
-        # [generation seen, some subscriber wants every event, the declared predicates]
-        state: list = [None, False, ()]
+        # [generation seen, some subscriber wants every event, the declared predicates, the one predicate
+        # when there is exactly one (the usual case: the log observer alone), else None]
+        state: list = [None, False, (), None]
 
         if not isinstance(pm, LLMDDPluginManager):
             return self._emitters[machine], lambda error: True  # no generation to follow: always emit
+        tracers = pm._tracers   # read directly, not through the ``monitored`` property: one call less per event
 
         def wants(error: Any) -> bool:
             if pm.generation != state[0]:
                 declared = [getattr(impl.function, WANTS, None) for impl in hook.get_hookimpls()]
                 state[1] = any(w is None for w in declared)
                 state[2] = tuple(w for w in declared if w is not None)
+                state[3] = state[2][0] if len(state[2]) == 1 else None
                 state[0] = pm.generation
-            if state[1] or pm.monitored:
+            if state[1] or tracers:
                 return True
-            declared = state[2]
-            if len(declared) == 1:   # the usual case: the log observer alone
-                return declared[0](error)
-            return any(declared_wants(error) for declared_wants in declared)
+            single = state[3]
+            if single is not None:
+                return single(error)
+            return any(declared_wants(error) for declared_wants in state[2])
 
         return self._emitters[machine], wants
 
