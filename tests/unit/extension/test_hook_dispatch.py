@@ -166,30 +166,32 @@ def Declared(answer: bool):
     return Subscriber()
 
 
-def test_wants_follows_the_declaration_not_the_plugin_name(caplog):
+@pytest.fixture
+def link_logger():
+    logger = logging.getLogger("llmdd.link")
+    level = logger.level
+    yield logger
+    logger.setLevel(level)
+
+
+def test_wants_follows_the_declaration_not_the_plugin_name(link_logger):
     # the built-in log observer under a name of its own: it still declares its logger's level
     pm = make_plugin_manager(autoload=False, blocked=[LOG_OBSERVER])
     import llmdd._extension.builtin.log_events as log_events
     pm.register(log_events, name="renamed-observer")
     _emit, wants = Hooks(pm).live_emitter(Machine.LINK)
-    logging.getLogger("llmdd.link").setLevel(logging.WARNING)
-    try:
-        assert not wants(None) and wants(RuntimeError("x"))   # INFO off, WARNING on
-        logging.getLogger("llmdd.link").setLevel(logging.INFO)
-        assert wants(None)
-    finally:
-        logging.getLogger("llmdd.link").setLevel(logging.NOTSET)
+    link_logger.setLevel(logging.WARNING)
+    assert not wants(None) and wants(RuntimeError("x"))   # INFO off, WARNING on
+    link_logger.setLevel(logging.INFO)
+    assert wants(None)
 
     # control: an undeclared subscriber registered under the log observer's own name is called for all
     pm = LLMDDPluginManager()
     pm.add_hookspecs(hookspecs)
     pm.register(Undeclared(), name=LOG_OBSERVER)
     _emit, wants = Hooks(pm).live_emitter(Machine.LINK)
-    logging.getLogger("llmdd.link").setLevel(logging.WARNING)
-    try:
-        assert wants(None)
-    finally:
-        logging.getLogger("llmdd.link").setLevel(logging.NOTSET)
+    link_logger.setLevel(logging.WARNING)
+    assert wants(None)
 
 
 def test_wants_is_the_or_of_declared_predicates_and_decided_per_generation():
