@@ -144,6 +144,16 @@ def unlink(state: dict, targets: list, force: bool = False, timeout: int = 5000)
     return state["dd"].unlink_clusters(clusters, timeout, force=force)
 
 
+def unlink_on_go(state: dict, barrier_port: int, targets: list, timeout: int = 5000) -> tuple:
+    """Wait for the parent's go (a byte on a connection to its barrier socket), then ``unlink``:
+    two peers released by one go unlink at the same moment, with no sleep involved."""
+    with socket.create_connection(("127.0.0.1", barrier_port), timeout=30.0) as sock:
+        sock.settimeout(30.0)
+        if sock.recv(1) != b"g":
+            raise RuntimeError("the barrier closed without a go")
+    return unlink(state, targets, timeout=timeout)
+
+
 def link_states(state: dict) -> dict:
     return {cid: v["state"] for cid, v in state["dd"].statistics()["links"].items()}
 
