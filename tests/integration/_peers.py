@@ -223,6 +223,13 @@ def blocks(state: dict) -> np.ndarray:
     return np.stack([b.copy() for b in state["bufs"]])
 
 
+def restore(state: dict) -> None:
+    """Put this engine's seeded pattern back into its registered cache."""
+    data = pattern(state["cluster_id"], state["seed"], len(state["bufs"]))
+    for i, b in enumerate(state["bufs"]):
+        b[:] = data[i]
+
+
 def fill(state: dict, value: float) -> None:
     for b in state["bufs"]:
         b[:] = value
@@ -274,6 +281,24 @@ def group_wait(state: dict, comm_id: int, timeout: float = 8.0) -> tuple:
         if status is not RegisterMemStatus.PREPARING or time.monotonic() >= deadline:
             return status.name, time.monotonic() - started
         time.sleep(0.02)
+
+
+def groups_polled(state: dict, comm_names: list, rank_info: dict, rank_table: str, timeout: float = 10.0) -> dict:
+    """``link()`` each of ``comm_names`` back to back (same members), then poll every group's
+    ``query_register_mem_status`` every millisecond until none is PREPARING: the comm ids, their
+    final statuses, and every status any poll saw (a FAILED seen once is FAILED for good)."""
+    dd = state["dd"]
+    ids = [dd.link(name, rank_info, rank_table) for name in comm_names]
+    seen: dict = {cid: set() for cid in ids}
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {cid: dd.query_register_mem_status(cid) for cid in ids}
+        for cid, status in now.items():
+            seen[cid].add(status.name)
+        if all(st is not RegisterMemStatus.PREPARING for st in now.values()) or time.monotonic() >= deadline:
+            return {"ids": ids, "final": {cid: st.name for cid, st in now.items()},
+                    "seen": {cid: sorted(v) for cid, v in seen.items()}}
+        time.sleep(0.001)
 
 
 def group_unlink(state: dict, comm_id: int) -> Optional[str]:
