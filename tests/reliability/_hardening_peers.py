@@ -166,6 +166,26 @@ def request_raw(state: dict, remote: int, op: str, args: dict, deadline_s: float
     return out
 
 
+def request_ignoring_state(state: dict, remote: int, op: str, args: dict, deadline_s: float) -> dict:
+    """One request sent over the control connection whatever state this side's link is in (a hostile
+    peer ignores its own link's failure): the owner's reply status, or ``"no reply"`` at the deadline."""
+    from llmdd._control.link import Pending
+    lm = state["dd"]._core.link_manager
+    link = _link_to(state, remote)
+    rid = lm.exchange.new_request_id()
+    pending = Pending(lm.loop.event())
+    link.pending[rid] = pending
+    try:
+        link.control.send(m.TransferRequest(request_id=rid, op=op, args=args))
+        pending.event.wait(deadline_s)   # set by the reply (or by the link closing meanwhile)
+    finally:
+        link.pending.pop(rid, None)
+    if pending.reply is None:
+        return {"status": "no reply", "error": "", "state": R.link_states(state).get(remote)}
+    return {"status": pending.reply.status_code, "error": dict(pending.reply.result).get("error", ""),
+            "state": R.link_states(state).get(remote)}
+
+
 def notify_raw(state: dict, remote: int, msg) -> None:
     _link_to(state, remote).control.send(msg)
 
