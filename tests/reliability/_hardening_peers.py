@@ -16,7 +16,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import _rel_peers as R  # noqa: E402
 
-from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException, Placement  # noqa: E402
+from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement  # noqa: E402
 from llmdd._data.port import RequestOp  # noqa: E402
 from llmdd._control.protocol import messages as m  # noqa: E402
 
@@ -142,10 +142,16 @@ def hostile_send(state: dict, remote: int, port: int, msgs: list, deadline_s: fl
     return out
 
 
+_STATUS_VALUES = {code.value for code in LLMStatusCode}
+
+
 def _probe(lm, link, deadline_s: float) -> str:
     try:
         status, _ = lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + deadline_s)
-        return "answered" if status == 0 else f"status {status}"
+        if status == 0:
+            return "answered"
+        # the owner's answer on a link it failed meanwhile (it serves nothing there): its status
+        return LLMStatusCode(status).name if status in _STATUS_VALUES else f"status {status}"
     except LLMException as exc:
         return exc.status_code.name
 

@@ -351,8 +351,9 @@ def test_post_link_message_fuzz_owner_stays_responsive(hostile, batch):
     assert out["relinked"], out                     # the owner always accepts a new link
     hostile.sent += out["sent"]
     # either the owner answered on the same link, or it failed the link (a refused message; the peer
-    # sees the failure, or its request times out if it asked after the failure arrived) and then
-    # serves a fresh link at once
+    # sees the failure, the owner refuses the probe with LLM_LINK_FAILED since a failed link serves
+    # nothing, or the probe times out if it asked after the failure arrived) and then serves a fresh
+    # link at once
     kinds = [type(x).__name__ for x in batch]
     peer_said_fatal = any(isinstance(x, m.Error) and x.fatal for x in batch)
     if out["probe"] == "answered":
@@ -362,8 +363,9 @@ def test_post_link_message_fuzz_owner_stays_responsive(hostile, batch):
         outcome = "owner failed the link"
     else:
         # the hostile peer itself sent a fatal Error: the owner dropped the link as told, and this
-        # side learns only from its own liveness timeout
-        assert peer_said_fatal and out["probe"] == "LLM_TIMEOUT", (out, kinds)
+        # side learns from the owner's refusal of its probe (a failed link serves nothing) or from
+        # its own liveness timeout
+        assert peer_said_fatal and out["probe"] in ("LLM_LINK_FAILED", "LLM_TIMEOUT"), (out, kinds)
         outcome = "peer declared the link dead"
     if outcome != "answered":
         assert out["fresh_link"] == "LLM_SUCCESS" and out["fresh_probe"] == "answered", (out, kinds)
