@@ -154,6 +154,11 @@ def unlink_on_go(state: dict, barrier_port: int, targets: list, timeout: int = 5
     return unlink(state, targets, timeout=timeout)
 
 
+def link_released(state: dict) -> dict:
+    """peer -> ``statistics()["links"][peer]["released"]`` (this side unlinked it; the peer kept it)."""
+    return {cid: v["released"] for cid, v in state["dd"].statistics()["links"].items()}
+
+
 def link_states(state: dict) -> dict:
     return {cid: v["state"] for cid, v in state["dd"].statistics()["links"].items()}
 

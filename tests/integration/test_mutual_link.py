@@ -74,6 +74,7 @@ def _unlink_in_sequence(x, y, x_id, y_id, x_port, y_port):
     assert x.call(P.unlink, [(y_id, HOST, y_port)]) == OK
     assert y.call(P.link_states) == {x_id: "linked"}
     assert x.call(P.link_states) == {y_id: "linked"}   # still up here: it serves y
+    assert x.call(P.link_released) == {y_id: True} and y.call(P.link_released) == {x_id: False}
     assert x.call(P.pull, y_id, [0], [0])[0] == "LLM_NOT_YET_LINK"
     assert x.call(P.unlink, [(y_id, HOST, y_port)]) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
     src_x = x.call(P.blocks)
