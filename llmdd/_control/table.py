@@ -218,15 +218,15 @@ class LinkTable:
     def peer_unlinks(self, link: Link, *, force: bool) -> str:
         """The peer's unlink request arrived: ``"crossed"`` when this side is unlinking too (each
         answers the other's request; this side's own unlink ends the link), ``"kept"`` when this side
-        still holds the link (only the peer's hold went), else ``"close"``.  ``force``: the peer held
-        nothing and ends the link whatever this side holds."""
+        still holds the LINKED link (only the peer's hold went), else ``"close"``.  ``force``: the peer
+        held nothing and ends the link whatever this side holds."""
         with self._lock:
             if link.unlink_pending:
                 link.unlink_crossed = True
                 return "crossed"
-            if link.holds and not force:
+            if link.holds and not force and link.linked:
                 return "kept"
-            return "close"
+            return "close"   # nothing holds it here, or it failed here: it ends on both sides
 
     def record_attempt(self, remote_id: int, code: LLMStatusCode, error: Optional[str]) -> None:
         """The outcome of a ``link_clusters`` attempt: a failure is kept until one succeeds."""

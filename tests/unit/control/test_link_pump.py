@@ -603,6 +603,19 @@ def test_mutual_unlinks_crossing_both_succeed(world):
     assert server.triggers(1)[-2:] == ["unlink", "unlink_succeeded"]
 
 
+def test_an_unlink_request_on_a_link_failed_here_closes_it_whatever_this_side_holds(world):
+    """A side whose link failed (a transfer timed out) keeps no hold worth answering "kept": the
+    peer's unlink ends the link on both sides (LLM_SUCCESS there), never a half-open pair."""
+    client, server = mutual_pair(world)
+    client.lm.transfer_timed_out(client.lm.get(2), TimeoutError("sync_kv_timeout passed"))
+    world.settle()
+    assert client.state(2) is L.FAILED and client.lm.get(2).holds
+    assert server.lm.unlink_clusters([server_cluster(server, client)], 1000, False)[0] is S.LLM_SUCCESS
+    world.settle()
+    assert client.lm.get(2) is None and server.lm.get(1) is None
+    assert client.triggers(2)[-1] == "peer_unlinked" and server.triggers(1)[-1] == "unlink_succeeded"
+
+
 SCENARIOS["unlink_kept"] = scenario_mutual_unlink_in_sequence
 
 
