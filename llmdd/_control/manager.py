@@ -24,9 +24,9 @@ plugins, hook subscribers, memory calls) runs on the loop's bounded pool, in ord
 registrar thread.  The thread count does not grow with links or connections.  All are daemon
 threads: they never keep the interpreter alive, and the exit handler's ``finalize`` closes them.
 
-Locks: the link table's lock (``LinkTable._lock``) guards the link, alias and pending tables only;
-nothing is called while it is held (no memory manager, region table, plugin, hook, listener or
-socket call).  ``ControlConnection._lock`` is a leaf held around non-blocking socket calls.  The
+Locks: the link table's lock (``LinkTable._lock``) guards the link, alias and pending tables and each
+link's holds only; nothing is called while it is held (no memory manager, region table, plugin,
+hook, listener or socket call).  ``ControlConnection._lock`` is a leaf held around non-blocking socket calls.  The
 order is written in docs/architecture.md ("Locks").
 """
 
