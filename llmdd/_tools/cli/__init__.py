@@ -74,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:   # Ctrl-C: one line, not a traceback; 130 as a shell reports SIGINT
+        print(f"llmdd {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ Exit status 0 only when every decoder matches the reference.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -66,16 +67,25 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[{time.monotonic() - began:6.2f} s] {line}", flush=True)
 
+    previous = signal.signal(signal.SIGINT, _interrupt_once)
     try:
         result = run_demo(opts, progress)
     except DemoError as exc:
         print(f"llmdd demo: FAILED: {exc}", file=sys.stderr)
         return 1
+    finally:   # a Ctrl-C goes on to main (one line, exit 130) once run_demo's cleanup stopped the children
+        signal.signal(signal.SIGINT, previous)
     print()
     for line in format_report(result):
         print(line)
     sys.stdout.flush()
     return 0 if result.ok else 1
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """Ctrl-C: stop the run; a second one does not cut its cleanup short (no process or segment left)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _transport_problem(forced: str) -> str:
