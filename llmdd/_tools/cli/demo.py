@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None,
                         help=f"tokens to generate (default {DEFAULTS[1]}; --quick: {QUICK[1]})")
     parser.add_argument("--decoders", type=int, default=1, help="decoder processes pulling from one prompt")
-    parser.add_argument("--transport", choices=("auto", "tcp", "shm"), default="auto",
-                        help="force a transport (engine option llmdd.transport); auto lets llmdd choose")
+    parser.add_argument("--transport", choices=("auto", "tcp", "shm", "ucx"), default="auto",
+                        help="force a transport (engine option llmdd.transport; each one `llmdd info` lists); "
+                             "auto lets llmdd choose")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull",
                         help="pull: decoders call pull_blocks; push: the prompt pushes each layer with "
                              "transfer_cache_async while it computes the next")

@@ -56,8 +56,8 @@ class DemoOptions:
             raise ValueError("--tokens must be at least 1")
         if not 1 <= self.decoders <= 8:
             raise ValueError("--decoders must be in 1..8")
-        if self.transport not in ("auto", "tcp", "shm"):
-            raise ValueError("--transport must be auto, tcp or shm")
+        if self.transport not in ("auto", "tcp", "shm", "ucx"):
+            raise ValueError("--transport must be auto, tcp, shm or ucx")
         if self.mode not in ("pull", "push"):
             raise ValueError("--mode must be pull or push")
         if self.faults not in ("none", "kill", "stall"):
