@@ -170,3 +170,57 @@ def test_demo_runs_over_ucx_when_info_lists_it_available():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "transport ucx: forced by option (ucx)" in proc.stdout
     assert "check decoder 1: KV 16.0 MiB bit-identical; tokens identical (8/8)" in proc.stdout
+
+
+_WITHOUT_NIXL = """
+import sys
+from llmdd_ucx import _nixl
+for name in _nixl.PACKAGES:
+    sys.modules[name] = None          # as after `pip install llmdd[all]`: the ucx plugin, no NIXL
+from llmdd._tools.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_info_doctor_and_demo_say_how_to_make_ucx_available_without_nixl():
+    env = dict(os.environ, COLUMNS="200")
+    env.pop("LLMDD_DISABLED_PLUGINS", None)
+
+    def cli(*argv):
+        return subprocess.run([sys.executable, "-c", _WITHOUT_NIXL, *argv], capture_output=True, text=True, env=env,
+                              timeout=90)
+
+    fix = ("fix: pip install --no-deps nixl-cu12 (NIXL, this transport's engine: `llmdd[ucx]` and `llmdd[all]` do "
+           "not pull it in, because its wheel requires torch and CUDA wheels that llmdd does not need)")
+    info = cli("info")
+    assert info.returncode == 0, info.stderr
+    lines = info.stdout.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("  ucx      unavailable"))
+    assert lines[at + 1].strip() == fix, lines[at:at + 2]
+    doctor = cli("doctor", "--seconds", "0")
+    assert "installed but unavailable: NIXL is not installed" in doctor.stdout, doctor.stdout
+    assert fix in doctor.stdout, doctor.stdout
+    demo = cli("demo", "--quick", "--transport", "ucx")
+    assert demo.returncode == 1 and demo.stderr.startswith("llmdd demo: --transport ucx is not available here: "
+                                                           "NIXL is not installed"), demo.stderr
+    # control: with NIXL importable (this venv has it), info shows no fix line under ucx
+    plain = subprocess.run([sys.executable, "-m", "llmdd", "info"], capture_output=True, text=True, env=env,
+                           timeout=90)
+    assert "  ucx      available" in plain.stdout and fix not in plain.stdout, plain.stdout
+
+
+def test_bench_cpp_row_says_what_to_do_in_a_checkout_and_from_a_wheel(monkeypatch, tmp_path):
+    from llmdd._tools.bench import cpp
+
+    monkeypatch.delenv("LLMDD_CPP_BUILD", raising=False)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert cpp._REPO == root                                     # a checkout: its own cpp/build
+    assert cpp.not_built_reason().startswith("C++ library not built: no cpp/build/tests/bench_pull (run "
+                                             "`bash scripts/test_cpp.sh`")
+    monkeypatch.setattr(cpp, "_REPO", str(tmp_path))             # an installed wheel: no cpp/ beside llmdd
+    reason = cpp.not_built_reason()
+    assert reason.startswith("the C++ API is not part of an installed llmdd (a wheel ships no C++ sources)")
+    assert "LLMDD_CPP_BUILD=<checkout>/cpp/build llmdd bench" in reason and "scripts/test_cpp.sh" in reason
+    monkeypatch.setenv("LLMDD_CPP_BUILD", str(tmp_path / "nowhere"))
+    assert cpp._binary() is None
+    assert f"LLMDD_CPP_BUILD={tmp_path / 'nowhere'}" in cpp.not_built_reason()
