@@ -43,8 +43,8 @@ from typing import Optional
 
 import attrs
 
-__all__ = ["SEGMENT_PREFIX", "SCOPE_ENV", "segment_prefix", "segment_name", "parse_segment_name", "Leftover", "find_leftovers",
-           "reclaim_leftovers", "pid_namespace"]
+__all__ = ["SEGMENT_PREFIX", "SCOPE_ENV", "segment_prefix", "segment_name", "parse_segment_name", "Leftover",
+           "find_leftovers", "reclaim_leftovers", "pid_namespace"]
 
 #: the prefix of every segment name outside a scope
 SEGMENT_PREFIX = "llmdd_"
