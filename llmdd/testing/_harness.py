@@ -364,7 +364,8 @@ class PeerFuture:
         return self._event.is_set()
 
     def result(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
-        """Wait at most ``timeout`` seconds (``None``: no deadline — avoid in tests)."""
+        """Wait at most ``timeout`` seconds; ``None``: as long as the peer lives (its death fails the
+        future at once), for CPU-bound work of the child, which the test's own timeout bounds."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"peer {self._peer!r}: {self._what} did not answer within {timeout} s")
         if self._exc is not None:
@@ -597,13 +598,15 @@ class PeerHandle:
         self._outbox.put(("call", cid, payload))
         return fut
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT,
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = DEFAULT_CALL_TIMEOUT,
              **kwargs: Any) -> Any:
         """Run ``fn(state, *args, **kwargs)`` in the child and return its result.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the
-        call; its late answer is discarded), :class:`PeerExitedError` if the child dies first,
-        or the child's exception (``__cause__``: :class:`RemoteTraceback`).
+        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the call; its
+        late answer is discarded), :class:`PeerExitedError` if the child dies first, or the child's
+        exception (``__cause__``: :class:`RemoteTraceback`).  ``timeout=None`` waits while the child
+        lives: for CPU-bound work (a fresh child's imports, an engine's init), which the test's own
+        timeout bounds.
         """
         return self.call_async(fn, *args, **kwargs).result(timeout)
 
