@@ -5,9 +5,9 @@ Every segment llmdd or one of its transports creates in ``/dev/shm`` is named
     ``llmdd_<pid>_<pidns>_<kind>_<unique>``
 
 (``llmdd<scope>_...`` where the environment variable ``LLMDD_SHM_SCOPE`` names a scope: 1-16
-lowercase letters or digits).  ``pid`` is the creator's pid in its namespace, ``pidns`` the inode of that pid namespace
-(``/proc/self/ns/pid``, 0 where unknown), ``kind`` says what it is (``pool``, ``shmctl``...).
-A process killed with SIGKILL never runs its exit handlers, so its segments stay; with the name
+lowercase letters or digits).  ``pid`` is the creator's pid in its namespace, ``pidns`` the inode
+of that pid namespace (``/proc/self/ns/pid``, 0 where unknown), ``kind`` says what it is
+(``pool``, ``shmctl``...).  A process killed with SIGKILL never runs its exit handlers, so its segments stay; with the name
 alone (plus the file's owner) another process decides, without asking anyone, that a segment is a
 *leftover*:
 
