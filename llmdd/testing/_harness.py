@@ -63,7 +63,11 @@ __all__ = [
 ]
 
 DEFAULT_CALL_TIMEOUT = 10.0
-_DEFAULT_STARTUP_TIMEOUT = 30.0
+#: no fixed deadline on a peer's startup by default: it is CPU-bound work (the interpreter and the
+#: imports), which a busy machine slows down without bound, so a fixed number of seconds failed
+#: healthy children (issue 41).  The parent waits while the child lives and fails at once when it
+#: dies (:class:`PeerExitedError`); under pytest, the test's own timeout bounds the wait.
+_DEFAULT_STARTUP_TIMEOUT: float | None = None
 _REAP_TIMEOUT = 5.0
 
 Action = Literal["kill", "stall", "raise"]
@@ -109,7 +113,8 @@ class PeerFuture:
         return self._event.is_set()
 
     def result(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
-        """Wait at most ``timeout`` seconds (``None``: no deadline — avoid in tests)."""
+        """Wait at most ``timeout`` seconds; ``None``: as long as the peer lives (its death fails the
+        future at once), for CPU-bound work of the child, which the test's own timeout bounds."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"peer {self._peer!r}: {self._what} did not answer within {timeout} s")
         if self._exc is not None:
@@ -316,7 +321,7 @@ class PeerHandle:
                 return  # the reader reports the death
 
     # -- calls
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float | None) -> None:
         try:
             self._ready.result(timeout)
         except BaseException:
@@ -342,13 +347,15 @@ class PeerHandle:
         self._outbox.put(("call", cid, payload))
         return fut
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT,
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = DEFAULT_CALL_TIMEOUT,
              **kwargs: Any) -> Any:
         """Run ``fn(state, *args, **kwargs)`` in the child and return its result.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the
-        call; its late answer is discarded), :class:`PeerExitedError` if the child dies first,
-        or the child's exception (``__cause__``: :class:`RemoteTraceback`).
+        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the call; its
+        late answer is discarded), :class:`PeerExitedError` if the child dies first, or the child's
+        exception (``__cause__``: :class:`RemoteTraceback`).  ``timeout=None`` waits while the child
+        lives: for CPU-bound work (a fresh child's imports, an engine's init), which the test's own
+        timeout bounds.
         """
         return self.call_async(fn, *args, **kwargs).result(timeout)
 
@@ -479,8 +486,12 @@ class PeerHandle:
 
 
 def spawn_peer(name: str, *, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
-               startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> PeerHandle:
+               startup_timeout: float | None = _DEFAULT_STARTUP_TIMEOUT) -> PeerHandle:
     """Start a peer child process and wait until its command loop answers.
+
+    ``startup_timeout``: ``None`` (the default) waits as long as the child is alive (a child that
+    exits during startup raises :class:`PeerExitedError` at once); a number of seconds raises
+    ``TimeoutError`` after it.
 
     ``env`` entries are set (``None``: removed) in the child's environment before the
     interpreter starts (spawn/fork), so code reading the environment at import sees them.
@@ -505,8 +516,10 @@ class Cluster:
         self._handles: dict[str, PeerHandle] = {}
 
     def spawn(self, *names: str, env: Mapping[str, str | None] | None = None,
-              startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> list[PeerHandle]:
-        """Start peers concurrently, wait until all answer; returns their handles in order."""
+              startup_timeout: float | None = _DEFAULT_STARTUP_TIMEOUT) -> list[PeerHandle]:
+        """Start peers concurrently, wait until all answer; returns their handles in order.
+
+        ``startup_timeout`` as :func:`spawn_peer` (``None``: while each child is alive)."""
         for n in names:
             if n in self._handles:
                 raise ValueError(f"a peer named {n!r} already exists in this cluster")
@@ -516,9 +529,9 @@ class Cluster:
             h = PeerHandle(n, env=merged, start_method=self._start_method)
             self._handles[n] = h
             started.append(h)
-        deadline = time.monotonic() + startup_timeout
+        deadline = None if startup_timeout is None else time.monotonic() + startup_timeout
         for h in started:
-            h._wait_ready(max(0.0, deadline - time.monotonic()))
+            h._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return started
 
     def __getitem__(self, name: str) -> PeerHandle:
@@ -552,7 +565,7 @@ class Cluster:
 
 @contextmanager
 def peers(*names: str, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
-          startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT,
+          startup_timeout: float | None = _DEFAULT_STARTUP_TIMEOUT,
           close_timeout: float = _REAP_TIMEOUT) -> Iterator[Cluster]:
     """``with peers("prompt", "decoder") as cluster:`` — every child is reaped at exit, even on failure."""
     cluster = Cluster(env=env, start_method=start_method, close_timeout=close_timeout)

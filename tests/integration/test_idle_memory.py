@@ -51,7 +51,7 @@ def test_idle_engine_loads_no_structlog_until_a_line_is_written():
         print(json.dumps({"before": before, "after": "structlog" in sys.modules,
                           "messages": [r.getMessage() for r in records]}))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"before": False, "after": True, "messages": ["llmdd.test.loud n=2"]}

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _bash(script: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", f"set -euo pipefail; . scripts/_venv.sh; {script}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=50)
+                          capture_output=True, text=True)
 
 
 def test_a_step_says_what_it_installs_before_and_its_time_after():
