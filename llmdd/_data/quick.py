@@ -137,20 +137,12 @@ class QuickPlan:
 
 
 def fast_for(link: Any, plan: QuickPlan, timeout_s: float) -> Any:
-    """The link's channel's one-call path for ``plan``'s shape, or None (a channel without one: a
-    fault-injecting wrapper, a vendor's transport; or one that cannot take the shape).
-
-    The channel's ``quick_plan(pairs, block_bytes, src_units, dst_units, push, timeout_s=...)`` returns
-    ``f(src_blocks, dst_blocks)``: the bytes moved; a negative number when it did not do the transfer
-    and nothing of it happened (the ops path then runs it); or it raises the transport error of a
-    transfer it started and that failed, by ``timeout_s`` after the call at the latest (reported as the
-    ops path reports it)."""
+    """The link's channel's prepared transfer for ``plan``'s shape (the seam's ``Channel.prepare``), or
+    None (a channel without a prepared path: a fault-injecting wrapper, a vendor's transport; or one
+    that cannot take the shape)."""
     channel = link.channel
     plan.chan = channel
-    make = getattr(channel, "quick_plan", None)
-    if make is None:
-        return None
-    return make(plan.pairs, plan.bs, plan.su, plan.du, plan.push, timeout_s=timeout_s)
+    return channel.prepare(plan.pairs, plan.bs, plan.su, plan.du, plan.push, timeout_s=timeout_s)
 
 
 #: the task triggers of a blocking transfer that succeeded (run_ops: start, transfer_succeeded)
