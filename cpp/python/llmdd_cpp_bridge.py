@@ -32,7 +32,7 @@ from llmdd._data.planner import plan_blocks, plan_cache, tensor_range
 from llmdd._data.port import RequestOp
 from llmdd._control.protocol import messages as _m
 from llmdd._data.notices import READ as _READ
-from llmdd._data.quick import QuickPlan as _QuickPlan
+from llmdd._data.prepared import PreparedPlan as _QuickPlan
 
 S = LLMStatusCode
 OK = 0
@@ -469,15 +469,13 @@ class Bridge:
                 su, du = (local_unit, remote_unit) if write else (remote_unit, local_unit)
                 ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors, src_unit=su,
                                  dst_unit=du, size=size, local=side)
-        te._busy.acquire(link)
-        try:
-            te.run_ops(link, ops, write=write, kind=kind, nbytes=nbytes)
-        except LLMException:
-            if write:
-                te._notices.push_done(link, remote_id, remote_blocks, dst_tensors, failed=True)
-            raise
-        finally:
-            link.transfer_lock.release()
+        with te._busy.turn(link):
+            try:
+                te.run_ops(link, ops, write=write, kind=kind, nbytes=nbytes)
+            except LLMException:
+                if write:
+                    te._notices.push_done(link, remote_id, remote_blocks, dst_tensors, failed=True)
+                raise
         if write:
             te._notices.push_done(link, remote_id, remote_blocks, dst_tensors, failed=False)
         else:
@@ -537,11 +535,8 @@ class Bridge:
                         and plan.regions is rec.regions and plan.cv == tables.cache_table_version
                         and plan.rv == tables.regions_version):
                     ops, nbytes = plan.ops(src_blocks, dst_blocks)
-                    te._busy.acquire(link)
-                    try:
+                    with te._busy.turn(link):
                         te.run_ops(link, ops, write=False, kind="pull_blocks", nbytes=nbytes)
-                    finally:
-                        link.transfer_lock.release()
                     te._notices.queue(link, (_READ, int(cache_id), tuple(src_blocks)))
                     return _DONE
             self._move(core, write=False, blocks=True, local_id=dst_id, remote_cluster=cluster_id,

@@ -1,8 +1,9 @@
 """A link's transfers: which async tasks hold which link, which links are being unlinked, and the
 blocking transfers' turn on a link.
 
-A link carries one blocking transfer at a time (its ``transfer_lock``) and none while a layer-wise
-async task holds it.  Which async tasks hold which link, and which links are being unlinked, is
+A link carries one blocking transfer at a time (its ``transfer_lock``: the transfer's *turn*, taken
+and given back in one place, ``with busy.turn(link):``) and none while a layer-wise async task holds
+it.  Which async tasks hold which link, and which links are being unlinked, is
 this engine's table (:class:`BusyTable`, under its lock), so that "busy" is decided in one place: an
 async task claims all its links at once or none, and once an unlink has quiesced a link no transfer
 starts on it.
@@ -14,12 +15,13 @@ Lock: ``BusyTable._lock`` is a leaf, held only while the table changes (taking a
 from __future__ import annotations
 
 import threading
-from typing import Any
+from types import TracebackType
+from typing import Any, Optional
 
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.port import ControlPort
 
-__all__ = ["BusyTable"]
+__all__ = ["BusyTable", "Turn"]
 
 S = LLMStatusCode
 
@@ -67,9 +69,15 @@ class BusyTable:
         link.transfer_lock.release()
         return True
 
-    def acquire(self, link: Any) -> None:
-        """Take ``link``'s transfer lock for one blocking transfer (by sync_kv_timeout), or raise the
-        contract's status: busy with an async task, unlinking, down, or relinked meanwhile."""
+    def turn(self, link: Any) -> "Turn":
+        """``with busy.turn(link):`` runs its body as ``link``'s one blocking transfer: entering takes
+        the link's transfer lock (by sync_kv_timeout) or raises the contract's status (busy with an
+        async task, unlinking, down, or relinked meanwhile); leaving, however the body ends, gives it
+        back."""
+        return Turn(self, link)
+
+    def _take(self, link: Any) -> None:
+        """Take ``link``'s transfer lock for one blocking transfer, or raise (see :meth:`turn`)."""
         if self._async_busy.get(id(link)):
             raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
                        S.LLM_LINK_BUSY)
@@ -93,3 +101,20 @@ class BusyTable:
         """The link is down: it is no longer being unlinked."""
         with self._lock:
             self._closing.discard(id(link))
+
+
+class Turn:
+    """A blocking transfer's turn on one link (:meth:`BusyTable.turn`), a context manager."""
+
+    __slots__ = ("_busy", "_link")
+
+    def __init__(self, busy: BusyTable, link: Any) -> None:
+        self._busy = busy
+        self._link = link
+
+    def __enter__(self) -> None:
+        self._busy._take(self._link)
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self._link.transfer_lock.release()
