@@ -76,27 +76,6 @@ class BusyTable:
         back."""
         return Turn(self, link)
 
-    def _take(self, link: Any) -> None:
-        """Take ``link``'s transfer lock for one blocking transfer, or raise (see :meth:`turn`)."""
-        if self._async_busy.get(id(link)):
-            raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
-                       S.LLM_LINK_BUSY)
-        if not link.transfer_lock.acquire(timeout=self.timeout_s):
-            raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {self.timeout_s:.3f} s",
-                       S.LLM_LINK_BUSY)
-        if id(link) in self._closing and link.linked:
-            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
-            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
-        if not link.linked:
-            link.transfer_lock.release()
-            if self._lm.get(link.peer_cluster_id) in (link, None):
-                # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
-                self._lm.require(link.peer_cluster_id)
-            # relinked while this call waited: it was planned on the link that went (and it never
-            # returns without holding that link's lock)
-            raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
-                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
-
     def forget(self, link: Any) -> None:
         """The link is down: it is no longer being unlinked."""
         with self._lock:
@@ -113,7 +92,26 @@ class Turn:
         self._link = link
 
     def __enter__(self) -> None:
-        self._busy._take(self._link)
+        """Take the link's transfer lock for one blocking transfer, or raise (see :meth:`BusyTable.turn`)."""
+        busy, link = self._busy, self._link
+        if busy._async_busy.get(id(link)):
+            raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
+                       S.LLM_LINK_BUSY)
+        if not link.transfer_lock.acquire(timeout=busy.timeout_s):
+            raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {busy.timeout_s:.3f} s",
+                       S.LLM_LINK_BUSY)
+        if id(link) in busy._closing and link.linked:
+            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
+            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
+        if not link.linked:
+            link.transfer_lock.release()
+            if busy._lm.get(link.peer_cluster_id) in (link, None):
+                # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
+                busy._lm.require(link.peer_cluster_id)
+            # relinked while this call waited: it was planned on the link that went (and it never
+            # returns without holding that link's lock)
+            raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
+                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
 
     def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:

@@ -180,8 +180,8 @@ _STAGES = (
     ("plan lookup and layouts (PreparedPlans.lookup, local_layout, remote_layout)", "transfers.prepared", "lookup"),
     ("plan lookup and layouts (PreparedPlans.lookup, local_layout, remote_layout)", "transfers.layouts",
      "local_layout+remote_layout"),
-    ("link lookup + turn (link_for + the busy turn)", "transfers", "link_for"),
-    ("link lookup + turn (link_for + the busy turn)", "transfers._busy", "_take"),
+    ("link lookup + turn (link_for + BusyTable.turn, its entry in rest)", "transfers", "link_for"),
+    ("link lookup + turn (link_for + BusyTable.turn, its entry in rest)", "transfers._busy", "turn"),
     ("task lifecycle (tasks.create + every fire)", "tasks", "create"),
     ("owner notices (queue for the flusher)", "transfers._notices", "queue"),
 )
