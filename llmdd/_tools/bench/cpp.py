@@ -35,7 +35,8 @@ SALT = 0x5EED0000
 BLOCK = 64 * KiB
 BLOCK_INTS = BLOCK // 4
 PROMPT, DECODER = 1, 2
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the repository (this file is llmdd/_tools/bench/cpp.py)
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _binary() -> Optional[str]:
