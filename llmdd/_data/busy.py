@@ -77,7 +77,7 @@ class BusyTable:
         return Turn(self, link)
 
     def forget(self, link: Any) -> None:
-        """The link is down: it is no longer being unlinked."""
+        """The link is down, or its unlink kept it: it is no longer being unlinked."""
         with self._lock:
             self._closing.discard(id(link))
 

@@ -300,8 +300,9 @@ class Run:
     def transport(self, t: str) -> None:
         """Every workload on transport ``t``.
 
-        Every cache is registered before the link: a cache registered after it is not announced to
-        the peer (see docs/benchmarks.md, "bugs found"), so the workloads share one buffer per side
+        Every cache is registered before the link: a cache registered after it reaches the peer
+        later, in a table update on the control channel (see ``_until_known`` in worker.py), so no
+        timing waits for one.  The workloads share one buffer per side
         with a buffer per cache (the engine refuses overlapping registrations): the 64 KiB layout,
         the 16 KiB layout and one contiguous tensor."""
         s = self.s
