@@ -34,131 +34,30 @@ Memory is plain numpy host memory (``Placement.HOST``); a check that fails raise
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import pickle
 import multiprocessing
 import threading
 import time
-from typing import Any, Callable, ContextManager, Iterator, Union
+from typing import Any, Callable, Union
 
 import attrs
 import numpy as np
 
-from llmdd._seam.abc import MAX_PAYLOAD_BYTES, EndpointDescriptor, RegionDescriptor, Completion, MemRegion
+from llmdd._seam.abc import MAX_PAYLOAD_BYTES, EndpointDescriptor, RegionDescriptor
 
 from llmdd._seam.errors import PeerGone, Refused, TransportTimeout
 
 from llmdd._seam.ops import OP_DTYPE, make_ops
 from llmdd._base.enums import Placement
 from llmdd._base.status import TransportError
+from llmdd.testing._conformance_kit import (_SENTINEL, _TIMEOUT, MakePair, MakeTransport, Stall, _disjoint_ops,
+                                            _expect_copied, _learn, _ok, _pair, _refused, _run, _Side, _submit)
+from llmdd.testing._conformance_prepared import check_prepared
 
 __all__ = ["check_transport", "run_check", "CONFORMANCE_CHECKS", "MakePair", "Stall", "MakeTransport"]
 
-MakePair = Callable[[], "tuple[Any, Any]"]
-Stall = Callable[[Any], ContextManager[None]]
-MakeTransport = Callable[[], Any]
-
-_SENTINEL = 0xA5
-_TIMEOUT = 20.0
-
-
-class _Side:
-    """One endpoint with a few numpy-backed regions."""
-
-    def __init__(self, ep: Any, seed: int) -> None:
-        self.ep = ep
-        self.rng = np.random.default_rng(seed)
-        self.bufs: dict[int, np.ndarray] = {}
-        self.descs: dict[int, RegionDescriptor] = {}
-
-    def region(self, rid: int, size: int, *, remote: bool = True, fill: Union[str, int] = "random") -> np.ndarray:
-        buf = np.empty(size, dtype=np.uint8)
-        if fill == "random":
-            buf[:] = self.rng.integers(0, 256, size, dtype=np.uint8)
-        else:
-            buf[:] = fill
-        self.bufs[rid] = buf
-        self.descs[rid] = self.ep.register(MemRegion(region_id=rid, addr=buf.ctypes.data, size=size,
-                                                     remote_accessible=remote, placement=int(Placement.HOST)))
-        return buf
-
-
-@contextlib.contextmanager
-def _pair(make_pair: MakePair, *, connect: bool = True) -> Iterator[tuple[_Side, _Side, Any]]:
-    a, b = make_pair()
-    sa, sb = _Side(a, 1), _Side(b, 2)
-    ch = None
-    try:
-        if connect:
-            ch = a.connect(b.describe(), timeout=_TIMEOUT)
-        yield sa, sb, ch
-    finally:
-        if ch is not None:
-            ch.close()
-        a.close()
-        b.close()
-
-
-def _learn(ch: Any, side: _Side, rid: int, size: Union[int, None] = None) -> None:
-    ch.add_remote_region(rid, len(side.bufs[rid]) if size is None else size, side.descs[rid])
-
-
-def _submit(fn: Callable[..., Completion], ops: np.ndarray, deadline: float) -> Completion:
-    """Submit a batch.  The seam's one refusal path: read()/write() never raise a TransportError, every
-    failure (a refusal, a closed channel, a past deadline) is the returned completion's error."""
-    try:
-        c = fn(ops, deadline=deadline)
-    except TransportError as exc:
-        raise AssertionError(f"{getattr(fn, '__name__', 'submit')}() raised {exc!r}: the seam reports every "
-                             "refusal and failure through the returned completion") from None
-    assert isinstance(c, Completion), f"{getattr(fn, '__name__', 'submit')}() returned {c!r}, not a Completion"
-    return c
-
-
-def _run(fn: Callable[..., Completion], ops: np.ndarray, timeout: float = 5.0) -> Union[TransportError, None]:
-    """Submit, wait, return the completion's error."""
-    c = _submit(fn, ops, time.monotonic() + timeout)
-    assert c.wait(timeout + 5.0), "completion did not finish after its deadline"
-    assert c.done()
-    return c.error
-
-
-def _ok(fn: Callable[..., Completion], ops: np.ndarray, timeout: float = _TIMEOUT) -> None:
-    err = _run(fn, ops, timeout)
-    assert err is None, f"batch failed: {err!r}"
-
-
-def _disjoint_ops(rng: np.random.Generator, n: int, block: int, lr: int, rr: int, lsize: int,
-                  rsize: int, *, vary: bool = False) -> np.ndarray:
-    """``n`` ops of up to ``block`` bytes at distinct block slots on both sides (random tables)."""
-    lslots = rng.permutation(lsize // block)[:n]
-    rslots = rng.permutation(rsize // block)[:n]
-    lengths = rng.integers(1, block + 1, n) if vary else np.full(n, block)
-    return make_ops(lr, lslots * block, rr, rslots * block, lengths)
-
-
-def _expect_copied(ops: np.ndarray, dst: dict, src: dict, *, read: bool) -> None:
-    for op in ops:  # checks are not the hot path
-        lr, lo, rr, ro, ln = (int(op[n]) for n in OP_DTYPE.names)
-        d, s = (dst[lr][lo:lo + ln], src[rr][ro:ro + ln]) if read else (dst[rr][ro:ro + ln], src[lr][lo:lo + ln])
-        assert np.array_equal(d, s), f"op {op} moved wrong bytes"
-
-
 # --------------------------------------------------------------------------- checks
-
-
-def _refused(fn: Callable[[], Any], what: str) -> None:
-    try:
-        got = fn()
-    except Refused:
-        return
-    except TransportError as exc:
-        raise AssertionError(f"{what}: expected Refused, got {exc!r}") from None
-    close = getattr(got, "close", None)
-    if close is not None:
-        close()
-    raise AssertionError(f"{what} was accepted")
 
 
 def check_describe_and_connect(make_pair: MakePair) -> None:
@@ -613,104 +512,6 @@ def check_two_processes(make_pair: MakePair, transport: MakeTransport) -> None:
             proc.kill()
         proc.join(_TIMEOUT)
         mine.close()
-
-
-def _prepared_or_none(ch: Any, pairs: list, bs: int, su: int, du: int, push: bool) -> Any:
-    try:
-        got = ch.prepare(pairs, bs, su, du, push, timeout_s=_TIMEOUT)
-    except TransportError as exc:
-        raise AssertionError(f"prepare() raised {exc!r}: a shape it cannot take is None") from None
-    assert got is None or callable(got), f"prepare() returned {got!r}: a PreparedTransfer or None"
-    return got
-
-
-def _block_ops(pairs: list, bs: int, src_blocks: list, dst_blocks: list, push: bool) -> np.ndarray:
-    """The batch path's ops of a prepared call: per tensor pair, block ``src[j]`` to block ``dst[j]``."""
-    rows = []
-    for lr, rr in pairs:
-        for s, d in zip(src_blocks, dst_blocks):
-            lo, ro = (s, d) if push else (d, s)
-            rows.append((lr, lo * bs, rr, ro * bs, bs))
-    arr = np.array(rows, dtype=np.int64)
-    return make_ops(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], arr[:, 4])
-
-
-def check_prepared(make_pair: MakePair) -> None:
-    """The prepared path (``Channel.prepare``), for a transport that offers it: a prepared pull and push
-    move byte for byte what the batch path moves for the same blocks, and a prepared transfer whose
-    tables went stale declines (a negative result, nothing moved): after the remote region table
-    changed (a region removed, then announced again) and after a local region was deregistered, while
-    a transfer prepared anew on the tables of now moves again.  A transport without a prepared path
-    returns None for the shape and has nothing more to check here (the engine takes the batch path)."""
-    bs, nb, n = 4096, 32, 6
-    with _pair(make_pair) as (a, b, ch):
-        rng = np.random.default_rng(37)
-        for rid in (1, 2, 3, 4):                 # 1, 2: the prepared path's; 3, 4: the batch path's
-            a.region(rid, bs * nb, fill=0)
-        for rid in (10, 11, 12, 13, 14, 15):     # 10, 11: read; 12, 13 / 14, 15: written by each path
-            b.region(rid, bs * nb, fill="random" if rid < 12 else 0)
-            _learn(ch, b, rid)
-        pull = _prepared_or_none(ch, [(1, 10), (2, 11)], bs, nb, nb, False)
-        push = _prepared_or_none(ch, [(1, 12), (2, 13)], bs, nb, nb, True)
-        if pull is None and push is None:
-            return
-        src = [int(x) for x in rng.integers(0, nb, n)]
-        dst = [int(x) for x in rng.permutation(nb)[:n]]   # distinct destinations: one outcome per block
-        if pull is not None:
-            moved = pull(src, dst)
-            assert moved == 2 * n * bs, f"a fresh prepared pull of {n} blocks x 2 tensors moved {moved}"
-            _ok(ch.read, _block_ops([(3, 10), (4, 11)], bs, src, dst, False))
-            assert np.array_equal(a.bufs[1], a.bufs[3]) and np.array_equal(a.bufs[2], a.bufs[4]), \
-                "the prepared pull and the batch path landed different bytes"
-            assert a.bufs[1].any(), "the prepared pull moved nothing"
-        if push is not None:
-            for rid in (1, 2):
-                a.bufs[rid][:] = a.rng.integers(0, 256, bs * nb, dtype=np.uint8)
-                a.bufs[rid + 2][:] = a.bufs[rid]
-            moved = push(src, dst)
-            assert moved == 2 * n * bs, f"a fresh prepared push of {n} blocks x 2 tensors moved {moved}"
-            _ok(ch.write, _block_ops([(3, 14), (4, 15)], bs, src, dst, True))
-            assert np.array_equal(b.bufs[12], b.bufs[14]) and np.array_equal(b.bufs[13], b.bufs[15]), \
-                "the prepared push and the batch path landed different bytes"
-            assert b.bufs[12].any(), "the prepared push moved nothing"
-
-        def declines(fn: Any, what: str, dst_side: dict, rids: tuple) -> None:
-            before = {rid: dst_side[rid].copy() for rid in rids}
-            got = fn(src, dst)
-            assert got < 0, f"a prepared transfer {what} still moved {got} bytes: it must decline"
-            for rid in rids:
-                assert np.array_equal(dst_side[rid], before[rid]), f"a declined transfer {what} landed bytes"
-
-        # the remote table changed: a region removed, then announced again (a newer table)
-        for rid in (10, 11):
-            b.bufs[rid][:] = b.rng.integers(0, 256, bs * nb, dtype=np.uint8)
-        if pull is not None:
-            ch.remove_remote_region(11)
-            declines(pull, "after its remote region was removed", a.bufs, (1, 2))
-            _learn(ch, b, 11)
-            declines(pull, "after the remote table changed", a.bufs, (1, 2))
-            again = _prepared_or_none(ch, [(1, 10), (2, 11)], bs, nb, nb, False)
-            assert again is not None and again(src, dst) == 2 * n * bs, "a pull prepared anew did not move"
-            for j, (s, d) in enumerate(zip(src, dst)):
-                if d not in dst[j + 1:]:
-                    assert np.array_equal(a.bufs[2][d * bs:(d + 1) * bs], b.bufs[11][s * bs:(s + 1) * bs])
-        if push is not None:
-            ch.remove_remote_region(13)
-            declines(push, "after its remote region was removed", b.bufs, (12, 13))
-            _learn(ch, b, 13)
-            declines(push, "after the remote table changed", b.bufs, (12, 13))
-        # a local region deregistered (a fresh transfer of the same shape is the control)
-        fresh_pull = _prepared_or_none(ch, [(1, 10), (2, 11)], bs, nb, nb, False) if pull is not None else None
-        fresh_push = _prepared_or_none(ch, [(1, 12), (2, 13)], bs, nb, nb, True) if push is not None else None
-        a.ep.deregister(2)
-        a.bufs[2][:] = _SENTINEL
-        if fresh_pull is not None:
-            declines(fresh_pull, "after its local region was deregistered", a.bufs, (1, 2))
-            assert (a.bufs[2] == _SENTINEL).all(), "bytes landed in a deregistered local region"
-        if fresh_push is not None:
-            declines(fresh_push, "after its local region was deregistered", b.bufs, (12, 13))
-        assert _prepared_or_none(ch, [(1, 10), (2, 11)], bs, nb, nb, False) is None, \
-            "prepare() accepted a local region that is no longer registered"
 
 
 CONFORMANCE_CHECKS: list[Callable[..., None]] = [
