@@ -29,7 +29,7 @@ from llmdd._seam.completions import DoneCompletion
 from llmdd._seam.ops import as_ops
 from llmdd.lowlevel import SharedSegment
 from llmdd._memory.backend import HostBackend
-from llmdd.testing import _conformance
+from llmdd.testing import _conformance, _conformance_kit
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
 from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _hotpath, _seg, region_fields
@@ -163,6 +163,7 @@ def user_pair(request):
 def pool_pair(monkeypatch, user_pair):
     pool = _PoolNumpy()
     monkeypatch.setattr(_conformance, "np", pool)
+    monkeypatch.setattr(_conformance_kit, "np", pool)   # the pairs' regions (_Side.region)
 
     def make():
         a, b = user_pair()
