@@ -1,4 +1,5 @@
-"""Data classes of the llm_datadist v2 contract (spec §8).
+"""Data classes of the llm_datadist v2 contract (docs/concepts.md; upstream's: hicann/hixl
+``docs/zh/api/python/``).
 
 These keep upstream's shape: plain, mutable Python classes with validating
 constructors, read-only properties and (where the contract lists them)

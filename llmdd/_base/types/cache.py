@@ -1,4 +1,4 @@
-"""The cache descriptions of the llm_datadist v2 contract (spec §8): ``CacheDesc``, ``Cache``,
+"""The cache descriptions of the llm_datadist v2 contract (docs/concepts.md): ``CacheDesc``, ``Cache``,
 ``KvCache`` and ``MemInfo``.
 
 ``CacheDesc``, ``Cache`` and ``KvCache`` keep identity equality and hashing (they have setters or

@@ -1,4 +1,4 @@
-"""The cache keys of the llm_datadist v2 contract (spec §8): ``CacheKey``, ``CacheKeyByIdAndIndex``,
+"""The cache keys of the llm_datadist v2 contract (docs/concepts.md): ``CacheKey``, ``CacheKeyByIdAndIndex``,
 ``BlocksCacheKey``, and the id checks around them.
 
 The keys have no setters, so they compare and hash **by value** (clients use keys as dict keys).

@@ -1,4 +1,4 @@
-"""The layer-wise transfer API of the llm_datadist v2 contract (spec §8): ``LayerSynchronizer``,
+"""The layer-wise transfer API of the llm_datadist v2 contract (docs/concepts.md): ``LayerSynchronizer``,
 ``TransferConfig``, ``TransferWithCacheKeyConfig`` and ``CacheTask``, the handle of
 ``transfer_cache_async``.
 
