@@ -102,8 +102,8 @@ def main() -> int:
     ep.register(MemRegion(region_id=1, addr=local.ctypes.data, size=nbytes, remote_accessible=False, placement=0))
     ch = ep.connect(desc, timeout=10)
     ch.add_remote_region(5, nbytes, rdesc)
-    pull = ch.quick_plan([(1, 5)], BB, nb, nb, False, timeout_s=10.0)
-    push = ch.quick_plan([(1, 5)], BB, nb, nb, True, timeout_s=10.0)
+    pull = ch.prepare([(1, 5)], BB, nb, nb, False, timeout_s=10.0)
+    push = ch.prepare([(1, 5)], BB, nb, nb, True, timeout_s=10.0)
     if pull is None or push is None:
         raise SystemExit("no quick plan")
     s = socket.create_connection(("127.0.0.1", rr_port))

@@ -19,7 +19,7 @@ from llmdd._base.enums import Memtype, Placement
 from llmdd._api.cache_manager_remote import RemoteOperations
 from llmdd._base.log import get_logger
 from llmdd._base.profiles import PROFILES, ChipProfile, check_registration
-from llmdd._memory.copy import Bounds, as_index_array, block_copy_ops, execute, slot_copy_ops
+from llmdd._memory.copy import Bounds, as_index_array, block_copy_ops, copy_block_lists, copy_slot, execute
 from llmdd._memory.manager import CacheRecord, MemoryManager
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from llmdd._base.types import BlocksCacheKey, Cache, CacheDesc, CacheKey, MemInfo, cache_key_index, check_cache_key
@@ -267,20 +267,7 @@ class CacheManager(RemoteOperations):
             check_uint64("req_id", req_id)  # kept for diagnostics only, as upstream
         s, d = self._record(src), self._record(dst)
         raise_if_true(s.is_blocks or d.is_blocks, "param check failed, copy_cache needs non-blocks caches.")
-        raise_if_false(s.desc.num_tensors == d.desc.num_tensors,
-                       "src num_tensors:{0} and dst num_tensors:{1} must be equal",
-                       s.desc.num_tensors, d.desc.num_tensors)
-        raise_if_false(src_batch_index < s.rows, "src_batch_index:{0} must be in [0, {1})", src_batch_index, s.rows)
-        raise_if_false(dst_batch_index < d.rows, "dst_batch_index:{0} must be in [0, {1})", dst_batch_index, d.rows)
-        raise_if_false(offset < s.stride, "offset:{0} must be less than the src batch stride {1}", offset, s.stride)
-        length = s.stride - offset if size == -1 else size
-        raise_if_false(offset + length <= s.stride,
-                       "offset + size ({0}) exceeds the src batch stride {1}", offset + length, s.stride)
-        raise_if_false(offset + length <= d.stride,
-                       "offset + size ({0}) exceeds the dst batch stride {1}", offset + length, d.stride)
-        ops = slot_copy_ops(s.addrs, d.addrs, src_batch_index * s.stride + offset,
-                            dst_batch_index * d.stride + offset, length)
-        execute(ops, src_bounds=s.bounds(), dst_bounds=d.bounds())
+        copy_slot(s, d, src_batch_index, dst_batch_index, offset, size)
 
     def copy_blocks(self, cache: Cache, copy_block_info: Dict[int, List[int]]) -> None:
         """Inside one blocks cache, copy block ``src`` to every block of ``copy_block_info[src]``."""
@@ -293,13 +280,8 @@ class CacheManager(RemoteOperations):
         raise_if_false(rec.is_blocks, "param check failed, cache should be blocks cache.")
         src = [b for b, dsts in copy_block_info.items() for _ in dsts]
         dst = [b for dsts in copy_block_info.values() for b in dsts]
-        src_idx = as_index_array(src, "src block", rec.rows)
-        dst_idx = as_index_array(dst, "dst block", rec.rows)
-        if not len(src_idx):
-            return
-        ops = block_copy_ops(rec.addrs, rec.addrs, rec.stride, src_idx, dst_idx)
-        bounds = rec.bounds()
-        execute(ops, src_bounds=bounds, dst_bounds=bounds)
+        if src:
+            copy_block_lists(rec, rec, src, [dst], dst_label="dst block")
 
     def _swap_side(self, cache: Cache) -> tuple[tuple, int, Bounds]:
         """(addrs, tensor_size, bounds) of one side of ``swap_blocks``: the table's, or a trusted cpu cache's."""

@@ -194,8 +194,8 @@ class RemoteOperations:
                 if ((src_range is None or type(src_range) is range) and (dst_range is None or type(dst_range) is range)
                         and type(tnpl) is int and 0 < tnpl <= _U32_MAX
                         and kwargs.keys() <= _PULL_KWARG_SET):
-                    engine.pull_blocks_quick(src_cache_key, dst_cache, src_blocks, dst_blocks, src_range, dst_range,
-                                             tnpl)
+                    engine.pull(src_cache_key, dst_cache, kind="pull_blocks", src_blocks=src_blocks,
+                                dst_blocks=dst_blocks, src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
                     return
         self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)[1]()
 
@@ -280,8 +280,9 @@ class RemoteOperations:
             # the small-transfer path: arguments that pass every check below as they are
             engine = _quick_engine(self, dst_cache_key, src_cache)
             if engine is not None and _plain_blocks(src_blocks, dst_blocks):
-                engine.push_blocks_quick(dst_cache_key, src_cache, src_blocks, dst_blocks, src_layer_range,
-                                         dst_layer_range, tensor_num_per_layer)
+                engine.push(dst_cache_key, src_cache, kind="push_blocks", src_blocks=src_blocks, dst_blocks=dst_blocks,
+                            src_layer_range=src_layer_range, dst_layer_range=dst_layer_range,
+                            tnpl=tensor_num_per_layer)
                 return
         engine = _transfers(self)
         raise_if_false(self._enable_remote_cache_accessible,

@@ -28,7 +28,7 @@ from llmdd._api.v1.options import V1Settings, prepare_v1_options
 from llmdd._base.validation import check_int32, check_isinstance, check_uint32, check_uint64
 from llmdd.plugin import EngineConfig
 
-__all__ = ["LLMDataDist"]
+__all__ = ["LLMDataDist", "engine_core"]
 
 _log = get_logger("llmdd.datadist")
 
@@ -344,3 +344,9 @@ def _shutdown_handler() -> None:
 
 
 atexit.register(_shutdown_handler)
+
+
+def engine_core(dd: LLMDataDist) -> Optional[EngineCore]:
+    """The parts of ``dd``'s engine while it is initialized, else None: for the facade's siblings in
+    this package that stand on the engine (:mod:`llmdd._api.bridge_api`), never for callers."""
+    return dd._core if dd._initialized() else None

@@ -1,8 +1,9 @@
 """A link's transfers: which async tasks hold which link, which links are being unlinked, and the
 blocking transfers' turn on a link.
 
-A link carries one blocking transfer at a time (its ``transfer_lock``) and none while a layer-wise
-async task holds it.  Which async tasks hold which link, and which links are being unlinked, is
+A link carries one blocking transfer at a time (its ``transfer_lock``: the transfer's *turn*, taken
+and given back in one place, ``with busy.turn(link):``) and none while a layer-wise async task holds
+it.  Which async tasks hold which link, and which links are being unlinked, is
 this engine's table (:class:`BusyTable`, under its lock), so that "busy" is decided in one place: an
 async task claims all its links at once or none, and once an unlink has quiesced a link no transfer
 starts on it.
@@ -14,12 +15,13 @@ Lock: ``BusyTable._lock`` is a leaf, held only while the table changes (taking a
 from __future__ import annotations
 
 import threading
-from typing import Any
+from types import TracebackType
+from typing import Any, Optional
 
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.port import ControlPort
 
-__all__ = ["BusyTable"]
+__all__ = ["BusyTable", "Turn"]
 
 S = LLMStatusCode
 
@@ -67,29 +69,50 @@ class BusyTable:
         link.transfer_lock.release()
         return True
 
-    def acquire(self, link: Any) -> None:
-        """Take ``link``'s transfer lock for one blocking transfer (by sync_kv_timeout), or raise the
-        contract's status: busy with an async task, unlinking, down, or relinked meanwhile."""
-        if self._async_busy.get(id(link)):
-            raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
-                       S.LLM_LINK_BUSY)
-        if not link.transfer_lock.acquire(timeout=self.timeout_s):
-            raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {self.timeout_s:.3f} s",
-                       S.LLM_LINK_BUSY)
-        if id(link) in self._closing and link.linked:
-            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
-            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
-        if not link.linked:
-            link.transfer_lock.release()
-            if self._lm.get(link.peer_cluster_id) in (link, None):
-                # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
-                self._lm.require(link.peer_cluster_id)
-            # relinked while this call waited: it was planned on the link that went (and it never
-            # returns without holding that link's lock)
-            raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
-                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
+    def turn(self, link: Any) -> "Turn":
+        """``with busy.turn(link):`` runs its body as ``link``'s one blocking transfer: entering takes
+        the link's transfer lock (by sync_kv_timeout) or raises the contract's status (busy with an
+        async task, unlinking, down, or relinked meanwhile); leaving, however the body ends, gives it
+        back."""
+        return Turn(self, link)
 
     def forget(self, link: Any) -> None:
         """The link is down, or its unlink kept it: it is no longer being unlinked."""
         with self._lock:
             self._closing.discard(id(link))
+
+
+class Turn:
+    """A blocking transfer's turn on one link (:meth:`BusyTable.turn`), a context manager."""
+
+    __slots__ = ("_busy", "_link")
+
+    def __init__(self, busy: BusyTable, link: Any) -> None:
+        self._busy = busy
+        self._link = link
+
+    def __enter__(self) -> None:
+        """Take the link's transfer lock for one blocking transfer, or raise (see :meth:`BusyTable.turn`)."""
+        busy, link = self._busy, self._link
+        if busy._async_busy.get(id(link)):
+            raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
+                       S.LLM_LINK_BUSY)
+        if not link.transfer_lock.acquire(timeout=busy.timeout_s):
+            raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {busy.timeout_s:.3f} s",
+                       S.LLM_LINK_BUSY)
+        if id(link) in busy._closing and link.linked:
+            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
+            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
+        if not link.linked:
+            link.transfer_lock.release()
+            if busy._lm.get(link.peer_cluster_id) in (link, None):
+                # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
+                busy._lm.require(link.peer_cluster_id)
+            # relinked while this call waited: it was planned on the link that went (and it never
+            # returns without holding that link's lock)
+            raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
+                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self._link.transfer_lock.release()

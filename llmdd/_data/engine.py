@@ -14,7 +14,7 @@ for layer-wise transfers).
 parts, each a module of one concept built here with its typed dependencies: the cache layouts
 and placement rules (:mod:`~llmdd._data.layouts`), which links its transfers hold
 (:mod:`~llmdd._data.busy`), the batched notices to owners (:mod:`~llmdd._data.notices`), the
-small-transfer path (:mod:`~llmdd._data.quick`, which sees the engine as a ``BlockingTransfers``),
+plans of small block transfers that ``pull`` / ``push`` try first (:mod:`~llmdd._data.prepared`),
 this engine as the owner of its caches (:mod:`~llmdd._data.owner`) and the async tasks
 (:mod:`~llmdd._data.tasks`).
 """
@@ -42,7 +42,7 @@ from llmdd._data.busy import BusyTable
 from llmdd._data.layouts import Layouts
 from llmdd._data.notices import READ, OwnerNotices, block_spans
 from llmdd._data.owner import OwnerSide
-from llmdd._data.quick import SmallTransfers
+from llmdd._data.prepared import PREPARED_MAX_BLOCKS, PreparedPlan, PreparedPlans
 from llmdd._data.tasks import AsyncPull, AsyncTransfer, TransferTimedOut
 from llmdd._base.types import BlocksCacheKey, CacheKey, cache_key_index
 
@@ -60,6 +60,8 @@ S = LLMStatusCode
 Tag = tuple
 #: workers running non-blocking pulls (per engine), and how many may be waiting or running at once
 ASYNC_PULL_WORKERS = 4
+#: the task triggers of a blocking transfer that succeeded (run_ops: start, transfer_succeeded)
+_TASK_DONE = ("start", "transfer_succeeded")
 MAX_ASYNC_PULLS = 4096
 
 
@@ -95,8 +97,7 @@ class TransferEngine:
         self.layouts = Layouts(port=port, memory=memory, options=options, timeout_s=self.timeout_s)
         self._busy = BusyTable(port=port, timeout_s=self.timeout_s)
         self._notices = OwnerNotices(port=port, timeout_s=self.timeout_s)
-        self.small = SmallTransfers(transfers=self, port=port, memory=memory, tasks=tasks, hooks=hooks,
-                                    layouts=self.layouts, busy=self._busy, notices=self._notices)
+        self.prepared = PreparedPlans(port=port, memory=memory, layouts=self.layouts, timeout_s=self.timeout_s)
         self._async: set = set()
         self._pulls_lock = threading.Lock()   # the non-blocking pulls' accounting (a leaf)
         self._closed = False
@@ -233,22 +234,75 @@ class TransferEngine:
         if completion.error is not None:
             raise completion.error
 
-    # ------------------------------------------------------------------ the small-transfer path (SmallTransfers)
-    def pull_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
-                          dst_layer_range: Any, tnpl: int) -> None:
-        """:meth:`pull` of kind ``pull_blocks`` for a ``BlocksCacheKey`` without a tag (:class:`SmallTransfers`)."""
-        self.small.pull_blocks_quick(key, cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tnpl)
+    # ------------------------------------------------------------------ prepared transfers (PreparedPlans)
+    def _run_prepared(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                      kind: str) -> bool:
+        """The planned shape's bytes in one call of the channel's prepared transfer (the seam's
+        ``Channel.prepare``), in the link's turn as :meth:`run_ops`; True when done.  A transfer the
+        channel started and that failed raises the contract's error, as the ops path would (its task
+        made and ended then).
 
-    def push_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
-                          dst_layer_range: Any, tnpl: int) -> None:
-        """:meth:`push` of kind ``push_blocks`` for a ``BlocksCacheKey`` without a tag (:class:`SmallTransfers`)."""
-        self.small.push_blocks_quick(key, cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tnpl)
+        Taken only while nobody listens to task events and no hook wraps transfers (the task's
+        create / start / succeeded are then counted at once, as ``run_ops`` leaves them).  False,
+        with nothing counted, when there is no prepared transfer or it did not do the transfer (a
+        table changed since it was made, a block the planner decides, the owner holding its lock):
+        the caller then runs the plan's ops, which do the transfer or report the error as they would."""
+        prepared = plan.prepared   # another thread may replace it (below)
+        if prepared is None or not self._hooks.runs_transfers_directly() or not self._tasks.quiet():
+            return False
+        link, rec = plan.link, plan.rec
+        with self._busy.turn(link):
+            try:
+                moved = prepared(src_blocks, dst_blocks)
+            except TransportError as exc:
+                # started and failed: the task, the errors and the owner's notice of the ops path
+                task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
+                task.fire("start", bytes=len(dst_blocks) * plan.per_block)
+                err = self.local_outcome(rec, self.ops_failed(link, exc, kind, task), kind)
+                if plan.push:
+                    self._notices.push_done(link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=True)
+                raise err from None
+            if moved >= 0:
+                self._tasks.count_quiet(_TASK_DONE)
+                if plan.push:
+                    self._lm.record_transfer(link, written=moved)
+                else:
+                    self._lm.record_transfer(link, read=moved)
+                    if not rec.live:   # unregistered while the bytes moved: the caller's cache is gone
+                        raise self.local_outcome(rec, None, kind)
+        if moved < 0:
+            self.prepared.prepare(plan)   # on the tables of now (None: not this shape); no lock held
+            return False
+        return True
+
+    def _pull_planned(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                      kind: str) -> None:
+        """A small pull by its plan: the prepared transfer, else the plan's ops; then the owner's notice."""
+        if not self._run_prepared(plan, src_blocks, dst_blocks, kind):
+            ops, nbytes = plan.ops(src_blocks, dst_blocks)
+            self._read(plan.link, plan.rec, ops, kind, nbytes=nbytes)
+        self._notices.queue(plan.link, (READ, plan.cache_id, tuple(src_blocks)))
+
+    def _push_planned(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+                      kind: str) -> None:
+        """A small push by its plan: the prepared transfer, else the plan's ops; then the owner's notice."""
+        if self._run_prepared(plan, src_blocks, dst_blocks, kind):
+            self._notices.push_done(plan.link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
+        else:
+            ops, nbytes = plan.ops(src_blocks, dst_blocks)
+            self._write(plan.link, plan.rec, ops, kind, plan.cache_id, dst_blocks, plan.dst_tensors, nbytes=nbytes)
 
     # ------------------------------------------------------------------ pulls
     def pull(self, key: Any, cache: Any, *, kind: str, batch_index: int = 0, size: int = -1,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
              tnpl: int = 2, tag: Optional[Tag] = None) -> None:
+        if (tag is None and src_blocks and dst_blocks and len(dst_blocks) <= PREPARED_MAX_BLOCKS
+                and kind == "pull_blocks" and type(key) is BlocksCacheKey):
+            plan = self.prepared.lookup(False, key, cache, src_layer_range, dst_layer_range, tnpl)
+            if plan is not None:
+                self._pull_planned(plan, src_blocks, dst_blocks, kind)
+                return
         rec, dst = self.local_layout(cache.cache_id)
         link = self.link_for(key.cluster_id)
         reserved = None
@@ -295,32 +349,13 @@ class TransferEngine:
                     ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
                                                     src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
                 spans = block_spans(src_blocks) if src_blocks else ()   # inside the owner's cache: planned
-                self._busy.acquire(link)
             except LLMException as exc:
-                # the owner's cache is known but nothing was read (a refused plan, a busy or lost
-                # link): a tagged pull still ends with one failure event for its tag (best effort)
+                # the owner's cache is known but nothing was read (a refused plan): a tagged pull still
+                # ends with one failure event for its tag (best effort)
                 if tag is not None:
                     self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
                 raise
-            try:
-                try:
-                    self.run_ops(link, ops, write=False, kind=kind)
-                except LLMException as exc:
-                    err = self.local_outcome(rec, exc, kind)
-                    if tag is not None:
-                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
-                    raise err from None
-                if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
-                    err = self.local_outcome(rec, None, kind)
-                    if tag is not None:
-                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
-                    raise err
-                if tag is not None:
-                    # sent while this link's transfers are serialised, so tags reach the owner in the
-                    # order their transfers completed; acknowledged before the call returns
-                    self._tag_notice(link, "read_done", cache_id, spans, tag, None)
-            finally:
-                link.transfer_lock.release()
+            self._read(link, rec, ops, kind, tag=tag, cache_id=cache_id, spans=spans)
             pulled = True
         finally:
             if reserved is not None:
@@ -342,11 +377,46 @@ class TransferEngine:
         if pulled and tag is None:   # a tagged pull's notice was delivered (acknowledged) above
             self._notices.queue(link, (READ, cache_id, tuple(src_blocks) if src_blocks else None))
 
+    def _read(self, link: Any, rec: Any, ops: np.ndarray, kind: str, *, nbytes: Optional[int] = None,
+              tag: Optional[Tag] = None, cache_id: int = 0, spans: tuple = ()) -> None:
+        """A pull's ops in the link's turn; its local cache gone meanwhile: ``LLM_KV_CACHE_NOT_EXIST``.
+        A tagged pull's one notice (success or failure, with ``cache_id`` and ``spans``) goes to the
+        owner in the turn, so tags reach it in the order their transfers completed; acknowledged
+        before this returns (a failure's best effort)."""
+        turned = False
+        try:
+            with self._busy.turn(link):
+                turned = True
+                try:
+                    self.run_ops(link, ops, write=False, kind=kind, nbytes=nbytes)
+                except LLMException as exc:
+                    err = self.local_outcome(rec, exc, kind)
+                    if tag is not None:
+                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
+                    raise err from None
+                if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
+                    err = self.local_outcome(rec, None, kind)
+                    if tag is not None:
+                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
+                    raise err
+                if tag is not None:
+                    self._tag_notice(link, "read_done", cache_id, spans, tag, None)
+        except LLMException as exc:
+            if not turned and tag is not None:   # no turn (a busy or lost link): nothing was read
+                self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
+            raise
+
     # ------------------------------------------------------------------ pushes
     def push(self, key: Any, cache: Any, *, kind: str, src_batch_index: int = 0,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
              tnpl: int = 2, tag: Optional[Tag] = None) -> None:
+        if (tag is None and src_blocks and dst_blocks and len(dst_blocks) <= PREPARED_MAX_BLOCKS
+                and kind == "push_blocks" and type(key) is BlocksCacheKey):
+            plan = self.prepared.lookup(True, key, cache, src_layer_range, dst_layer_range, tnpl)
+            if plan is not None:
+                self._push_planned(plan, src_blocks, dst_blocks, kind)
+                return
         rec, src = self.local_layout(cache.cache_id)
         link = self.link_for(key.cluster_id)
         cache_id, dst_unit = self.layouts.resolve_remote(link, key)
@@ -365,29 +435,97 @@ class TransferEngine:
                 ops = plan_blocks(src=src, dst=dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
                                   src_tensors=src_tensors, dst_tensors=dst_tensors, local="src")
             spans = block_spans(dst_blocks) if dst_blocks else ()   # inside the owner's cache: planned
-            self._busy.acquire(link)
         except LLMException as exc:
-            # the owner's cache is known but nothing was written (a refused plan, a busy or lost
-            # link): a tagged push still ends with one failure event for its tag (best effort)
+            # the owner's cache is known but nothing was written (a refused plan): a tagged push still
+            # ends with one failure event for its tag (best effort)
             if tag is not None:
                 self._tag_notice(link, "push_done", cache_id, spans, tag, exc, tensors=dst_tensors)
             raise
+        self._write(link, rec, ops, kind, cache_id, dst_blocks, dst_tensors, tag=tag, spans=spans)
+
+    def _write(self, link: Any, rec: Any, ops: np.ndarray, kind: str, cache_id: int,
+               dst_blocks: Optional[Sequence[int]], dst_tensors: range, *, nbytes: Optional[int] = None,
+               tag: Optional[Tag] = None, spans: tuple = ()) -> None:
+        """A push's ops in the link's turn, then the owner's notice: an untagged push's batched
+        push-done (failed or not), a tagged push's one acknowledged notice sent in the turn (see
+        :meth:`_read`)."""
+        turned = False
         try:
-            try:
-                self.run_ops(link, ops, write=True, kind=kind)
-            except LLMException as exc:
-                err = self.local_outcome(rec, exc, kind)
+            with self._busy.turn(link):
+                turned = True
+                try:
+                    self.run_ops(link, ops, write=True, kind=kind, nbytes=nbytes)
+                except LLMException as exc:
+                    err = self.local_outcome(rec, exc, kind)
+                    if tag is not None:
+                        self._tag_notice(link, "push_done", cache_id, spans, tag, err, tensors=dst_tensors)
+                    else:
+                        self._notices.push_done(link, cache_id, dst_blocks, dst_tensors, failed=True)
+                    raise err from None
                 if tag is not None:
-                    self._tag_notice(link, "push_done", cache_id, spans, tag, err, tensors=dst_tensors)
-                else:
-                    self._notices.push_done(link, cache_id, dst_blocks, dst_tensors, failed=True)
-                raise err from None
-            if tag is not None:
-                self._tag_notice(link, "push_done", cache_id, spans, tag, None, tensors=dst_tensors)
-        finally:
-            link.transfer_lock.release()
+                    self._tag_notice(link, "push_done", cache_id, spans, tag, None, tensors=dst_tensors)
+        except LLMException as exc:
+            if not turned and tag is not None:   # no turn (a busy or lost link): nothing was written
+                self._tag_notice(link, "push_done", cache_id, spans, tag, exc, tensors=dst_tensors)
+            raise
         if tag is None:
             self._notices.push_done(link, cache_id, dst_blocks, dst_tensors, failed=False)
+
+    # ------------------------------------------------------------------ transfers by cache id (the C++ API)
+    def move(self, *, write: bool, blocks: bool, local_id: int, cluster_id: int, remote_id: int,
+             local_unit: int = 0, remote_unit: int = 0, size: int = -1,
+             local_blocks: Optional[Sequence[int]] = None, remote_blocks: Optional[Sequence[int]] = None,
+             src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
+             tnpl: int = 2) -> None:
+        """A pull (``write`` False) or push between local cache ``local_id`` and the peer's cache
+        ``remote_id``, named by id as the C++ API names caches, planned as the call asks (``blocks``:
+        a block transfer, else a batch-slot one) over the geometry of both caches' tables (upstream's
+        "mix" caches, :meth:`CacheLayout.as_kind`).  A small block transfer takes its plan
+        (:meth:`PreparedPlans.lookup_by_id`) as :meth:`pull` / :meth:`push` do; the rest the same
+        steps, checks, errors and owner notices."""
+        kind = ("push_blocks" if write else "pull_blocks") if blocks else ("push_cache" if write else "pull_cache")
+        sb, db = (local_blocks, remote_blocks) if write else (remote_blocks, local_blocks)
+        if blocks and sb and db and len(db) <= PREPARED_MAX_BLOCKS:
+            plan = self.prepared.lookup_by_id(write, cluster_id, local_id, remote_id, src_layer_range,
+                                              dst_layer_range, tnpl)
+            if plan is not None:
+                (self._push_planned if write else self._pull_planned)(plan, sb, db, kind)
+                return
+        rec, local = self.local_layout(local_id)
+        link = self.link_for(cluster_id)
+        remote = self._fresh_remote_layout(link, remote_id)
+        self.layouts.check_placements(link, remote_cache_id=remote_id, local_rec=rec,
+                                      local_is="src" if write else "dst", kind=kind,
+                                      remote_is_blocks=True if blocks else remote.is_blocks)
+        local, remote = local.as_kind(blocks), remote.as_kind(blocks)
+        src, dst = (local, remote) if write else (remote, local)
+        src_tensors = tensor_range(src_layer_range, src.num_tensors, tnpl)
+        dst_tensors = tensor_range(dst_layer_range, dst.num_tensors, tnpl)
+        side = "src" if write else "dst"
+        if blocks:
+            ops = plan_blocks(src=src, dst=dst, src_blocks=sb, dst_blocks=db, src_tensors=src_tensors,
+                              dst_tensors=dst_tensors, local=side)
+        else:
+            su, du = (local_unit, remote_unit) if write else (remote_unit, local_unit)
+            ops = plan_cache(src=src, dst=dst, src_tensors=src_tensors, dst_tensors=dst_tensors, src_unit=su,
+                             dst_unit=du, size=size, local=side)
+        if write:
+            self._write(link, rec, ops, kind, remote_id, remote_blocks, dst_tensors)
+        else:
+            self._read(link, rec, ops, kind)
+            self._notices.queue(link, (READ, int(remote_id), tuple(remote_blocks) if remote_blocks else None))
+
+    def _fresh_remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
+        """The peer's cache ``cache_id`` from its announced tables.  A cache the peer made after the
+        link reaches this side in an update that may still be on its way: on a miss, one round trip
+        with the peer (its answer follows every update it sent before) and a second look."""
+        try:
+            return self.remote_layout(link, cache_id)
+        except LLMException as exc:
+            if exc.status_code is not S.LLM_KV_CACHE_NOT_EXIST:
+                raise
+        self._lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + self.timeout_s)
+        return self.remote_layout(link, cache_id)
 
     @staticmethod
     def local_outcome(rec: Any, exc: Optional[LLMException], kind: str) -> LLMException:
@@ -484,7 +622,7 @@ class TransferEngine:
     def on_link_down(self, link: Any) -> None:
         """The link failed or closed (llmdd._data.port.DataService): forget what its peer reserved,
         queued or was refused; its async tasks end."""
-        self.small.forget(link)
+        self.prepared.forget(link)
         for task in list(self._async):
             task.link_down(link)
         self._busy.forget(link)

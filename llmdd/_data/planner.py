@@ -100,6 +100,12 @@ class CacheLayout:
     is_blocks: bool
     _regions: np.ndarray = attrs.field(init=False, eq=False, repr=False, hash=False)
 
+    def as_kind(self, blocks: bool) -> "CacheLayout":
+        """This layout planned as a blocks (``blocks`` True) or non-blocks cache: the same geometry
+        (units are blocks or batch slots alike), the other kind when it differs (the C++ API's caches
+        are of upstream's "mix" kind, usable by cache and by block transfers)."""
+        return self if self.is_blocks == blocks else attrs.evolve(self, is_blocks=blocks)
+
     def __attrs_post_init__(self) -> None:
         cid = _int(self.cache_id, "cache_id")
         size = _int(self.tensor_size, "tensor_size")

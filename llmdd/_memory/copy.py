@@ -17,10 +17,13 @@ sequence (a merged run whose destination starts inside its own source, i.e.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._base.status import LLMException, LLMStatusCode
+
+if TYPE_CHECKING:
+    from llmdd._memory.manager import CacheRecord
 
 __all__ = [
     "COPY_OP_DTYPE",
@@ -32,6 +35,8 @@ __all__ = [
     "check_copy_ops",
     "execute",
     "as_index_array",
+    "copy_slot",
+    "copy_block_lists",
 ]
 
 COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
@@ -188,4 +193,51 @@ def execute(ops: np.ndarray, *, src_bounds: Bounds, dst_bounds: Bounds) -> int:
     for s, d, n in zip(runs["src"].tolist(), runs["dst"].tolist(), runs["length"].tolist()):
         _memmove(d, s, n)
         total += n
+    return total
+
+
+def copy_slot(s: "CacheRecord", d: "CacheRecord", src_batch_index: int, dst_batch_index: int, offset: int,
+              size: int) -> int:
+    """Copy ``size`` bytes (``-1``: the rest of the slot) at ``offset`` of batch slot ``src_batch_index``
+    of ``s`` to the same offset of slot ``dst_batch_index`` of ``d``, every tensor: the checks of the
+    contract's ``copy_cache`` on the two records' geometry (``LLM_PARAM_INVALID``), then the bytes.
+    Returns the bytes copied."""
+    if s.desc.num_tensors != d.desc.num_tensors:
+        raise _invalid(f"src num_tensors:{s.desc.num_tensors} and dst num_tensors:{d.desc.num_tensors} must be equal")
+    if src_batch_index >= s.rows:
+        raise _invalid(f"src_batch_index:{src_batch_index} must be in [0, {s.rows})")
+    if dst_batch_index >= d.rows:
+        raise _invalid(f"dst_batch_index:{dst_batch_index} must be in [0, {d.rows})")
+    if offset >= s.stride:
+        raise _invalid(f"offset:{offset} must be less than the src batch stride {s.stride}")
+    length = s.stride - offset if size == -1 else size
+    if offset + length > s.stride:
+        raise _invalid(f"offset + size ({offset + length}) exceeds the src batch stride {s.stride}")
+    if offset + length > d.stride:
+        raise _invalid(f"offset + size ({offset + length}) exceeds the dst batch stride {d.stride}")
+    ops = slot_copy_ops(s.addrs, d.addrs, src_batch_index * s.stride + offset, dst_batch_index * d.stride + offset,
+                        length)
+    return execute(ops, src_bounds=s.bounds(), dst_bounds=d.bounds())
+
+
+def copy_block_lists(s: "CacheRecord", d: "CacheRecord", src_blocks: Sequence[int],
+                     dst_lists: Sequence[Sequence[int]], *, dst_label: str = "dst_blocks_list[{i}] block") -> int:
+    """Copy block ``src_blocks[j]`` of ``s`` to block ``dst[j]`` of ``d`` for every list ``dst`` of
+    ``dst_lists``, every tensor: both records' geometry checked and every list checked before the
+    first byte moves (``LLM_PARAM_INVALID``; ``dst_label``, formatted with the list's index ``i``,
+    names a list's blocks in the message).  Returns the bytes copied."""
+    if s.desc.num_tensors != d.desc.num_tensors:
+        raise _invalid(f"src num_tensors:{s.desc.num_tensors} and dst num_tensors:{d.desc.num_tensors} must be equal")
+    if s.stride != d.stride:
+        raise _invalid(f"block sizes differ: src {s.stride} bytes, dst {d.stride} bytes")
+    src_idx = as_index_array(src_blocks, "src block", s.rows)
+    plans = []
+    for i, dst_blocks in enumerate(dst_lists):
+        if len(dst_blocks) != len(src_blocks):
+            raise _invalid(f"dst_blocks_list[{i}] has {len(dst_blocks)} blocks, src_blocks {len(src_blocks)}")
+        plans.append(block_copy_ops(s.addrs, d.addrs, s.stride, src_idx,
+                                    as_index_array(dst_blocks, dst_label.format(i=i), d.rows)))
+    total = 0
+    for ops in plans:
+        total += execute(ops, src_bounds=s.bounds(), dst_bounds=d.bounds())
     return total

@@ -354,6 +354,11 @@ class MemoryManager:
     def get(self, cache_id: int) -> Optional[CacheRecord]:
         return self._records.get(cache_id)
 
+    def next_cache_id(self) -> int:
+        """The id the next cache made here will get, unless another one is made first (a caller that
+        keys a cache by its own id checks the id it got and makes it again otherwise)."""
+        return self._next_id
+
     def live(self, cache_id: int) -> CacheRecord:
         """The live record of ``cache_id``; ``LLM_KV_CACHE_NOT_EXIST`` when unknown or released."""
         rec = self._records.get(cache_id)

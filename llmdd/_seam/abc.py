@@ -18,6 +18,10 @@ A transport moves bytes between *registered regions*, one-sided, the way RDMA do
   (local -> remote, a push). ``ops`` is always a numpy array of :data:`OP_DTYPE`; no
   per-op Python object crosses the seam.
 * Each batch returns a ``Completion`` (``done``, ``wait``, ``error``, ``cancel``).
+* Optionally, ``Channel.prepare()`` gives a *prepared transfer*: one call that moves a few blocks of
+  a shape the engine planned once (which local and remote region each tensor pair uses, the block
+  size, the two caches' block counts, the direction).  The engine's pull and push try it first and
+  take the batch path above whenever it declines (the default: no prepared path).
 
 The contract of a batch, stated once (the :class:`Channel` and :class:`Completion` docstrings and
 docs/writing-a-transport.md refer here):
@@ -42,7 +46,7 @@ Deadlines are absolute ``time.monotonic()`` values. Errors are typed, subclasses
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence, Union
 
 import attrs
 
@@ -64,6 +68,7 @@ __all__ = [
     "Endpoint",
     "Channel",
     "Completion",
+    "PreparedTransfer",
     "CAPABILITY_BYTES",
 ]
 
@@ -202,6 +207,16 @@ class Completion(abc.ABC):
 
 # --------------------------------------------------------------------------- the seam
 
+#: What :meth:`Channel.prepare` returns: ``f(src_blocks, dst_blocks) -> int`` moves those blocks (lists of
+#: ints, equally long; ``src_blocks`` of the source cache: the remote one for a pull, the local one for a
+#: push) of the prepared shape in one call and returns the bytes moved; or a negative number when it did
+#: not do the transfer (declined: the engine then moves the same blocks on the batch path, which does the
+#: transfer or reports the error as the contract says; a transfer declined because its tables went stale
+#: moves nothing); or it raises the ``TransportError`` of a transfer it started and that failed, by the
+#: ``timeout_s`` it was prepared with after the call at the latest, with nothing landing after it raised
+#: (as a batch's error).
+PreparedTransfer = Callable[[Sequence[int], Sequence[int]], int]
+
 
 class Channel(abc.ABC):
     """A connection from a local endpoint to one peer endpoint."""
@@ -231,6 +246,27 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def statistics(self) -> dict:
         """Counters: bytes/ops read and written, batches, failures, last error."""
+
+    # -------------------------------------------------------------- the prepared path (optional)
+    def prepare(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
+                push: bool, *, timeout_s: float) -> Optional[PreparedTransfer]:
+        """A :data:`PreparedTransfer` for one shape of small block transfers, or ``None``: no prepared
+        path for it (the default: a transport without one, a fault-injecting wrapper; or a shape the
+        transport cannot take), and the engine moves every such call with :meth:`read` / :meth:`write`.
+
+        The shape: ``pairs`` are the (local region id, remote region id) of each tensor pair, in the
+        planner's order; ``block_bytes`` the bytes of one block of one tensor; block ``b`` of a pair
+        lies at offset ``b * block_bytes`` of both regions; the source cache has ``src_units`` blocks,
+        the destination ``dst_units``; ``push`` True writes local -> remote (the local side is the
+        source), False reads remote -> local.  Each call of the result has ``timeout_s`` to finish.
+
+        The result is resolved against the tables of now and must decline (return a negative number,
+        nothing moved) once a region it names was deregistered or removed, the channel or endpoint
+        closed, or a block lies outside its cache: the engine keeps it while its own view of both
+        sides' tables is unchanged and calls :meth:`prepare` again when it declined.  It is called
+        under the link's transfer turn (one blocking transfer per link at a time), never concurrently
+        for one link; docs/writing-a-transport.md, "A prepared path"."""
+        return None
 
 
 class Endpoint(abc.ABC):

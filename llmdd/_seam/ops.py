@@ -181,7 +181,7 @@ def split_ops(ops: np.ndarray, parts: int) -> list[np.ndarray]:
 
 def block_runs(src_blocks: Any, dst_blocks: Any, src_units: int, dst_units: int, max_blocks: int) -> Optional[list]:
     """A small transfer's block pairs as runs ``[src start, dst start, count]`` of blocks consecutive on
-    both sides, in the caller's order (as the engine's ``QuickPlan.ops`` merges them), in plain Python
+    both sides, in the caller's order (as the engine's ``PreparedPlan.ops`` merges them), in plain Python
     (a channel's one-call path); None when a one-call path does not take them: not 1 to ``max_blocks``
     pairs, a block that is not an exact int in range (no ``bool``, no numpy int), or a destination
     block twice (the ops path decides which pair wins)."""

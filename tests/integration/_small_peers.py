@@ -45,7 +45,7 @@ def outcome(state: dict, method: str, *args: Any, **kwargs: Any) -> str:
 
 def plans(state: dict) -> int:
     """How many small-transfer plans the engine keeps."""
-    return len(state["dd"].cache_manager._transfers.small._plans)
+    return len(state["dd"].cache_manager._transfers.prepared._plans)
 
 
 def shm_channel(state: dict, remote: int) -> dict:

@@ -1,7 +1,7 @@
 """The small-transfer path over tcp (issue 21) through the public API, between two engine processes.
 
 A blocking ``pull_blocks`` / ``push_blocks`` with a ``BlocksCacheKey``, no tag and a few int blocks takes
-the tcp channel's one-call path (``TcpChannel.quick_plan``): its ``quick_batches`` counter grows by one per
+the tcp channel's one-call path (``TcpChannel.prepare``): its ``quick_batches`` counter grows by one per
 call and the bytes land (seeded random, compared on the other side); the same call with a tag takes the
 full path (the control: the counter stays); a failure of a transfer the one-call path started gives the
 contract's status code.

@@ -2,7 +2,7 @@
 
 Two llmdd engines linked over the ucx transport: a small blocking ``pull_blocks`` / ``push_blocks``
 (a ``BlocksCacheKey``, no tag, a few int blocks) is one call of the ucx channel's one-call path
-(``UcxChannel.quick_plan``): its ``quick_batches`` counter grows by one per call and the bytes land
+(``UcxChannel.prepare``): its ``quick_batches`` counter grows by one per call and the bytes land
 (compared on the other side); the same call with a tag takes the ops path (the control).  A failure
 of a request the one-call path posted gets the contract's status: the owner killed is
 ``LLM_LINK_FAILED``, as on the ops path.

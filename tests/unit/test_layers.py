@@ -179,6 +179,53 @@ def test_the_plugin_checker_tells_private_from_public(tmp_path, monkeypatch, lin
     assert any("_zz_probe.py" in f for f in found) is expected
 
 
+#: the C++ library's Python half (cpp/python): public llmdd modules, and the one internal API it stands on
+BRIDGE_API = "llmdd._api.bridge_api"
+
+
+def _bridge_sources() -> list[pathlib.Path]:
+    return sorted((ROOT / "cpp" / "python").glob("*.py"))
+
+
+def _bridge_reaches(paths: list[pathlib.Path]) -> list[str]:
+    """Private llmdd imports other than :data:`BRIDGE_API`, and reads of another object's private
+    attribute (``x._name`` where ``x`` is not ``self`` or ``cls``), in ``paths``."""
+    out = []
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                if (name == "llmdd" or name.startswith("llmdd.")) and name not in PUBLIC and name != BRIDGE_API:
+                    out.append(f"{path.name}:{node.lineno}: imports {name}")
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                out.append(f"{path.name}:{node.lineno}: reads {ast.unparse(node)}")
+    return out
+
+
+def test_the_cpp_bridge_stands_on_public_llmdd_and_its_internal_api_only():
+    """cpp/python/llmdd_cpp_bridge.py imports public llmdd modules and llmdd._api.bridge_api, and reads
+    no private attribute of an llmdd object (issue 37: no second facade on private internals)."""
+    assert _bridge_sources(), "cpp/python has no Python source"
+    assert _bridge_reaches(_bridge_sources()) == []
+
+
+@pytest.mark.parametrize("line,expected", [("from llmdd._data.planner import plan_blocks", "imports"),
+                                           ("core = dd._core", "reads"),
+                                           ("from llmdd._api.bridge_api import EngineApi\nx = self._lock", None)])
+def test_the_bridge_checker_sees_private_reaches(tmp_path, line, expected):
+    """Control for the bridge rule: a private import or a private attribute of another object is reported."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(line + "\n")
+    found = _bridge_reaches([probe])
+    assert (found[0].split(": ")[1].split(" ")[0] if found else None) == expected, found
+
+
 def _own_hook_markers() -> list[str]:
     """Plugin sources that build their own pluggy markers instead of using llmdd.plugin.hookimpl."""
     out = []

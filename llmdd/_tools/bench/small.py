@@ -171,16 +171,17 @@ def cmd_shm_data_path(self) -> dict:
 
 #: the engine's stages timed by :func:`cmd_small_profile` (inclusive wall time per call):
 #: (stage, object path from the worker's transfer engine ("transfers", or one of its parts:
-#: "transfers.small"), attributes)
+#: "transfers.prepared"), attributes)
 _STAGES = (
     ("transport (TransferEngine._move: channel read/write + wait)", "transfers", "_move"),
-    ("one-call transport (the channel's quick plan: checks, lock, copy, unlock in C)", "plans", "fast"),
-    ("planning (plan_blocks, QuickPlan.ops)", "_planner_mod", "plan_blocks+ops"),
-    ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers.small", "_quick_plan"),
-    ("plan lookup and layouts (_quick_plan, local_layout, remote_layout)", "transfers.layouts",
+    ("prepared transfer (the channel's Channel.prepare result: checks, lock, copy, unlock in C)", "plans",
+     "prepared"),
+    ("planning (plan_blocks, PreparedPlan.ops)", "_planner_mod", "plan_blocks+ops"),
+    ("plan lookup and layouts (PreparedPlans.lookup, local_layout, remote_layout)", "transfers.prepared", "lookup"),
+    ("plan lookup and layouts (PreparedPlans.lookup, local_layout, remote_layout)", "transfers.layouts",
      "local_layout+remote_layout"),
-    ("link lookup + lock (link_for + acquire)", "transfers", "link_for"),
-    ("link lookup + lock (link_for + acquire)", "transfers._busy", "acquire"),
+    ("link lookup + turn (link_for + BusyTable.turn, its entry in rest)", "transfers", "link_for"),
+    ("link lookup + turn (link_for + BusyTable.turn, its entry in rest)", "transfers._busy", "turn"),
     ("task lifecycle (tasks.create + every fire)", "tasks", "create"),
     ("owner notices (queue for the flusher)", "transfers._notices", "queue"),
 )
@@ -203,7 +204,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
     import types
 
     import llmdd
-    from llmdd._data import engine as _transfer, planner as _planner, quick as _quick
+    from llmdd._data import engine as _transfer, planner as _planner, prepared as _prepared
 
     cm = self.dd.cache_manager
     cache = self.caches[model_id]
@@ -241,7 +242,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
         acc.setdefault(stage, [])
         for attr in attrs.split("+"):
             if where == "_planner_mod":
-                for mod in (_planner, _transfer, _quick, _quick.QuickPlan):
+                for mod in (_planner, _transfer, _prepared, _prepared.PreparedPlan):
                     if attr in vars(mod):
                         restore.append(wrap(mod, attr, stage))
             elif where == "hooks":
@@ -249,10 +250,10 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
             elif where == "tasks":
                 restore.append(wrap(core.tasks, attr, stage))
             elif where == "plans":   # the kept plans' one-call paths (made by the warm-up calls)
-                for plan in list(engine.small._plans.values()):
+                for plan in list(engine.prepared._plans.values()):
                     if getattr(plan, attr, None) is not None:
                         restore.append(wrap(plan, attr, stage))
-            else:   # "transfers" or one of its parts ("transfers.small")
+            else:   # "transfers" or one of its parts ("transfers.prepared")
                 target = engine
                 for part in where.split(".")[1:]:
                     target = getattr(target, part)
@@ -293,7 +294,7 @@ def cmd_small_profile(self, op: str, remote: int, model_id: int, remote_model_id
         for obj, attr, orig in reversed(restore):
             if isinstance(obj, type):
                 setattr(obj, attr, orig)
-            elif obj is _planner or obj is _transfer or obj is _quick or isinstance(obj, _quick.QuickPlan):
+            elif obj is _planner or obj is _transfer or obj is _prepared or isinstance(obj, _prepared.PreparedPlan):
                 setattr(obj, attr, orig)
             else:
                 obj.__dict__.pop(attr, None)

@@ -9,8 +9,8 @@ Three data paths: the pure-Python one (``llmdd.shm.native=off``), the C hot path
 ``test_native.py::test_native_extension_is_built_when_expected`` turns into a failure in CI), and
 *quick*: the C path whose channels take every batch the engine's small-transfer path would hand the
 one-call path (at most 16 equal-length ops between one local and one remote region, at offsets that
-are multiples of that length) through ``quick_plan`` first, and the ops path when it declines, as
-``llmdd._data.engine.TransferEngine._run_fast`` does.
+are multiples of that length) through ``prepare`` first, and the ops path when it declines, as
+``llmdd._data.engine.TransferEngine._run_prepared`` does.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from llmdd._seam.completions import DoneCompletion
 from llmdd._seam.ops import as_ops
 from llmdd.lowlevel import SharedSegment
 from llmdd._memory.backend import HostBackend
-from llmdd.testing import _conformance
+from llmdd.testing import _conformance, _conformance_kit
 from llmdd.testing import CONFORMANCE_CHECKS, run_check
 import llmdd_shm
 from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _hotpath, _seg, region_fields
@@ -107,7 +107,8 @@ class _QuickChannel:
                 or (lo % length).any() or (ro % length).any()):
             return None
         big = 1 << 62   # the block counts are the engine's check; the C side still bounds every region
-        plan = self._ch.quick_plan([(int(lr[0]), int(rr[0]))], length, big, big, write)
+        plan = self._ch.prepare([(int(lr[0]), int(rr[0]))], length, big, big, write,
+                                timeout_s=deadline - time.monotonic())
         if plan is None:
             return None
         lb, rb = (lo // length).tolist(), (ro // length).tolist()
@@ -162,6 +163,7 @@ def user_pair(request):
 def pool_pair(monkeypatch, user_pair):
     pool = _PoolNumpy()
     monkeypatch.setattr(_conformance, "np", pool)
+    monkeypatch.setattr(_conformance_kit, "np", pool)   # the pairs' regions (_Side.region)
 
     def make():
         a, b = user_pair()

@@ -1,4 +1,4 @@
-"""The one-call path of planned small transfers (``ShmChannel.quick_plan`` / ``_shmfast.quick``, issue 21).
+"""The one-call path of planned small transfers (``ShmChannel.prepare`` / ``_shmfast.quick``, issue 21).
 
 * it moves the planned blocks of every tensor pair byte for byte, reads and writes, user (CMA) and
   pool (mapped) memory, and counts them in the channel's and the endpoint's statistics;
@@ -101,7 +101,7 @@ def test_quick_moves_every_pairs_blocks_both_ways(sides, pool):
     dst = rng.choice(nb, 8, replace=False).tolist()
     # read: remote src blocks -> local dst blocks
     before = {r: a.bufs[r].copy() for r in (1, 2)}
-    pull = ch.quick_plan(pairs, bs, nb, nb, False)
+    pull = ch.prepare(pairs, bs, nb, nb, False)
     assert pull is not None
     for lr, rr in pairs:   # the control: the bytes differ before the call
         assert not np.array_equal(_blocks(a.bufs[lr], bs, dst), _blocks(b.bufs[rr], bs, src))
@@ -113,7 +113,7 @@ def test_quick_moves_every_pairs_blocks_both_ways(sides, pool):
     # write: local src blocks -> remote dst blocks (fresh random source)
     for r in (1, 2):
         a.bufs[r][:] = a.rng.integers(0, 256, bs * nb, dtype=np.uint8)
-    push = ch.quick_plan(pairs, bs, nb, nb, True)
+    push = ch.prepare(pairs, bs, nb, nb, True)
     src2 = rng.choice(nb, 5, replace=False).tolist()
     dst2 = rng.choice(nb, 5, replace=False).tolist()
     assert push(tuple(src2), tuple(dst2)) == 2 * 5 * bs
@@ -140,8 +140,8 @@ def test_quick_declines_without_landing_a_byte(sides):
     def unchanged() -> bool:
         return np.array_equal(a.bufs[1], local0) and all(np.array_equal(b.bufs[r], remote0[r]) for r in (10, 11))
 
-    pull = ch.quick_plan([(1, 10)], bs, nb, nb, False)
-    push = ch.quick_plan([(1, 11)], bs, nb, nb, True)
+    pull = ch.prepare([(1, 10)], bs, nb, nb, False)
+    push = ch.prepare([(1, 11)], bs, nb, nb, True)
     # arguments it leaves to the planner
     for f in (pull, push):
         for s, d in (([nb], [0]), ([0], [nb]), ([0, 1], [2, 2]), ([True], [0]), ([0], [1.0]), ([-1], [0]),
@@ -150,7 +150,7 @@ def test_quick_declines_without_landing_a_byte(sides):
         with pytest.raises(TypeError):
             f([0])
     # a block whose offset wraps 64 bits (2**52 * 4 KiB == 2**64) under a plan that allows any block id
-    wide = ch.quick_plan([(1, 10)], bs, 1 << 62, 1 << 62, False)
+    wide = ch.prepare([(1, 10)], bs, 1 << 62, 1 << 62, False)
     assert wide([1 << 52], [0]) == FALLBACK and wide([0], [1 << 52]) == FALLBACK
     assert wide([2], [3]) == bs   # the control: an ordinary block under the same plan lands
     assert np.array_equal(a.bufs[1][3 * bs:4 * bs], b.bufs[10][2 * bs:3 * bs])
@@ -180,21 +180,21 @@ def test_quick_declines_without_landing_a_byte(sides):
     # a table changed since the plan: a remote region learnt, a local region registered
     ch.add_remote_region(10, bs * nb, b.descs[10])
     assert pull([0], [1]) == FALLBACK and push([0], [1]) == FALLBACK
-    fresh = ch.quick_plan([(1, 10)], bs, nb, nb, False)
+    fresh = ch.prepare([(1, 10)], bs, nb, nb, False)
     assert fresh([0], [1]) == bs   # the plan on the new tables works
     local0 = a.bufs[1].copy()
     a.region(2, bs)
     assert fresh([0], [1]) == FALLBACK
     assert unchanged()
     # the peer endpoint closes: the C side reads its header
-    again = ch.quick_plan([(1, 10)], bs, nb, nb, False)
+    again = ch.prepare([(1, 10)], bs, nb, nb, False)
     b.ep.close()
     assert again([0], [1]) == CLOSED
     assert unchanged()
     # the channel closes: every plan is stale
     ch.close()
     assert again([0], [1]) == FALLBACK
-    assert ch.quick_plan([(1, 10)], bs, nb, nb, False) is None
+    assert ch.prepare([(1, 10)], bs, nb, nb, False) is None
     assert unchanged()
 
 
@@ -205,15 +205,15 @@ def test_local_deregister_and_endpoint_close_invalidate_plans(sides):
     b.region(10, bs * nb)
     ch = a.ep.connect(b.ep.describe(), timeout=5)
     ch.add_remote_region(10, bs * nb, b.descs[10])
-    pull = ch.quick_plan([(1, 10)], bs, nb, nb, False)
+    pull = ch.prepare([(1, 10)], bs, nb, nb, False)
     assert pull([1], [1]) == bs
     keep = a.bufs[1].copy()
     a.ep.deregister(1)
     assert pull([2], [2]) == FALLBACK
     assert np.array_equal(a.bufs[1], keep)
-    assert ch.quick_plan([(1, 10)], bs, nb, nb, False) is None   # no such local region now
+    assert ch.prepare([(1, 10)], bs, nb, nb, False) is None   # no such local region now
     a.region(1, bs * nb)
-    pull = ch.quick_plan([(1, 10)], bs, nb, nb, False)
+    pull = ch.prepare([(1, 10)], bs, nb, nb, False)
     keep = a.bufs[1].copy()
     a.ep.close()
     assert pull([2], [2]) == FALLBACK
@@ -230,15 +230,15 @@ def test_no_plan_where_the_one_call_cannot_go(sides):
     ch = a.ep.connect(b.ep.describe(), timeout=5)
     for rid in (10, 12):
         ch.add_remote_region(rid, bs * nb, b.descs[rid])
-    assert ch.quick_plan([(1, 10)], bs, nb, nb, False) is not None   # the control
-    assert ch.quick_plan([(1, 99)], bs, nb, nb, False) is None       # unknown remote region
-    assert ch.quick_plan([(7, 10)], bs, nb, nb, False) is None       # unknown local region
-    assert ch.quick_plan([(1, 12)], bs, nb, nb, False) is None       # not remote-accessible
-    assert ch.quick_plan([], bs, nb, nb, False) is None
-    assert ch.quick_plan([(1, 10)] * 65, bs, nb, nb, False) is None  # more pairs than one call takes
-    assert ch.quick_plan([(1, 10)], ch._ngil + 1, 1, 1, False) is None   # above the GIL-held limit
+    assert ch.prepare([(1, 10)], bs, nb, nb, False) is not None   # the control
+    assert ch.prepare([(1, 99)], bs, nb, nb, False) is None       # unknown remote region
+    assert ch.prepare([(7, 10)], bs, nb, nb, False) is None       # unknown local region
+    assert ch.prepare([(1, 12)], bs, nb, nb, False) is None       # not remote-accessible
+    assert ch.prepare([], bs, nb, nb, False) is None
+    assert ch.prepare([(1, 10)] * 65, bs, nb, nb, False) is None  # more pairs than one call takes
+    assert ch.prepare([(1, 10)], ch._ngil + 1, 1, 1, False) is None   # above the GIL-held limit
     # the 8 x 2 x 16 KiB decode step: 256 KiB, the default limit, goes in one call
-    assert ch.quick_plan([(1, 10), (1, 10)], 16 * KiB, 8, 8, False) is not None
+    assert ch.prepare([(1, 10), (1, 10)], 16 * KiB, 8, 8, False) is not None
     ch.close()
     # the pure-Python path has no one-call path
     c, d = sides(43, 44, native="off")
@@ -246,7 +246,7 @@ def test_no_plan_where_the_one_call_cannot_go(sides):
     d.region(10, bs * nb)
     ch = c.ep.connect(d.ep.describe(), timeout=5)
     ch.add_remote_region(10, bs * nb, d.descs[10])
-    assert ch.quick_plan([(1, 10)], bs, nb, nb, False) is None
+    assert ch.prepare([(1, 10)], bs, nb, nb, False) is None
     ch.close()
 
 
@@ -271,7 +271,7 @@ def test_quick_reads_another_process_and_reports_its_exit(sides):
         desc, d, data = parent.recv()
         ch = a.ep.connect(desc, timeout=5)
         ch.add_remote_region(10, 1 << 16, d)
-        pull = ch.quick_plan([(1, 10)], 4 * KiB, 16, 16, False)
+        pull = ch.prepare([(1, 10)], 4 * KiB, 16, 16, False)
         assert pull([3, 4], [0, 1]) == 8 * KiB
         peer = np.frombuffer(data, np.uint8)
         assert np.array_equal(a.bufs[1][:8 * KiB], peer[3 * 4 * KiB:5 * 4 * KiB])

@@ -1,4 +1,4 @@
-"""tcp transport: the one-call small-transfer path (``TcpChannel.quick_plan``, issue 21) and the owner's
+"""tcp transport: the one-call small-transfer path (``TcpChannel.prepare``, issue 21) and the owner's
 few-ops path, against an owner in another process (``_quick_owner``) over loopback.
 
 Bytes are seeded random and compared on the other side; declines must leave everything as it was; a
@@ -141,8 +141,8 @@ def _blocks(buf: np.ndarray) -> np.ndarray:
 
 def test_quick_pull_and_push_move_the_right_bytes_between_processes(owner, client):
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5), (2, 8)], BS, NB, NB, False, timeout_s=10)
-    push = ch.quick_plan([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)
+    pull = ch.prepare([(1, 5), (2, 8)], BS, NB, NB, False, timeout_s=10)
+    push = ch.prepare([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)
     assert pull is not None and push is not None
     base = owner.ask("stats")
     src, dst = [3, 4, 5, 10, 20], [0, 1, 2, 7, 31]   # runs (3,0,3) (10,7,1) (20,31,1): 3 rows a pair
@@ -175,7 +175,7 @@ def test_quick_pull_and_push_move_the_right_bytes_between_processes(owner, clien
 
 def test_quick_declines_do_nothing(owner, client):
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
     assert pull is not None
     before = (ch.statistics()["quick_batches"], owner.ask("stats")["requests"])
     for src, dst in (([NB], [0]), ([0], [NB]), ([-1], [0]), ([0, 1], [2, 2]), ([True], [0]), ([0], [False]),
@@ -187,26 +187,26 @@ def test_quick_declines_do_nothing(owner, client):
     # a table change after the plan: the plan declines (stale) until replanned
     ch.add_remote_region(5, SIZE, owner.descs[5])
     assert pull([1], [1]) < 0 and not local[1].any()
-    again = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    again = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
     assert again is not None and again([1], [1]) == BS
     buf = np.zeros(BS, np.uint8)
     ep.register(MemRegion(region_id=77, addr=buf.ctypes.data, size=BS, remote_accessible=False, placement=0))
     assert again([2], [2]) < 0 and not _blocks(local[1])[2].any()   # a local table change: stale too
     # no plan for what the path cannot take
-    assert ch.quick_plan([(1, 55)], BS, NB, NB, False, timeout_s=10) is None       # unknown remote region
-    assert ch.quick_plan([(1, PRIVATE)], BS, NB, NB, False, timeout_s=10) is None  # not remote-accessible
-    assert ch.quick_plan([(99, 5)], BS, NB, NB, False, timeout_s=10) is None       # unknown local region
-    assert ch.quick_plan([(77, 5)], BS, NB, NB, False, timeout_s=10) is None       # local region too small
-    assert ch.quick_plan([(1, 5)], BS, NB + 1, NB, False, timeout_s=10) is None    # remote too small
-    assert ch.quick_plan([(1, 5)], 0, NB, NB, False, timeout_s=10) is None
-    assert ch.quick_plan([(1, 5)] * 9, BS, NB, NB, False, timeout_s=10) is None
+    assert ch.prepare([(1, 55)], BS, NB, NB, False, timeout_s=10) is None       # unknown remote region
+    assert ch.prepare([(1, PRIVATE)], BS, NB, NB, False, timeout_s=10) is None  # not remote-accessible
+    assert ch.prepare([(99, 5)], BS, NB, NB, False, timeout_s=10) is None       # unknown local region
+    assert ch.prepare([(77, 5)], BS, NB, NB, False, timeout_s=10) is None       # local region too small
+    assert ch.prepare([(1, 5)], BS, NB + 1, NB, False, timeout_s=10) is None    # remote too small
+    assert ch.prepare([(1, 5)], 0, NB, NB, False, timeout_s=10) is None
+    assert ch.prepare([(1, 5)] * 9, BS, NB, NB, False, timeout_s=10) is None
     ch.close()
     assert again([3], [3]) < 0 and not _blocks(local[1])[3].any()   # a closed channel: declined
 
 
 def test_quick_pull_after_the_owner_was_killed_raises_peer_gone(owner, client):
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
     assert pull([1], [1]) == BS   # the control: it worked, and left a pooled stream
     owner.kill()
     with pytest.raises(PeerGone):
@@ -217,9 +217,9 @@ def test_quick_pull_after_the_owner_was_killed_raises_peer_gone(owner, client):
 
 def test_quick_transfers_the_owner_refuses_raise_refused_and_move_nothing(owner, client):
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
-    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=10)
-    wide = ch.quick_plan([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)   # 2 x 16 blocks: 128 KiB a call
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    push = ch.prepare([(3, 6)], BS, NB, NB, True, timeout_s=10)
+    wide = ch.prepare([(3, 6), (4, 9)], BS, NB, NB, True, timeout_s=10)   # 2 x 16 blocks: 128 KiB a call
     assert pull([4], [4]) == BS and push([4], [4]) == BS   # the control
     assert owner.ask("deregister", 5) and owner.ask("deregister", 6)
     with pytest.raises(Refused, match="region 5 is not registered"):
@@ -244,8 +244,8 @@ def test_an_answer_leaves_after_the_owner_let_go_of_the_request(owner, client):
     than one copy: the last 4 KiB leave from a copy) and of 24 scattered blocks (the numpy path), and
     writes; every byte compared."""
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5), (2, 5)], BS, NB, NB, False, timeout_s=10)
-    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=10)
+    pull = ch.prepare([(1, 5), (2, 5)], BS, NB, NB, False, timeout_s=10)
+    push = ch.prepare([(3, 6)], BS, NB, NB, True, timeout_s=10)
     want = _blocks(pattern(5, SIZE, SEED))
     rng = np.random.default_rng(SEED + 7)
     scattered = sorted(rng.choice(NB, 12, replace=False).tolist())
@@ -268,7 +268,7 @@ def test_an_answer_leaves_after_the_owner_let_go_of_the_request(owner, client):
     sink = _blocks(np.frombuffer(owner.ask("snapshot", 6), np.uint8))
     assert np.array_equal(sink[pblocks], _blocks(local[3])[pblocks]) and local[3].any()
     assert owner.ask("deregister", 5) and owner.ask("deregister", 6)   # right after the answers
-    again = ch.quick_plan([(1, 8)], BS, NB, NB, False, timeout_s=10)
+    again = ch.prepare([(1, 8)], BS, NB, NB, False, timeout_s=10)
     assert again([0, 1], [0, 1]) == 2 * BS
     assert np.array_equal(_blocks(local[1])[:2], _blocks(pattern(8, SIZE, SEED))[:2])
     st = ch.statistics()
@@ -277,8 +277,8 @@ def test_an_answer_leaves_after_the_owner_let_go_of_the_request(owner, client):
 
 def test_quick_deadline_against_an_owner_that_never_answers_raises_timeout(owner, client):
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.3)
-    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.3)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=0.3)
+    push = ch.prepare([(3, 6)], BS, NB, NB, True, timeout_s=0.3)
     with socket.socket() as silent:   # accepts, never answers: a pooled stream to it
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
@@ -322,8 +322,8 @@ def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(ow
         pytest.skip("the C client path sets no socket timeouts (its waits are ppoll()s bounded by the deadline): "
                     "test_quick_deadline_holds_against_a_stopped_owner covers its deadline")
     ep, ch, local = client
-    pull = _StoppedClock(monkeypatch, ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.5))
-    push = _StoppedClock(monkeypatch, ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.5))
+    pull = _StoppedClock(monkeypatch, ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=0.5))
+    push = _StoppedClock(monkeypatch, ch.prepare([(3, 6)], BS, NB, NB, True, timeout_s=0.5))
     want = _blocks(pattern(5, SIZE, SEED))
     assert pull([3], [4]) == BS and pull.armed_sock is not None   # armed once, remembered
     sock, epoch = pull.armed_sock, ch._arm_epoch
@@ -495,7 +495,7 @@ def test_quick_pull_in_flight_is_cancelled_by_deregistration_and_lands_nothing_a
     """The local region is pinned while a quick call waits for its answer: deregister fails the call
     (Cancelled) and returns only after it ended; bytes the peer sends afterwards land nowhere."""
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=30)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=30)
     local[1][:] = 0x5A
     box: dict = {}
     with socket.socket() as silent:
@@ -537,8 +537,8 @@ def test_each_side_takes_the_path_it_was_given(owner, client, mode):
     plans and their calls (``quick_native``), the owner's serving (``requests_native``)."""
     ep, ch, local = client
     c_client, c_owner = (side == "c" for side in mode.split("-"))
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
-    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=10)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    push = ch.prepare([(3, 6)], BS, NB, NB, True, timeout_s=10)
     assert pull.native is c_client and push.native is c_client
     assert ep.statistics()["native"] is c_client
     base = owner.ask("stats")
@@ -559,8 +559,8 @@ def test_quick_deadline_holds_against_a_stopped_owner(owner, client, mode):
     fail with TransportTimeout by their deadline; once the owner runs again nothing of the stale
     answers lands (the failed calls closed their streams), and the channel works."""
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.4)
-    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.4)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=0.4)
+    push = ch.prepare([(3, 6)], BS, NB, NB, True, timeout_s=0.4)
     assert pull([2], [2]) == BS and push([2], [2]) == BS   # pooled streams, served
     before = np.frombuffer(owner.ask("snapshot", 6), np.uint8).copy()
     _stop(owner.proc.pid)
@@ -573,7 +573,7 @@ def test_quick_deadline_holds_against_a_stopped_owner(owner, client, mode):
             assert 0.4 <= took < 0.4 + 1.0, took
     finally:
         os.kill(owner.proc.pid, signal.SIGCONT)
-    ok = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    ok = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
     assert ok([20], [20]) == BS   # the owner runs again (and served what was sent to it before this)
     assert not _blocks(local[1])[14].any()
     assert np.array_equal(_blocks(local[1])[20], _blocks(pattern(5, SIZE, SEED))[20])
@@ -592,7 +592,7 @@ def test_owner_deregistering_a_region_it_serves_ends_with_a_refusal(owner, clien
     calls already answered moved the right bytes, and from then on the owner refuses the region
     ("not registered") without serving a byte of it."""
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+    pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
     want = _blocks(pattern(5, SIZE, SEED))
     state = {"n": 0, "gone": 0, "err": None}
     started = threading.Event()

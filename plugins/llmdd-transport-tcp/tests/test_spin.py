@@ -99,7 +99,7 @@ def _pull_n(options: dict, n: int) -> tuple[dict, list]:
         ep.register(MemRegion(region_id=1, addr=local.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
         ch = ep.connect(owner.desc, timeout=10)
         ch.add_remote_region(5, SIZE, owner.descs[5])
-        pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=10)
+        pull = ch.prepare([(1, 5)], BS, NB, NB, False, timeout_s=10)
         assert pull is not None
         rng = np.random.default_rng(SEED + 9)
         pairs = list(zip(rng.integers(0, NB, n).tolist(), rng.integers(0, NB, n).tolist()))

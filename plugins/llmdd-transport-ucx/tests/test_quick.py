@@ -1,4 +1,4 @@
-"""The ucx channel's one-call path of planned small transfers (``UcxChannel.quick_plan``, issue 21),
+"""The ucx channel's one-call path of planned small transfers (``UcxChannel.prepare``, issue 21),
 between this process and a spawned owner process (``_llmdd_ucx_owner``).
 
 * it moves the planned blocks of every tensor pair, reads and writes, runs of consecutive blocks
@@ -114,7 +114,7 @@ def test_fast_pull_moves_every_pairs_blocks_with_runs_merged(pair):
     remote = {rid: p.remote(rid) for rid in (10, 11)}
     for lid, rid in PAIRS:   # the control: the destination blocks do not hold the sources yet
         assert not np.array_equal(_blocks(before[lid], dst), _blocks(remote[rid], src))
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     assert fast is not None
     s0 = p.ch.statistics()
     assert fast(src, dst) == len(src) * BS * len(PAIRS)
@@ -136,7 +136,7 @@ def test_fast_push_moves_every_pairs_blocks_to_the_owner(pair):
     before = {rid: p.remote(rid) for rid in (10, 11)}
     for lid, rid in PAIRS:
         assert not np.array_equal(_blocks(before[rid], dst), _blocks(p.local(lid), src))
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0)
     s0 = p.ch.statistics()
     assert fast(src, dst) == len(src) * BS * len(PAIRS)
     s1 = p.ch.statistics()
@@ -153,7 +153,7 @@ def test_fast_push_moves_every_pairs_blocks_to_the_owner(pair):
 def test_many_calls_of_one_plan_over_ucx_tcp(pair):
     """The same plan called back to back (UCX over tcp: requests complete after the post)."""
     p = pair("tcp")
-    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
     remote = p.remote(10)
     rng = np.random.default_rng(3)
     pulls = [(int(s), int(d)) for s, d in zip(rng.integers(0, UNITS, 40), rng.permutation(UNITS)[:40])]
@@ -181,7 +181,7 @@ def _unchanged(p: _Pair, before: dict, stats: dict) -> None:
          "lengths-differ", "empty", "more-than-16"])
 def test_blocks_it_does_not_take_are_declined_with_nothing_moved(pair, src, dst):
     p = pair()
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     before, stats = {rid: p.local(rid) for rid in (1, 2)}, p.ch.statistics()
     assert fast(src, dst) == SHAPE
     _unchanged(p, before, stats)
@@ -190,8 +190,8 @@ def test_blocks_it_does_not_take_are_declined_with_nothing_moved(pair, src, dst)
 
 def test_a_call_larger_than_one_chunk_is_declined(pair):
     p = pair()
-    p.ep._cfg["llmdd.ucx.chunk_bytes"] = 2 * BS   # read by quick_plan
-    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
+    p.ep._cfg["llmdd.ucx.chunk_bytes"] = 2 * BS   # read by prepare
+    fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
     before, stats = {1: p.local(1)}, p.ch.statistics()
     assert fast([1, 2, 3], [4, 5, 6]) == LARGE
     _unchanged(p, before, stats)
@@ -200,13 +200,13 @@ def test_a_call_larger_than_one_chunk_is_declined(pair):
 
 def test_a_plan_declines_once_either_table_changed(pair):
     p = pair()
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     before, stats = {rid: p.local(rid) for rid in (1, 2)}, p.ch.statistics()
     extra = np.zeros(BS, np.uint8)
     p.ep.register(MemRegion(region_id=3, addr=extra.ctypes.data, size=BS, remote_accessible=False, placement=0))
     assert fast([1], [2]) == STALE   # the local table changed
     _unchanged(p, before, stats)
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     assert fast([1], [2]) == BS * len(PAIRS)
     before, stats = {rid: p.local(rid) for rid in (1, 2)}, p.ch.statistics()
     p.ch.remove_remote_region(PRIVATE_RID)
@@ -216,41 +216,41 @@ def test_a_plan_declines_once_either_table_changed(pair):
 
 def test_no_plan_for_regions_the_tables_do_not_hold_or_cannot_reach(pair):
     p = pair()
-    assert p.ch.quick_plan([(9, 10)], BS, UNITS, UNITS, False, timeout_s=10.0) is None       # local unknown
-    assert p.ch.quick_plan([(1, 99)], BS, UNITS, UNITS, False, timeout_s=10.0) is None       # remote unknown
-    assert p.ch.quick_plan([(1, PRIVATE_RID)], BS, UNITS, UNITS, True, timeout_s=10.0) is None  # not accessible
-    assert p.ch.quick_plan([(1, 10)], BS, UNITS + 1, UNITS, False, timeout_s=10.0) is None   # past the region
-    assert p.ch.quick_plan([], BS, UNITS, UNITS, False, timeout_s=10.0) is None
-    assert p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0) is not None   # the control
+    assert p.ch.prepare([(9, 10)], BS, UNITS, UNITS, False, timeout_s=10.0) is None       # local unknown
+    assert p.ch.prepare([(1, 99)], BS, UNITS, UNITS, False, timeout_s=10.0) is None       # remote unknown
+    assert p.ch.prepare([(1, PRIVATE_RID)], BS, UNITS, UNITS, True, timeout_s=10.0) is None  # not accessible
+    assert p.ch.prepare([(1, 10)], BS, UNITS + 1, UNITS, False, timeout_s=10.0) is None   # past the region
+    assert p.ch.prepare([], BS, UNITS, UNITS, False, timeout_s=10.0) is None
+    assert p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0) is not None   # the control
 
 
 def test_a_remote_region_deregistered_by_its_owner_declines_then_has_no_plan(pair):
     p = pair()
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     assert fast([1], [2]) == BS * len(PAIRS)
     before, stats = {rid: p.local(rid) for rid in (1, 2)}, p.ch.statistics()
     p.conn.send(("dereg", 10))
     assert p.conn.poll(30) and p.conn.recv()   # returns once this side acknowledged the DRAIN
     assert fast([3], [4]) == STALE
     _unchanged(p, before, stats)
-    assert p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0) is None
+    assert p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0) is None
     c = p.ch.read(make_ops(1, 3 * BS, 10, 4 * BS, BS), deadline=time.monotonic() + 10)   # the ops path refuses
     assert c.wait(10) and isinstance(c.error, Refused), c.error
 
 
 def test_a_closed_channel_declines(pair):
     p = pair()
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0)
     p.ch.close()
     assert fast([1], [2]) == STALE
-    assert p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0) is None
+    assert p.ch.prepare(PAIRS, BS, UNITS, UNITS, True, timeout_s=10.0) is None
 
 
 def test_an_owner_that_closed_its_endpoint_makes_the_plan_decline(pair):
     """The owner's close sends BYE and returns once this side acknowledged it (the channel marked
     gone first): the plan declines, no new plan is made, the ops path reports the peer gone."""
     p = pair()
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     assert fast([1], [2]) == BS * len(PAIRS)
     before, stats = {rid: p.local(rid) for rid in (1, 2)}, p.ch.statistics()
     p.conn.send(("close",))
@@ -258,7 +258,7 @@ def test_an_owner_that_closed_its_endpoint_makes_the_plan_decline(pair):
     assert p.ch.statistics()["gone"]
     assert fast([3], [4]) == STALE
     _unchanged(p, before, stats)
-    assert p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0) is None
+    assert p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0) is None
     c = p.ch.read(make_ops(1, 0, 10, 0, BS), deadline=time.monotonic() + 10)
     assert c.wait(10) and isinstance(c.error, PeerGone), c.error
 
@@ -283,7 +283,7 @@ def test_calls_from_several_threads_while_the_local_table_changes(pair):
             counts["changes"] += 2
 
     def worker(k: int) -> None:
-        fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
+        fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
         dsts = range(k * 16, k * 16 + 16)   # each thread its own destination blocks
         try:
             for i in range(200):
@@ -292,7 +292,7 @@ def test_calls_from_several_threads_while_the_local_table_changes(pair):
                 got = fast([s], [d])
                 if got == STALE:
                     counts["stale"] += 1
-                    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
+                    fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
                     continue
                 assert got == BS, got
                 outcomes[d] = s   # the last source this destination received
@@ -322,7 +322,7 @@ def test_calls_from_several_threads_while_the_local_table_changes(pair):
 
 def test_a_killed_owner_raises_peer_gone(pair):
     p = pair()
-    fast = p.ch.quick_plan(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
+    fast = p.ch.prepare(PAIRS, BS, UNITS, UNITS, False, timeout_s=10.0)
     assert fast([1], [2]) == BS * len(PAIRS)
     p.proc.kill()
     p.proc.join(20)
@@ -360,7 +360,7 @@ def test_a_deadline_passed_with_the_owner_stopped_raises_timeout_after_the_drain
     the batch is failed and drains; the owner continued once the failure began, the request ends,
     the call raises TransportTimeout."""
     p = pair("tcp")
-    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=0.3)
+    fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=0.3)
     t, out, batch = _stop_owner_with_a_request_posted(p, fast, 0.3)
     end = time.monotonic() + 20
     while batch._chunks and t.is_alive() and time.monotonic() < end:   # _fail_locked has begun
@@ -376,7 +376,7 @@ def test_a_deadline_passed_with_the_owner_stopped_raises_timeout_after_the_drain
 
 def test_a_zero_timeout_raises_timeout_with_nothing_posted(pair):
     p = pair()
-    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=0.0)
+    fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=0.0)
     before = p.local(1)
     with pytest.raises(TransportTimeout):
         fast([1], [2])
@@ -385,7 +385,7 @@ def test_a_zero_timeout_raises_timeout_with_nothing_posted(pair):
 
 def test_a_local_deregistration_fails_the_request_in_flight_and_waits_for_it(pair):
     p = pair("tcp")
-    fast = p.ch.quick_plan([(1, 10)], BS, UNITS, UNITS, False, timeout_s=30.0)
+    fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=30.0)
     t, out, batch = _stop_owner_with_a_request_posted(p, fast, 30.0)
     done = threading.Event()
 

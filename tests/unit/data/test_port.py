@@ -137,7 +137,8 @@ def test_quiesce_refuses_a_busy_link_and_afterwards_no_transfer_starts_on_it(eng
     assert te.quiesce(link) is True            # idle: the unlink may go on, with no lock held
     assert not link.transfer_lock.locked()
     with pytest.raises(LLMException) as err:   # the unlink has not fired yet: as if UNLINKING
-        te._busy.acquire(link)
+        with te._busy.turn(link):
+            raise AssertionError("a blocking transfer got the turn of a link quiesced for an unlink")
     assert err.value.status_code is LLMStatusCode.LLM_PROCESSING_LINK
     assert not link.transfer_lock.locked()
     with pytest.raises(LLMException) as err:   # nor may an async task take it

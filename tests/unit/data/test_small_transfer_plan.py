@@ -14,7 +14,7 @@ from llmdd._lifecycle.tables import Machine, TaskState
 from llmdd._data.planner import CacheLayout, plan_blocks
 from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._base.status import LocalUsageError
-from llmdd._data.quick import QuickPlan as _QuickPlan
+from llmdd._data.prepared import PreparedPlan as _PreparedPlan
 from llmdd.plugin import hookimpl
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +34,7 @@ def _plan(rng, push: bool):
     local, remote = (src, dst) if push else (dst, src)
     rec = types.SimpleNamespace(regions=(), cache_id=local.cache_id)
     tables = types.SimpleNamespace(cache_table_version=1, regions_version=1)
-    return _QuickPlan(object(), tables, rec, remote.cache_id, src, dst, st, dt, push), src, dst, st, dt
+    return _PreparedPlan(object(), tables, rec, remote.cache_id, src, dst, st, dt, push), src, dst, st, dt
 
 
 @pytest.mark.parametrize("push", [False, True])

@@ -262,7 +262,7 @@ def test_every_task_transition_run_ops_can_reach_is_reached(pump):
     assert tasks.statistics().refused == 0 and tasks.statistics().absorbed == 0
 
 
-# ---------------------------------------------------------------------- the one-call path (SmallTransfers._run_fast)
+# ---------------------------------------------------------------------- the prepared path (TransferEngine._run_prepared)
 
 class _Notices:
     """The owner notices the one-call path queues, recorded."""
@@ -278,19 +278,20 @@ class _Notices:
 
 
 def _one_call(pump, fast: Any, *, push: bool, live: bool = True):
-    """``SmallTransfers._run_fast`` of a planned shape whose channel path is ``fast``, with task events
+    """``TransferEngine._run_prepared`` of a planned shape whose prepared transfer is ``fast``, with task events
     quiet (the one-call path's condition); returns (result or raised LLMException, port, tasks, notices)."""
     te, port, channel, link, _, _, _ = pump
     tasks = Lifecycle(Machine.TASK)             # no listener: the one-call path may run
-    te.small._tasks = tasks
+    te._tasks = tasks
     notices = _Notices()
-    te.small._notices = types.SimpleNamespace(push_done=notices.push_done_call, queue=notices.queue)
+    te._notices = types.SimpleNamespace(push_done=notices.push_done_call, queue=notices.queue,
+                                        close=te._notices.close)   # the engine's own, closed with it
     rec = types.SimpleNamespace(live=live, cache_id=3)
-    plan = types.SimpleNamespace(fast=fast, chan=channel, push=push, cache_id=7, per_block=512,
+    plan = types.SimpleNamespace(prepared=fast, link=link, rec=rec, chan=channel, push=push, cache_id=7, per_block=512,
                                  dst_tensors=range(0, 2), pairs=[], bs=512, su=4, du=4)
     kind = "push_blocks" if push else "pull_blocks"
     try:
-        out: Any = te.small._run_fast(link, plan, rec, [1, 2], [0, 3], kind)
+        out: Any = te._run_prepared(plan, [1, 2], [0, 3], kind)
     except LLMException as exc:
         out = exc
     assert not link.transfer_lock.locked()      # released whatever happened
@@ -312,7 +313,7 @@ def test_a_one_call_transfer_that_moved_the_bytes_is_counted_as_a_completed_task
 def test_a_declined_one_call_transfer_leaves_no_trace_and_asks_for_the_ops_path(pump, monkeypatch):
     te = pump[0]
     replanned = []
-    monkeypatch.setattr("llmdd._data.quick.fast_for", lambda link, plan, timeout_s: replanned.append(timeout_s))
+    monkeypatch.setattr(te.prepared, "prepare", lambda plan: replanned.append(te.timeout_s))
     out, port, tasks, notices = _one_call(pump, lambda s, d: -3, push=True)
     assert out is False
     assert port.calls == [] and _task_triggers(tasks) == {} and notices.push_done == []

@@ -12,9 +12,9 @@ import errno
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from llmdd.abc import Channel, Completion, RegionDescriptor
+from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, RegionTable, Refused
 from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, as_ops, map_os_error, submitted
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
@@ -234,11 +234,12 @@ class ShmChannel(Channel):
                                       closed=self._batches.closed, cma=self._cma_ok, cma_reason=self._cma_reason,
                                       peer_pid=self._pid, cma_calls=self._cma.calls), self._qc, channel=True)
 
-    def quick_plan(self, pairs, block_bytes: int, src_units: int, dst_units: int, push: bool, *,
-                   timeout_s: Optional[float] = None):
-        """The C path of one small-transfer shape (``llmdd_shm._quick.quick_plan``), or None.  ``timeout_s``
-        is not used: a call never waits (the owner's lock held, it declines and the ops path waits)."""
-        return _quick.quick_plan(self, pairs, block_bytes, src_units, dst_units, push)
+    def prepare(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
+                push: bool, *, timeout_s: Optional[float] = None) -> Optional[PreparedTransfer]:
+        """The seam's prepared path (``Channel.prepare``): the C path of one small-transfer shape
+        (``llmdd_shm._quick.prepare``), or None.  ``timeout_s`` is not used: a call never waits (the
+        owner's lock held, it declines and the engine's batch path waits)."""
+        return _quick.prepare(self, pairs, block_bytes, src_units, dst_units, push)
 
     # ------------------------------------------------------------------ mappings and tables
 

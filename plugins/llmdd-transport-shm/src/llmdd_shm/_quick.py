@@ -1,8 +1,8 @@
 """The shm channel's planned small transfers (issue 21): one C call per ``pull_blocks`` / ``push_blocks``.
 
 The engine plans a call shape once (which local and remote region each tensor pair uses, the block
-size, the two caches' block counts, the direction) and asks the channel for a *quick plan*:
-:func:`quick_plan` resolves the regions against the endpoint's and the channel's current tables and
+size, the two caches' block counts, the direction) and asks the channel for a *prepared transfer* (the seam's ``Channel.prepare``):
+:func:`prepare` resolves the regions against the endpoint's and the channel's current tables and
 packs what ``_shmfast.quick`` needs (bases, sizes, the peer's slots and generations, the lock range,
 the pidfd, a lock fd, the two tables' versions and the addresses of the counters it bumps) into one
 ``bytes``.  A call then hands the C function that plan and the two block lists; it returns the bytes
@@ -67,7 +67,7 @@ def merged(stats: dict, qc: np.ndarray, *, channel: bool) -> dict:
     return stats
 
 
-def quick_plan(ch: Any, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
+def prepare(ch: Any, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
                push: bool) -> Optional[Callable[[Any, Any], int]]:
     """``f(src_blocks, dst_blocks) -> bytes moved, or < 0: not done, take the ops path`` for this shape
     on channel ``ch``, or None when the C path cannot take it (no extension, no pidfd, a region not in

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
-from llmdd.abc import Channel, Completion, RegionDescriptor
+from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, Refused, RegionTable
 from llmdd.lowlevel import ThreadCompletion, TransportError, TransportTimeout, coalesce_ops, split_ops, submitted
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
@@ -143,13 +143,13 @@ class TcpChannel(Channel):
                         closed=self._batches.closed, answers_spun=self._spinner.hits,
                         spins_missed=self._spinner.misses)
 
-    def quick_plan(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
-                   push: bool, *, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
-        """The one-call path of a small-transfer shape (``llmdd_tcp._quick.quick_plan``), or None; a call
-        of it ends by ``timeout_s`` after it began."""
-        from ._quick import quick_plan   # the quick path builds on this module
+    def prepare(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
+                push: bool, *, timeout_s: float) -> Optional[PreparedTransfer]:
+        """The seam's prepared path (``Channel.prepare``): the one-call path of a small-transfer shape
+        (``llmdd_tcp._quick.prepare``), or None; a call of it ends by ``timeout_s`` after it began."""
+        from ._quick import prepare   # the quick path builds on this module
 
-        return quick_plan(self, pairs, block_bytes, src_units, dst_units, push, timeout_s)
+        return prepare(self, pairs, block_bytes, src_units, dst_units, push, timeout_s)
 
     # ------------------------------------------------------------------ streams
 

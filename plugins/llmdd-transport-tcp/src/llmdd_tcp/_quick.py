@@ -2,7 +2,7 @@
 shape as one request on one pooled stream, in plain Python (no numpy per call).
 
 The engine plans a call shape once (each tensor pair's local and remote region, the block size, the
-two caches' block counts, the direction) and asks the channel for a quick plan (:func:`quick_plan`):
+two caches' block counts, the direction) and asks the channel for a prepared transfer (the seam's ``Channel.prepare``, :func:`prepare`):
 the local regions' registry entries and writable views, checked against the endpoint's table, the
 remote regions checked against the channel's table (known, remote-accessible, large enough for
 every block of the shape), and the versions of both tables.  A call of the plan
@@ -10,7 +10,7 @@ every block of the shape), and the versions of both tables.  A call of the plan
 few of them), that both versions are still current, pins the local regions as a batch of the ops
 path does (:meth:`TcpEndpoint._begin_batch`: a deregistration or a close fails it and waits for the
 pin), builds the request's rows as the ops path would send them (runs of consecutive blocks merged
-as ``QuickPlan.ops`` merges them, then sorted and coalesced as ``coalesce_ops`` does: the same bytes
+as ``PreparedPlan.ops`` merges them, then sorted and coalesced as ``coalesce_ops`` does: the same bytes
 on the wire), takes an idle stream, sends the request in one call, receives the answer header and
 then the bytes straight into the views (``MSG_WAITALL``), or for a WRITE sends them after the
 owner's go.  The deadline is armed once per call (see :class:`_Deadline`).
@@ -425,7 +425,7 @@ class QuickCall:
             self.armed_sock, self.armed_epoch = (sock, ch._arm_epoch) if keep else (None, -1)
 
 
-def quick_plan(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+def prepare(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
                dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
     """The one-call path of this shape on channel ``ch``, or None when it cannot take it: TLS (an SSL
     socket takes neither ``sendmsg`` nor receive flags: the ops path stages), too many pairs, a block

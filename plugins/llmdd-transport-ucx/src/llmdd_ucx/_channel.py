@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from llmdd.abc import Channel, Completion, RegionDescriptor
+from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import BatchSet, Cancelled, DoneCompletion, PeerGone, RegionTable, Refused, TransportError
 from llmdd.lowlevel import TransportTimeout, check_ops, coalesce_ops, submitted
@@ -122,11 +122,12 @@ class UcxChannel(Channel):
             self._ep._request(self._peer_name, _proto.GOODBYE, b"", float(self._ep._cfg[OPT_CONTROL_TIMEOUT]))
         self._ep._forget_channel(self)
 
-    def quick_plan(self, pairs: Any, block_bytes: int, src_units: int, dst_units: int, push: bool, *,
-                   timeout_s: float) -> Any:
-        """The one-call path of one small-transfer shape (:func:`llmdd_ucx._quick.quick_plan`), or None;
-        each call has ``timeout_s`` to finish (the engine's sync_kv_timeout)."""
-        return _quick.quick_plan(self, pairs, block_bytes, src_units, dst_units, push, timeout_s)
+    def prepare(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
+                push: bool, *, timeout_s: float) -> Optional[PreparedTransfer]:
+        """The seam's prepared path (``Channel.prepare``): the one-call path of one small-transfer shape
+        (:func:`llmdd_ucx._quick.prepare`), or None; each call has ``timeout_s`` to finish (the
+        engine's sync_kv_timeout)."""
+        return _quick.prepare(self, pairs, block_bytes, src_units, dst_units, push, timeout_s)
 
     def statistics(self) -> dict:
         with self._lock:

@@ -2,11 +2,11 @@
 shape as one NIXL request, in the calling thread, in plain Python.
 
 The engine plans a call shape once (which local and remote region each tensor pair uses, the block
-size, the two caches' block counts, the direction; ``llmdd._data.quick``) and asks the channel for a
-quick plan: :func:`quick_plan` resolves each pair against the endpoint's and the channel's tables of
+size, the two caches' block counts, the direction; ``llmdd._data.prepared``) and asks the channel for a
+prepared transfer (the seam's ``Channel.prepare``): :func:`prepare` resolves each pair against the endpoint's and the channel's tables of
 now (local base, remote base, remote device), notes both tables' versions and returns ``fast``.  A
 call of ``fast(src_blocks, dst_blocks)`` checks the blocks (exact ints in range, no destination
-twice), merges runs of consecutive blocks as ``QuickPlan.ops`` does, builds the two descriptor lists
+twice), merges runs of consecutive blocks as ``PreparedPlan.ops`` does, builds the two descriptor lists
 and hands them to :meth:`UcxChannel._quick_run`, which posts them as one ``_Xfer`` batch of one
 chunk, registered where every other batch is (the channel's batch set, the endpoint's registry), so
 that a deregistration, a DRAIN, a peer's BYE or a close either sees it in flight (fails and drains
@@ -27,7 +27,7 @@ from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS
 if TYPE_CHECKING:  # annotations only: the channel calls this module
     from ._channel import UcxChannel
 
-__all__ = ["quick_plan", "STALE", "SHAPE", "LARGE", "MAX_BLOCKS"]
+__all__ = ["prepare", "STALE", "SHAPE", "LARGE", "MAX_BLOCKS"]
 
 #: what ``fast`` returns when it did nothing: a table changed since the plan (or the channel, the
 #: endpoint or the peer went), blocks it does not take (not exact ints in range, a destination
@@ -38,7 +38,7 @@ STALE, SHAPE, LARGE = -1, -2, -3
 MAX_BLOCKS = 16
 
 
-def quick_plan(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+def prepare(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
                dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
     """``fast(src_blocks, dst_blocks)`` for this shape on channel ``ch``, or None when the channel
     cannot take it (closed, peer gone, a local region not registered, a remote region not announced
