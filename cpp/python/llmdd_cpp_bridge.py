@@ -29,8 +29,8 @@ from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMExcep
                    LLMRole, LLMStatusCode, Placement)
 from llmdd._memory.copy import as_index_array, block_copy_ops, execute, slot_copy_ops
 from llmdd._data.planner import plan_blocks, plan_cache, tensor_range
-from llmdd._data.port import RequestOp
-from llmdd._control.protocol import messages as _m
+from llmdd._protocol.port import RequestOp
+from llmdd._protocol import messages as _m
 from llmdd._data.notices import READ as _READ
 from llmdd._data.quick import QuickPlan as _QuickPlan
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple, TypeGuard, Union
 
 from llmdd._base.enums import Placement
-from llmdd._control.protocol.messages import MAX_TAG_BYTES
+from llmdd._protocol.messages import MAX_TAG_BYTES
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from llmdd._base.types import (BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, CacheTask, LayerSynchronizer,
                      TransferConfig, TransferWithCacheKeyConfig, check_cache_key, check_layer_range)

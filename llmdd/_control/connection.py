@@ -7,9 +7,9 @@ import ssl
 import threading
 from typing import Any, Callable, Optional
 
-from llmdd._control.ioloop import EVENT_READ, EVENT_WRITE, Runtime
+from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE, Runtime
 from llmdd._base.log import get_logger
-from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
+from llmdd._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 
 __all__ = ["ControlConnection", "TlsFailed"]
 

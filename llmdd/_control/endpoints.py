@@ -9,7 +9,7 @@
   opened), and grants or revokes a link's capability on its transport's data port.
 
 Descriptors: the seam's :class:`~llmdd.abc.EndpointDescriptor` / :class:`~llmdd.abc.RegionDescriptor`
-travel as :class:`~llmdd._control.protocol.messages.TransportDescriptor` (:func:`to_wire`,
+travel as :class:`~llmdd._protocol.messages.TransportDescriptor` (:func:`to_wire`,
 :func:`endpoint_descriptor`, :func:`peer_region_descriptor`); the control plane's own facts about an
 offer (deferred, the link's capability) are typed fields of the offer, never keys inside a
 transport's payload.
@@ -32,9 +32,10 @@ import msgspec
 
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
-from llmdd._control.ioloop import PoolFull, Runtime, Strand
+from llmdd._runtime.runtime import PoolFull, Runtime
+from llmdd._runtime.ioloop import Strand
 from llmdd._control.link import Link
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 from llmdd._control.settings import LinkSettings
 from llmdd._seam.errors import Refused
 from llmdd._base.status import TransportError
@@ -87,7 +88,7 @@ def offer_args(offer: m.TransportOffer) -> dict:
 
 
 def offer_from_args(args: Mapping[str, Any]) -> m.TransportOffer:
-    """The offer a ``link_descriptor`` request carries; :class:`~llmdd._control.protocol.messages.InvalidMessage`
+    """The offer a ``link_descriptor`` request carries; :class:`~llmdd._protocol.messages.InvalidMessage`
     when its arguments do not make one (types and bounds as the typed wire checks them)."""
     try:
         desc = m.TransportDescriptor(transport=args["transport"], version=args["version"], payload=args["payload"])

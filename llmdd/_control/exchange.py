@@ -3,7 +3,7 @@
 :class:`LinkExchange` receives every message of a link's control connection (loop thread): cheap
 ones are handled at once when the link's strand is idle, the rest on the strand, in order.  The
 handlers apply the peer's tables, answer keepalives, serve the data plane's requests and notices
-(through the :class:`~llmdd._data.port.DataService` the composition root binds), end a link the peer
+(through the :class:`~llmdd._protocol.port.DataService` the composition root binds), end a link the peer
 unlinks, and fail one whose peer sent an error or closed.  :meth:`LinkExchange.request` sends a
 request and waits for its reply until a deadline.  Failing and closing a link is the link manager's
 (the :class:`~llmdd._control.linking.LinkHost` given here); a server-side link still in its setup
@@ -23,9 +23,9 @@ from llmdd._control.admission import Admission
 from llmdd._control.endpoints import peer_region_descriptor
 from llmdd._control.link import Link, Pending
 from llmdd._control.linking import LINK_DESCRIPTOR_OP, LinkHost
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
-from llmdd._data.port import DataService, RequestOp, request_op
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
+from llmdd._protocol.port import DataService, RequestOp, request_op
 from llmdd._extension.manager import Hooks
 from llmdd._lifecycle.tables import LINK_DOWN, LINK_SETTING_UP, LINK_UNLINKING
 

@@ -13,10 +13,10 @@ from typing import Any, Callable, Optional, Protocol
 
 from llmdd._base.enums import LLMRole
 from llmdd._control.connection import ControlConnection
-from llmdd._control.ioloop import Runtime
+from llmdd._runtime.runtime import Runtime
 from llmdd._control.link import Link
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.handshake import HandshakeConfig, PeerInfo
+from llmdd._protocol import messages as m
+from llmdd._protocol.handshake import HandshakeConfig, PeerInfo
 from llmdd._control.settings import LinkSettings
 from llmdd._seam.abc import EndpointDescriptor
 from llmdd.plugin import LinkInfo

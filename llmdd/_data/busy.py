@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from llmdd._base.status import LLMException, LLMStatusCode
-from llmdd._data.port import ControlPort
+from llmdd._protocol.port import ControlPort, LinkView
 
 __all__ = ["BusyTable"]
 
@@ -57,8 +57,8 @@ class BusyTable:
                 else:
                     self._async_busy.pop(id(link), None)
 
-    def quiesce(self, link: Any) -> bool:
-        """llmdd._data.port.DataService: True when no transfer runs on ``link``, and from then on none starts
+    def quiesce(self, link: LinkView) -> bool:
+        """llmdd._protocol.port.DataService: True when no transfer runs on ``link``, and from then on none starts
         on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
         with self._lock:
             if self._async_busy.get(id(link)) or not link.transfer_lock.acquire(timeout=0):
@@ -67,7 +67,7 @@ class BusyTable:
         link.transfer_lock.release()
         return True
 
-    def acquire(self, link: Any) -> None:
+    def acquire(self, link: LinkView) -> None:
         """Take ``link``'s transfer lock for one blocking transfer (by sync_kv_timeout), or raise the
         contract's status: busy with an async task, unlinking, down, or relinked meanwhile."""
         if self._async_busy.get(id(link)):
@@ -89,7 +89,7 @@ class BusyTable:
             raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
                        getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
 
-    def forget(self, link: Any) -> None:
+    def forget(self, link: LinkView) -> None:
         """The link is down: it is no longer being unlinked."""
         with self._lock:
             self._closing.discard(id(link))

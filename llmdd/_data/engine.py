@@ -35,8 +35,8 @@ from llmdd._base.log import get_logger
 from llmdd._data.planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
 from llmdd._base.options import EngineOptions
 from llmdd._extension.manager import Hooks
-from llmdd._data.port import ControlPort, DataNotice, RequestOp
-from llmdd._control.protocol import messages as m
+from llmdd._protocol.port import ControlPort, DataNotice, LinkView, RequestOp
+from llmdd._protocol import messages as m
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.busy import BusyTable
 from llmdd._data.layouts import Layouts
@@ -106,15 +106,15 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ the DataService side of the port
     # what peers ask of this engine as the owner of its caches is llmdd._data.owner's
-    def serve(self, link: Any, op: RequestOp, args: dict) -> tuple[int, dict]:
-        """A peer's data request (llmdd._data.port.DataService)."""
+    def serve(self, link: LinkView, op: RequestOp, args: dict) -> tuple[int, dict]:
+        """A peer's data request (llmdd._protocol.port.DataService)."""
         return self.owner.serve(link, op, args)
 
-    def serve_tagged(self, link: Any, message: m.TaggedDone) -> tuple[int, dict]:
+    def serve_tagged(self, link: LinkView, message: m.TaggedDone) -> tuple[int, dict]:
         """A peer's tagged transfer on one of this engine's caches ended (acknowledged by the reply)."""
         return self.owner.serve_tagged(link, message)
 
-    def on_notice(self, link: Any, message: DataNotice) -> None:
+    def on_notice(self, link: LinkView, message: DataNotice) -> None:
         """A one-way notice of the peer's data plane (refused ones answered with an Error message)."""
         self.owner.on_notice(link, message)
 
@@ -122,11 +122,11 @@ class TransferEngine:
     def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
         return self.layouts.local_layout(cache_id)
 
-    def remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
+    def remote_layout(self, link: LinkView, cache_id: int) -> CacheLayout:
         return self.layouts.remote_layout(link, cache_id)
 
     # ------------------------------------------------------------------ running a task
-    def link_for(self, cluster_id: int) -> Any:
+    def link_for(self, cluster_id: int) -> LinkView:
         """The LINKED link to ``cluster_id`` with its data channel, or the contract's error."""
         link = self._lm.require(cluster_id)
         if link.channel is None:
@@ -141,12 +141,12 @@ class TransferEngine:
     def release_links(self, links: list) -> None:
         self._busy.release_links(links)
 
-    def quiesce(self, link: Any) -> bool:
-        """llmdd._data.port.DataService: True when no transfer runs on ``link``, and from then on none starts
+    def quiesce(self, link: LinkView) -> bool:
+        """llmdd._protocol.port.DataService: True when no transfer runs on ``link``, and from then on none starts
         on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
         return self._busy.quiesce(link)
 
-    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, step_of: Any = None,
+    def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Any = None,
                 nbytes: Optional[int] = None) -> None:
         """Move ``ops`` over ``link`` as one task with the sync_kv_timeout deadline (``nbytes``: the
         ops' total length when the caller knows it).  With ``step_of`` the ops are one step of that
@@ -184,7 +184,7 @@ class TransferEngine:
         """A new transfer task id (tasks of this engine are numbered from 1)."""
         return next(self._ids)
 
-    def ops_failed(self, link: Any, exc: TransportError, kind: str, task: Any = None) -> LLMException:
+    def ops_failed(self, link: LinkView, exc: TransportError, kind: str, task: Any = None) -> LLMException:
         """What a transport failure of ``kind`` over ``link`` means, done and returned as the contract's
         error to raise: the link's failed-transfer count, ``task``'s end (when the caller owns one),
         and for a timeout, a lost peer or an untrustworthy channel the link's failure."""
@@ -215,7 +215,7 @@ class TransferEngine:
         return _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
                     exc.status_code)
 
-    def _move(self, link: Any, ops: np.ndarray, write: bool) -> None:
+    def _move(self, link: LinkView, ops: np.ndarray, write: bool) -> None:
         """One step's bytes over ``link``'s data channel, by the sync_kv_timeout deadline."""
         deadline = time.monotonic() + self.timeout_s
         channel = link.channel
@@ -399,7 +399,7 @@ class TransferEngine:
         return _err(f"{kind}: local cache {rec.cache_id} was unregistered while the transfer ran",
                     S.LLM_KV_CACHE_NOT_EXIST)
 
-    def _tag_notice(self, link: Any, op: str, cache_id: int, spans: tuple, tag: Tag, error: Optional[LLMException],
+    def _tag_notice(self, link: LinkView, op: str, cache_id: int, spans: tuple, tag: Tag, error: Optional[LLMException],
                     *, tensors: Optional[range] = None) -> None:
         """Tell the owner that a tagged transfer ended, and wait for its acknowledgement.
 
@@ -439,7 +439,7 @@ class TransferEngine:
         task.start()
         return task
 
-    def plan_async_config(self, link: Any, src: CacheLayout, config: Any, layer: int, *,
+    def plan_async_config(self, link: LinkView, src: CacheLayout, config: Any, layer: int, *,
                           src_blocks, dst_blocks, dst_block_size) -> np.ndarray:
         """Ops of one layer of one config (2 tensors per layer, as upstream hard-codes)."""
         src_tensors = range(layer * 2, layer * 2 + 2)
@@ -477,8 +477,8 @@ class TransferEngine:
                                  src_blocks=src_blocks, dst_blocks=dst_blocks,
                                  dst_block_size=dst_block_size, local="src")
 
-    def on_link_down(self, link: Any) -> None:
-        """The link failed or closed (llmdd._data.port.DataService): forget what its peer reserved,
+    def on_link_down(self, link: LinkView) -> None:
+        """The link failed or closed (llmdd._protocol.port.DataService): forget what its peer reserved,
         queued or was refused; its async tasks end."""
         self.small.forget(link)
         for task in list(self._async):

@@ -21,7 +21,7 @@ from llmdd._data.busy import BusyTable
 from llmdd._data.layouts import Layouts
 from llmdd._data.notices import READ, OwnerNotices
 from llmdd._data.planner import CacheLayout, plan_blocks, tensor_range
-from llmdd._data.port import ControlPort
+from llmdd._protocol.port import ControlPort, LinkView
 from llmdd._extension.manager import Hooks
 from llmdd._seam import ops as _ops
 
@@ -58,7 +58,7 @@ class QuickPlan:
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
                  "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "fast", "chan")
 
-    def __init__(self, link: Any, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
+    def __init__(self, link: LinkView, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
                  src_tensors: range, dst_tensors: range, push: bool) -> None:
         self.link, self.tables, self.rec, self.regions = link, tables, rec, rec.regions
         self.cv, self.rv = tables.cache_table_version, tables.regions_version
@@ -136,7 +136,7 @@ class QuickPlan:
         return ops, (int(ops["length"].sum()) if len(ops) else 0)
 
 
-def fast_for(link: Any, plan: QuickPlan, timeout_s: float) -> Any:
+def fast_for(link: LinkView, plan: QuickPlan, timeout_s: float) -> Any:
     """The link's channel's one-call path for ``plan``'s shape, or None (a channel without one: a
     fault-injecting wrapper, a vendor's transport; or one that cannot take the shape).
 
@@ -164,7 +164,7 @@ class BlockingTransfers(Protocol):
         """The LINKED link to ``cluster_id`` with its data channel, or the contract's error."""
         ...
 
-    def run_ops(self, link: Any, ops: Any, *, write: bool, kind: str, step_of: Any = None,
+    def run_ops(self, link: LinkView, ops: Any, *, write: bool, kind: str, step_of: Any = None,
                 nbytes: Optional[int] = None) -> None:
         """Move ``ops`` over ``link`` as one task with the sync_kv_timeout deadline."""
         ...
@@ -185,7 +185,7 @@ class BlockingTransfers(Protocol):
         """The error of a transfer whose ops failed or whose local cache went meanwhile."""
         ...
 
-    def ops_failed(self, link: Any, exc: TransportError, kind: str, task: Any = None) -> LLMException:
+    def ops_failed(self, link: LinkView, exc: TransportError, kind: str, task: Any = None) -> LLMException:
         """The contract's error for a transport failure of ``kind`` over ``link`` (the link's and the
         task's bookkeeping done)."""
         ...
@@ -224,12 +224,12 @@ class SmallTransfers:
         self._memo_pull: Optional[tuple] = None
         self._memo_push: Optional[tuple] = None
 
-    def forget(self, link: Any) -> None:
+    def forget(self, link: LinkView) -> None:
         """The link is down: its plans go."""
         for pk in [pk for pk, plan in list(self._plans.items()) if plan.link is link]:
             self._plans.pop(pk, None)
 
-    def _quick_plan(self, push: bool, link: Any, rec: Any, key: Any, src_layer_range: Any, dst_layer_range: Any,
+    def _quick_plan(self, push: bool, link: LinkView, rec: Any, key: Any, src_layer_range: Any, dst_layer_range: Any,
                     tnpl: int) -> Optional["QuickPlan"]:
         tables = link.tables
         # ranges by (start, stop, step): range(0, 2, 2) == range(0, 1), but only one passes the checks
@@ -264,7 +264,7 @@ class SmallTransfers:
         self._plans[pk] = plan
         return plan
 
-    def _run_fast(self, link: Any, plan: "QuickPlan", rec: Any, src_blocks: Any, dst_blocks: Any,
+    def _run_fast(self, link: LinkView, plan: "QuickPlan", rec: Any, src_blocks: Any, dst_blocks: Any,
                   kind: str) -> bool:
         """The planned shape's bytes in one call of the channel's own path (the shm plugin's C
         function, the tcp and ucx plugins' few-ops paths; issue 21), under the link's transfer lock as

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._protocol.port import LinkView
 
 if TYPE_CHECKING:
     from llmdd._data.planner import CacheLayout
@@ -43,7 +44,7 @@ class AsyncPull:
     have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
     that link's status: ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot)."""
 
-    def __init__(self, engine: "TransferEngine", link: Any, run: Any, callback: Any) -> None:
+    def __init__(self, engine: "TransferEngine", link: LinkView, run: Any, callback: Any) -> None:
         self._engine = engine
         self._link = link
         self._run = run
@@ -101,7 +102,7 @@ class AsyncPull:
             self._claimed = True  # the worker that picks it up later does nothing
         self._finish(status)
 
-    def link_down(self, link: Any) -> None:
+    def link_down(self, link: LinkView) -> None:
         if link is self._link:
             self._link_went = True
             self._cancel_queued(S.LLM_LINK_FAILED)
@@ -162,7 +163,7 @@ class AsyncTransfer:
         self._cancelled.set()
         self._done.wait(5.0)
 
-    def link_down(self, link: Any) -> None:
+    def link_down(self, link: LinkView) -> None:
         if any(lk is link for lk in self._links):
             self._cancelled.set()
 

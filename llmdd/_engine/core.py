@@ -2,7 +2,7 @@
 
 :class:`EngineCore` is the only place that knows how the layers fit together: it builds the chip
 profile, the lifecycles, memory, the control plane, the data plane (bound to each other through
-the port of :mod:`llmdd._data.port`) and the rank-table comm groups, and closes them again.  It
+the port of :mod:`llmdd._protocol.port`) and the rank-table comm groups, and closes them again.  It
 imports no facade module; the facade (:mod:`llmdd._api.datadist`) owns one and builds its
 ``CacheManager`` over its parts.
 """
@@ -17,7 +17,7 @@ from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
 from llmdd._base.profiles import check_pool_options, profile_from_options
 from llmdd._control.comm_group import CommGroups
-from llmdd._control.ioloop import IoLoop
+from llmdd._runtime.ioloop import IoLoop
 from llmdd._control.manager import LinkManager
 from llmdd._control.settings import LinkSettings
 from llmdd._data.engine import TransferEngine
@@ -41,8 +41,8 @@ class EngineCore:
 
     Build order (each part depends only on the ones before it): chip profile, lifecycles, memory,
     control plane (:class:`LinkManager`), data plane (:class:`TransferEngine`, given the control plane
-    as its :class:`~llmdd._data.port.ControlPort`; the control plane is then bound to it as its
-    :class:`~llmdd._data.port.DataService`) and rank-table comm groups.  The facade
+    as its :class:`~llmdd._protocol.port.ControlPort`; the control plane is then bound to it as its
+    :class:`~llmdd._protocol.port.DataService`) and rank-table comm groups.  The facade
     (:mod:`llmdd._api`) builds its managers over these parts; nothing here imports the facade."""
 
     def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,

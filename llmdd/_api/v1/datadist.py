@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence
 from llmdd._base.enums import LLMRole
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
-from llmdd._data.port import RequestOp
+from llmdd._protocol.port import RequestOp
 from llmdd._base.validation import check_isinstance, check_uint64
 from llmdd._api.v1.options import parse_v1_listen_ip_info
 

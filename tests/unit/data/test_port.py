@@ -1,4 +1,4 @@
-"""The typed port between the control plane and the data plane (llmdd/_data/port.py), without processes.
+"""The typed port between the control plane and the data plane (llmdd/_protocol/port.py), without processes.
 
 The data plane (TransferEngine) is built as the composition root builds it, but with a recording
 ControlPort instead of the link manager: what it asks of the control plane is seen call by call.
@@ -17,9 +17,9 @@ from llmdd._lifecycle.tables import LINK_IN_USE, Machine
 from llmdd._memory.manager import MemoryManager
 from llmdd._base.options import EngineOptions
 from llmdd._extension.manager import Hooks, make_plugin_manager
-from llmdd._data.port import ControlPort, DataService, RequestOp, request_op
+from llmdd._protocol.port import ControlPort, DataService, RequestOp, request_op
 from llmdd._base.profiles import PROFILES
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 from llmdd._base.status import LLMException
 from llmdd._data.engine import TransferEngine
 

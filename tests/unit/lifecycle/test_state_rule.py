@@ -5,7 +5,7 @@ code compares a state, assigns one, or asks ``can(trigger)`` before firing.  Dri
 trigger (an illegal one raises), offer a late one (the table absorbs it or it raises), and ask
 questions with the named groups of ``llmdd/_lifecycle/tables.py`` (``tracked.in_(GROUP)``).
 
-The handshake (``llmdd/_control/protocol/handshake.py``) is a sans-io protocol machine of its own: its
+The handshake (``llmdd/_protocol/handshake.py``) is a sans-io protocol machine of its own: its
 states are compared there only, and its users read ``finished``/``refused``/``authenticated``.
 """
 
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 OWNERS = {
     "EngineState": "llmdd/_lifecycle/", "LinkState": "llmdd/_lifecycle/", "CommGroupState": "llmdd/_lifecycle/",
     "CacheState": "llmdd/_lifecycle/", "TaskState": "llmdd/_lifecycle/", "ListenerState": "llmdd/_lifecycle/",
-    "HandshakeState": "llmdd/_control/protocol/handshake.py",
+    "HandshakeState": "llmdd/_protocol/handshake.py",
 }
 LIFECYCLE = "llmdd/_lifecycle/"
 
@@ -122,5 +122,5 @@ def test_what_drivers_may_do(source):
 
 def test_the_lifecycle_package_and_the_handshake_may_compare_their_own_states():
     assert not violations(ast.parse("ok = self.state in (LinkState.LINKED,)"), "llmdd/_lifecycle/machines.py")
-    assert not violations(ast.parse("ok = self._state is HandshakeState.REFUSED"), "llmdd/_control/protocol/handshake.py")
-    assert violations(ast.parse("ok = link.state is LinkState.LINKED"), "llmdd/_control/protocol/handshake.py")
+    assert not violations(ast.parse("ok = self._state is HandshakeState.REFUSED"), "llmdd/_protocol/handshake.py")
+    assert violations(ast.parse("ok = link.state is LinkState.LINKED"), "llmdd/_protocol/handshake.py")

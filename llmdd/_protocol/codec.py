@@ -52,9 +52,9 @@ import attrs
 import msgspec
 
 from llmdd._base.status import LLMStatusCode, LocalUsageError, TransportError
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol import wire
-from llmdd._control.protocol.messages import MAX_COUNT as MAX_COUNT, MAX_NAME as MAX_NAME
+from llmdd._protocol import messages as m
+from llmdd._protocol import wire
+from llmdd._protocol.messages import MAX_COUNT as MAX_COUNT, MAX_NAME as MAX_NAME
 
 __all__ = [
     "MAGIC",

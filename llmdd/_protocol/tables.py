@@ -1,6 +1,6 @@
 """Sans-io descriptor-table bookkeeping of a link: what a peer announced, and what this side announces.
 
-After the handshake (:mod:`llmdd._control.protocol.handshake`), each side announces its memory with
+After the handshake (:mod:`llmdd._protocol.handshake`), each side announces its memory with
 :class:`TableAnnouncer` and applies the peer's announcements to a :class:`DescriptorTables`:
 versions only move forward (a delta carries exactly ``last + 1``, a full snapshot anything newer),
 and a rejected update changes nothing and raises :class:`TableUpdateError`.  What one peer may make
@@ -15,8 +15,8 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from llmdd._base.status import LLMStatusCode, LocalUsageError
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
 
 __all__ = ["TableUpdateError", "DescriptorTables", "TableAnnouncer"]
 

@@ -6,7 +6,7 @@ what the bytes mean (h11 style).  See ``codec`` for the frame format and ``hands
 theory of operation, ``tables`` for what a link's peers announce.
 """
 
-from llmdd._control.protocol.codec import (
+from llmdd._protocol.codec import (
     DEFAULT_MAX_FRAME_SIZE as DEFAULT_MAX_FRAME_SIZE,
     NEED_DATA as NEED_DATA,
     PEER_CLOSED as PEER_CLOSED,
@@ -14,7 +14,7 @@ from llmdd._control.protocol.codec import (
     LocalProtocolError as LocalProtocolError,
     ProtocolError as ProtocolError,
 )
-from llmdd._control.protocol.handshake import (
+from llmdd._protocol.handshake import (
     PRE_AUTH_MAX_FRAME_SIZE as PRE_AUTH_MAX_FRAME_SIZE,
     PROTOCOL_VERSION as PROTOCOL_VERSION,
     ClientHandshake as ClientHandshake,
@@ -24,13 +24,13 @@ from llmdd._control.protocol.handshake import (
     PeerInfo as PeerInfo,
     ServerHandshake as ServerHandshake,
 )
-from llmdd._control.protocol.tables import (
+from llmdd._protocol.tables import (
     DescriptorTables as DescriptorTables,
     TableAnnouncer as TableAnnouncer,
     TableUpdateError as TableUpdateError,
 )
-from llmdd._control.protocol.messages import *  # noqa: F401,F403  (every message class; see messages.__all__)
-from llmdd._control.protocol.messages import __all__ as _messages_all
+from llmdd._protocol.messages import *  # noqa: F401,F403  (every message class; see messages.__all__)
+from llmdd._protocol.messages import __all__ as _messages_all
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
