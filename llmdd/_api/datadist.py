@@ -53,7 +53,7 @@ class LLMDataDist:
         self._cluster_id = cluster_id
         self._core: EngineCore | None = None
         self._cache_manager: CacheManager | None = None
-        self._kv_cache_manager: Any = None   # the legacy v1 mode's KvCacheManager (llmdd/_api/v1)
+        self._kv_cache_manager: Optional[KvCacheManager] = None   # the legacy v1 mode's KvCacheManager (llmdd/_api/v1)
         self._engine_options: dict[str, str] = {}
         self._pm: Optional[LLMDDPluginManager] = None      # built once, by _ensure_plugins
         self._hooks: Optional[Hooks] = None

@@ -73,7 +73,7 @@ class ServerSession:
         self.accepted_at = adm.host.loop.monotonic()
         self.done = False
 
-    def on_message(self, msg: Any) -> None:
+    def on_message(self, msg: m.Message) -> None:
         for out in self.hs.receive(msg):
             self.conn.send(out)
         if self.hs.refused:

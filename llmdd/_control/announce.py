@@ -66,6 +66,7 @@ class Announcements:
         self.endpoints.grant(link, regions)
         ann = link.announcer
         done = ann.announced
+        updates: list[m.Message]
         if full:
             updates = [ann.regions_update(added=regions.values(), full=True),
                        ann.cache_table_update(caches_added=caches.values(), keys_added=keys.values(), full=True)]

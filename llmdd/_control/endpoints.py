@@ -43,6 +43,7 @@ from llmdd._seam.abc import CAPABILITY_BYTES, Endpoint, EndpointDescriptor, MemR
 
 if TYPE_CHECKING:
     from llmdd._memory.manager import MemoryManager
+    from llmdd._memory.regions import Region
     from llmdd.plugin import TransportRegistry
 
 __all__ = ["Registrar", "TransportEndpoints", "to_wire", "endpoint_descriptor", "peer_region_descriptor", "offer_args",
@@ -302,16 +303,16 @@ class TransportEndpoints:
             _log.warning("llmdd.link.revoke_failed", transport=name, error=str(exc))
 
     # ------------------------------------------------------------------ regions
-    def granted(self, region: Any) -> bool:
+    def granted(self, region: "Region") -> bool:
         """May linked peers access ``region``?  In remote-accessible mode only regions registered
         remote-accessible; otherwise every cache of the engine is served to linked peers, as
         upstream's engine serves pulls of any cache in that mode."""
         return bool(region.remote_accessible) or not self._options.remote_cache_accessible
 
-    def mem_region(self, region: Any) -> MemRegion:
+    def mem_region(self, region: "Region") -> MemRegion:
         return attrs.evolve(region.to_mem_region(), remote_accessible=self.granted(region))
 
-    def region_descriptor(self, region: Any) -> m.RegionDescriptor:
+    def region_descriptor(self, region: "Region") -> m.RegionDescriptor:
         return m.RegionDescriptor(
             region_id=region.region_id, cache_id=region.cache_id, addr=region.addr, size=region.size,
             placement=region.placement, remote_accessible=self.granted(region),

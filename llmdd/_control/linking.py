@@ -71,7 +71,7 @@ class LinkHost(Protocol):
         """Enter a link for an authenticated peer into the table (replacing a stale one)."""
         ...
 
-    def dispatch(self, link: Link, msg: Any) -> None:
+    def dispatch(self, link: Link, msg: m.Message) -> None:
         """A message arrived on ``link``'s control connection (loop thread)."""
         ...
 
@@ -91,7 +91,7 @@ class LinkHost(Protocol):
         """Tear a link down and drop it from the table; it ends CLOSED."""
         ...
 
-    def notify(self, link: Link, msg: Any) -> None:
+    def notify(self, link: Link, msg: m.Message) -> None:
         """Best-effort one-way message."""
         ...
 

@@ -320,7 +320,7 @@ class LinkManager:
         """Best-effort one-way message (ReadDone, KeyConsumed...)."""
         self.exchange.notify(_own(link), msg)
 
-    def dispatch(self, link: Link, msg: Any) -> None:
+    def dispatch(self, link: Link, msg: m.Message) -> None:
         """A message arrived (loop thread): :meth:`LinkExchange.dispatch`."""
         self.exchange.dispatch(link, msg)
 

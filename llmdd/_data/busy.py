@@ -14,7 +14,6 @@ Lock: ``BusyTable._lock`` is a leaf, held only while the table changes (taking a
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._protocol.port import ControlPort, LinkView

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from llmdd._base.status import TransportError
 from llmdd._seam.errors import Cancelled, PeerGone, Refused, TransportTimeout
@@ -39,16 +39,19 @@ from llmdd._protocol.port import ControlPort, DataNotice, LinkView, RequestOp
 from llmdd._protocol import messages as m
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.busy import BusyTable
-from llmdd._data.layouts import Layouts
+from llmdd._data.layouts import Layouts, RemoteKey
 from llmdd._data.notices import READ, OwnerNotices, block_spans
 from llmdd._data.owner import OwnerSide
 from llmdd._data.quick import SmallTransfers
 from llmdd._data.tasks import AsyncPull, AsyncTransfer, TransferTimedOut
-from llmdd._base.types import BlocksCacheKey, CacheKey, cache_key_index
+from llmdd._base.types import (
+    BlocksCacheKey, Cache, CacheKey, KvCache, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig,
+    cache_key_index,
+)
 
 if TYPE_CHECKING:
-    from llmdd._lifecycle.machines import Lifecycle
-    from llmdd._memory.manager import MemoryManager
+    from llmdd._lifecycle.machines import Lifecycle, Tracked
+    from llmdd._memory.manager import CacheRecord, MemoryManager
     from llmdd._base.profiles import ChipProfile
 
 __all__ = ["TransferEngine", "AsyncTransfer"]
@@ -58,6 +61,10 @@ S = LLMStatusCode
 
 #: a tag as it travels (at most messages.MAX_TAG_BYTES): its bytes, and whether it was given as str
 Tag = tuple
+#: a local cache a transfer reads or fills (the v2 ``Cache`` or the v1 ``KvCache``: its cache id is what counts)
+LocalCache = Union[Cache, KvCache]
+#: one ``transfer_cache_async`` destination: raw addresses or a peer's cache key
+AsyncConfig = Union[TransferConfig, TransferWithCacheKeyConfig]
 #: workers running non-blocking pulls (per engine), and how many may be waiting or running at once
 ASYNC_PULL_WORKERS = 4
 MAX_ASYNC_PULLS = 4096
@@ -100,7 +107,7 @@ class TransferEngine:
         self._async: set = set()
         self._pulls_lock = threading.Lock()   # the non-blocking pulls' accounting (a leaf)
         self._closed = False
-        self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
+        self._pull_pool: Optional[ThreadPoolExecutor] = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _pulls_lock)
         self.owner = OwnerSide(port=port, memory=memory, options=options, profile=profile)
 
@@ -119,7 +126,7 @@ class TransferEngine:
         self.owner.on_notice(link, message)
 
     # ------------------------------------------------------------------ layouts (Layouts)
-    def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
+    def local_layout(self, cache_id: int) -> tuple["CacheRecord", CacheLayout]:
         return self.layouts.local_layout(cache_id)
 
     def remote_layout(self, link: LinkView, cache_id: int) -> CacheLayout:
@@ -146,7 +153,7 @@ class TransferEngine:
         on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
         return self._busy.quiesce(link)
 
-    def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Any = None,
+    def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Optional["Tracked"] = None,
                 nbytes: Optional[int] = None) -> None:
         """Move ``ops`` over ``link`` as one task with the sync_kv_timeout deadline (``nbytes``: the
         ops' total length when the caller knows it).  With ``step_of`` the ops are one step of that
@@ -156,7 +163,7 @@ class TransferEngine:
             n_ops = len(ops)
             nbytes = (sum(ops["length"].tolist()) if n_ops <= 8 else int(ops["length"].sum())) if n_ops else 0
         own_task = step_of is None
-        if own_task:
+        if step_of is None:
             task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
             task.fire("start", bytes=nbytes)
         else:
@@ -184,7 +191,8 @@ class TransferEngine:
         """A new transfer task id (tasks of this engine are numbered from 1)."""
         return next(self._ids)
 
-    def ops_failed(self, link: LinkView, exc: TransportError, kind: str, task: Any = None) -> LLMException:
+    def ops_failed(self, link: LinkView, exc: TransportError, kind: str,
+                   task: Optional["Tracked"] = None) -> LLMException:
         """What a transport failure of ``kind`` over ``link`` means, done and returned as the contract's
         error to raise: the link's failed-transfer count, ``task``'s end (when the caller owns one),
         and for a timeout, a lost peer or an untrustworthy channel the link's failure."""
@@ -230,18 +238,20 @@ class TransferEngine:
             raise completion.error
 
     # ------------------------------------------------------------------ the small-transfer path (SmallTransfers)
-    def pull_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
-                          dst_layer_range: Any, tnpl: int) -> None:
+    def pull_blocks_quick(self, key: BlocksCacheKey, cache: LocalCache, src_blocks: Sequence[int],
+                          dst_blocks: Sequence[int], src_layer_range: Optional[range],
+                          dst_layer_range: Optional[range], tnpl: int) -> None:
         """:meth:`pull` of kind ``pull_blocks`` for a ``BlocksCacheKey`` without a tag (:class:`SmallTransfers`)."""
         self.small.pull_blocks_quick(key, cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tnpl)
 
-    def push_blocks_quick(self, key: Any, cache: Any, src_blocks: Any, dst_blocks: Any, src_layer_range: Any,
-                          dst_layer_range: Any, tnpl: int) -> None:
+    def push_blocks_quick(self, key: BlocksCacheKey, cache: LocalCache, src_blocks: Sequence[int],
+                          dst_blocks: Sequence[int], src_layer_range: Optional[range],
+                          dst_layer_range: Optional[range], tnpl: int) -> None:
         """:meth:`push` of kind ``push_blocks`` for a ``BlocksCacheKey`` without a tag (:class:`SmallTransfers`)."""
         self.small.push_blocks_quick(key, cache, src_blocks, dst_blocks, src_layer_range, dst_layer_range, tnpl)
 
     # ------------------------------------------------------------------ pulls
-    def pull(self, key: Any, cache: Any, *, kind: str, batch_index: int = 0, size: int = -1,
+    def pull(self, key: RemoteKey, cache: LocalCache, *, kind: str, batch_index: int = 0, size: int = -1,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
              tnpl: int = 2, tag: Optional[Tag] = None) -> None:
@@ -339,7 +349,7 @@ class TransferEngine:
             self._notices.queue(link, (READ, cache_id, tuple(src_blocks) if src_blocks else None))
 
     # ------------------------------------------------------------------ pushes
-    def push(self, key: Any, cache: Any, *, kind: str, src_batch_index: int = 0,
+    def push(self, key: RemoteKey, cache: LocalCache, *, kind: str, src_batch_index: int = 0,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
              tnpl: int = 2, tag: Optional[Tag] = None) -> None:
@@ -386,7 +396,7 @@ class TransferEngine:
             self._notices.push_done(link, cache_id, dst_blocks, dst_tensors, failed=False)
 
     @staticmethod
-    def local_outcome(rec: Any, exc: Optional[LLMException], kind: str) -> LLMException:
+    def local_outcome(rec: "CacheRecord", exc: Optional[LLMException], kind: str) -> LLMException:
         """The error of a transfer whose ops failed (``exc``) or that ran while its local cache went.
 
         A local cache unregistered (or deallocated) while the transfer ran ends it with
@@ -429,7 +439,7 @@ class TransferEngine:
                        f"{result.get('error', status)}", S.LLM_PARAM_INVALID)
 
     # ------------------------------------------------------------------ layer-wise async transfer
-    def transfer_async(self, cache: Any, synchronizer: Any, configs: Sequence[Any], *,
+    def transfer_async(self, cache: LocalCache, synchronizer: LayerSynchronizer, configs: Sequence[AsyncConfig], *,
                        src_block_indices: Optional[Sequence[int]], dst_block_indices: Optional[Sequence[int]],
                        dst_block_memory_size: Optional[int]) -> "AsyncTransfer":
         rec, src = self.local_layout(cache.cache_id)
@@ -439,11 +449,11 @@ class TransferEngine:
         task.start()
         return task
 
-    def plan_async_config(self, link: LinkView, src: CacheLayout, config: Any, layer: int, *,
+    def plan_async_config(self, link: LinkView, src: CacheLayout, config: AsyncConfig, layer: int, *,
                           src_blocks, dst_blocks, dst_block_size) -> np.ndarray:
         """Ops of one layer of one config (2 tensors per layer, as upstream hard-codes)."""
         src_tensors = range(layer * 2, layer * 2 + 2)
-        if hasattr(config, "cache_key"):  # TransferWithCacheKeyConfig
+        if isinstance(config, TransferWithCacheKeyConfig):
             dst_layer = config.dst_layer_range.start + (layer - config.src_layer_range.start)
             dst_tensors = range(dst_layer * 2, dst_layer * 2 + 2)
             cache_id, dst_unit = self.layouts.resolve_remote(link, config.cache_key)
@@ -488,7 +498,8 @@ class TransferEngine:
         self.owner.link_down(link)
 
     # ------------------------------------------------------------------ non-blocking pulls
-    def submit_pull(self, cluster_id: int, run: Any, callback: Any) -> "AsyncPull":
+    def submit_pull(self, cluster_id: int, run: Callable[[], None],
+                    callback: Optional[Callable[[LLMStatusCode], None]]) -> "AsyncPull":
         """Queue ``run`` (a blocking pull) on the engine's pull workers; raises at once when the
         cluster is not linked or too many pulls are waiting."""
         link = self.link_for(cluster_id)

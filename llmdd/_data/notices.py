@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
@@ -68,7 +68,7 @@ READ, PUSH = 0, 1
 MAX_NOTICE_BATCH = m.MAX_NOTICE_BATCH
 
 
-def _push_done(cache_id: int, dst_blocks: Any, start: int, stop: int, failed: bool) -> m.TransferDone:
+def _push_done(cache_id: int, dst_blocks: Optional[Sequence[int]], start: int, stop: int, failed: bool) -> m.TransferDone:
     return m.TransferDone(cache_id=cache_id, block_spans=block_spans(dst_blocks) if dst_blocks else (),
                           tensors=m.Span(start=start, stop=stop), failed=failed)
 
@@ -89,7 +89,8 @@ class OwnerNotices:
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
 
-    def push_done(self, link: LinkView, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
+    def push_done(self, link: LinkView, cache_id: int, dst_blocks: Optional[Sequence[int]], dst_tensors: range, *,
+                  failed: bool) -> None:
         """Queue an untagged push's "push done" notice (best effort, sent by the flusher)."""
         blocks = tuple(dst_blocks) if dst_blocks else None  # a copy: the caller may reuse its list
         self.queue(link, (PUSH, int(cache_id), blocks, dst_tensors.start, dst_tensors.stop, failed))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.log import get_logger
@@ -23,7 +23,7 @@ from llmdd._protocol import messages as m
 from llmdd._base.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
-    from llmdd._memory.manager import MemoryManager
+    from llmdd._memory.manager import CacheRecord, MemoryManager
     from llmdd._base.profiles import ChipProfile
 
 __all__ = ["OwnerSide", "device_pool_bytes"]
@@ -53,10 +53,11 @@ class OwnerSide:
         self._refused: set = set()  # (id(link), message type) already logged
         self._servers = {RequestOp.RESERVE_KEY: self._serve_reserve_key, RequestOp.CONSUME_KEY: self._serve_consume_key,
                          RequestOp.ENGINE_INFO: self._serve_engine_info}
-        self._notices = {m.ReadDone: ("read_done", self._serve_read_done),
-                         m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
-                         m.ReleaseKey: ("release_key", self._serve_release_key),
-                         m.PushDone: ("push_done", self._serve_push_done)}
+        self._notices: dict[type, tuple[str, Callable[..., tuple[int, dict]]]] = {
+            m.ReadDone: ("read_done", self._serve_read_done),
+            m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
+            m.ReleaseKey: ("release_key", self._serve_release_key),
+            m.PushDone: ("push_done", self._serve_push_done)}
 
     def serve(self, link: LinkView, op: RequestOp, args: dict) -> tuple[int, dict]:
         """A peer's data request: ``(status, result)``; a violating one raises (and may fail the link)."""
@@ -102,7 +103,8 @@ class OwnerSide:
         if exc.fail_link:
             self._lm.fail_link(link, exc, status=S.LLM_LINK_FAILED)
 
-    def _guard(self, link: LinkView, args: Any, *, what: str, handler: Any, notice: bool = False) -> tuple[int, dict]:
+    def _guard(self, link: LinkView, args: Any, *, what: str, handler: Callable[..., tuple[int, dict]],
+               notice: bool = False) -> tuple[int, dict]:
         try:
             return handler(link, args)
         except PeerInputError as exc:
@@ -111,7 +113,7 @@ class OwnerSide:
                 return exc.status_code.value, {}
             raise
 
-    def _served_record(self, link: LinkView, cache_id: Any, what: str) -> Any:
+    def _served_record(self, link: LinkView, cache_id: Any, what: str) -> Optional["CacheRecord"]:
         """The live record of a cache id a peer named, if this engine announces it to that peer.
         None when unknown (a benign race: the cache went after the peer read it); a cache the peer
         was never told about is a violation."""
@@ -172,7 +174,7 @@ class OwnerSide:
         self._end_reservation(link, index)
         self._memory.finish_reserved(index, tensors, pulled=True)
 
-    def _serve_key_consumed(self, link: LinkView, msg: Any) -> tuple[int, dict]:
+    def _serve_key_consumed(self, link: LinkView, msg: m.KeyConsumed) -> tuple[int, dict]:
         self._consumed(link, (msg.key.id, msg.key.model_id), msg.cache_id, list(msg.tensor_spans), "key_consumed")
         return 0, {}
 
@@ -188,14 +190,14 @@ class OwnerSide:
         self._consumed(link, index, args.get("cache_id"), spans, "consume_key")
         return 0, {}
 
-    def _cache_event(self, rec: Any, trigger: str, **info: Any) -> None:
+    def _cache_event(self, rec: "CacheRecord", trigger: str, **info: Any) -> None:
         rec.tracked.offer(trigger, **info)   # a cache released meanwhile absorbs a late notice
 
-    def _block_spans(self, rec: Any, spans: Any, what: str) -> list:
+    def _block_spans(self, rec: "CacheRecord", spans: Any, what: str) -> list:
         """Block (or batch) spans of a notice, inside the cache's rows."""
         return [[r.start, r.stop] for r in peer_spans(list(spans), what, rec.rows)]
 
-    def _serve_read_done(self, link: LinkView, msg: Any) -> tuple[int, dict]:
+    def _serve_read_done(self, link: LinkView, msg: m.ReadDone) -> tuple[int, dict]:
         checked = []
         for entry in msg.entries:   # validate the whole notice before any event fires
             rec = self._served_record(link, entry.cache_id, "read_done")

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._protocol.port import LinkView
 
 if TYPE_CHECKING:
+    from llmdd._base.types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
     from llmdd._data.planner import CacheLayout
     from llmdd._data.engine import TransferEngine
+    from llmdd._memory.manager import CacheRecord
 
 __all__ = ["AsyncPull", "AsyncTransfer", "TransferTimedOut"]
 
@@ -44,7 +46,8 @@ class AsyncPull:
     have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
     that link's status: ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot)."""
 
-    def __init__(self, engine: "TransferEngine", link: LinkView, run: Any, callback: Any) -> None:
+    def __init__(self, engine: "TransferEngine", link: LinkView, run: Callable[[], None],
+                 callback: Optional[Callable[[LLMStatusCode], None]]) -> None:
         self._engine = engine
         self._link = link
         self._run = run
@@ -117,7 +120,8 @@ class AsyncPull:
 class AsyncTransfer:
     """One ``transfer_cache_async`` call: a thread walking the layers as the synchronizer releases them."""
 
-    def __init__(self, engine: TransferEngine, rec: Any, src: CacheLayout, synchronizer: Any, configs: list,
+    def __init__(self, engine: TransferEngine, rec: CacheRecord, src: CacheLayout, synchronizer: LayerSynchronizer,
+                 configs: list[Union[TransferConfig, TransferWithCacheKeyConfig]],
                  src_blocks, dst_blocks, dst_block_size) -> None:
         self._engine = engine
         self._rec = rec
@@ -168,7 +172,7 @@ class AsyncTransfer:
             self._cancelled.set()
 
     # -- the worker -----------------------------------------------------------------------
-    def _config_layers(self, config: Any) -> range:
+    def _config_layers(self, config: Union[TransferConfig, TransferWithCacheKeyConfig]) -> range:
         if config.src_layer_range is not None:
             return config.src_layer_range
         return range(0, self._src.num_tensors // 2)

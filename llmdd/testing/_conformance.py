@@ -45,7 +45,7 @@ from typing import Any, Callable, ContextManager, Iterator, Union
 import attrs
 import numpy as np
 
-from llmdd._seam.abc import MAX_PAYLOAD_BYTES, EndpointDescriptor, RegionDescriptor, Completion, MemRegion
+from llmdd._seam.abc import MAX_PAYLOAD_BYTES, Channel, Endpoint, EndpointDescriptor, RegionDescriptor, Completion, MemRegion
 
 from llmdd._seam.errors import PeerGone, Refused, TransportTimeout
 
@@ -66,7 +66,7 @@ _TIMEOUT = 20.0
 class _Side:
     """One endpoint with a few numpy-backed regions."""
 
-    def __init__(self, ep: Any, seed: int) -> None:
+    def __init__(self, ep: Endpoint, seed: int) -> None:
         self.ep = ep
         self.rng = np.random.default_rng(seed)
         self.bufs: dict[int, np.ndarray] = {}
@@ -100,7 +100,7 @@ def _pair(make_pair: MakePair, *, connect: bool = True) -> Iterator[tuple[_Side,
         b.close()
 
 
-def _learn(ch: Any, side: _Side, rid: int, size: Union[int, None] = None) -> None:
+def _learn(ch: Channel, side: _Side, rid: int, size: Union[int, None] = None) -> None:
     ch.add_remote_region(rid, len(side.bufs[rid]) if size is None else size, side.descs[rid])
 
 
@@ -258,7 +258,7 @@ def check_coalescing(make_pair: MakePair) -> None:
         assert not a.bufs[1][size // 2:].any()
 
 
-def _refusal_cases(a: _Side, b: _Side, ch: Any) -> list[tuple[str, Callable[[], np.ndarray]]]:
+def _refusal_cases(a: _Side, b: _Side, ch: Channel) -> list[tuple[str, Callable[[], np.ndarray]]]:
     sz = len(b.bufs[10])
     return [
         ("remote out of bounds", lambda: make_ops(1, 0, 10, sz - 10, 20)),

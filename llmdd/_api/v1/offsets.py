@@ -16,18 +16,21 @@ The key protocol is the engine's: a pull by ``CacheKey`` consumes the key once t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from llmdd._base.enums import DataType, Placement
 from llmdd._memory.copy import execute, slot_copy_ops
 from llmdd._data.planner import tensor_range
 from llmdd._base.status import raise_if_false
 from llmdd._base.types import Cache, CacheDesc
+from llmdd._data.engine import TransferEngine
+from llmdd._data.layouts import RemoteKey
+from llmdd._memory.manager import CacheRecord, MemoryManager
 
 __all__ = ["pull_with_offsets"]
 
 
-def pull_with_offsets(memory: Any, transfers: Any, key: Any, rec: Any, *, batch_index: int, size: int,
+def pull_with_offsets(memory: MemoryManager, transfers: TransferEngine, key: RemoteKey, rec: CacheRecord, *, batch_index: int, size: int,
                       src_offset: int, dst_offset: int, src_layer_range: Optional[range],
                       dst_layer_range: Optional[range], tnpl: int) -> None:
     """Pull with byte offsets into slot ``batch_index`` of the local record ``rec`` (a live non-blocks cache)."""
