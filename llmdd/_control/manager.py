@@ -83,7 +83,7 @@ def _own(link: LinkView) -> Link:
 class LinkManager:
     """Links of one engine, server side and client side."""
 
-    def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
+    def __init__(self, *, cluster_id: int, role: Callable[[], LLMRole], options: EngineOptions, hooks: Hooks,
                  links: Lifecycle, memory: MemoryManager, profile: ChipProfile,
                  loop: Runtime, engine: Optional[Tracked] = None, listeners: Optional[Lifecycle] = None) -> None:
         self._options = options
@@ -91,7 +91,7 @@ class LinkManager:
         self._hooks = hooks
         self._lc = links
         self._memory = memory
-        self.role = role
+        self._role = role   # the engine's role, read when a handshake offers it (the engine owns it)
         self._data: Optional[DataService] = None   # bound once by the composition root (bind_data_service)
         self.settings = LinkSettings.from_options(options)
         self.cluster_id = cluster_id
@@ -144,9 +144,10 @@ class LinkManager:
         self._data = service
         self.exchange.bind_data_service(service)
 
-    def set_role(self, role: LLMRole) -> None:
-        """The engine's role after ``switch_role`` (offered in later handshakes)."""
-        self.role = role
+    @property
+    def role(self) -> LLMRole:
+        """The engine's role now (``switch_role`` changes it on the engine; handshakes offer it)."""
+        return self._role()
 
     # ------------------------------------------------------------------ transports and endpoints
     @property

@@ -9,7 +9,7 @@ imports no facade module; the facade (:mod:`llmdd._api.datadist`) owns one and b
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.enums import LLMRole
@@ -45,11 +45,11 @@ class EngineCore:
     :class:`~llmdd._protocol.port.DataService`) and rank-table comm groups.  The facade
     (:mod:`llmdd._api`) builds its managers over these parts; nothing here imports the facade."""
 
-    def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
+    def __init__(self, *, cluster_id: int, role: Callable[[], LLMRole], options: EngineOptions, hooks: Hooks,
                  engine: Tracked) -> None:
         self.options = options
         self.cluster_id = cluster_id
-        self._role = role
+        self._role = role   # the engine's (the facade's) role, read-only here
         self.hooks = hooks
         self.profile = profile_from_options(options.raw)
         host_pool = options.raw.get("llm.HostMemPoolConfig")
@@ -88,12 +88,8 @@ class EngineCore:
 
     @property
     def role(self) -> LLMRole:
-        return self._role
-
-    def set_role(self, role: LLMRole) -> None:
-        """``switch_role``: the role later handshakes offer."""
-        self._role = role
-        self.link_manager.set_role(role)
+        """The engine's role now (read-only: ``LLMDataDist.switch_role`` changes it)."""
+        return self._role()
 
     def _lifecycle(self, machine: Machine) -> Lifecycle:
         emit, wants = self.hooks.live_emitter(machine)
