@@ -16,6 +16,7 @@ from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._protocol.port import LinkView
 
 if TYPE_CHECKING:
+    from llmdd._lifecycle.machines import Tracked
     from llmdd._base.types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
     from llmdd._data.planner import CacheLayout
     from llmdd._data.engine import TransferEngine
@@ -41,20 +42,23 @@ class AsyncPull:
     one of the engine's pull workers; ``CacheTask``'s interface (``wait`` / ``results``) and an
     optional ``callback(status)`` called once, in the worker, when it ends.
 
-    Cancelled before it starts by an unlink or failure of its link (``LLM_LINK_FAILED``) or by
-    finalize (``LLM_ENGINE_FINALIZED``); once started, it ends as the blocking call would (its steps
-    have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
-    that link's status: ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot)."""
+    It is a task of the task machine from submission (``task``, CREATED while it waits for a worker):
+    the worker's ``start`` and a cancellation's ``withdraw`` race on that machine, and whichever the
+    table takes first decides who ends it.  Withdrawn before it starts by an unlink or failure of its
+    link (``LLM_LINK_FAILED``) or by finalize (``LLM_ENGINE_FINALIZED``): CANCELLED, with its event;
+    once started, it ends as the blocking call would (its steps have the blocking call's
+    sync_kv_timeout deadlines, and a link torn down under it ends it with that link's status:
+    ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot), and its task COMPLETED,
+    TIMED_OUT or FAILED.  The blocking pull's own steps are tasks of their own, as for the blocking call."""
 
     def __init__(self, engine: "TransferEngine", link: LinkView, run: Callable[[], None],
-                 callback: Optional[Callable[[LLMStatusCode], None]]) -> None:
+                 callback: Optional[Callable[[LLMStatusCode], None]], *, task: "Tracked") -> None:
         self._engine = engine
         self._link = link
         self._run = run
         self._callback = callback
-        self._lock = threading.Lock()
+        self.task = task
         self._done = threading.Event()
-        self._claimed = False   # run by the worker, or cancelled: whoever claims it first ends it
         self._link_went = False  # its link was unlinked or failed (while queued or running)
         self._status: Optional[LLMStatusCode] = None
 
@@ -69,23 +73,28 @@ class AsyncPull:
         return self._status
 
     def __call__(self) -> None:
-        with self._lock:
-            if self._claimed:
-                return          # cancelled while queued
-            self._claimed = True
+        if not self.task.offer("start"):
+            return          # withdrawn while queued: it ended then
+        error: Optional[BaseException] = None
         try:
             self._run()
             status = S.LLM_SUCCESS
         except LLMException as exc:
-            status = exc.status_code
+            status, error = exc.status_code, exc
             if status is S.LLM_NOT_YET_LINK and self._link_went:
                 # it waited for the link's transfer slot while the link was unlinked: as a queued
                 # pull of that link, it ends with the link's typed status
                 status = S.LLM_LINK_FAILED
         except Exception as exc:  # noqa: BLE001 - a bug must end the task, not the worker
             _log.error("llmdd.transfer.async_pull_failed", error=repr(exc))
-            status = S.LLM_FAILED
-        self._finish(status)
+            status, error = S.LLM_FAILED, exc
+        try:
+            if status is S.LLM_SUCCESS:
+                self.task.fire("transfer_succeeded")
+            else:
+                self.task.fire("deadline_expired" if status is S.LLM_TIMEOUT else "transfer_failed", error=error)
+        finally:
+            self._finish(status)
 
     def _finish(self, status: LLMStatusCode) -> None:
         self._status = status   # before _done: a waiter woken by it reads this status, never None
@@ -98,20 +107,19 @@ class AsyncPull:
             except Exception as exc:  # noqa: BLE001 - a caller's callback cannot break the engine
                 _log.warning("llmdd.transfer.async_pull_callback_failed", error=repr(exc))
 
-    def _cancel_queued(self, status: LLMStatusCode) -> None:
-        with self._lock:
-            if self._claimed:
-                return
-            self._claimed = True  # the worker that picks it up later does nothing
-        self._finish(status)
+    def _cancel_queued(self, status: LLMStatusCode, why: str) -> None:
+        # the worker that picks it up later finds it CANCELLED and does nothing; one already
+        # running (or done) absorbs the withdrawal and ends it itself
+        if self.task.offer("withdraw", error=LLMException(why, status_code=status)):
+            self._finish(status)
 
     def link_down(self, link: LinkView) -> None:
         if link is self._link:
             self._link_went = True
-            self._cancel_queued(S.LLM_LINK_FAILED)
+            self._cancel_queued(S.LLM_LINK_FAILED, f"the link to cluster {link.peer_cluster_id} went down")
 
     def cancel(self) -> None:
-        self._cancel_queued(S.LLM_ENGINE_FINALIZED)
+        self._cancel_queued(S.LLM_ENGINE_FINALIZED, "the engine is finalized")
 
     def __repr__(self) -> str:
         return f"<AsyncPull peer={getattr(self._link, 'peer_cluster_id', None)} status={self._status}>"
