@@ -421,9 +421,17 @@ class LinkManager:
             # the peer cannot be told: tear down here; the other side must unlink too
             self.close_link(link, trigger="force_unlink", reason="unlink of a failed link")
             return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
-        if self._data is not None and not self._data.quiesce(link):
+        deliver: list[Callable[[], None]] = []
+
+        def unlink() -> None:   # UNLINKING now; its event once the data plane's locks are released
+            link.fsm.fire("unlink", defer=deliver.append)
+
+        if self._data is None:
+            unlink()
+        elif not self._data.quiesce(link, unlink):
             return S.LLM_LINK_BUSY
-        link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
+        for event in deliver:
+            event()
         rid = self.exchange.new_request_id()
         pending = Pending(self.loop.event())
         link.pending[rid] = pending

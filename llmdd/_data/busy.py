@@ -14,6 +14,7 @@ Lock: ``BusyTable._lock`` is a leaf, held only while the table changes (taking a
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._protocol.port import ControlPort, LinkView
@@ -35,15 +36,14 @@ class BusyTable:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._async_busy: dict[int, int] = {}   # id(link) -> layer-wise async tasks holding it
-        self._closing: set[int] = set()         # id(link) of links quiesced for an unlink
 
     def claim_links(self, links: list) -> None:
         """An async task takes ``links`` (all or none): LLM_LINK_BUSY while another task or an unlink has one."""
         with self._lock:
             for link in links:
-                if self._async_busy.get(id(link)) or id(link) in self._closing:
+                if self._async_busy.get(id(link)) or not link.linked:
                     raise _err(f"an async transfer is already running on the link to cluster "
-                               f"{link.peer_cluster_id}", S.LLM_LINK_BUSY)
+                               f"{link.peer_cluster_id}, or the link is no longer in use", S.LLM_LINK_BUSY)
             for link in links:
                 self._async_busy[id(link)] = self._async_busy.get(id(link), 0) + 1
 
@@ -56,14 +56,17 @@ class BusyTable:
                 else:
                     self._async_busy.pop(id(link), None)
 
-    def quiesce(self, link: LinkView) -> bool:
-        """llmdd._protocol.port.DataService: True when no transfer runs on ``link``, and from then on none starts
-        on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
+    def quiesce(self, link: LinkView, unlink: Callable[[], None]) -> bool:
+        """llmdd._protocol.port.DataService: True when no transfer ran on ``link`` and ``unlink()`` moved it
+        out of use (UNLINKING) before any could start; False while one runs (``unlink`` is not called,
+        and the unlink answers LLM_LINK_BUSY)."""
         with self._lock:
             if self._async_busy.get(id(link)) or not link.transfer_lock.acquire(timeout=0):
                 return False
-            self._closing.add(id(link))
-        link.transfer_lock.release()
+            try:
+                unlink()
+            finally:
+                link.transfer_lock.release()
         return True
 
     def acquire(self, link: LinkView) -> None:
@@ -75,9 +78,6 @@ class BusyTable:
         if not link.transfer_lock.acquire(timeout=self.timeout_s):
             raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {self.timeout_s:.3f} s",
                        S.LLM_LINK_BUSY)
-        if id(link) in self._closing and link.linked:
-            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
-            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
         if not link.linked:
             link.transfer_lock.release()
             if self._lm.get(link.peer_cluster_id) in (link, None):
@@ -86,9 +86,4 @@ class BusyTable:
             # relinked while this call waited: it was planned on the link that went (and it never
             # returns without holding that link's lock)
             raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
-                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
-
-    def forget(self, link: LinkView) -> None:
-        """The link is down: it is no longer being unlinked."""
-        with self._lock:
-            self._closing.discard(id(link))
+                       link.failure_status or S.LLM_LINK_FAILED)

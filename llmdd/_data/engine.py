@@ -148,10 +148,10 @@ class TransferEngine:
     def release_links(self, links: list) -> None:
         self._busy.release_links(links)
 
-    def quiesce(self, link: LinkView) -> bool:
-        """llmdd._protocol.port.DataService: True when no transfer runs on ``link``, and from then on none starts
-        on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
-        return self._busy.quiesce(link)
+    def quiesce(self, link: LinkView, unlink: Callable[[], None]) -> bool:
+        """llmdd._protocol.port.DataService: True when no transfer ran on ``link`` and ``unlink()`` took it out
+        of use before any could start; False while one runs (the unlink answers LLM_LINK_BUSY)."""
+        return self._busy.quiesce(link, unlink)
 
     def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Optional["Tracked"] = None,
                 nbytes: Optional[int] = None) -> None:
@@ -212,7 +212,7 @@ class TransferEngine:
             elif not link.linked:
                 # cancelled because the link went down under it (peer lost, force unlink, finalize):
                 # report why the link is gone, not a generic failure
-                code = getattr(link, "failure_status", None) or S.LLM_LINK_FAILED
+                code = link.failure_status or S.LLM_LINK_FAILED
             else:
                 code = exc.status_code
             return _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code)
@@ -493,15 +493,15 @@ class TransferEngine:
         self.small.forget(link)
         for task in list(self._async):
             task.link_down(link)
-        self._busy.forget(link)
         self._notices.forget(link)
         self.owner.link_down(link)
 
     # ------------------------------------------------------------------ non-blocking pulls
     def submit_pull(self, cluster_id: int, run: Callable[[], None],
-                    callback: Optional[Callable[[LLMStatusCode], None]]) -> "AsyncPull":
-        """Queue ``run`` (a blocking pull) on the engine's pull workers; raises at once when the
-        cluster is not linked or too many pulls are waiting."""
+                    callback: Optional[Callable[[LLMStatusCode], None]], *, kind: str) -> "AsyncPull":
+        """Queue ``run`` (a blocking pull) on the engine's pull workers as a task of ``kind`` (CREATED
+        until a worker starts it); raises at once when the cluster is not linked or too many pulls
+        are waiting."""
         link = self.link_for(cluster_id)
         with self._pulls_lock:
             if self._closed:
@@ -511,7 +511,8 @@ class TransferEngine:
                 raise _err(f"{pending} non-blocking pulls are in flight (at most {MAX_ASYNC_PULLS})", S.LLM_LINK_BUSY)
             if self._pull_pool is None:
                 self._pull_pool = ThreadPoolExecutor(max_workers=ASYNC_PULL_WORKERS, thread_name_prefix="llmdd-pull")
-            task = AsyncPull(self, link, run, callback)
+            task = AsyncPull(self, link, run, callback,
+                             task=self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id))
             self._async.add(task)
             self._async_pulls += 1
             pool = self._pull_pool

@@ -14,7 +14,7 @@ the other only through one of the two protocols below, built by the composition 
   and "this link is down".
 * :class:`LinkView` is what the data plane may read of a link (the control plane's record,
   ``llmdd._control.link.Link``, is one): whose it is, its peer's announced tables, its data channel,
-  whether it is in use, and the lock of its one transfer at a time.  The data plane reads these and
+  whether it is in use (and why it failed), and the lock of its one transfer at a time.  The data plane reads these and
   hands the link back through the port; it writes none of them.
 
 Nothing crosses between the planes by string-keyed tables, private calls or writes to another
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 from llmdd._base.status import LLMStatusCode
 from llmdd._protocol import messages as m
@@ -68,6 +68,11 @@ class LinkView(Protocol):
     @property
     def linked(self) -> bool:
         """The link is in use (LINKED and not on its way down)."""
+        ...
+
+    @property
+    def failure_status(self) -> Optional[LLMStatusCode]:
+        """Why the link failed (the status its users get), or None while it has not."""
         ...
 
     @property
@@ -128,9 +133,10 @@ class DataService(Protocol):
         """A one-way notice of the peer's data plane arrived (in arrival order per link)."""
         ...
 
-    def quiesce(self, link: LinkView) -> bool:
-        """Before an unlink: True when no transfer runs on ``link`` and none will start on it from now
-        on; False while one runs (the unlink answers ``LLM_LINK_BUSY``)."""
+    def quiesce(self, link: LinkView, unlink: Callable[[], None]) -> bool:
+        """Before an unlink: True when no transfer runs on ``link``; ``unlink()`` (the control plane's
+        move of the link to UNLINKING, its event deferred) is then called before any transfer can start
+        on it.  False while one runs (``unlink`` is not called; the unlink answers ``LLM_LINK_BUSY``)."""
         ...
 
     def on_link_down(self, link: LinkView) -> None:

@@ -20,7 +20,7 @@ from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._protocol.port import ControlPort, DataService, RequestOp, request_op
 from llmdd._base.profiles import PROFILES
 from llmdd._protocol import messages as m
-from llmdd._base.status import LLMException
+from llmdd._base.status import InvalidStateError, LLMException
 from llmdd._data.engine import TransferEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -121,27 +121,40 @@ def test_claim_links_is_all_or_none(engine):
     te.release_links([a, b, c])
 
 
-def test_quiesce_refuses_a_busy_link_and_afterwards_no_transfer_starts_on_it(engine):
+def test_quiesce_refuses_a_busy_link_and_takes_an_idle_one_out_of_use_before_any_transfer_starts(engine):
     te, _ = engine
     link = FakeLink(5)
+    unlinked = []
+
+    def unlink() -> None:   # the control plane's move to UNLINKING
+        unlinked.append(link.transfer_lock.locked())   # no transfer can start meanwhile
+        link.fsm.fire("unlink")
+
     te.claim_links([link])                     # an async task holds it
-    assert te.quiesce(link) is False
+    assert te.quiesce(link, unlink) is False
     te.release_links([link])
     link.transfer_lock.acquire()               # a blocking transfer holds it
-    assert te.quiesce(link) is False
+    assert te.quiesce(link, unlink) is False
     link.transfer_lock.release()
-    assert te.quiesce(link) is True            # idle: the unlink may go on, with no lock held
-    assert not link.transfer_lock.locked()
-    with pytest.raises(LLMException) as err:   # the unlink has not fired yet: as if UNLINKING
+    assert unlinked == [] and link.linked      # a refused quiesce leaves the link in use
+    assert te.quiesce(link, unlink) is True    # idle: UNLINKING, moved while the link's turn was held
+    assert unlinked == [True] and not link.linked and not link.transfer_lock.locked()
+    with pytest.raises(LLMException) as err:   # out of use: the control plane says why (this port: not linked)
         te._busy.acquire(link)
-    assert err.value.status_code is LLMStatusCode.LLM_PROCESSING_LINK
+    assert err.value.status_code is LLMStatusCode.LLM_NOT_YET_LINK
     assert not link.transfer_lock.locked()
     with pytest.raises(LLMException) as err:   # nor may an async task take it
         te.claim_links([link])
     assert err.value.status_code is LLMStatusCode.LLM_LINK_BUSY
-    te.on_link_down(link)                      # closed: the mark goes with it
-    te.claim_links([link])
-    te.release_links([link])
+
+
+def test_a_quiesce_whose_unlink_is_refused_releases_the_link_and_raises(engine):
+    te, _ = engine
+    link = FakeLink(6)
+    link.fsm.fire("peer_lost")                 # FAILED meanwhile: the table refuses "unlink"
+    with pytest.raises(InvalidStateError):
+        te.quiesce(link, lambda: link.fsm.fire("unlink"))
+    assert not link.transfer_lock.locked()
 
 
 def test_a_notice_with_numbers_outside_the_owners_tables_fails_the_link_through_the_port(engine):
