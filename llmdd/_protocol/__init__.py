@@ -1,9 +1,10 @@
-"""Sans-io control-plane protocol of llmdd: messages (and their bounds, ``wire``), framing codec,
-handshake, descriptor tables.
+"""The protocol of llmdd, below both planes: the wire, sans-io (messages and their bounds, ``wire``;
+framing codec; handshake; descriptor tables), and ``port``, the typed port between the control plane
+and the data plane (``ControlPort``, ``DataService``, ``LinkView``).
 
-Nothing in this package touches a socket: the link manager moves bytes, these modules decide
-what the bytes mean (h11 style).  See ``codec`` for the frame format and ``handshake`` for the
-theory of operation, ``tables`` for what a link's peers announce.
+Nothing in this package touches a socket or a clock: the link manager moves bytes, these modules
+decide what the bytes mean (h11 style).  See ``codec`` for the frame format and ``handshake`` for the
+theory of operation, ``tables`` for what a link's peers announce, ``port`` for how the planes meet.
 """
 
 from llmdd._protocol.codec import (
