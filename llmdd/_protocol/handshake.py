@@ -218,7 +218,7 @@ class _Handshake:
     def refused_by_peer(self) -> bool:
         return self._refused_by_peer
 
-    def receive(self, msg: Any) -> list:
+    def receive(self, msg: m.Message) -> list:
         """Feed one message from the peer; returns the messages to send back (maybe none)."""
         if self._state in _FINAL or self._state is HandshakeState.IDLE:
             raise InvalidStateError(f"handshake is {self._state.value}; it takes no message",

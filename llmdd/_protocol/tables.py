@@ -10,7 +10,7 @@ this side hold is bounded (``MAX_PEER_*``).
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, TypeVar
 
 import msgspec
 
@@ -260,6 +260,10 @@ class DescriptorTables:
         self._cache_version = u.version
 
 
+#: a table update this side announces (regions or caches and keys)
+_Update = TypeVar("_Update", m.RegionsUpdate, m.CacheTableUpdate)
+
+
 class TableAnnouncer:
     """Builds this side's outgoing table updates with the right versions.
 
@@ -275,7 +279,7 @@ class TableAnnouncer:
         """What the peer holds once it has applied everything built so far (read-only use)."""
         return self._mirror
 
-    def _commit(self, update: Any) -> Any:
+    def _commit(self, update: _Update) -> _Update:
         try:
             self._mirror.apply(update)
         except TableUpdateError as exc:
