@@ -444,7 +444,9 @@ class TransferEngine:
                        dst_block_memory_size: Optional[int]) -> "AsyncTransfer":
         rec, src = self.local_layout(cache.cache_id)
         task = AsyncTransfer(self, rec, src, synchronizer, list(configs), src_block_indices,
-                             dst_block_indices, dst_block_memory_size)
+                             dst_block_indices, dst_block_memory_size,
+                             task=self._tasks.create(next(self._ids), kind="transfer_cache_async",
+                                                     configs=len(configs)))
         self._async.add(task)
         task.start()
         return task
@@ -519,10 +521,13 @@ class TransferEngine:
         pool.submit(task)
         return task
 
-    def _async_pull_ended(self, task: "AsyncPull") -> None:
+    def task_ended(self, task: Union[AsyncPull, AsyncTransfer]) -> None:
+        """A task of :mod:`llmdd._data.tasks` ended (or never started): it is no longer counted."""
         with self._pulls_lock:
-            self._async.discard(task)
-            self._async_pulls -= 1
+            if task in self._async:
+                self._async.discard(task)
+                if isinstance(task, AsyncPull):
+                    self._async_pulls -= 1
 
     def close(self) -> None:
         for task in list(self._async):

@@ -2,15 +2,17 @@
 transfers (``CacheTask``'s interface), run by the data plane (:mod:`llmdd._data.engine`).
 
 A task's state lives in the task lifecycle (``_lifecycle/tables.py``); a task reaches its engine's
-links only through the engine (``TransferEngine``), never the control plane directly.
+links only through the engine, never the control plane directly: what it asks of the engine is
+:class:`TaskHost` (``TransferEngine`` is one), so this module does not import the engine.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
 
+from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._protocol.port import LinkView
@@ -19,10 +21,9 @@ if TYPE_CHECKING:
     from llmdd._lifecycle.machines import Tracked
     from llmdd._base.types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
     from llmdd._data.planner import CacheLayout
-    from llmdd._data.engine import TransferEngine
     from llmdd._memory.manager import CacheRecord
 
-__all__ = ["AsyncPull", "AsyncTransfer", "TransferTimedOut"]
+__all__ = ["AsyncPull", "AsyncTransfer", "TaskHost", "TransferTimedOut"]
 
 
 class TransferTimedOut(LLMException):
@@ -35,6 +36,37 @@ S = LLMStatusCode
 
 def _err(msg: str, code: LLMStatusCode) -> LLMException:
     return LLMException(msg, status_code=code)
+
+
+class TaskHost(Protocol):
+    """What a task asks of its engine (``llmdd._data.engine.TransferEngine``)."""
+
+    def link_for(self, cluster_id: int) -> LinkView:
+        """The LINKED link to ``cluster_id`` with its data channel, or the contract's error."""
+        ...
+
+    def claim_links(self, links: list) -> None:
+        """Take ``links`` for a layer-wise task, all or none (LLM_LINK_BUSY)."""
+        ...
+
+    def release_links(self, links: list) -> None:
+        ...
+
+    def plan_async_config(self, link: LinkView, src: "CacheLayout",
+                          config: Union["TransferConfig", "TransferWithCacheKeyConfig"], layer: int, *,
+                          src_blocks: Optional[Sequence[int]], dst_blocks: Optional[Sequence[int]],
+                          dst_block_size: Optional[int]) -> np.ndarray:
+        """The ops of one layer of one config."""
+        ...
+
+    def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Optional["Tracked"] = None,
+                nbytes: Optional[int] = None) -> None:
+        """Move ``ops`` over ``link`` as one step of ``step_of``."""
+        ...
+
+    def task_ended(self, task: Union["AsyncPull", "AsyncTransfer"]) -> None:
+        """``task`` ended (or never started): the engine stops counting it."""
+        ...
 
 
 class AsyncPull:
@@ -51,7 +83,7 @@ class AsyncPull:
     ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot), and its task COMPLETED,
     TIMED_OUT or FAILED.  The blocking pull's own steps are tasks of their own, as for the blocking call."""
 
-    def __init__(self, engine: "TransferEngine", link: LinkView, run: Callable[[], None],
+    def __init__(self, engine: TaskHost, link: LinkView, run: Callable[[], None],
                  callback: Optional[Callable[[LLMStatusCode], None]], *, task: "Tracked") -> None:
         self._engine = engine
         self._link = link
@@ -99,7 +131,7 @@ class AsyncPull:
     def _finish(self, status: LLMStatusCode) -> None:
         self._status = status   # before _done: a waiter woken by it reads this status, never None
         self._done.set()
-        self._engine._async_pull_ended(self)
+        self._engine.task_ended(self)
         callback = self._callback
         if callback is not None:
             try:
@@ -128,9 +160,10 @@ class AsyncPull:
 class AsyncTransfer:
     """One ``transfer_cache_async`` call: a thread walking the layers as the synchronizer releases them."""
 
-    def __init__(self, engine: TransferEngine, rec: CacheRecord, src: CacheLayout, synchronizer: LayerSynchronizer,
+    def __init__(self, engine: TaskHost, rec: CacheRecord, src: CacheLayout, synchronizer: LayerSynchronizer,
                  configs: list[Union[TransferConfig, TransferWithCacheKeyConfig]],
-                 src_blocks, dst_blocks, dst_block_size) -> None:
+                 src_blocks: Optional[Sequence[int]], dst_blocks: Optional[Sequence[int]],
+                 dst_block_size: Optional[int], *, task: "Tracked") -> None:
         self._engine = engine
         self._rec = rec
         self._src = src
@@ -145,8 +178,7 @@ class AsyncTransfer:
         self._lock = threading.Lock()
         self._links: list = []
         self.layer_times: list[tuple[int, float, float]] = []  # (layer, released_at, transferred_at)
-        self.task = engine._tasks.create(next(engine._ids), kind="transfer_cache_async",
-                                         configs=len(configs))
+        self.task = task
         self._thread = threading.Thread(target=self._run, name="llmdd-async", daemon=True)
 
     def _distinct_links(self) -> list:
@@ -159,7 +191,7 @@ class AsyncTransfer:
                 self._links.append(self._engine.link_for(config.dst_cluster_id))
             self._engine.claim_links(self._distinct_links())
         except LLMException:
-            self._engine._async.discard(self)
+            self._engine.task_ended(self)
             raise
         self._thread.start()
 
@@ -258,5 +290,5 @@ class AsyncTransfer:
             task.offer("transfer_failed", error=exc)
         finally:
             engine.release_links(self._distinct_links())
-            engine._async.discard(self)
+            engine.task_ended(self)
             self._done.set()

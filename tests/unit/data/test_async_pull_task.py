@@ -29,7 +29,7 @@ class _Engine:
     def __init__(self) -> None:
         self.ended: list[AsyncPull] = []
 
-    def _async_pull_ended(self, pull: AsyncPull) -> None:
+    def task_ended(self, pull: AsyncPull) -> None:
         self.ended.append(pull)
 
 
