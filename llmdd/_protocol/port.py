@@ -14,7 +14,7 @@ the other only through one of the two protocols below, built by the composition 
   and "this link is down".
 * :class:`LinkView` is what the data plane may read of a link (the control plane's record,
   ``llmdd._control.link.Link``, is one): whose it is, its peer's announced tables, its data channel,
-  whether it is in use (and why it failed), and the lock of its one transfer at a time.  The data plane reads these and
+  whether it is in use or serves its peer (and why it failed), and the lock of its one transfer at a time.  The data plane reads these and
   hands the link back through the port; it writes none of them.
 
 Nothing crosses between the planes by string-keyed tables, private calls or writes to another
@@ -68,6 +68,11 @@ class LinkView(Protocol):
     @property
     def linked(self) -> bool:
         """The link is in use (LINKED and not on its way down)."""
+        ...
+
+    @property
+    def serves_peer(self) -> bool:
+        """The peer's requests and notices are served (and what they reserve recorded)."""
         ...
 
     @property
