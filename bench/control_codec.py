@@ -107,8 +107,8 @@ def _git_commit(path: str) -> str:
 
 
 def run(rounds: int, iterations: int, seed: int, only: list[str] | None = None) -> dict:
-    import llmdd._control.protocol.codec as codec
-    from llmdd._control.protocol import messages as m
+    import llmdd._protocol.codec as codec
+    from llmdd._protocol import messages as m
 
     results: dict[str, dict] = {}
     for name, msg in _cases(m, seed).items():
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--case", action="append", help="only these cases (repeatable)")
     ap.add_argument("--out", help="write the JSON results here")
     args = ap.parse_args(argv)
-    import llmdd._control.protocol.codec as codec
+    import llmdd._protocol.codec as codec
 
     load_before = _load()
     results = run(args.rounds, args.iterations, args.seed, args.case)

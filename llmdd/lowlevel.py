@@ -39,12 +39,12 @@ from llmdd._seam.ops import check_ops as check_ops
 from llmdd._seam.ops import coalesce_ops as coalesce_ops
 from llmdd._seam.ops import make_ops as make_ops
 from llmdd._seam.ops import split_ops as split_ops
-from llmdd._control.ioloop import EVENT_READ as EVENT_READ
+from llmdd._runtime.runtime import EVENT_READ as EVENT_READ
 from llmdd._base.lazy import np as lazy_numpy
 from llmdd._base.lazy import when_numpy_loaded as when_numpy_loaded
-from llmdd._control.ioloop import EVENT_WRITE as EVENT_WRITE
-from llmdd._control.ioloop import IoLoop as IoLoop
-from llmdd._control.ioloop import PoolFull as PoolFull
+from llmdd._runtime.runtime import EVENT_WRITE as EVENT_WRITE
+from llmdd._runtime.ioloop import IoLoop as IoLoop
+from llmdd._runtime.runtime import PoolFull as PoolFull
 from llmdd._memory.segments import segment_name as segment_name
 from llmdd._base.options import TlsConfig as TlsConfig
 from llmdd._base.options import tls_config as tls_config

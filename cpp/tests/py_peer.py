@@ -18,7 +18,7 @@ import sys
 import time
 
 import llmdd
-from llmdd._data.port import RequestOp
+from llmdd._protocol.port import RequestOp
 from llmdd import (BlocksCacheKey, CacheDesc, CacheKeyByIdAndIndex, DataType, LLMClusterInfo, LLMConfig, LLMRole,
                    LLMStatusCode)
 

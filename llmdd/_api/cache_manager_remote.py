@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple, TypeGuard, Union
 
 from llmdd._base.enums import Placement
-from llmdd._control.protocol.messages import MAX_TAG_BYTES
+from llmdd._protocol.messages import MAX_TAG_BYTES
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from llmdd._base.types import (BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, CacheTask, LayerSynchronizer,
                      TransferConfig, TransferWithCacheKeyConfig, check_cache_key, check_layer_range)
@@ -154,7 +154,7 @@ class RemoteOperations:
         Arguments are checked at once (a bad one raises here, as for the blocking call)."""
         _check_callback(callback)
         engine, run = self._prepare_pull_cache(cache_key, cache, batch_index, size, tag, kwargs)
-        return CacheTask(engine.submit_pull(cache_key.cluster_id, run, callback))
+        return CacheTask(engine.submit_pull(cache_key.cluster_id, run, callback, kind="pull_cache_async"))
 
     def _prepare_pull_cache(self, cache_key, cache, batch_index, size, tag, kwargs) -> tuple:
         engine = _transfers(self)
@@ -208,7 +208,7 @@ class RemoteOperations:
         Many may be in flight per link; arguments are checked at once (a bad one raises here)."""
         _check_callback(callback)
         engine, run = self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)
-        return CacheTask(engine.submit_pull(src_cache_key.cluster_id, run, callback))
+        return CacheTask(engine.submit_pull(src_cache_key.cluster_id, run, callback, kind="pull_blocks_async"))
 
     def _prepare_pull_blocks(self, src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs) -> tuple:
         engine = _transfers(self)

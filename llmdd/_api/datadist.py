@@ -23,7 +23,7 @@ from llmdd._base.options import EngineOptions, parse_listen_ip_info, prepare_eng
 from llmdd._extension.manager import Hooks, LLMDDPluginManager, make_plugin_manager
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
 from llmdd._api.v1 import KvCacheManager
-from llmdd._api.v1.datadist import not_in_v1, not_in_v2, v1_check_link_status, v1_link_clusters, v1_switch_role
+from llmdd._api.v1.datadist import not_in_v1, not_in_v2, v1_check_link_status, v1_link_clusters, v1_switch_listen
 from llmdd._api.v1.options import V1Settings, prepare_v1_options
 from llmdd._base.validation import check_int32, check_isinstance, check_uint32, check_uint64
 from llmdd.plugin import EngineConfig
@@ -53,7 +53,7 @@ class LLMDataDist:
         self._cluster_id = cluster_id
         self._core: EngineCore | None = None
         self._cache_manager: CacheManager | None = None
-        self._kv_cache_manager: Any = None   # the legacy v1 mode's KvCacheManager (llmdd/_api/v1)
+        self._kv_cache_manager: Optional[KvCacheManager] = None   # the legacy v1 mode's KvCacheManager (llmdd/_api/v1)
         self._engine_options: dict[str, str] = {}
         self._pm: Optional[LLMDDPluginManager] = None      # built once, by _ensure_plugins
         self._hooks: Optional[Hooks] = None
@@ -82,6 +82,17 @@ class LLMDataDist:
         if self._v1 is None:
             raise not_in_v2("kv_cache_manager")
         return self._kv_cache_manager
+
+    def _set_role(self, role: LLMRole) -> None:
+        """The one writer of the engine's role.  The role lives here only: the engine core, its link
+        manager (the role later handshakes offer) and the v1 ``KvCacheManager`` read it through
+        :meth:`_current_role`; the engine's options record it as ``llm.Role``."""
+        self._role = role
+        self._engine_options["llm.Role"] = self._role_to_str(role)
+
+    def _current_role(self) -> LLMRole:
+        """The engine's role now (the read-only view handed to the engine core)."""
+        return self._role
 
     @staticmethod
     def _role_to_str(role: LLMRole) -> str:
@@ -135,11 +146,11 @@ class LLMDataDist:
             parsed = EngineOptions.parse(engine_options, self._role)
             _pm, hooks, engine_fsm = self._ensure_plugins()
             hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role, options=engine_options))
-            core = EngineCore(cluster_id=self._cluster_id, role=self._role, options=parsed, hooks=hooks,
+            core = EngineCore(cluster_id=self._cluster_id, role=self._current_role, options=parsed, hooks=hooks,
                               engine=engine_fsm)
             try:
                 cache_manager = CacheManager(core.memory, parsed.raw, profile=core.profile, transfers=core.transfers)
-                kv_cache_manager = KvCacheManager(core, self._role, cache_manager) if v1 is not None else None
+                kv_cache_manager = KvCacheManager(core, cache_manager) if v1 is not None else None
             except BaseException:
                 core.close()
                 raise
@@ -232,18 +243,15 @@ class LLMDataDist:
     def switch_role(self, role: LLMRole, switch_options: Optional[Dict[str, str]] = None) -> None:
         """Change role; ``llm.listenIpInfo`` in the options starts/moves listening, its absence stops it."""
         core = self._require_core()
+        listen: Optional[tuple[str, int]] = None
         if self._v1 is not None:
-            v1_switch_role(self, core, role, switch_options, self._v1.enable_switch_role)
-            self._engine_options["llm.Role"] = self._role_to_str(role)
-            addr = core.link_manager.listen_address
-            self._engine().fire("switch_role", role=role.name, listen=f"{addr[0]}:{addr[1]}" if addr else None)
-            return
-        check_isinstance("role", role, LLMRole, allow_none=False)
-        check_isinstance("switch_options", switch_options, dict)
-        options = dict(switch_options or {})
-        listen = None
-        if "llm.listenIpInfo" in options:
-            listen = parse_listen_ip_info(options["llm.listenIpInfo"])
+            listen = v1_switch_listen(self._role, role, switch_options, self._v1.enable_switch_role)
+        else:
+            check_isinstance("role", role, LLMRole, allow_none=False)
+            check_isinstance("switch_options", switch_options, dict)
+            options = dict(switch_options or {})
+            if "llm.listenIpInfo" in options:
+                listen = parse_listen_ip_info(options["llm.listenIpInfo"])
         lm = core.link_manager
         if lm.has_links():
             raise LLMException("switch_role is not allowed while links exist; unlink them first.",
@@ -256,9 +264,7 @@ class LLMDataDist:
             lm.stop_listening()
         elif lm.listen_address != listen:
             lm.listen(*listen)
-        self._role = role
-        core.set_role(role)
-        self._engine_options["llm.Role"] = self._role_to_str(role)
+        self._set_role(role)
         self._engine().fire("switch_role", role=role.name, listen=f"{listen[0]}:{listen[1]}" if listen else None)
 
     # -- bilateral comm groups (rank table) ---------------------------------------

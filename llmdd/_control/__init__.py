@@ -7,5 +7,6 @@
 - :mod:`.manager`: the link manager: handshakes, table exchange, requests, keepalive, unlink.
 
 A link's state is decided in :mod:`llmdd._lifecycle`; this package does the I/O and fires the
-outcome triggers.
+outcome triggers.  What the bytes mean is :mod:`llmdd._protocol` (sans-io); time, threads and sockets
+come from :mod:`llmdd._runtime`; the data plane is reached only through ``llmdd._protocol.port``.
 """

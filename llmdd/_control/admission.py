@@ -27,13 +27,13 @@ from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection, TlsFailed
 from llmdd._control.endpoints import TransportEndpoints, endpoint_descriptor, offer_from_args, to_wire
-from llmdd._control.ioloop import PoolFull, Waiter
+from llmdd._runtime.runtime import PoolFull, Waiter
 from llmdd._control.link import Link
 from llmdd._control.linking import CROSS_LINK_REASON, NO_TRANSPORT, LinkHost, transport_reason
 from llmdd._control.listener import Listener, close_quietly, refuse_busy
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
-from llmdd._control.protocol.handshake import PRE_AUTH_MAX_FRAME_SIZE, HandshakeRefused, ServerHandshake
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
+from llmdd._protocol.handshake import PRE_AUTH_MAX_FRAME_SIZE, HandshakeRefused, ServerHandshake
 from llmdd._control.table import LinkTable
 from llmdd._extension.manager import Hooks, LazyCandidates
 from llmdd._lifecycle.tables import LINK_SETTING_UP
@@ -73,7 +73,7 @@ class ServerSession:
         self.accepted_at = adm.host.loop.monotonic()
         self.done = False
 
-    def on_message(self, msg: Any) -> None:
+    def on_message(self, msg: m.Message) -> None:
         for out in self.hs.receive(msg):
             self.conn.send(out)
         if self.hs.refused:

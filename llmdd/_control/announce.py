@@ -2,7 +2,7 @@
 
 A peer learns this engine's tables as a full announcement when its link is set up, then as the
 differences since the last announcement whenever memory changes (``MemoryManager``'s change
-listener).  Each link's :class:`~llmdd._control.protocol.tables.TableAnnouncer` keeps what was
+listener).  Each link's :class:`~llmdd._protocol.tables.TableAnnouncer` keeps what was
 announced; :class:`Announcements` reads the memory tables, computes the differences and sends
 them.  Every announcement runs on the registrar thread (one at a time, in order, with no lock
 held), and the endpoints' grant covers what an announcement names before it leaves.
@@ -14,8 +14,8 @@ from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException
 from llmdd._control.endpoints import Registrar, TransportEndpoints
 from llmdd._control.link import Link
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
 from llmdd._control.table import LinkTable
 from llmdd._memory.manager import MemoryManager
 
@@ -66,6 +66,7 @@ class Announcements:
         self.endpoints.grant(link, regions)
         ann = link.announcer
         done = ann.announced
+        updates: list[m.Message]
         if full:
             updates = [ann.regions_update(added=regions.values(), full=True),
                        ann.cache_table_update(caches_added=caches.values(), keys_added=keys.values(), full=True)]

@@ -34,7 +34,7 @@ from llmdd._base.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
     from llmdd._control.link import Link
-    from llmdd._lifecycle.machines import Lifecycle
+    from llmdd._lifecycle.machines import Lifecycle, Tracked
     from llmdd._control.manager import LinkManager
 
 __all__ = ["CommGroups", "rendezvous_dir"]
@@ -57,7 +57,7 @@ def _base_port() -> int:
 
 
 class _Group:
-    def __init__(self, comm_id: int, name: str, table: RankTable, ranks: dict, my_rank: int, fsm: Any) -> None:
+    def __init__(self, comm_id: int, name: str, table: RankTable, ranks: dict, my_rank: int, fsm: "Tracked") -> None:
         self.comm_id = comm_id
         self.name = name
         self.table = table

@@ -7,9 +7,10 @@ import ssl
 import threading
 from typing import Any, Callable, Optional
 
-from llmdd._control.ioloop import EVENT_READ, EVENT_WRITE, Runtime
+from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE, Runtime
 from llmdd._base.log import get_logger
-from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import NEED_DATA, PEER_CLOSED, Connection, ProtocolError
 
 __all__ = ["ControlConnection", "TlsFailed"]
 
@@ -81,7 +82,7 @@ class ControlConnection:
             self.codec.receive_data(data)
 
     # ------------------------------------------------------------------ sending (any thread)
-    def send(self, msg: Any, *, timeout: float = 5.0) -> None:
+    def send(self, msg: m.Message, *, timeout: float = 5.0) -> None:
         with self._lock:
             if self._closed:
                 raise ProtocolError("control connection is closed")

@@ -28,9 +28,9 @@ from llmdd._control.link import CLUSTERS_HOLD, Link
 from llmdd._control.linking import (
     CROSS_LINK_REASON, LINK_DESCRIPTOR_OP, NO_TRANSPORT, CrossLink, LinkHost, transport_reason,
 )
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import PEER_CLOSED, ProtocolError
-from llmdd._control.protocol.handshake import ClientHandshake, HandshakeRefused
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import PEER_CLOSED, ProtocolError
+from llmdd._protocol.handshake import ClientHandshake, HandshakeRefused
 from llmdd._control.settings import MAX_CLUSTERS_PER_CALL
 from llmdd._control.table import LinkTable
 from llmdd._extension.manager import LazyCandidates

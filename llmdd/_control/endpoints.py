@@ -9,7 +9,7 @@
   opened), and grants or revokes a link's capability on its transport's data port.
 
 Descriptors: the seam's :class:`~llmdd.abc.EndpointDescriptor` / :class:`~llmdd.abc.RegionDescriptor`
-travel as :class:`~llmdd._control.protocol.messages.TransportDescriptor` (:func:`to_wire`,
+travel as :class:`~llmdd._protocol.messages.TransportDescriptor` (:func:`to_wire`,
 :func:`endpoint_descriptor`, :func:`peer_region_descriptor`); the control plane's own facts about an
 offer (deferred, the link's capability) are typed fields of the offer, never keys inside a
 transport's payload.
@@ -32,9 +32,10 @@ import msgspec
 
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
-from llmdd._control.ioloop import PoolFull, Runtime, Strand
+from llmdd._runtime.runtime import PoolFull, Runtime
+from llmdd._runtime.ioloop import Strand
 from llmdd._control.link import Link
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 from llmdd._control.settings import LinkSettings
 from llmdd._seam.errors import Refused
 from llmdd._base.status import TransportError
@@ -42,6 +43,7 @@ from llmdd._seam.abc import CAPABILITY_BYTES, Endpoint, EndpointDescriptor, MemR
 
 if TYPE_CHECKING:
     from llmdd._memory.manager import MemoryManager
+    from llmdd._memory.regions import Region
     from llmdd.plugin import TransportRegistry
 
 __all__ = ["Registrar", "TransportEndpoints", "to_wire", "endpoint_descriptor", "peer_region_descriptor", "offer_args",
@@ -87,7 +89,7 @@ def offer_args(offer: m.TransportOffer) -> dict:
 
 
 def offer_from_args(args: Mapping[str, Any]) -> m.TransportOffer:
-    """The offer a ``link_descriptor`` request carries; :class:`~llmdd._control.protocol.messages.InvalidMessage`
+    """The offer a ``link_descriptor`` request carries; :class:`~llmdd._protocol.messages.InvalidMessage`
     when its arguments do not make one (types and bounds as the typed wire checks them)."""
     try:
         desc = m.TransportDescriptor(transport=args["transport"], version=args["version"], payload=args["payload"])
@@ -301,16 +303,16 @@ class TransportEndpoints:
             _log.warning("llmdd.link.revoke_failed", transport=name, error=str(exc))
 
     # ------------------------------------------------------------------ regions
-    def granted(self, region: Any) -> bool:
+    def granted(self, region: "Region") -> bool:
         """May linked peers access ``region``?  In remote-accessible mode only regions registered
         remote-accessible; otherwise every cache of the engine is served to linked peers, as
         upstream's engine serves pulls of any cache in that mode."""
         return bool(region.remote_accessible) or not self._options.remote_cache_accessible
 
-    def mem_region(self, region: Any) -> MemRegion:
+    def mem_region(self, region: "Region") -> MemRegion:
         return attrs.evolve(region.to_mem_region(), remote_accessible=self.granted(region))
 
-    def region_descriptor(self, region: Any) -> m.RegionDescriptor:
+    def region_descriptor(self, region: "Region") -> m.RegionDescriptor:
         return m.RegionDescriptor(
             region_id=region.region_id, cache_id=region.cache_id, addr=region.addr, size=region.size,
             placement=region.placement, remote_accessible=self.granted(region),

@@ -3,7 +3,7 @@
 :class:`LinkExchange` receives every message of a link's control connection (loop thread): cheap
 ones are handled at once when the link's strand is idle, the rest on the strand, in order.  The
 handlers apply the peer's tables, answer keepalives, serve the data plane's requests and notices
-(through the :class:`~llmdd._data.port.DataService` the composition root binds), end a link the peer
+(through the :class:`~llmdd._protocol.port.DataService` the composition root binds), end a link the peer
 unlinks, and fail one whose peer sent an error or closed.  :meth:`LinkExchange.request` sends a
 request and waits for its reply until a deadline.  Failing and closing a link is the link manager's
 (the :class:`~llmdd._control.linking.LinkHost` given here); a server-side link still in its setup
@@ -13,7 +13,7 @@ goes back to :class:`~llmdd._control.admission.Admission`.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from msgspec.structs import replace as msgspec_replace
 
@@ -23,9 +23,9 @@ from llmdd._control.admission import Admission
 from llmdd._control.endpoints import peer_region_descriptor
 from llmdd._control.link import Link, Pending
 from llmdd._control.linking import LINK_DESCRIPTOR_OP, LinkHost
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
-from llmdd._data.port import DataService, RequestOp, request_op
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
+from llmdd._protocol.port import DataNotice, DataService, RequestOp, request_op
 from llmdd._extension.manager import Hooks
 from llmdd._lifecycle.tables import LINK_DOWN, LINK_SETTING_UP, LINK_UNLINKING
 
@@ -108,7 +108,7 @@ class LinkExchange:
         finally:
             link.pending.pop(rid, None)
 
-    def notify(self, link: Link, msg: Any) -> None:
+    def notify(self, link: Link, msg: m.Message) -> None:
         """Best-effort one-way message (ReadDone, KeyConsumed...)."""
         try:
             link.control.send(msg)
@@ -118,7 +118,7 @@ class LinkExchange:
     #: cheap messages handled on the loop thread when the link's strand has nothing queued (in order)
     _INLINE = frozenset({m.Keepalive, m.KeepaliveAck, m.TransferReply, m.UnlinkAck})
 
-    def dispatch(self, link: Link, msg: Any) -> None:
+    def dispatch(self, link: Link, msg: m.Message) -> None:
         """A message arrived (loop thread): cheap ones now, the rest on the link's strand, in order."""
         if self._hooks.drops_control_message(link.peer_cluster_id, msg):
             return  # a plugin (fault injection) dropped it: as if the network lost it
@@ -128,14 +128,14 @@ class LinkExchange:
         else:
             self.host.submit(link, self._handle_on_strand, link, msg)
 
-    def _handle(self, link: Link, msg: Any) -> None:
+    def _handle(self, link: Link, msg: m.Message) -> None:
         handler = self._message_handlers.get(type(msg))
         if handler is None:
             _log.warning("llmdd.link.unexpected_message", peer=link.peer_cluster_id, type=type(msg).__name__)
             return
         handler(link, msg)
 
-    def _handle_on_strand(self, link: Link, msg: Any) -> None:
+    def _handle_on_strand(self, link: Link, msg: m.Message) -> None:
         try:
             self._handle(link, msg)
         except (OSError, ProtocolError, ValueError) as exc:   # e.g. a table update that does not apply
@@ -146,7 +146,7 @@ class LinkExchange:
             self.on_closed(link, exc)
             link.control.close()
 
-    def _on_tables(self, link: Link, msg: Any) -> None:
+    def _on_tables(self, link: Link, msg: Union[m.RegionsUpdate, m.CacheTableUpdate]) -> None:
         link.tables.apply(msg)  # raises TableUpdateError (a ProtocolError): the link fails
         if isinstance(msg, m.CacheTableUpdate) and link.tables.regions_version > 0:
             first = not link.tables_ready.is_set()
@@ -166,7 +166,7 @@ class LinkExchange:
     def _on_keepalive_ack(self, link: Link, msg: m.KeepaliveAck) -> None:
         link.liveness.acked(self.host.loop.monotonic_ns(), msg.echo_sent_at_ns)
 
-    def _on_reply(self, link: Link, msg: Any) -> None:
+    def _on_reply(self, link: Link, msg: Union[m.UnlinkAck, m.TransferReply]) -> None:
         pending = link.pending.get(msg.request_id)
         if pending is not None:
             pending.reply = msg
@@ -224,7 +224,7 @@ class LinkExchange:
             status, result = S.LLM_FAILED.value, {"error": repr(exc)}
         self.notify(link, m.TransferReply(request_id=request_id, status_code=status, result=result))
 
-    def _on_data_notice(self, link: Link, msg: Any) -> None:
+    def _on_data_notice(self, link: Link, msg: DataNotice) -> None:
         if self._data is not None and not self._fenced(link, None, type(msg).__name__):
             self._data.on_notice(link, msg)
 

@@ -14,12 +14,13 @@ import attrs
 from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import LINK_IN_USE, LINK_SERVES, LINK_SETTING_UP, LinkState
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.handshake import PeerInfo
-from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
+from llmdd._protocol import messages as m
+from llmdd._protocol.handshake import PeerInfo
+from llmdd._protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
 from llmdd._control.connection import ControlConnection
-from llmdd._control.ioloop import Strand, Timer, Waiter
+from llmdd._runtime.runtime import Timer, Waiter
+from llmdd._runtime.ioloop import Strand
 from llmdd._control.liveness import Liveness
 
 __all__ = ["Link", "Pending", "SetupSession", "CLUSTERS_HOLD"]
@@ -64,7 +65,6 @@ class Link:
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
     comm_id: Optional[int] = None
-    engine_info: Optional[dict] = None        # the peer's pools and profile (asked once, when needed)
     is_client: bool = True
     created_at: float = attrs.field(kw_only=True)   # the loop's clock
     bytes_read: int = 0

@@ -13,10 +13,10 @@ from typing import Any, Callable, Optional, Protocol
 
 from llmdd._base.enums import LLMRole
 from llmdd._control.connection import ControlConnection
-from llmdd._control.ioloop import Runtime
+from llmdd._runtime.runtime import Runtime
 from llmdd._control.link import Link
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.handshake import HandshakeConfig, PeerInfo
+from llmdd._protocol import messages as m
+from llmdd._protocol.handshake import HandshakeConfig, PeerInfo
 from llmdd._control.settings import LinkSettings
 from llmdd._seam.abc import EndpointDescriptor
 from llmdd.plugin import LinkInfo
@@ -71,7 +71,7 @@ class LinkHost(Protocol):
         """Enter a link for an authenticated peer into the table (replacing a stale one)."""
         ...
 
-    def dispatch(self, link: Link, msg: Any) -> None:
+    def dispatch(self, link: Link, msg: m.Message) -> None:
         """A message arrived on ``link``'s control connection (loop thread)."""
         ...
 
@@ -91,7 +91,7 @@ class LinkHost(Protocol):
         """Tear a link down and drop it from the table; it ends CLOSED."""
         ...
 
-    def notify(self, link: Link, msg: Any) -> None:
+    def notify(self, link: Link, msg: m.Message) -> None:
         """Best-effort one-way message."""
         ...
 

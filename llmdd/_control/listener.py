@@ -14,12 +14,12 @@ import errno
 import socket
 from typing import Callable, Optional
 
-from llmdd._control.ioloop import EVENT_READ, PoolFull, Runtime
+from llmdd._runtime.runtime import EVENT_READ, PoolFull, Runtime
 from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._lifecycle.tables import LISTENER_OPEN
 from llmdd._base.log import get_logger
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import Connection
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import Connection
 from llmdd._base.status import LLMException, LLMStatusCode
 
 __all__ = ["Listener", "Listeners", "FailedListener", "ACCEPT_PAUSE_S", "close_quietly", "refuse_busy"]

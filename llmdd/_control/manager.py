@@ -2,7 +2,7 @@
 
 One :class:`LinkManager` per initialized engine: the control plane's assembly and its entry points.
 A link to a peer cluster is a TCP control connection carrying the sans-io protocol of
-:mod:`llmdd._control.protocol`, plus a data channel of the transport both sides agreed on.  The
+:mod:`llmdd._protocol`, plus a data channel of the transport both sides agreed on.  The
 link's state lives in the link lifecycle (``_lifecycle/tables.py``); this module does the per-link
 I/O and fires the outcome triggers.  Its parts, each a module of one concept built here with its
 typed dependencies:
@@ -17,10 +17,10 @@ typed dependencies:
 The two setup sides see the manager as a :class:`~llmdd._control.linking.LinkHost` (it adopts, runs,
 fails and closes a link once it exists), so they never import this module.
 
-Threads: the engine's I/O loop (:mod:`llmdd._control.ioloop`) drives listeners, handshakes, every
+Threads: the engine's I/O loop (:mod:`llmdd._runtime.ioloop`) drives listeners, handshakes, every
 link's control connection, keepalives and deadlines from one thread; blocking work (transport
 plugins, hook subscribers, memory calls) runs on the loop's bounded pool, in order per link
-(a :class:`~llmdd._control.ioloop.Strand`), and endpoint registrations and table announcements on one
+(a :class:`~llmdd._runtime.ioloop.Strand`), and endpoint registrations and table announcements on one
 registrar thread.  The thread count does not grow with links or connections.  All are daemon
 threads: they never keep the interpreter alive, and the exit handler's ``finalize`` closes them.
 
@@ -46,17 +46,18 @@ from llmdd._control.connection import ControlConnection
 from llmdd._control.dialer import Dialer
 from llmdd._control.exchange import LinkExchange, sync_remote_regions
 from llmdd._control.endpoints import Registrar, TransportEndpoints
-from llmdd._control.ioloop import PoolFull, Runtime, Strand
+from llmdd._runtime.runtime import PoolFull, Runtime
+from llmdd._runtime.ioloop import Strand
 from llmdd._control.link import CLUSTERS_HOLD, Link, Pending
 from llmdd._control.linking import LINK_DESCRIPTOR_OP
 from llmdd._control.listener import Listeners
 from llmdd._control.liveness import Liveness, PeerLost
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
-from llmdd._control.protocol.handshake import HandshakeConfig, PeerInfo, new_incarnation
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
+from llmdd._protocol.handshake import HandshakeConfig, PeerInfo, new_incarnation
 from llmdd._control.settings import MAX_CLUSTERS_PER_CALL, LinkSettings
 from llmdd._control.table import LinkTable
-from llmdd._data.port import DataService, RequestOp
+from llmdd._protocol.port import DataService, LinkView, RequestOp
 from llmdd._extension.manager import Hooks
 from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._lifecycle.tables import (
@@ -72,10 +73,17 @@ _log = get_logger("llmdd.link")
 S = LLMStatusCode
 
 
+def _own(link: LinkView) -> Link:
+    """The record behind a link the data plane hands back through its port (one of this manager's)."""
+    if not isinstance(link, Link):
+        raise TypeError(f"not a link of this engine: {link!r}")
+    return link
+
+
 class LinkManager:
     """Links of one engine, server side and client side."""
 
-    def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
+    def __init__(self, *, cluster_id: int, role: Callable[[], LLMRole], options: EngineOptions, hooks: Hooks,
                  links: Lifecycle, memory: MemoryManager, profile: ChipProfile,
                  loop: Runtime, engine: Optional[Tracked] = None, listeners: Optional[Lifecycle] = None) -> None:
         self._options = options
@@ -83,7 +91,7 @@ class LinkManager:
         self._hooks = hooks
         self._lc = links
         self._memory = memory
-        self.role = role
+        self._role = role   # the engine's role, read when a handshake offers it (the engine owns it)
         self._data: Optional[DataService] = None   # bound once by the composition root (bind_data_service)
         self.settings = LinkSettings.from_options(options)
         self.cluster_id = cluster_id
@@ -136,9 +144,10 @@ class LinkManager:
         self._data = service
         self.exchange.bind_data_service(service)
 
-    def set_role(self, role: LLMRole) -> None:
-        """The engine's role after ``switch_role`` (offered in later handshakes)."""
-        self.role = role
+    @property
+    def role(self) -> LLMRole:
+        """The engine's role now (``switch_role`` changes it on the engine; handshakes offer it)."""
+        return self._role()
 
     # ------------------------------------------------------------------ transports and endpoints
     @property
@@ -305,37 +314,39 @@ class LinkManager:
         return self._table.has_links()
 
     # ------------------------------------------------------------------ messages (LinkExchange)
-    def request(self, link: Link, op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
+    def request(self, link: LinkView, op: RequestOp, args: dict, *, deadline: float) -> tuple[int, dict]:
         """Send a data-plane request (a TransferRequest) and wait for its reply until ``deadline``."""
-        return self.exchange.request(link, op, args, deadline=deadline)
+        return self.exchange.request(_own(link), op, args, deadline=deadline)
 
-    def ask(self, link: Link, message: m.TaggedDone, *, deadline: float) -> tuple[int, dict]:
+    def ask(self, link: LinkView, message: m.TaggedDone, *, deadline: float) -> tuple[int, dict]:
         """Send an acknowledged notice (its request id is this side's) and wait for the reply."""
-        return self.exchange.ask(link, message, deadline=deadline)
+        return self.exchange.ask(_own(link), message, deadline=deadline)
 
-    def notify(self, link: Link, msg: Any) -> None:
+    def notify(self, link: LinkView, msg: m.Message) -> None:
         """Best-effort one-way message (ReadDone, KeyConsumed...)."""
-        self.exchange.notify(link, msg)
+        self.exchange.notify(_own(link), msg)
 
-    def dispatch(self, link: Link, msg: Any) -> None:
+    def dispatch(self, link: Link, msg: m.Message) -> None:
         """A message arrived (loop thread): :meth:`LinkExchange.dispatch`."""
         self.exchange.dispatch(link, msg)
 
     # ------------------------------------------------------------------ failure and teardown
-    def fail_link(self, link: Link, error: BaseException, *, status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
+    def fail_link(self, link: LinkView, error: BaseException, *,
+                  status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
         """The link can no longer be trusted (its data channel broke, its peer sent out-of-table
         numbers): FAILED, its waiters released and its transfers cancelled; a link already down
         stays as it is."""
-        self.fail(link, error, trigger="peer_lost", status=status)
+        self.fail(_own(link), error, trigger="peer_lost", status=status)
 
-    def record_transfer(self, link: Link, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
+    def record_transfer(self, link: LinkView, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
         """Count one transfer on the link's statistics: bytes read or written, or a failure."""
+        own = _own(link)
         if failed:
-            link.failures += 1
+            own.failures += 1
             return
-        link.bytes_read += read
-        link.bytes_written += written
-        link.transfers += 1
+        own.bytes_read += read
+        own.bytes_written += written
+        own.transfers += 1
 
     def fail(self, link: Link, error: BaseException, *, trigger: str,
              status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
@@ -357,9 +368,9 @@ class LinkManager:
         if self._data is not None:
             self._data.on_link_down(link)
 
-    def transfer_timed_out(self, link: Link, error: BaseException) -> None:
+    def transfer_timed_out(self, link: LinkView, error: BaseException) -> None:
         """A transfer exceeded ``sync_kv_timeout``: the link is unusable until relinked (contract)."""
-        self.fail(link, error, trigger="transfer_timed_out", status=S.LLM_TIMEOUT)
+        self.fail(_own(link), error, trigger="transfer_timed_out", status=S.LLM_TIMEOUT)
 
     def close_link(self, link: Link, *, trigger: str, reason: str) -> None:
         self._table.remove(link)
@@ -425,10 +436,20 @@ class LinkManager:
             return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         if self._table.drop_shared_hold(link, hold):
             return S.LLM_SUCCESS        # another hold of this side (a comm group, link_clusters) keeps it
-        if self._data is not None and not self._data.quiesce(link):
+        deliver: list[Callable[[], None]] = []
+        holds: list[bool] = []
+
+        def unlink() -> None:   # UNLINKING now; its event once the data plane's locks are released
+            holds.append(self._table.begin_unlink(link, hold))
+            link.fsm.fire("unlink", defer=deliver.append)
+
+        if self._data is None:
+            unlink()
+        elif not self._data.quiesce(link, unlink):
             return S.LLM_LINK_BUSY
-        held = self._table.begin_unlink(link, hold)
-        link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
+        for event in deliver:
+            event()
+        held = holds[0]
         rid = self.exchange.new_request_id()
         pending = Pending(self.loop.event())
         link.pending[rid] = pending
@@ -444,9 +465,8 @@ class LinkManager:
         reply = pending.reply if answered else None
         outcome = self._table.end_unlink(link, kept=reply is not None and reply.status_code == S.LLM_EXIST_LINK.value)
         if outcome == "kept":
+            # LINKED again: transfers may start on it (being unlinked was the link table's state only)
             link.fsm.offer("unlink_kept", reason="the peer keeps the link")
-            if self._data is not None:
-                self._data.resume(link)
             return S.LLM_SUCCESS
         if outcome == "crossed" or reply is not None:
             self.close_link(link, trigger="unlink_succeeded", reason="unlinked")

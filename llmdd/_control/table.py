@@ -16,9 +16,9 @@ import time
 from typing import Callable, Optional
 
 from llmdd._base.status import LLMStatusCode
-from llmdd._control.ioloop import Waiter
+from llmdd._runtime.runtime import Waiter
 from llmdd._control.link import Link
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 from llmdd._lifecycle.tables import LINK_CLAIMABLE, LINK_FAILED, LINK_PROCESSING
 
 __all__ = ["LinkTable"]

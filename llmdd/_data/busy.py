@@ -1,25 +1,26 @@
-"""A link's transfers: which async tasks hold which link, which links are being unlinked, and the
-blocking transfers' turn on a link.
+"""A link's transfers: which async tasks hold which link, and the blocking transfers' turn on a link.
 
 A link carries one blocking transfer at a time (its ``transfer_lock``: the transfer's *turn*, taken
 and given back in one place, ``with busy.turn(link):``) and none while a layer-wise async task holds
-it.  Which async tasks hold which link, and which links are being unlinked, is
-this engine's table (:class:`BusyTable`, under its lock), so that "busy" is decided in one place: an
-async task claims all its links at once or none, and once an unlink has quiesced a link no transfer
-starts on it.
+it.  Which async tasks hold which link is this engine's table (:class:`BusyTable`, under its lock),
+so that "busy" is decided in one place: an async task claims all its links at once or none; an
+unlink quiesces a link by moving it to UNLINKING (the link table's state) while it holds the link's
+turn, so no transfer starts on it afterwards.
 
-Lock: ``BusyTable._lock`` is a leaf, held only while the table changes (taking a link's
-``transfer_lock`` without waiting inside it); docs/architecture.md, "Locks".
+Lock: ``BusyTable._lock`` is held only while the table changes (taking a link's ``transfer_lock``
+without waiting inside it) and while :meth:`BusyTable.quiesce` moves a link to UNLINKING, which takes
+the link table's lock inside it (that order only; no event is delivered under either);
+docs/architecture.md, "Locks".
 """
 
 from __future__ import annotations
 
 import threading
 from types import TracebackType
-from typing import Any, Optional
+from typing import Callable, Optional
 
 from llmdd._base.status import LLMException, LLMStatusCode
-from llmdd._data.port import ControlPort
+from llmdd._protocol.port import ControlPort, LinkView
 
 __all__ = ["BusyTable", "Turn"]
 
@@ -38,15 +39,14 @@ class BusyTable:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._async_busy: dict[int, int] = {}   # id(link) -> layer-wise async tasks holding it
-        self._closing: set[int] = set()         # id(link) of links quiesced for an unlink
 
     def claim_links(self, links: list) -> None:
         """An async task takes ``links`` (all or none): LLM_LINK_BUSY while another task or an unlink has one."""
         with self._lock:
             for link in links:
-                if self._async_busy.get(id(link)) or id(link) in self._closing:
+                if self._async_busy.get(id(link)) or not link.linked:
                     raise _err(f"an async transfer is already running on the link to cluster "
-                               f"{link.peer_cluster_id}", S.LLM_LINK_BUSY)
+                               f"{link.peer_cluster_id}, or the link is no longer in use", S.LLM_LINK_BUSY)
             for link in links:
                 self._async_busy[id(link)] = self._async_busy.get(id(link), 0) + 1
 
@@ -59,27 +59,25 @@ class BusyTable:
                 else:
                     self._async_busy.pop(id(link), None)
 
-    def quiesce(self, link: Any) -> bool:
-        """llmdd._data.port.DataService: True when no transfer runs on ``link``, and from then on none starts
-        on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
+    def quiesce(self, link: LinkView, unlink: Callable[[], None]) -> bool:
+        """llmdd._protocol.port.DataService: True when no transfer ran on ``link`` and ``unlink()`` moved it
+        out of use (UNLINKING) before any could start; False while one runs (``unlink`` is not called,
+        and the unlink answers LLM_LINK_BUSY)."""
         with self._lock:
             if self._async_busy.get(id(link)) or not link.transfer_lock.acquire(timeout=0):
                 return False
-            self._closing.add(id(link))
-        link.transfer_lock.release()
+            try:
+                unlink()
+            finally:
+                link.transfer_lock.release()
         return True
 
-    def turn(self, link: Any) -> "Turn":
+    def turn(self, link: LinkView) -> "Turn":
         """``with busy.turn(link):`` runs its body as ``link``'s one blocking transfer: entering takes
         the link's transfer lock (by sync_kv_timeout) or raises the contract's status (busy with an
         async task, unlinking, down, or relinked meanwhile); leaving, however the body ends, gives it
         back."""
         return Turn(self, link)
-
-    def forget(self, link: Any) -> None:
-        """The link is down, or its unlink kept it: it is no longer being unlinked."""
-        with self._lock:
-            self._closing.discard(id(link))
 
 
 class Turn:
@@ -87,7 +85,7 @@ class Turn:
 
     __slots__ = ("_busy", "_link")
 
-    def __init__(self, busy: BusyTable, link: Any) -> None:
+    def __init__(self, busy: BusyTable, link: LinkView) -> None:
         self._busy = busy
         self._link = link
 
@@ -100,9 +98,6 @@ class Turn:
         if not link.transfer_lock.acquire(timeout=busy.timeout_s):
             raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {busy.timeout_s:.3f} s",
                        S.LLM_LINK_BUSY)
-        if id(link) in busy._closing and link.linked:
-            link.transfer_lock.release()   # quiesced for an unlink that has not fired yet: as if UNLINKING
-            raise _err(f"link to cluster {link.peer_cluster_id} is unlinking", S.LLM_PROCESSING_LINK)
         if not link.linked:
             link.transfer_lock.release()
             if busy._lm.get(link.peer_cluster_id) in (link, None):
@@ -111,7 +106,7 @@ class Turn:
             # relinked while this call waited: it was planned on the link that went (and it never
             # returns without holding that link's lock)
             raise _err(f"the link to cluster {link.peer_cluster_id} went down while this transfer waited for it",
-                       getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
+                       link.failure_status or S.LLM_LINK_FAILED)
 
     def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import itertools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from llmdd._base.status import TransportError
 from llmdd._seam.errors import Cancelled, PeerGone, Refused, TransportTimeout
@@ -35,20 +35,23 @@ from llmdd._base.log import get_logger
 from llmdd._data.planner import CacheLayout, plan_blocks, plan_cache, plan_contiguous_to_blocks, plan_to_addresses, tensor_range
 from llmdd._base.options import EngineOptions
 from llmdd._extension.manager import Hooks
-from llmdd._data.port import ControlPort, DataNotice, RequestOp
-from llmdd._control.protocol import messages as m
+from llmdd._protocol.port import ControlPort, DataNotice, LinkView, RequestOp
+from llmdd._protocol import messages as m
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.busy import BusyTable
-from llmdd._data.layouts import Layouts
+from llmdd._data.layouts import Layouts, RemoteKey
 from llmdd._data.notices import READ, OwnerNotices, block_spans
 from llmdd._data.owner import OwnerSide
 from llmdd._data.prepared import PREPARED_MAX_BLOCKS, PreparedPlan, PreparedPlans
 from llmdd._data.tasks import AsyncPull, AsyncTransfer, TransferTimedOut
-from llmdd._base.types import BlocksCacheKey, CacheKey, cache_key_index
+from llmdd._base.types import (
+    BlocksCacheKey, Cache, CacheKey, KvCache, LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig,
+    cache_key_index,
+)
 
 if TYPE_CHECKING:
-    from llmdd._lifecycle.machines import Lifecycle
-    from llmdd._memory.manager import MemoryManager
+    from llmdd._lifecycle.machines import Lifecycle, Tracked
+    from llmdd._memory.manager import CacheRecord, MemoryManager
     from llmdd._base.profiles import ChipProfile
 
 __all__ = ["TransferEngine", "AsyncTransfer"]
@@ -58,6 +61,10 @@ S = LLMStatusCode
 
 #: a tag as it travels (at most messages.MAX_TAG_BYTES): its bytes, and whether it was given as str
 Tag = tuple
+#: a local cache a transfer reads or fills (the v2 ``Cache`` or the v1 ``KvCache``: its cache id is what counts)
+LocalCache = Union[Cache, KvCache]
+#: one ``transfer_cache_async`` destination: raw addresses or a peer's cache key
+AsyncConfig = Union[TransferConfig, TransferWithCacheKeyConfig]
 #: workers running non-blocking pulls (per engine), and how many may be waiting or running at once
 ASYNC_PULL_WORKERS = 4
 #: the task triggers of a blocking transfer that succeeded (run_ops: start, transfer_succeeded)
@@ -101,33 +108,33 @@ class TransferEngine:
         self._async: set = set()
         self._pulls_lock = threading.Lock()   # the non-blocking pulls' accounting (a leaf)
         self._closed = False
-        self._pull_pool: Any = None   # the workers of non-blocking pulls, started on first use
+        self._pull_pool: Optional[ThreadPoolExecutor] = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _pulls_lock)
         self.owner = OwnerSide(port=port, memory=memory, options=options, profile=profile)
 
     # ------------------------------------------------------------------ the DataService side of the port
     # what peers ask of this engine as the owner of its caches is llmdd._data.owner's
-    def serve(self, link: Any, op: RequestOp, args: dict) -> tuple[int, dict]:
-        """A peer's data request (llmdd._data.port.DataService)."""
+    def serve(self, link: LinkView, op: RequestOp, args: dict) -> tuple[int, dict]:
+        """A peer's data request (llmdd._protocol.port.DataService)."""
         return self.owner.serve(link, op, args)
 
-    def serve_tagged(self, link: Any, message: m.TaggedDone) -> tuple[int, dict]:
+    def serve_tagged(self, link: LinkView, message: m.TaggedDone) -> tuple[int, dict]:
         """A peer's tagged transfer on one of this engine's caches ended (acknowledged by the reply)."""
         return self.owner.serve_tagged(link, message)
 
-    def on_notice(self, link: Any, message: DataNotice) -> None:
+    def on_notice(self, link: LinkView, message: DataNotice) -> None:
         """A one-way notice of the peer's data plane (refused ones answered with an Error message)."""
         self.owner.on_notice(link, message)
 
     # ------------------------------------------------------------------ layouts (Layouts)
-    def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
+    def local_layout(self, cache_id: int) -> tuple["CacheRecord", CacheLayout]:
         return self.layouts.local_layout(cache_id)
 
-    def remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
+    def remote_layout(self, link: LinkView, cache_id: int) -> CacheLayout:
         return self.layouts.remote_layout(link, cache_id)
 
     # ------------------------------------------------------------------ running a task
-    def link_for(self, cluster_id: int) -> Any:
+    def link_for(self, cluster_id: int) -> LinkView:
         """The LINKED link to ``cluster_id`` with its data channel, or the contract's error."""
         link = self._lm.require(cluster_id)
         if link.channel is None:
@@ -142,16 +149,12 @@ class TransferEngine:
     def release_links(self, links: list) -> None:
         self._busy.release_links(links)
 
-    def quiesce(self, link: Any) -> bool:
-        """llmdd._data.port.DataService: True when no transfer runs on ``link``, and from then on none starts
-        on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
-        return self._busy.quiesce(link)
+    def quiesce(self, link: LinkView, unlink: Callable[[], None]) -> bool:
+        """llmdd._protocol.port.DataService: True when no transfer ran on ``link`` and ``unlink()`` took it out
+        of use before any could start; False while one runs (the unlink answers LLM_LINK_BUSY)."""
+        return self._busy.quiesce(link, unlink)
 
-    def resume(self, link: Any) -> None:
-        """llmdd._data.port.DataService: the unlink that quiesced ``link`` kept it (the peer holds it)."""
-        self._busy.forget(link)
-
-    def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, step_of: Any = None,
+    def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Optional["Tracked"] = None,
                 nbytes: Optional[int] = None) -> None:
         """Move ``ops`` over ``link`` as one task with the sync_kv_timeout deadline (``nbytes``: the
         ops' total length when the caller knows it).  With ``step_of`` the ops are one step of that
@@ -161,7 +164,7 @@ class TransferEngine:
             n_ops = len(ops)
             nbytes = (sum(ops["length"].tolist()) if n_ops <= 8 else int(ops["length"].sum())) if n_ops else 0
         own_task = step_of is None
-        if own_task:
+        if step_of is None:
             task = self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id)
             task.fire("start", bytes=nbytes)
         else:
@@ -189,7 +192,8 @@ class TransferEngine:
         """A new transfer task id (tasks of this engine are numbered from 1)."""
         return next(self._ids)
 
-    def ops_failed(self, link: Any, exc: TransportError, kind: str, task: Any = None) -> LLMException:
+    def ops_failed(self, link: LinkView, exc: TransportError, kind: str,
+                   task: Optional["Tracked"] = None) -> LLMException:
         """What a transport failure of ``kind`` over ``link`` means, done and returned as the contract's
         error to raise: the link's failed-transfer count, ``task``'s end (when the caller owns one),
         and for a timeout, a lost peer or an untrustworthy channel the link's failure."""
@@ -209,7 +213,7 @@ class TransferEngine:
             elif not link.linked:
                 # cancelled because the link went down under it (peer lost, force unlink, finalize):
                 # report why the link is gone, not a generic failure
-                code = getattr(link, "failure_status", None) or S.LLM_LINK_FAILED
+                code = link.failure_status or S.LLM_LINK_FAILED
             else:
                 code = exc.status_code
             return _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}", code)
@@ -220,7 +224,7 @@ class TransferEngine:
         return _err(f"{kind} with cluster {link.peer_cluster_id} failed: {exc}; the link must be relinked",
                     exc.status_code)
 
-    def _move(self, link: Any, ops: np.ndarray, write: bool) -> None:
+    def _move(self, link: LinkView, ops: np.ndarray, write: bool) -> None:
         """One step's bytes over ``link``'s data channel, by the sync_kv_timeout deadline."""
         deadline = time.monotonic() + self.timeout_s
         channel = link.channel
@@ -293,7 +297,7 @@ class TransferEngine:
             self._write(plan.link, plan.rec, ops, kind, plan.cache_id, dst_blocks, plan.dst_tensors, nbytes=nbytes)
 
     # ------------------------------------------------------------------ pulls
-    def pull(self, key: Any, cache: Any, *, kind: str, batch_index: int = 0, size: int = -1,
+    def pull(self, key: RemoteKey, cache: LocalCache, *, kind: str, batch_index: int = 0, size: int = -1,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
              tnpl: int = 2, tag: Optional[Tag] = None) -> None:
@@ -377,7 +381,7 @@ class TransferEngine:
         if pulled and tag is None:   # a tagged pull's notice was delivered (acknowledged) above
             self._notices.queue(link, (READ, cache_id, tuple(src_blocks) if src_blocks else None))
 
-    def _read(self, link: Any, rec: Any, ops: np.ndarray, kind: str, *, nbytes: Optional[int] = None,
+    def _read(self, link: LinkView, rec: "CacheRecord", ops: np.ndarray, kind: str, *, nbytes: Optional[int] = None,
               tag: Optional[Tag] = None, cache_id: int = 0, spans: tuple = ()) -> None:
         """A pull's ops in the link's turn; its local cache gone meanwhile: ``LLM_KV_CACHE_NOT_EXIST``.
         A tagged pull's one notice (success or failure, with ``cache_id`` and ``spans``) goes to the
@@ -407,7 +411,7 @@ class TransferEngine:
             raise
 
     # ------------------------------------------------------------------ pushes
-    def push(self, key: Any, cache: Any, *, kind: str, src_batch_index: int = 0,
+    def push(self, key: RemoteKey, cache: LocalCache, *, kind: str, src_batch_index: int = 0,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
              tnpl: int = 2, tag: Optional[Tag] = None) -> None:
@@ -443,7 +447,7 @@ class TransferEngine:
             raise
         self._write(link, rec, ops, kind, cache_id, dst_blocks, dst_tensors, tag=tag, spans=spans)
 
-    def _write(self, link: Any, rec: Any, ops: np.ndarray, kind: str, cache_id: int,
+    def _write(self, link: LinkView, rec: "CacheRecord", ops: np.ndarray, kind: str, cache_id: int,
                dst_blocks: Optional[Sequence[int]], dst_tensors: range, *, nbytes: Optional[int] = None,
                tag: Optional[Tag] = None, spans: tuple = ()) -> None:
         """A push's ops in the link's turn, then the owner's notice: an untagged push's batched
@@ -515,7 +519,7 @@ class TransferEngine:
             self._read(link, rec, ops, kind)
             self._notices.queue(link, (READ, int(remote_id), tuple(remote_blocks) if remote_blocks else None))
 
-    def _fresh_remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
+    def _fresh_remote_layout(self, link: LinkView, cache_id: int) -> CacheLayout:
         """The peer's cache ``cache_id`` from its announced tables.  A cache the peer made after the
         link reaches this side in an update that may still be on its way: on a miss, one round trip
         with the peer (its answer follows every update it sent before) and a second look."""
@@ -528,7 +532,7 @@ class TransferEngine:
         return self.remote_layout(link, cache_id)
 
     @staticmethod
-    def local_outcome(rec: Any, exc: Optional[LLMException], kind: str) -> LLMException:
+    def local_outcome(rec: "CacheRecord", exc: Optional[LLMException], kind: str) -> LLMException:
         """The error of a transfer whose ops failed (``exc``) or that ran while its local cache went.
 
         A local cache unregistered (or deallocated) while the transfer ran ends it with
@@ -541,7 +545,7 @@ class TransferEngine:
         return _err(f"{kind}: local cache {rec.cache_id} was unregistered while the transfer ran",
                     S.LLM_KV_CACHE_NOT_EXIST)
 
-    def _tag_notice(self, link: Any, op: str, cache_id: int, spans: tuple, tag: Tag, error: Optional[LLMException],
+    def _tag_notice(self, link: LinkView, op: str, cache_id: int, spans: tuple, tag: Tag, error: Optional[LLMException],
                     *, tensors: Optional[range] = None) -> None:
         """Tell the owner that a tagged transfer ended, and wait for its acknowledgement.
 
@@ -571,21 +575,23 @@ class TransferEngine:
                        f"{result.get('error', status)}", S.LLM_PARAM_INVALID)
 
     # ------------------------------------------------------------------ layer-wise async transfer
-    def transfer_async(self, cache: Any, synchronizer: Any, configs: Sequence[Any], *,
+    def transfer_async(self, cache: LocalCache, synchronizer: LayerSynchronizer, configs: Sequence[AsyncConfig], *,
                        src_block_indices: Optional[Sequence[int]], dst_block_indices: Optional[Sequence[int]],
                        dst_block_memory_size: Optional[int]) -> "AsyncTransfer":
         rec, src = self.local_layout(cache.cache_id)
         task = AsyncTransfer(self, rec, src, synchronizer, list(configs), src_block_indices,
-                             dst_block_indices, dst_block_memory_size)
+                             dst_block_indices, dst_block_memory_size,
+                             task=self._tasks.create(next(self._ids), kind="transfer_cache_async",
+                                                     configs=len(configs)))
         self._async.add(task)
         task.start()
         return task
 
-    def plan_async_config(self, link: Any, src: CacheLayout, config: Any, layer: int, *,
+    def plan_async_config(self, link: LinkView, src: CacheLayout, config: AsyncConfig, layer: int, *,
                           src_blocks, dst_blocks, dst_block_size) -> np.ndarray:
         """Ops of one layer of one config (2 tensors per layer, as upstream hard-codes)."""
         src_tensors = range(layer * 2, layer * 2 + 2)
-        if hasattr(config, "cache_key"):  # TransferWithCacheKeyConfig
+        if isinstance(config, TransferWithCacheKeyConfig):
             dst_layer = config.dst_layer_range.start + (layer - config.src_layer_range.start)
             dst_tensors = range(dst_layer * 2, dst_layer * 2 + 2)
             cache_id, dst_unit = self.layouts.resolve_remote(link, config.cache_key)
@@ -619,20 +625,21 @@ class TransferEngine:
                                  src_blocks=src_blocks, dst_blocks=dst_blocks,
                                  dst_block_size=dst_block_size, local="src")
 
-    def on_link_down(self, link: Any) -> None:
-        """The link failed or closed (llmdd._data.port.DataService): forget what its peer reserved,
+    def on_link_down(self, link: LinkView) -> None:
+        """The link failed or closed (llmdd._protocol.port.DataService): forget what its peer reserved,
         queued or was refused; its async tasks end."""
         self.prepared.forget(link)
         for task in list(self._async):
             task.link_down(link)
-        self._busy.forget(link)
         self._notices.forget(link)
         self.owner.link_down(link)
 
     # ------------------------------------------------------------------ non-blocking pulls
-    def submit_pull(self, cluster_id: int, run: Any, callback: Any) -> "AsyncPull":
-        """Queue ``run`` (a blocking pull) on the engine's pull workers; raises at once when the
-        cluster is not linked or too many pulls are waiting."""
+    def submit_pull(self, cluster_id: int, run: Callable[[], None],
+                    callback: Optional[Callable[[LLMStatusCode], None]], *, kind: str) -> "AsyncPull":
+        """Queue ``run`` (a blocking pull) on the engine's pull workers as a task of ``kind`` (CREATED
+        until a worker starts it); raises at once when the cluster is not linked or too many pulls
+        are waiting."""
         link = self.link_for(cluster_id)
         with self._pulls_lock:
             if self._closed:
@@ -642,17 +649,21 @@ class TransferEngine:
                 raise _err(f"{pending} non-blocking pulls are in flight (at most {MAX_ASYNC_PULLS})", S.LLM_LINK_BUSY)
             if self._pull_pool is None:
                 self._pull_pool = ThreadPoolExecutor(max_workers=ASYNC_PULL_WORKERS, thread_name_prefix="llmdd-pull")
-            task = AsyncPull(self, link, run, callback)
+            task = AsyncPull(self, link, run, callback,
+                             task=self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id))
             self._async.add(task)
             self._async_pulls += 1
             pool = self._pull_pool
         pool.submit(task)
         return task
 
-    def _async_pull_ended(self, task: "AsyncPull") -> None:
+    def task_ended(self, task: Union[AsyncPull, AsyncTransfer]) -> None:
+        """A task of :mod:`llmdd._data.tasks` ended (or never started): it is no longer counted."""
         with self._pulls_lock:
-            self._async.discard(task)
-            self._async_pulls -= 1
+            if task in self._async:
+                self._async.discard(task)
+                if isinstance(task, AsyncPull):
+                    self._async_pulls -= 1
 
     def close(self) -> None:
         for task in list(self._async):

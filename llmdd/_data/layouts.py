@@ -10,21 +10,25 @@ its memory pools once per link).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Union
 
 from llmdd._base.enums import Placement
 from llmdd._base.options import EngineOptions
 from llmdd._base.status import LLMException, LLMStatusCode
-from llmdd._base.types import BlocksCacheKey, CacheKeyByIdAndIndex
-from llmdd._control.protocol import messages as m
+from llmdd._base.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from llmdd._protocol import messages as m
 from llmdd._data.owner import device_pool_bytes
 from llmdd._data.planner import CacheLayout
-from llmdd._data.port import ControlPort, RequestOp
+from llmdd._protocol.port import ControlPort, LinkView, RequestOp
 
 if TYPE_CHECKING:
-    from llmdd._memory.manager import MemoryManager
+    from llmdd._memory.manager import CacheRecord, MemoryManager
 
-__all__ = ["Layouts"]
+__all__ = ["Layouts", "RemoteKey"]
+
+#: a key naming a peer's cache: by request or prefix id, by cache id and batch index, or a blocks key
+RemoteKey = Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey]
 
 S = LLMStatusCode
 
@@ -43,10 +47,13 @@ class Layouts:
         self._options = options
         self.timeout_s = timeout_s
         self._layouts: dict[tuple[int, int], tuple[int, CacheLayout]] = {}
-        self._local_layouts: dict[int, tuple[Any, tuple, CacheLayout]] = {}
-        self._blocks_refs: dict[int, Any] = {}  # model_id -> KeyRef of its blocks key (immutable)
+        # each link's peer's pools and profile, asked once per link (this plane's, not the link record's:
+        # a relinked peer is a new link and is asked again)
+        self._peer_info: weakref.WeakKeyDictionary[LinkView, dict] = weakref.WeakKeyDictionary()
+        self._local_layouts: dict[int, tuple["CacheRecord", tuple, CacheLayout]] = {}
+        self._blocks_refs: dict[int, m.KeyRef] = {}  # model_id -> KeyRef of its blocks key (immutable)
 
-    def local_layout(self, cache_id: int) -> tuple[Any, CacheLayout]:
+    def local_layout(self, cache_id: int) -> tuple["CacheRecord", CacheLayout]:
         rec = self._memory.get(cache_id)
         if rec is None or not rec.live:
             raise _err(f"local cache {cache_id} does not exist", S.LLM_KV_CACHE_NOT_EXIST)
@@ -63,7 +70,7 @@ class Layouts:
         self._local_layouts[cache_id] = (rec, rec.regions, layout)
         return rec, layout
 
-    def remote_layout(self, link: Any, cache_id: int) -> CacheLayout:
+    def remote_layout(self, link: LinkView, cache_id: int) -> CacheLayout:
         version = link.tables.cache_table_version * 1_000_003 + link.tables.regions_version
         key = (id(link), cache_id)
         hit = self._layouts.get(key)
@@ -90,7 +97,7 @@ class Layouts:
         self._layouts[key] = (version, layout)
         return layout
 
-    def resolve_remote(self, link: Any, key: Any) -> tuple[int, int]:
+    def resolve_remote(self, link: LinkView, key: RemoteKey) -> tuple[int, int]:
         """(cache_id, batch_index) of a remote key without the owner's help (ids and blocks keys)."""
         if isinstance(key, CacheKeyByIdAndIndex):
             return key.cache_id, key.batch_index
@@ -111,17 +118,17 @@ class Layouts:
     # ------------------------------------------------------------------ device memory rules
     MIN_HOST_SIDE_DEVICE_POOL = 100 * 1024 * 1024
 
-    def _peer_device_pool_bytes(self, link: Any) -> int:
-        info = getattr(link, "engine_info", None)
+    def _peer_device_pool_bytes(self, link: LinkView) -> int:
+        info = self._peer_info.get(link)
         if info is None:
             status, info = self._lm.request(link, RequestOp.ENGINE_INFO, {},
                                             deadline=time.monotonic() + self.timeout_s)
             if status != 0:
                 raise _err(f"cluster {link.peer_cluster_id} did not describe its memory pools", S.LLM_FAILED)
-            link.engine_info = info
+            self._peer_info[link] = info
         return int(info.get("device_pool_bytes", 0))
 
-    def check_placements(self, link: Any, *, remote_cache_id: int, local_rec: Any, local_is: str, kind: str,
+    def check_placements(self, link: LinkView, *, remote_cache_id: int, local_rec: "CacheRecord", local_is: str, kind: str,
                           remote_is_blocks: bool) -> None:
         """The contract's D2D/D2H/H2D rules, checked before a byte moves.
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
-from llmdd._control.protocol import messages as m
-from llmdd._data.port import ControlPort
+from llmdd._protocol import messages as m
+from llmdd._protocol.port import ControlPort, LinkView
 
 __all__ = ["OwnerNotices", "READ", "PUSH", "block_spans"]
 
@@ -68,7 +68,7 @@ READ, PUSH = 0, 1
 MAX_NOTICE_BATCH = m.MAX_NOTICE_BATCH
 
 
-def _push_done(cache_id: int, dst_blocks: Any, start: int, stop: int, failed: bool) -> m.TransferDone:
+def _push_done(cache_id: int, dst_blocks: Optional[Sequence[int]], start: int, stop: int, failed: bool) -> m.TransferDone:
     return m.TransferDone(cache_id=cache_id, block_spans=block_spans(dst_blocks) if dst_blocks else (),
                           tensors=m.Span(start=start, stop=stop), failed=failed)
 
@@ -89,12 +89,13 @@ class OwnerNotices:
         self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
         self._flusher.start()
 
-    def push_done(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
+    def push_done(self, link: LinkView, cache_id: int, dst_blocks: Optional[Sequence[int]], dst_tensors: range, *,
+                  failed: bool) -> None:
         """Queue an untagged push's "push done" notice (best effort, sent by the flusher)."""
         blocks = tuple(dst_blocks) if dst_blocks else None  # a copy: the caller may reuse its list
         self.queue(link, (PUSH, int(cache_id), blocks, dst_tensors.start, dst_tensors.stop, failed))
 
-    def queue(self, link: Any, item: tuple) -> None:
+    def queue(self, link: LinkView, item: tuple) -> None:
         """Queue one notice for ``link``'s owner: ``(READ, cache_id, blocks or None)`` or ``(PUSH, cache_id,
         blocks or None, first tensor, stop tensor, failed)``."""
         with self._read_done_mutex:   # == self._read_done_lock (its lock)
@@ -134,7 +135,7 @@ class OwnerNotices:
             if closed:  # what was queued before close has been sent (best effort): done
                 return
 
-    def flush_link(self, link: Any) -> None:
+    def flush_link(self, link: LinkView) -> None:
         """Send ``link``'s queued notices now, after any batch of them the flusher is sending, so that
         what follows on the link (a tagged transfer's acknowledged notice) reaches the owner after
         them.  Waits at most sync_kv_timeout for the flusher; holds no lock while sending."""
@@ -150,13 +151,13 @@ class OwnerNotices:
         if items is not None:
             self._send_notices_safely(link, items[1:])
 
-    def _send_notices_safely(self, link: Any, items: list) -> None:
+    def _send_notices_safely(self, link: LinkView, items: list) -> None:
         try:
             self._send_notices(link, items)
         except Exception as exc:  # noqa: BLE001 - best effort: a notice must not kill the flusher
             _log.warning("llmdd.transfer.notice_failed", peer=link.peer_cluster_id, error=repr(exc))
 
-    def _send_notices(self, link: Any, items: list) -> None:
+    def _send_notices(self, link: LinkView, items: list) -> None:
         i, n = 0, len(items)
         while i < n:
             kind = items[i][0]
@@ -172,7 +173,7 @@ class OwnerNotices:
                 self._lm.notify(link, m.PushDone(entries=tuple(_push_done(*item[1:]) for item in run)))
             i = j
 
-    def forget(self, link: Any) -> None:
+    def forget(self, link: LinkView) -> None:
         """The link is down: its queued notices go with it."""
         with self._read_done_lock:
             self._read_done.pop(id(link), None)

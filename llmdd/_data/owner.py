@@ -3,7 +3,7 @@
 A peer's data plane asks the owner to reserve and consume its ``CacheKey`` entries, to describe its memory pools,
 and tells it which of its caches it finished reading or writing (one-way notices, or acknowledged ones
 with a transfer's tag).  :class:`OwnerSide` serves all of that for :class:`~llmdd._data.engine.TransferEngine`
-(the engine's :class:`~llmdd._data.port.DataService`).  Every number a peer sends is checked against this
+(the engine's :class:`~llmdd._protocol.port.DataService`).  Every number a peer sends is checked against this
 engine's tables before any work proportional to it (:mod:`llmdd._data.peer_input`); docs/reliability.md lists
 what each violation does to the link.
 """
@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
 from llmdd._data.peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_bounds, peer_range, peer_spans
-from llmdd._data.port import ControlPort, DataNotice, RequestOp
-from llmdd._control.protocol import messages as m
+from llmdd._protocol.port import ControlPort, DataNotice, LinkView, RequestOp
+from llmdd._protocol import messages as m
 from llmdd._base.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
-    from llmdd._memory.manager import MemoryManager
+    from llmdd._memory.manager import CacheRecord, MemoryManager
     from llmdd._base.profiles import ChipProfile
 
 __all__ = ["OwnerSide", "device_pool_bytes"]
@@ -53,27 +53,28 @@ class OwnerSide:
         self._refused: set = set()  # (id(link), message type) already logged
         self._servers = {RequestOp.RESERVE_KEY: self._serve_reserve_key, RequestOp.CONSUME_KEY: self._serve_consume_key,
                          RequestOp.ENGINE_INFO: self._serve_engine_info}
-        self._notices = {m.ReadDone: ("read_done", self._serve_read_done),
-                         m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
-                         m.ReleaseKey: ("release_key", self._serve_release_key),
-                         m.PushDone: ("push_done", self._serve_push_done)}
+        self._notices: dict[type, tuple[str, Callable[..., tuple[int, dict]]]] = {
+            m.ReadDone: ("read_done", self._serve_read_done),
+            m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
+            m.ReleaseKey: ("release_key", self._serve_release_key),
+            m.PushDone: ("push_done", self._serve_push_done)}
 
-    def serve(self, link: Any, op: RequestOp, args: dict) -> tuple[int, dict]:
+    def serve(self, link: LinkView, op: RequestOp, args: dict) -> tuple[int, dict]:
         """A peer's data request: ``(status, result)``; a violating one raises (and may fail the link)."""
         return self._guard(link, args, what=op.value, handler=self._servers[op])
 
-    def serve_tagged(self, link: Any, message: m.TaggedDone) -> tuple[int, dict]:
+    def serve_tagged(self, link: LinkView, message: m.TaggedDone) -> tuple[int, dict]:
         """A peer's tagged transfer on one of this engine's caches ended (acknowledged by the reply)."""
         what = "push_done" if message.push else "read_done"
         return self._guard(link, message.entry, what=what,
                            handler=functools.partial(self._serve_transfer_done, what=what))
 
-    def on_notice(self, link: Any, message: DataNotice) -> None:
+    def on_notice(self, link: LinkView, message: DataNotice) -> None:
         """A one-way notice of the peer's data plane (a refused one is answered with a fatal Error)."""
         what, handler = self._notices[type(message)]
         self._guard(link, message, what=what, handler=handler, notice=True)
 
-    def link_down(self, link: Any) -> None:
+    def link_down(self, link: LinkView) -> None:
         """Give back what the link's peer reserved (a puller that is gone never consumes or releases)."""
         with self._lock:
             orphaned = self._reservations.pop(id(link), {})
@@ -81,11 +82,11 @@ class OwnerSide:
         for index in orphaned:
             self._memory.finish_reserved(index, None, pulled=False)
 
-    def _serve_engine_info(self, link: Any, args: dict) -> tuple[int, dict]:
+    def _serve_engine_info(self, link: LinkView, args: dict) -> tuple[int, dict]:
         return 0, {"device_pool_bytes": device_pool_bytes(self._options), "profile": self._profile.name}
 
     # ------------------------------------------------------------------ the handlers
-    def _refuse_peer(self, link: Any, what: str, exc: PeerInputError, *, notice: bool) -> None:
+    def _refuse_peer(self, link: LinkView, what: str, exc: PeerInputError, *, notice: bool) -> None:
         """Log a violating message once per link and message type; fail the link when it says so.
         A refused *notice* (no reply travels back) is answered with a fatal Error message."""
         key = (id(link), what)
@@ -102,7 +103,8 @@ class OwnerSide:
         if exc.fail_link:
             self._lm.fail_link(link, exc, status=S.LLM_LINK_FAILED)
 
-    def _guard(self, link: Any, args: Any, *, what: str, handler: Any, notice: bool = False) -> tuple[int, dict]:
+    def _guard(self, link: LinkView, args: Any, *, what: str, handler: Callable[..., tuple[int, dict]],
+               notice: bool = False) -> tuple[int, dict]:
         try:
             return handler(link, args)
         except PeerInputError as exc:
@@ -111,7 +113,7 @@ class OwnerSide:
                 return exc.status_code.value, {}
             raise
 
-    def _served_record(self, link: Any, cache_id: Any, what: str) -> Any:
+    def _served_record(self, link: LinkView, cache_id: Any, what: str) -> Optional["CacheRecord"]:
         """The live record of a cache id a peer named, if this engine announces it to that peer.
         None when unknown (a benign race: the cache went after the peer read it); a cache the peer
         was never told about is a violation."""
@@ -123,12 +125,12 @@ class OwnerSide:
             raise PeerInputError(f"{what}: cache {cache_id} is not served to this peer")
         return rec
 
-    def _held(self, link: Any, index: tuple) -> Optional[int]:
+    def _held(self, link: LinkView, index: tuple) -> Optional[int]:
         """The cache id of ``index`` if this link reserved it and holds it still."""
         with self._lock:
             return self._reservations.get(id(link), {}).get(index)
 
-    def _serve_reserve_key(self, link: Any, args: Any) -> tuple[int, dict]:
+    def _serve_reserve_key(self, link: LinkView, args: Any) -> tuple[int, dict]:
         index = peer_key_index(args)
         hit = self._memory.reserve_key(index)
         if hit is None:
@@ -146,7 +148,7 @@ class OwnerSide:
                 "error": "reserve_key refused: the link is down"}
         return 0, {"cache_id": int(hit[0]), "batch_index": int(hit[1])}
 
-    def _end_reservation(self, link: Any, index: tuple) -> bool:
+    def _end_reservation(self, link: LinkView, index: tuple) -> bool:
         """Forget ``index`` among the link's reservations; False when the link did not hold it."""
         with self._lock:
             held = self._reservations.get(id(link))
@@ -157,7 +159,7 @@ class OwnerSide:
                 del self._reservations[id(link)]
             return True
 
-    def _serve_release_key(self, link: Any, msg: m.ReleaseKey) -> tuple[int, dict]:
+    def _serve_release_key(self, link: LinkView, msg: m.ReleaseKey) -> tuple[int, dict]:
         index = (msg.id, msg.model_id)
         # a release of a key this link does not hold is benign (a puller that gave up on a reserve
         # the owner never granted) and must never touch another link's reservation
@@ -165,7 +167,7 @@ class OwnerSide:
             self._memory.finish_reserved(index, None, pulled=False)
         return 0, {}
 
-    def _consumed(self, link: Any, index: tuple, cache_id: Any, spans: Optional[list], what: str) -> None:
+    def _consumed(self, link: LinkView, index: tuple, cache_id: Any, spans: Optional[list], what: str) -> None:
         """A pull of ``index`` ended: check it against the link's reservation and the cache's tensors,
         then consume (``spans`` None or empty = every tensor)."""
         held = self._held(link, index)
@@ -181,11 +183,11 @@ class OwnerSide:
         self._end_reservation(link, index)
         self._memory.finish_reserved(index, tensors, pulled=True)
 
-    def _serve_key_consumed(self, link: Any, msg: Any) -> tuple[int, dict]:
+    def _serve_key_consumed(self, link: LinkView, msg: m.KeyConsumed) -> tuple[int, dict]:
         self._consumed(link, (msg.key.id, msg.key.model_id), msg.cache_id, list(msg.tensor_spans), "key_consumed")
         return 0, {}
 
-    def _serve_consume_key(self, link: Any, args: Any) -> tuple[int, dict]:
+    def _serve_consume_key(self, link: LinkView, args: Any) -> tuple[int, dict]:
         index = peer_key_index(args)
         tensors = args.get("tensors")
         spans = None
@@ -197,14 +199,14 @@ class OwnerSide:
         self._consumed(link, index, args.get("cache_id"), spans, "consume_key")
         return 0, {}
 
-    def _cache_event(self, rec: Any, trigger: str, **info: Any) -> None:
+    def _cache_event(self, rec: "CacheRecord", trigger: str, **info: Any) -> None:
         rec.tracked.offer(trigger, **info)   # a cache released meanwhile absorbs a late notice
 
-    def _block_spans(self, rec: Any, spans: Any, what: str) -> list:
+    def _block_spans(self, rec: "CacheRecord", spans: Any, what: str) -> list:
         """Block (or batch) spans of a notice, inside the cache's rows."""
         return [[r.start, r.stop] for r in peer_spans(list(spans), what, rec.rows)]
 
-    def _serve_read_done(self, link: Any, msg: Any) -> tuple[int, dict]:
+    def _serve_read_done(self, link: LinkView, msg: m.ReadDone) -> tuple[int, dict]:
         checked = []
         for entry in msg.entries:   # validate the whole notice before any event fires
             rec = self._served_record(link, entry.cache_id, "read_done")
@@ -214,7 +216,7 @@ class OwnerSide:
             self._cache_event(rec, "peer_read", peer=link.peer_cluster_id, blocks=blocks)
         return 0, {}
 
-    def _serve_push_done(self, link: Any, msg: m.PushDone) -> tuple[int, dict]:
+    def _serve_push_done(self, link: LinkView, msg: m.PushDone) -> tuple[int, dict]:
         # several untagged pushes' notices in one message (queued by the pusher, in order): the
         # whole batch is validated before any of its events fires
         if not msg.entries:
@@ -225,7 +227,7 @@ class OwnerSide:
                 self._cache_event(item[0], "peer_written", error=item[1], **item[2])
         return 0, {}
 
-    def _serve_transfer_done(self, link: Any, entry: m.TransferDone, what: str) -> tuple[int, dict]:
+    def _serve_transfer_done(self, link: LinkView, entry: m.TransferDone, what: str) -> tuple[int, dict]:
         """A peer's transfer on one of this engine's caches ended (``read_done``: it read, ``push_done``:
         it wrote): one "peer finished reading/writing" event, with the transfer's tag when it has one."""
         checked = self._check_transfer_done(link, entry, what)
@@ -234,7 +236,7 @@ class OwnerSide:
                               **checked[2])
         return 0, {}
 
-    def _check_transfer_done(self, link: Any, entry: m.TransferDone, what: str) -> Optional[tuple]:
+    def _check_transfer_done(self, link: LinkView, entry: m.TransferDone, what: str) -> Optional[tuple]:
         """A transfer-done notice checked against this engine's tables: ``(record, error, event info)``,
         or None when its cache is gone (a benign race); a violation raises PeerInputError.  The
         message's types and sizes were checked by the codec; its numbers are checked here."""

@@ -24,7 +24,7 @@ from llmdd._base.status import LLMException
 from llmdd._base.types import BlocksCacheKey
 from llmdd._data.layouts import Layouts
 from llmdd._data.planner import CacheLayout, plan_blocks, tensor_range
-from llmdd._data.port import ControlPort
+from llmdd._protocol.port import ControlPort, LinkView
 from llmdd._seam import ops as _ops
 from llmdd._seam.abc import PreparedTransfer
 
@@ -66,7 +66,7 @@ class PreparedPlan:
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
                  "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "prepared", "chan")
 
-    def __init__(self, link: Any, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
+    def __init__(self, link: LinkView, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
                  src_tensors: range, dst_tensors: range, push: bool) -> None:
         self.link, self.tables, self.rec, self.regions = link, tables, rec, rec.regions
         self.cv, self.rv = tables.cache_table_version, tables.regions_version
@@ -220,7 +220,7 @@ class PreparedPlans:
         self._plans[pk] = plan
         return plan
 
-    def _make(self, push: bool, link: Any, rec: "CacheRecord", remote: Union[BlocksCacheKey, int],
+    def _make(self, push: bool, link: LinkView, rec: "CacheRecord", remote: Union[BlocksCacheKey, int],
               src_layer_range: Optional[range], dst_layer_range: Optional[range], tnpl: int) -> Optional[PreparedPlan]:
         tables = link.tables
         cv, rv = tables.cache_table_version, tables.regions_version   # read before the layouts
@@ -256,7 +256,7 @@ class PreparedPlans:
         plan.prepared = None if channel is None else channel.prepare(
             plan.pairs, plan.bs, plan.su, plan.du, plan.push, timeout_s=self._timeout_s)
 
-    def forget(self, link: Any) -> None:
+    def forget(self, link: LinkView) -> None:
         """The link is down: its plans go."""
         for pk in [pk for pk, plan in list(self._plans.items()) if plan.link is link]:
             self._plans.pop(pk, None)

@@ -2,23 +2,28 @@
 transfers (``CacheTask``'s interface), run by the data plane (:mod:`llmdd._data.engine`).
 
 A task's state lives in the task lifecycle (``_lifecycle/tables.py``); a task reaches its engine's
-links only through the engine (``TransferEngine``), never the control plane directly.
+links only through the engine, never the control plane directly: what it asks of the engine is
+:class:`TaskHost` (``TransferEngine`` is one), so this module does not import the engine.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
 
+from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._protocol.port import LinkView
 
 if TYPE_CHECKING:
+    from llmdd._lifecycle.machines import Tracked
+    from llmdd._base.types import LayerSynchronizer, TransferConfig, TransferWithCacheKeyConfig
     from llmdd._data.planner import CacheLayout
-    from llmdd._data.engine import TransferEngine
+    from llmdd._memory.manager import CacheRecord
 
-__all__ = ["AsyncPull", "AsyncTransfer", "TransferTimedOut"]
+__all__ = ["AsyncPull", "AsyncTransfer", "TaskHost", "TransferTimedOut"]
 
 
 class TransferTimedOut(LLMException):
@@ -33,24 +38,59 @@ def _err(msg: str, code: LLMStatusCode) -> LLMException:
     return LLMException(msg, status_code=code)
 
 
+class TaskHost(Protocol):
+    """What a task asks of its engine (``llmdd._data.engine.TransferEngine``)."""
+
+    def link_for(self, cluster_id: int) -> LinkView:
+        """The LINKED link to ``cluster_id`` with its data channel, or the contract's error."""
+        ...
+
+    def claim_links(self, links: list) -> None:
+        """Take ``links`` for a layer-wise task, all or none (LLM_LINK_BUSY)."""
+        ...
+
+    def release_links(self, links: list) -> None:
+        ...
+
+    def plan_async_config(self, link: LinkView, src: "CacheLayout",
+                          config: Union["TransferConfig", "TransferWithCacheKeyConfig"], layer: int, *,
+                          src_blocks: Optional[Sequence[int]], dst_blocks: Optional[Sequence[int]],
+                          dst_block_size: Optional[int]) -> np.ndarray:
+        """The ops of one layer of one config."""
+        ...
+
+    def run_ops(self, link: LinkView, ops: np.ndarray, *, write: bool, kind: str, step_of: Optional["Tracked"] = None,
+                nbytes: Optional[int] = None) -> None:
+        """Move ``ops`` over ``link`` as one step of ``step_of``."""
+        ...
+
+    def task_ended(self, task: Union["AsyncPull", "AsyncTransfer"]) -> None:
+        """``task`` ended (or never started): the engine stops counting it."""
+        ...
+
+
 class AsyncPull:
     """One non-blocking pull (``pull_blocks_async`` / ``pull_cache_async``): the blocking pull run by
     one of the engine's pull workers; ``CacheTask``'s interface (``wait`` / ``results``) and an
     optional ``callback(status)`` called once, in the worker, when it ends.
 
-    Cancelled before it starts by an unlink or failure of its link (``LLM_LINK_FAILED``) or by
-    finalize (``LLM_ENGINE_FINALIZED``); once started, it ends as the blocking call would (its steps
-    have the blocking call's sync_kv_timeout deadlines, and a link torn down under it ends it with
-    that link's status: ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot)."""
+    It is a task of the task machine from submission (``task``, CREATED while it waits for a worker):
+    the worker's ``start`` and a cancellation's ``withdraw`` race on that machine, and whichever the
+    table takes first decides who ends it.  Withdrawn before it starts by an unlink or failure of its
+    link (``LLM_LINK_FAILED``) or by finalize (``LLM_ENGINE_FINALIZED``): CANCELLED, with its event;
+    once started, it ends as the blocking call would (its steps have the blocking call's
+    sync_kv_timeout deadlines, and a link torn down under it ends it with that link's status:
+    ``LLM_LINK_FAILED`` also while it waited for the link's transfer slot), and its task COMPLETED,
+    TIMED_OUT or FAILED.  The blocking pull's own steps are tasks of their own, as for the blocking call."""
 
-    def __init__(self, engine: "TransferEngine", link: Any, run: Any, callback: Any) -> None:
+    def __init__(self, engine: TaskHost, link: LinkView, run: Callable[[], None],
+                 callback: Optional[Callable[[LLMStatusCode], None]], *, task: "Tracked") -> None:
         self._engine = engine
         self._link = link
         self._run = run
         self._callback = callback
-        self._lock = threading.Lock()
+        self.task = task
         self._done = threading.Event()
-        self._claimed = False   # run by the worker, or cancelled: whoever claims it first ends it
         self._link_went = False  # its link was unlinked or failed (while queued or running)
         self._status: Optional[LLMStatusCode] = None
 
@@ -65,28 +105,33 @@ class AsyncPull:
         return self._status
 
     def __call__(self) -> None:
-        with self._lock:
-            if self._claimed:
-                return          # cancelled while queued
-            self._claimed = True
+        if not self.task.offer("start"):
+            return          # withdrawn while queued: it ended then
+        error: Optional[BaseException] = None
         try:
             self._run()
             status = S.LLM_SUCCESS
         except LLMException as exc:
-            status = exc.status_code
+            status, error = exc.status_code, exc
             if status is S.LLM_NOT_YET_LINK and self._link_went:
                 # it waited for the link's transfer slot while the link was unlinked: as a queued
                 # pull of that link, it ends with the link's typed status
                 status = S.LLM_LINK_FAILED
         except Exception as exc:  # noqa: BLE001 - a bug must end the task, not the worker
             _log.error("llmdd.transfer.async_pull_failed", error=repr(exc))
-            status = S.LLM_FAILED
-        self._finish(status)
+            status, error = S.LLM_FAILED, exc
+        try:
+            if status is S.LLM_SUCCESS:
+                self.task.fire("transfer_succeeded")
+            else:
+                self.task.fire("deadline_expired" if status is S.LLM_TIMEOUT else "transfer_failed", error=error)
+        finally:
+            self._finish(status)
 
     def _finish(self, status: LLMStatusCode) -> None:
         self._status = status   # before _done: a waiter woken by it reads this status, never None
         self._done.set()
-        self._engine._async_pull_ended(self)
+        self._engine.task_ended(self)
         callback = self._callback
         if callback is not None:
             try:
@@ -94,20 +139,19 @@ class AsyncPull:
             except Exception as exc:  # noqa: BLE001 - a caller's callback cannot break the engine
                 _log.warning("llmdd.transfer.async_pull_callback_failed", error=repr(exc))
 
-    def _cancel_queued(self, status: LLMStatusCode) -> None:
-        with self._lock:
-            if self._claimed:
-                return
-            self._claimed = True  # the worker that picks it up later does nothing
-        self._finish(status)
+    def _cancel_queued(self, status: LLMStatusCode, why: str) -> None:
+        # the worker that picks it up later finds it CANCELLED and does nothing; one already
+        # running (or done) absorbs the withdrawal and ends it itself
+        if self.task.offer("withdraw", error=LLMException(why, status_code=status)):
+            self._finish(status)
 
-    def link_down(self, link: Any) -> None:
+    def link_down(self, link: LinkView) -> None:
         if link is self._link:
             self._link_went = True
-            self._cancel_queued(S.LLM_LINK_FAILED)
+            self._cancel_queued(S.LLM_LINK_FAILED, f"the link to cluster {link.peer_cluster_id} went down")
 
     def cancel(self) -> None:
-        self._cancel_queued(S.LLM_ENGINE_FINALIZED)
+        self._cancel_queued(S.LLM_ENGINE_FINALIZED, "the engine is finalized")
 
     def __repr__(self) -> str:
         return f"<AsyncPull peer={getattr(self._link, 'peer_cluster_id', None)} status={self._status}>"
@@ -116,8 +160,10 @@ class AsyncPull:
 class AsyncTransfer:
     """One ``transfer_cache_async`` call: a thread walking the layers as the synchronizer releases them."""
 
-    def __init__(self, engine: TransferEngine, rec: Any, src: CacheLayout, synchronizer: Any, configs: list,
-                 src_blocks, dst_blocks, dst_block_size) -> None:
+    def __init__(self, engine: TaskHost, rec: CacheRecord, src: CacheLayout, synchronizer: LayerSynchronizer,
+                 configs: list[Union[TransferConfig, TransferWithCacheKeyConfig]],
+                 src_blocks: Optional[Sequence[int]], dst_blocks: Optional[Sequence[int]],
+                 dst_block_size: Optional[int], *, task: "Tracked") -> None:
         self._engine = engine
         self._rec = rec
         self._src = src
@@ -132,8 +178,7 @@ class AsyncTransfer:
         self._lock = threading.Lock()
         self._links: list = []
         self.layer_times: list[tuple[int, float, float]] = []  # (layer, released_at, transferred_at)
-        self.task = engine._tasks.create(next(engine._ids), kind="transfer_cache_async",
-                                         configs=len(configs))
+        self.task = task
         self._thread = threading.Thread(target=self._run, name="llmdd-async", daemon=True)
 
     def _distinct_links(self) -> list:
@@ -146,7 +191,7 @@ class AsyncTransfer:
                 self._links.append(self._engine.link_for(config.dst_cluster_id))
             self._engine.claim_links(self._distinct_links())
         except LLMException:
-            self._engine._async.discard(self)
+            self._engine.task_ended(self)
             raise
         self._thread.start()
 
@@ -162,12 +207,12 @@ class AsyncTransfer:
         self._cancelled.set()
         self._done.wait(5.0)
 
-    def link_down(self, link: Any) -> None:
+    def link_down(self, link: LinkView) -> None:
         if any(lk is link for lk in self._links):
             self._cancelled.set()
 
     # -- the worker -----------------------------------------------------------------------
-    def _config_layers(self, config: Any) -> range:
+    def _config_layers(self, config: Union[TransferConfig, TransferWithCacheKeyConfig]) -> range:
         if config.src_layer_range is not None:
             return config.src_layer_range
         return range(0, self._src.num_tensors // 2)
@@ -245,5 +290,5 @@ class AsyncTransfer:
             task.offer("transfer_failed", error=exc)
         finally:
             engine.release_links(self._distinct_links())
-            engine._async.discard(self)
+            engine.task_ended(self)
             self._done.set()

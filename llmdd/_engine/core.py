@@ -2,14 +2,14 @@
 
 :class:`EngineCore` is the only place that knows how the layers fit together: it builds the chip
 profile, the lifecycles, memory, the control plane, the data plane (bound to each other through
-the port of :mod:`llmdd._data.port`) and the rank-table comm groups, and closes them again.  It
+the port of :mod:`llmdd._protocol.port`) and the rank-table comm groups, and closes them again.  It
 imports no facade module; the facade (:mod:`llmdd._api.datadist`) owns one and builds its
 ``CacheManager`` over its parts.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.enums import LLMRole
@@ -17,7 +17,7 @@ from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
 from llmdd._base.profiles import check_pool_options, profile_from_options
 from llmdd._control.comm_group import CommGroups
-from llmdd._control.ioloop import IoLoop
+from llmdd._runtime.ioloop import IoLoop
 from llmdd._control.manager import LinkManager
 from llmdd._control.settings import LinkSettings
 from llmdd._data.engine import TransferEngine
@@ -41,15 +41,15 @@ class EngineCore:
 
     Build order (each part depends only on the ones before it): chip profile, lifecycles, memory,
     control plane (:class:`LinkManager`), data plane (:class:`TransferEngine`, given the control plane
-    as its :class:`~llmdd._data.port.ControlPort`; the control plane is then bound to it as its
-    :class:`~llmdd._data.port.DataService`) and rank-table comm groups.  The facade
+    as its :class:`~llmdd._protocol.port.ControlPort`; the control plane is then bound to it as its
+    :class:`~llmdd._protocol.port.DataService`) and rank-table comm groups.  The facade
     (:mod:`llmdd._api`) builds its managers over these parts; nothing here imports the facade."""
 
-    def __init__(self, *, cluster_id: int, role: LLMRole, options: EngineOptions, hooks: Hooks,
+    def __init__(self, *, cluster_id: int, role: Callable[[], LLMRole], options: EngineOptions, hooks: Hooks,
                  engine: Tracked) -> None:
         self.options = options
         self.cluster_id = cluster_id
-        self._role = role
+        self._role = role   # the engine's (the facade's) role, read-only here
         self.hooks = hooks
         self.profile = profile_from_options(options.raw)
         host_pool = options.raw.get("llm.HostMemPoolConfig")
@@ -88,12 +88,8 @@ class EngineCore:
 
     @property
     def role(self) -> LLMRole:
-        return self._role
-
-    def set_role(self, role: LLMRole) -> None:
-        """``switch_role``: the role later handshakes offer."""
-        self._role = role
-        self.link_manager.set_role(role)
+        """The engine's role now (read-only: ``LLMDataDist.switch_role`` changes it)."""
+        return self._role()
 
     def _lifecycle(self, machine: Machine) -> Lifecycle:
         emit, wants = self.hooks.live_emitter(machine)

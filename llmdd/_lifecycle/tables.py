@@ -170,6 +170,9 @@ TASK_TRANSITIONS = [
     _t("synchronizer_refused", T.WAITING, T.FAILED),
     _t("deadline_expired", [T.RUNNING, T.CREATED], T.TIMED_OUT),
     _t("cancel", _OPEN_TASK, T.CANCELLED),
+    # a queued task (a non-blocking pull waiting for a pull worker) withdrawn before it started: its
+    # link went down, or the engine is finalized
+    _t("withdraw", T.CREATED, T.CANCELLED),
     # per-layer progress of a task is an event on the task machine, not a state
     _t("layer_transferred", T.RUNNING, "="),
 ]
@@ -260,6 +263,10 @@ ABSORBED = {
         # a cancel or a failure that arrives after the task ended (it finished first)
         ("cancel", tuple(_DONE_TASK)),
         ("transfer_failed", tuple(_DONE_TASK)),
+        # a queued task is withdrawn after a worker started it (or it finished): the worker ends it
+        ("withdraw", (T.RUNNING, *_DONE_TASK)),
+        # a worker picks up a queued task that was withdrawn meanwhile
+        ("start", (T.CANCELLED,)),
     ),
     Machine.LISTENER: (
         # the listener failed or was closed already (close after a failure; the loop's death)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, cast
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar, Union, cast
 
 import attrs
 
@@ -239,7 +239,7 @@ class MemoryManager:
             rec = self._records.get(hit[0])
             return (rec, hit[1]) if rec is not None else None
 
-    def resolve_key(self, key: Any) -> Optional[tuple[CacheRecord, int]]:
+    def resolve_key(self, key: Union[CacheKey, BlocksCacheKey]) -> Optional[tuple[CacheRecord, int]]:
         return self.resolve_index(cache_key_index(key))
 
     @_publishes

@@ -44,7 +44,7 @@ from typing import Any, Callable, Union
 import attrs
 import numpy as np
 
-from llmdd._seam.abc import MAX_PAYLOAD_BYTES, EndpointDescriptor, RegionDescriptor
+from llmdd._seam.abc import MAX_PAYLOAD_BYTES, Channel, EndpointDescriptor, RegionDescriptor
 
 from llmdd._seam.errors import PeerGone, Refused, TransportTimeout
 
@@ -157,7 +157,7 @@ def check_coalescing(make_pair: MakePair) -> None:
         assert not a.bufs[1][size // 2:].any()
 
 
-def _refusal_cases(a: _Side, b: _Side, ch: Any) -> list[tuple[str, Callable[[], np.ndarray]]]:
+def _refusal_cases(a: _Side, b: _Side, ch: Channel) -> list[tuple[str, Callable[[], np.ndarray]]]:
     sz = len(b.bufs[10])
     return [
         ("remote out of bounds", lambda: make_ops(1, 0, 10, sz - 10, 20)),

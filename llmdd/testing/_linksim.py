@@ -3,7 +3,7 @@
 Used by llmdd's link-protocol unit tests (``tests/unit/control/test_link_pump.py``); private to
 llmdd.testing (its surface may change with the control plane's).
 
-:class:`llmdd._control.ioloop.Runtime` is everything the link manager, its connections and its
+:class:`llmdd._runtime.runtime.Runtime` is everything the link manager, its connections and its
 listeners ask of the world: the clock, timers, a pool for blocking work, a way to wait, and
 sockets.  :class:`SimLoop` implements it over a :class:`World` shared by every engine of a test:
 
@@ -34,7 +34,7 @@ import math
 import socket
 from typing import Any, Callable, Optional
 
-from llmdd._control.ioloop import EVENT_READ, EVENT_WRITE, PoolFull, Timer
+from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE, PoolFull, Timer
 
 __all__ = ["World", "SimLoop", "SimSocket", "SimServerSocket", "Stuck"]
 
@@ -370,7 +370,7 @@ class World:
 
 
 class SimLoop:
-    """One engine's view of the :class:`World`: the :class:`~llmdd._control.ioloop.Runtime` it runs on."""
+    """One engine's view of the :class:`World`: the :class:`~llmdd._runtime.runtime.Runtime` it runs on."""
 
     def __init__(self, world: World, name: str) -> None:
         self.world = world

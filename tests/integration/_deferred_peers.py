@@ -8,7 +8,7 @@ from typing import Optional
 from llmdd import LLMConfig, LLMDataDist, LLMRole
 from llmdd.abc import Endpoint, EndpointDescriptor, RegionDescriptor, Transport, TransportInfo
 from llmdd.plugin import hookimpl
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 
 HOST = "127.0.0.1"
 

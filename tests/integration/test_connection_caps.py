@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from llmdd import LLMStatusCode
-from llmdd._control.ioloop import Pool
+from llmdd._runtime.ioloop import Pool
 from llmdd.plugin import hookimpl
 from llmdd_tcp import endpoint_fields
 from llmdd.testing._harness import peers

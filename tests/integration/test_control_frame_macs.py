@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from llmdd import LLMStatusCode
-from llmdd._control.protocol.codec import FLAG_CRC32, FLAG_MAC
+from llmdd._protocol.codec import FLAG_CRC32, FLAG_MAC
 from llmdd.testing._harness import peers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

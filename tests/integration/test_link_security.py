@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from llmdd import LLMRole, LLMStatusCode
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import Connection
-from llmdd._control.protocol.handshake import ClientHandshake, HandshakeConfig
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import Connection
+from llmdd._protocol.handshake import ClientHandshake, HandshakeConfig
 from llmdd.testing._harness import peers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -33,9 +33,9 @@ import _rel_peers as R  # noqa: E402
 from llmdd import (BlocksCacheKey, CacheDesc, CacheKey, CacheKeyByIdAndIndex, DataType,  # noqa: E402
                    LLMClusterInfo, LLMConfig, LLMException, LLMRole, MemInfo, Memtype, Placement,
                    TransferConfig, TransferWithCacheKeyConfig)
-from llmdd._control.protocol import messages as m  # noqa: E402
-from llmdd._control.protocol.codec import encode_frame  # noqa: E402
-from llmdd._control.protocol.handshake import ClientHandshake, HandshakeConfig  # noqa: E402
+from llmdd._protocol import messages as m  # noqa: E402
+from llmdd._protocol.codec import encode_frame  # noqa: E402
+from llmdd._protocol.handshake import ClientHandshake, HandshakeConfig  # noqa: E402
 from llmdd.testing._harness import Cluster  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

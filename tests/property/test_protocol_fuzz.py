@@ -9,8 +9,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from llmdd._base.enums import LLMRole, Placement
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import (
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import (
     HEADER_SIZE,
     MESSAGE_TYPES,
     NEED_DATA,

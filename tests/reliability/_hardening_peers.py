@@ -17,8 +17,8 @@ if HERE not in sys.path:
 import _rel_peers as R  # noqa: E402
 
 from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement  # noqa: E402
-from llmdd._data.port import RequestOp  # noqa: E402
-from llmdd._control.protocol import messages as m  # noqa: E402
+from llmdd._protocol.port import RequestOp  # noqa: E402
+from llmdd._protocol import messages as m  # noqa: E402
 
 #: scheduling slack allowed past a call's own deadline: the time a descheduled thread of a loaded
 #: 2-core machine may need to notice the deadline and return (not a widened contract bound)

@@ -64,7 +64,7 @@ from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # 
 import numpy as np  # noqa: E402
 
 from llmdd import LLMStatusCode  # noqa: E402
-from llmdd._control.protocol import messages as m  # noqa: E402
+from llmdd._protocol import messages as m  # noqa: E402
 from llmdd.testing import peer_snapshot  # noqa: E402
 
 BIG = [0, 1, 2, 7, 255, 2**16, 10**9, 2**31 - 1, 2**32, 2**40, 2**62, 2**63 - 1, 2**64 - 1]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from llmdd._control import endpoints as E
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 from llmdd.abc import MAX_PAYLOAD_BYTES, EndpointDescriptor, RegionDescriptor
 from llmdd.lowlevel import MemRegion, Refused, SharedSegment, decode_payload, encode_payload
 

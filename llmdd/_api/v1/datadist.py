@@ -19,16 +19,15 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence
 from llmdd._base.enums import LLMRole
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
-from llmdd._data.port import RequestOp
+from llmdd._protocol.port import RequestOp
 from llmdd._base.validation import check_isinstance, check_uint64
 from llmdd._api.v1.options import parse_v1_listen_ip_info
 
 if TYPE_CHECKING:
-    from llmdd._api.datadist import LLMDataDist
     from llmdd._base.config import LLMClusterInfo
     from llmdd._engine.core import EngineCore
 
-__all__ = ["v1_link_clusters", "v1_switch_role", "v1_check_link_status", "not_in_v1", "not_in_v2"]
+__all__ = ["v1_link_clusters", "v1_switch_listen", "v1_check_link_status", "not_in_v1", "not_in_v2"]
 
 _log = get_logger("llmdd.v1")
 
@@ -55,11 +54,13 @@ def v1_link_clusters(core: EngineCore, role: LLMRole, clusters: Sequence[LLMClus
     return core.link_manager.link_clusters(list(clusters), timeout)
 
 
-def v1_switch_role(dd: LLMDataDist, core: EngineCore, role: LLMRole, switch_options: Optional[Dict[str, str]],
-                   enable_switch_role: bool) -> None:
-    """The v1 role switch: a different role, PROMPT listens on ``llm.listenIpInfo``, others stop listening."""
+def v1_switch_listen(current: LLMRole, role: LLMRole, switch_options: Optional[Dict[str, str]],
+                     enable_switch_role: bool) -> Optional[tuple[str, int]]:
+    """The v1 rules of a role switch (a different role, PROMPT listens on ``llm.listenIpInfo``, others
+    stop listening), checked in upstream's order: where the engine listens after the switch, or None.
+    ``LLMDataDist.switch_role`` then switches as in v2 mode."""
     check_isinstance("role", role, LLMRole, allow_none=False)
-    raise_if_false(dd._role != role, "role not changed, role = {0}", role.name)
+    raise_if_false(current != role, "role not changed, role = {0}", role.name)
     check_isinstance("switch_options", switch_options, dict)
     options = dict(switch_options or {})
     listen = None
@@ -72,19 +73,7 @@ def v1_switch_role(dd: LLMDataDist, core: EngineCore, role: LLMRole, switch_opti
         listen = entries[0]
     if not enable_switch_role:
         raise LLMException("Option llm.EnableSwitchRole not enabled", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED)
-    lm = core.link_manager
-    if lm.has_links():
-        raise LLMException("switch_role is not allowed while links exist; unlink them first.",
-                           status_code=LLMStatusCode.LLM_EXIST_LINK)
-    if listen is None:
-        lm.stop_listening()
-    elif lm.listen_address != listen:
-        lm.listen(*listen)
-    old = dd._role
-    dd._role = role
-    core.set_role(role)
-    dd._kv_cache_manager._switch_role(role)
-    _log.info("llmdd.v1.role_switched", old=old.name, new=role.name)
+    return listen
 
 
 def v1_check_link_status(core: EngineCore, role: LLMRole, remote_cluster_id: int) -> None:

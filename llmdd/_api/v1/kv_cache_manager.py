@@ -20,7 +20,7 @@ Every call maps onto the engine that cache-manager mode uses:
 from __future__ import annotations
 
 import ctypes
-from typing import Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 from llmdd._base.lazy import np
 
@@ -35,6 +35,10 @@ from llmdd._base.validation import INVALID_ID, check_dict, check_int32, check_in
     check_uint64
 from llmdd._api.v1.offsets import allocate_device, pull_with_offsets
 from llmdd._api.v1.tensor import Tensor, TensorDesc
+
+if TYPE_CHECKING:
+    from llmdd._api.cache_manager import CacheManager
+    from llmdd._engine.core import EngineCore
 
 __all__ = ["KvCacheManager"]
 
@@ -91,10 +95,9 @@ def _check_tnpl(value, fn: str, num_tensors: int) -> int:
 class KvCacheManager:
     """Obtained through ``LLMDataDist.kv_cache_manager`` of an engine initialized without cache-manager mode."""
 
-    def __init__(self, llm_engine, role: LLMRole, cache_manager) -> None:
-        self._engine = llm_engine  # the engine core (memory manager, data plane)
+    def __init__(self, llm_engine: "EngineCore", cache_manager: "CacheManager") -> None:
+        self._engine = llm_engine  # the engine core (memory manager, data plane, the engine's role)
         self._cache_manager = cache_manager   # the engine's CacheManager (copies and swaps go through it)
-        self._role = role
         self._initialized = True
 
     # ------------------------------------------------------------------ state
@@ -116,9 +119,10 @@ class KvCacheManager:
     def _check_role(self, func_name: str, role: LLMRole) -> None:
         raise_if_false(self._role == role, "{0} is not supported by {1}", func_name, self._role)
 
-    def _switch_role(self, role: LLMRole) -> None:
-        _log.info("llmdd.v1.switch_role", old=self._role.name, new=role.name)
-        self._role = role
+    @property
+    def _role(self) -> LLMRole:
+        """The engine's role now (read-only: the engine owns it)."""
+        return self._engine.role
 
     @property
     def _memory(self):

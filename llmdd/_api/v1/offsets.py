@@ -23,11 +23,14 @@ from llmdd._memory.copy import execute, slot_copy_ops
 from llmdd._data.planner import tensor_range
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
 from llmdd._base.types import Cache, CacheDesc
+from llmdd._data.engine import TransferEngine
+from llmdd._data.layouts import RemoteKey
+from llmdd._memory.manager import CacheRecord, MemoryManager
 
 __all__ = ["allocate_device", "pull_with_offsets"]
 
 
-def allocate_device(memory: Any, desc: CacheDesc, **kwargs: Any) -> Any:
+def allocate_device(memory: MemoryManager, desc: CacheDesc, **kwargs: Any) -> CacheRecord:
     """A v1 allocation from the engine's DEVICE pool.  Exhaustion is v1's status
     ``LLM_DEVICE_OUT_OF_MEMORY`` (upstream v1's UDF code 14, ``hicann/ge`` ``llm_flow_service.cc:613``,
     ``llm_datadist_v1.h:55``, ``llm_datadist_v1/status.py:83``), not the pool's ``LLM_OUT_OF_MEMORY``,
@@ -40,7 +43,7 @@ def allocate_device(memory: Any, desc: CacheDesc, **kwargs: Any) -> Any:
         raise LLMException(str(exc), status_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY) from exc
 
 
-def pull_with_offsets(memory: Any, transfers: Any, key: Any, rec: Any, *, batch_index: int, size: int,
+def pull_with_offsets(memory: MemoryManager, transfers: TransferEngine, key: RemoteKey, rec: CacheRecord, *, batch_index: int, size: int,
                       src_offset: int, dst_offset: int, src_layer_range: Optional[range],
                       dst_layer_range: Optional[range], tnpl: int) -> None:
     """Pull with byte offsets into slot ``batch_index`` of the local record ``rec`` (a live non-blocks cache)."""

@@ -32,8 +32,8 @@ def _notice(m: Any, rng: random.Random, entries: int, spans: int) -> Any:
 
 
 def run_control(rounds: int = 15, iterations: int = 100, seed: int = 22) -> dict:
-    from llmdd._control.protocol import codec
-    from llmdd._control.protocol import messages as m
+    from llmdd._protocol import codec
+    from llmdd._protocol import messages as m
 
     msg = _notice(m, random.Random(seed), 256, 8)
     code = codec.MESSAGE_TYPES[m.ReadDone]

@@ -3,7 +3,7 @@
 One engine per process is the contract's rule, so 1,000 peers cannot be 1,000 engines here.  The
 clients are a few processes, each holding hundreds of links that speak the real protocol: a
 control connection from its own loopback source address (127.0.x.y, as peers on other hosts
-would), the sans-io :class:`~llmdd._control.protocol.handshake.ClientHandshake`, full table announcements,
+would), the sans-io :class:`~llmdd._protocol.handshake.ClientHandshake`, full table announcements,
 a real tcp data endpoint (one per client process, shared by its links) that the server connects
 its data channel to, and keepalive answers.  The server is a real engine (tcp forced) in its own
 process.
@@ -92,9 +92,9 @@ class _Client:
         from llmdd_tcp import TcpTransport
 
         from llmdd._control.endpoints import to_wire
-        from llmdd._control.protocol import messages as m
-        from llmdd._control.protocol.codec import Connection
-        from llmdd._control.protocol.handshake import HandshakeConfig, new_incarnation
+        from llmdd._protocol import messages as m
+        from llmdd._protocol.codec import Connection
+        from llmdd._protocol.handshake import HandshakeConfig, new_incarnation
 
         self.m = m
         self.Connection = Connection
@@ -126,9 +126,9 @@ class _Client:
 
     def setup(self) -> float:
         """One link, set up now; returns its setup seconds (connect to the server's tables in)."""
-        from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED
-        from llmdd._control.protocol.handshake import ClientHandshake, HandshakeRefused
-        from llmdd._control.protocol.tables import TableAnnouncer
+        from llmdd._protocol.codec import NEED_DATA, PEER_CLOSED
+        from llmdd._protocol.handshake import ClientHandshake, HandshakeRefused
+        from llmdd._protocol.tables import TableAnnouncer
         from llmdd._base.status import LLMStatusCode
 
         m = self.m
@@ -201,7 +201,7 @@ class _Client:
         sock.settimeout(10.0)
         sock.sendall(codec.send(m.UnlinkRequest(request_id=1, force=False, reason="bench")))
         deadline = time.monotonic() + 10.0
-        from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED
+        from llmdd._protocol.codec import NEED_DATA, PEER_CLOSED
 
         while time.monotonic() < deadline:
             msg = codec.next_message()
@@ -214,7 +214,7 @@ class _Client:
         sock.close()
 
     def _serve(self) -> None:
-        from llmdd._control.protocol.codec import NEED_DATA, PEER_CLOSED
+        from llmdd._protocol.codec import NEED_DATA, PEER_CLOSED
 
         m = self.m
         while not self._stop:

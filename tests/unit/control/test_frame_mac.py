@@ -8,8 +8,8 @@ import secrets
 
 import pytest
 
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import FLAG_MAC, NEED_DATA, Connection, ProtocolError
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import FLAG_MAC, NEED_DATA, Connection, ProtocolError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""The engine's I/O loop (llmdd._control.ioloop): timers, cross-thread calls, readiness, bounded pools, strands."""
+"""The engine's I/O loop (llmdd._runtime.ioloop): timers, cross-thread calls, readiness, bounded pools, strands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from llmdd._control.ioloop import EVENT_READ, IoLoop, Pool, PoolFull, Strand
+from llmdd._runtime.runtime import EVENT_READ, PoolFull
+from llmdd._runtime.ioloop import IoLoop, Pool, Strand
 
 pytestmark = pytest.mark.timeout(30)
 

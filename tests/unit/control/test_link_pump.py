@@ -62,7 +62,7 @@ class Engine:
         hooks = Hooks(pm)
         self.memory = MemoryManager.from_options(self.options.raw, caches=Lifecycle(Machine.CACHE))
         self.loop: SimLoop = world.loop(f"e{cluster_id}")
-        self.lm = LinkManager(cluster_id=cluster_id, role=role, options=self.options, hooks=hooks,
+        self.lm = LinkManager(cluster_id=cluster_id, role=lambda: role, options=self.options, hooks=hooks,
                               links=Lifecycle(Machine.LINK, self._record), memory=self.memory,
                               profile=PROFILES["generic"], loop=self.loop)
         self.te = TransferEngine(port=self.lm, memory=self.memory, tasks=Lifecycle(Machine.TASK), hooks=hooks,

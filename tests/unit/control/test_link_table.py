@@ -15,10 +15,10 @@ import pytest
 
 from llmdd._base.enums import LLMRole
 from llmdd._base.status import LLMStatusCode
-from llmdd._control.ioloop import Pool, Strand
+from llmdd._runtime.ioloop import Pool, Strand
 from llmdd._control.link import Link
 from llmdd._control.liveness import Liveness
-from llmdd._control.protocol import messages as m
+from llmdd._protocol import messages as m
 from llmdd._control.table import LinkTable
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import Machine

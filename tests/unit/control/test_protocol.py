@@ -11,8 +11,8 @@ import pytest
 from msgspec.structs import asdict, force_setattr, replace
 
 from llmdd._base.enums import LLMRole, Placement
-from llmdd._control.protocol import handshake as hs, messages as m, tables as tb
-from llmdd._control.protocol.codec import (
+from llmdd._protocol import handshake as hs, messages as m, tables as tb
+from llmdd._protocol.codec import (
     FLAG_CRC32,
     HEADER_SIZE,
     MAGIC,
@@ -27,14 +27,14 @@ from llmdd._control.protocol.codec import (
     encode_frame,
     encode_payload,
 )
-from llmdd._control.protocol.handshake import (
+from llmdd._protocol.handshake import (
     ClientHandshake,
     HandshakeConfig,
     HandshakeRefused,
     HandshakeState,
     ServerHandshake,
 )
-from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer, TableUpdateError
+from llmdd._protocol.tables import DescriptorTables, TableAnnouncer, TableUpdateError
 from llmdd._base.status import (
     InvalidStateError,
     LLMException,

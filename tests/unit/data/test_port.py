@@ -1,4 +1,4 @@
-"""The typed port between the control plane and the data plane (llmdd/_data/port.py), without processes.
+"""The typed port between the control plane and the data plane (llmdd/_protocol/port.py), without processes.
 
 The data plane (TransferEngine) is built as the composition root builds it, but with a recording
 ControlPort instead of the link manager: what it asks of the control plane is seen call by call.
@@ -17,10 +17,10 @@ from llmdd._lifecycle.tables import LINK_IN_USE, LINK_SERVES, Machine
 from llmdd._memory.manager import MemoryManager
 from llmdd._base.options import EngineOptions
 from llmdd._extension.manager import Hooks, make_plugin_manager
-from llmdd._data.port import ControlPort, DataService, RequestOp, request_op
+from llmdd._protocol.port import ControlPort, DataService, RequestOp, request_op
 from llmdd._base.profiles import PROFILES
-from llmdd._control.protocol import messages as m
-from llmdd._base.status import LLMException
+from llmdd._protocol import messages as m
+from llmdd._base.status import InvalidStateError, LLMException
 from llmdd._data.engine import TransferEngine
 
 pytestmark = pytest.mark.timeout(30)
@@ -100,7 +100,7 @@ def test_the_recording_port_and_the_engine_satisfy_the_port_protocols(engine):
     assert sorted(port_api) == ["ask", "fail_link", "get", "notify", "record_transfer", "request", "require",
                                 "transfer_timed_out"]
     assert all(callable(getattr(port, n)) for n in port_api)
-    assert sorted(service_api) == ["on_link_down", "on_notice", "quiesce", "resume", "serve", "serve_tagged"]
+    assert sorted(service_api) == ["on_link_down", "on_notice", "quiesce", "serve", "serve_tagged"]
     assert all(callable(getattr(te, n)) for n in service_api)
 
 
@@ -125,28 +125,41 @@ def test_claim_links_is_all_or_none(engine):
     te.release_links([a, b, c])
 
 
-def test_quiesce_refuses_a_busy_link_and_afterwards_no_transfer_starts_on_it(engine):
+def test_quiesce_refuses_a_busy_link_and_takes_an_idle_one_out_of_use_before_any_transfer_starts(engine):
     te, _ = engine
     link = FakeLink(5)
+    unlinked = []
+
+    def unlink() -> None:   # the control plane's move to UNLINKING
+        unlinked.append(link.transfer_lock.locked())   # no transfer can start meanwhile
+        link.fsm.fire("unlink")
+
     te.claim_links([link])                     # an async task holds it
-    assert te.quiesce(link) is False
+    assert te.quiesce(link, unlink) is False
     te.release_links([link])
     link.transfer_lock.acquire()               # a blocking transfer holds it
-    assert te.quiesce(link) is False
+    assert te.quiesce(link, unlink) is False
     link.transfer_lock.release()
-    assert te.quiesce(link) is True            # idle: the unlink may go on, with no lock held
-    assert not link.transfer_lock.locked()
-    with pytest.raises(LLMException) as err:   # the unlink has not fired yet: as if UNLINKING
+    assert unlinked == [] and link.linked      # a refused quiesce leaves the link in use
+    assert te.quiesce(link, unlink) is True    # idle: UNLINKING, moved while the link's turn was held
+    assert unlinked == [True] and not link.linked and not link.transfer_lock.locked()
+    with pytest.raises(LLMException) as err:   # out of use: the control plane says why (this port: not linked)
         with te._busy.turn(link):
             raise AssertionError("a blocking transfer got the turn of a link quiesced for an unlink")
-    assert err.value.status_code is LLMStatusCode.LLM_PROCESSING_LINK
+    assert err.value.status_code is LLMStatusCode.LLM_NOT_YET_LINK
     assert not link.transfer_lock.locked()
     with pytest.raises(LLMException) as err:   # nor may an async task take it
         te.claim_links([link])
     assert err.value.status_code is LLMStatusCode.LLM_LINK_BUSY
-    te.on_link_down(link)                      # closed: the mark goes with it
-    te.claim_links([link])
-    te.release_links([link])
+
+
+def test_a_quiesce_whose_unlink_is_refused_releases_the_link_and_raises(engine):
+    te, _ = engine
+    link = FakeLink(6)
+    link.fsm.fire("peer_lost")                 # FAILED meanwhile: the table refuses "unlink"
+    with pytest.raises(InvalidStateError):
+        te.quiesce(link, lambda: link.fsm.fire("unlink"))
+    assert not link.transfer_lock.locked()
 
 
 def test_a_notice_with_numbers_outside_the_owners_tables_fails_the_link_through_the_port(engine):

@@ -52,7 +52,7 @@ Cancellation and deadlines: streams are blocking sockets armed with ``SO_RCVTIME
 ``SO_SNDTIMEO`` set to the time left; cancel, deadline, close and deregistration shut the
 sockets down and join the worker threads before the completion reports its error.
 
-Serving: one I/O loop per endpoint (:class:`llmdd._control.ioloop.IoLoop`) accepts, runs the HELLO/AUTH
+Serving: one I/O loop per endpoint (:class:`llmdd._runtime.ioloop.IoLoop`) accepts, runs the HELLO/AUTH
 exchange without blocking and watches idle streams; a stream with a request waiting is served
 by one of a bounded pool of workers (``llmdd.tcp.server_workers``), which keeps it while requests
 follow each other closely (``llmdd.tcp.linger_ms``) and then hands it back to the loop.  No thread

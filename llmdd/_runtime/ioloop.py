@@ -1,7 +1,7 @@
 """One I/O loop per engine: a ``selectors`` loop thread, timers, and bounded worker pools.
 
 Why ``selectors`` and not ``asyncio``: the control plane's protocol objects are sans-io
-(:mod:`llmdd._control.protocol`) and the public API is blocking (``link_clusters`` waits, pulls wait),
+(:mod:`llmdd._protocol`) and the public API is blocking (``link_clusters`` waits, pulls wait),
 so the loop only has to turn readiness into calls of those objects.  A selector loop does that
 in a few hundred lines with no coroutine colouring of the engine, no event loop that could
 clash with an application's own asyncio loop in the same process, and one thread whose every
@@ -21,7 +21,8 @@ Rules of the loop (see docs/architecture.md, "The I/O loop"):
 * a callback that raises is logged and contained; if the loop itself cannot continue (the
   selector fails), every ``on_dead`` callback is told once and the loop thread ends.
 
-The loop is also the control plane's one source of time, waiting and sockets (:class:`Runtime`):
+The loop is also the control plane's one source of time, waiting and sockets (the seam
+:class:`~llmdd._runtime.runtime.Runtime`):
 the link manager, its connections and listeners read the clock with :meth:`IoLoop.monotonic`,
 wait on :meth:`IoLoop.event` objects, pause with :meth:`IoLoop.sleep` and open sockets with
 :meth:`IoLoop.create_connection` / :meth:`IoLoop.create_server`, never with ``time``,
@@ -39,96 +40,14 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from llmdd._base.log import get_logger
+from llmdd._runtime.runtime import EVENT_READ, Executor, PoolFull, Timer, Waiter
 
-__all__ = ["IoLoop", "Pool", "Strand", "Timer", "PoolFull", "Runtime", "Waiter", "Executor"]
+__all__ = ["IoLoop", "Pool", "Strand"]
 
 _log = get_logger("llmdd.io")
-
-EVENT_READ = selectors.EVENT_READ
-EVENT_WRITE = selectors.EVENT_WRITE
-
-
-class Waiter(Protocol):
-    """A one-shot flag a thread can wait on (``threading.Event``'s surface)."""
-
-    def set(self) -> None: ...
-
-    def is_set(self) -> bool: ...
-
-    def wait(self, timeout: Optional[float] = None) -> bool: ...
-
-
-class Executor(Protocol):
-    """Where blocking work runs (a :class:`Pool`); :class:`Strand` orders tasks on one."""
-
-    name: str
-
-    def submit(self, fn: Callable, *args: Any) -> None: ...
-
-    def threads(self) -> int: ...
-
-    def close(self, timeout: float = 5.0) -> None: ...
-
-
-class Runtime(Protocol):
-    """What the control plane needs of time, threads, waiting and sockets: :class:`IoLoop` here,
-    a deterministic simulation in the link protocol's unit tests."""
-
-    name: str
-    pool: Executor
-    dead: Optional[BaseException]
-
-    def monotonic(self) -> float: ...
-
-    def monotonic_ns(self) -> int: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-    def event(self) -> Waiter: ...
-
-    def make_pool(self, size: int, name: str) -> Executor: ...
-
-    def create_connection(self, address: tuple[str, int], timeout: float) -> socket.socket: ...
-
-    def create_server(self, address: tuple[str, int], backlog: int) -> socket.socket: ...
-
-    def in_loop(self) -> bool: ...
-
-    def call_soon(self, fn: Callable, *args: Any) -> None: ...
-
-    def call_later(self, delay: float, fn: Callable, *args: Any) -> "Timer": ...
-
-    def on_dead(self, callback: Callable[[BaseException], None]) -> None: ...
-
-    def set_events(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]]) -> None: ...
-
-    def forget(self, fileobj: Any) -> None: ...
-
-    def watched(self) -> int: ...
-
-    def threads(self) -> int: ...
-
-    def close(self, timeout: float = 5.0) -> None: ...
-
-
-class PoolFull(RuntimeError):
-    """A task could not be queued (the pool is closed or a worker thread could not start)."""
-
-
-class Timer:
-    __slots__ = ("when", "fn", "args", "cancelled")
-
-    def __init__(self, when: float, fn: Callable, args: tuple) -> None:
-        self.when = when
-        self.fn = fn
-        self.args = args
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class Pool:

@@ -1,6 +1,6 @@
 """Sans-io descriptor-table bookkeeping of a link: what a peer announced, and what this side announces.
 
-After the handshake (:mod:`llmdd._control.protocol.handshake`), each side announces its memory with
+After the handshake (:mod:`llmdd._protocol.handshake`), each side announces its memory with
 :class:`TableAnnouncer` and applies the peer's announcements to a :class:`DescriptorTables`:
 versions only move forward (a delta carries exactly ``last + 1``, a full snapshot anything newer),
 and a rejected update changes nothing and raises :class:`TableUpdateError`.  What one peer may make
@@ -10,13 +10,13 @@ this side hold is bounded (``MAX_PEER_*``).
 from __future__ import annotations
 
 import bisect
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, TypeVar
 
 import msgspec
 
 from llmdd._base.status import LLMStatusCode, LocalUsageError
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol.codec import ProtocolError
+from llmdd._protocol import messages as m
+from llmdd._protocol.codec import ProtocolError
 
 __all__ = ["TableUpdateError", "DescriptorTables", "TableAnnouncer"]
 
@@ -260,6 +260,10 @@ class DescriptorTables:
         self._cache_version = u.version
 
 
+#: a table update this side announces (regions or caches and keys)
+_Update = TypeVar("_Update", m.RegionsUpdate, m.CacheTableUpdate)
+
+
 class TableAnnouncer:
     """Builds this side's outgoing table updates with the right versions.
 
@@ -275,7 +279,7 @@ class TableAnnouncer:
         """What the peer holds once it has applied everything built so far (read-only use)."""
         return self._mirror
 
-    def _commit(self, update: Any) -> Any:
+    def _commit(self, update: _Update) -> _Update:
         try:
             self._mirror.apply(update)
         except TableUpdateError as exc:

@@ -46,15 +46,15 @@ import hashlib
 import hmac
 import struct
 import zlib
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 import msgspec
 
 from llmdd._base.status import LLMStatusCode, LocalUsageError, TransportError
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol import wire
-from llmdd._control.protocol.messages import MAX_COUNT as MAX_COUNT, MAX_NAME as MAX_NAME
+from llmdd._protocol import messages as m
+from llmdd._protocol import wire
+from llmdd._protocol.messages import MAX_COUNT as MAX_COUNT, MAX_NAME as MAX_NAME
 
 __all__ = [
     "MAGIC",
@@ -199,7 +199,7 @@ def _decode_checked(code: int, payload: Any, max_depth: int) -> Any:
     return msg
 
 
-def encode_payload(msg: Any) -> bytes:
+def encode_payload(msg: m.Message) -> bytes:
     """The payload bytes of ``msg`` (no header); deterministic and canonical."""
     code = MESSAGE_TYPES.get(type(msg))
     if code is None:
@@ -221,7 +221,7 @@ def decode_payload(type_code: int, payload: bytes | memoryview, *, max_depth: in
     return _decode_checked(type_code, payload, max_depth)
 
 
-def encode_frame(msg: Any, *, checksum: bool = True, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+def encode_frame(msg: m.Message, *, checksum: bool = True, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
     """One complete frame for ``msg``."""
     code = MESSAGE_TYPES.get(type(msg))
     if code is None:
@@ -324,7 +324,7 @@ class Connection:
         return self._eof
 
     # -- sending
-    def send(self, msg: Any) -> bytes:
+    def send(self, msg: m.Message) -> bytes:
         """Encode ``msg`` as one frame and return the bytes to write."""
         if self._mac_send is not None:
             buf = bytearray(encode_frame(msg, checksum=False, max_frame_size=self._max_frame_size))
@@ -338,7 +338,7 @@ class Connection:
         self._bytes_sent += len(frame)
         return frame
 
-    def send_many(self, msgs: Any) -> bytes:
+    def send_many(self, msgs: Iterable[m.Message]) -> bytes:
         """Encode several messages back to back (one write for a batch)."""
         return b"".join(self.send(msg) for msg in msgs)
 

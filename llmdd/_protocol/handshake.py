@@ -28,7 +28,7 @@ Theory of operation (one connection, client = the side that called ``link_cluste
   a handshake transition.
 
 After the handshake, each side announces its memory and applies the peer's announcements
-(:mod:`llmdd._control.protocol.tables`).
+(:mod:`llmdd._protocol.tables`).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import msgspec
 
 from llmdd._base.enums import LLMRole
 from llmdd._base.status import InvalidStateError, LLMStatusCode, LocalUsageError, RemoteError, code_2_status
-from llmdd._control.protocol import messages as m
-from llmdd._control.protocol import wire
-from llmdd._control.protocol.codec import encode_payload
+from llmdd._protocol import messages as m
+from llmdd._protocol import wire
+from llmdd._protocol.codec import encode_payload
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -218,7 +218,7 @@ class _Handshake:
     def refused_by_peer(self) -> bool:
         return self._refused_by_peer
 
-    def receive(self, msg: Any) -> list:
+    def receive(self, msg: m.Message) -> list:
         """Feed one message from the peer; returns the messages to send back (maybe none)."""
         if self._state in _FINAL or self._state is HandshakeState.IDLE:
             raise InvalidStateError(f"handshake is {self._state.value}; it takes no message",

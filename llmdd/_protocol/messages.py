@@ -52,7 +52,7 @@ from msgspec import Meta
 from msgspec.structs import force_setattr
 
 from llmdd._base.enums import LLMRole, Placement
-from llmdd._control.protocol.wire import (
+from llmdd._protocol.wire import (
     I64 as I64,
     I64_MAX as I64_MAX,
     I64_MIN as I64_MIN,
