@@ -23,7 +23,11 @@ def test_the_configuration_checks_llmdd_and_every_plugin():
     assert len(plugins) >= 6 and len(packages) == len(plugins), (plugins, packages)
     # a plugin package left out of [tool.mypy] would go unchecked
     assert sorted(config["packages"]) == sorted(["llmdd", *packages])
-    assert sorted(pathlib.PurePath(p).parts[-2] for p in config["mypy_path"][1:]) == [p.name for p in plugins]
+    paths = [pathlib.PurePath(p) for p in config["mypy_path"][1:]]
+    assert sorted(p.parts[-2] for p in paths if "plugins" in p.parts) == [p.name for p in plugins]
+    # the C++ library's Python half (cpp/python) is checked too
+    assert pathlib.PurePath("cpp", "python") in [pathlib.PurePath(*p.parts[-2:]) for p in paths]
+    assert config["modules"] == ["llmdd_cpp_bridge"]
 
 
 def test_the_package_says_it_is_typed():

@@ -43,7 +43,7 @@ class _Memory:
 def _world():
     port, memory = _Port(), _Memory()
     tables = types.SimpleNamespace(cache_table_version=3, regions_version=5)
-    link = types.SimpleNamespace(peer_cluster_id=9, linked=True, channel=object(), tables=tables,
+    link = types.SimpleNamespace(peer_cluster_id=9, linked=True, failure_status=None, channel=object(), tables=tables,
                                  transfer_lock=threading.Lock())
     rec = types.SimpleNamespace(cache_id=4, live=True, regions=("r1", "r2"))
     port.links[9], memory.records[4] = link, rec
@@ -103,7 +103,7 @@ def test_a_link_that_went_down_takes_its_plans_and_its_memo():
 
 def test_the_busy_turn_is_given_back_however_its_body_ends():
     port = _Port()
-    link = types.SimpleNamespace(peer_cluster_id=9, linked=True, transfer_lock=threading.Lock())
+    link = types.SimpleNamespace(peer_cluster_id=9, linked=True, failure_status=None, transfer_lock=threading.Lock())
     port.links[9] = link
     busy = BusyTable(port=port, timeout_s=1.0)   # type: ignore[arg-type]
     with busy.turn(link):
