@@ -1,5 +1,6 @@
 """Tensor parallelism across real vLLM instances (distributed_executor_backend="mp", one worker
-process per rank), over shm: prefill TP 2 -> decode TP 2, 2 -> 1 and 1 -> 2.  In each direction
+process per rank): prefill TP 2 -> decode TP 2 and 1 -> 2 over tcp (the TP-2 decode instance forces it),
+2 -> 1 over shm (llmdd's choice on one host).  In each direction
 the decode tokens equal the decode instance's own run at its TP, vLLM's metrics show every prompt
 token came by transfer, each decode rank read exactly its heads' bytes, and a control prefill
 with other attention weights changes every output.  A prefill whose compatibility record differs
@@ -31,12 +32,13 @@ def tp_insts(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("vllm_tp"))
     a, b = E.models(root)
     logs = E.log_dir(root)
-    extra = {"transport": "shm"}
-    # "d1" is kv_both: the TP-1 decode of 2 -> 1 and the TP-1 prefill of 1 -> 2 (one instance fewer)
-    insts = {"p2": E.start(a, "kv_producer", logs, "tp_prefill_tp2", extra=extra, tp=2),
-             "d2": E.start(a, "kv_consumer", logs, "tp_decode_tp2", extra=extra, tp=2),
-             "d1": E.start(a, "kv_both", logs, "tp_both_tp1", extra=extra),
-             "c1": E.start(b, "kv_producer", logs, "tp_prefill_tp1_other_attn", extra=extra)}
+    # "d1" is kv_both: the TP-1 decode of 2 -> 1 and the TP-1 prefill of 1 -> 2 (one instance fewer).
+    # Only d2 forces a transport (tcp): a forced engine offers only that one, so the owners stay
+    # automatic, and d1's pulls from p2 take llmdd's same-host choice, shm
+    insts = {"p2": E.start(a, "kv_producer", logs, "tp_prefill_tp2", tp=2),
+             "d2": E.start(a, "kv_consumer", logs, "tp_decode_tp2", extra={"transport": "tcp"}, tp=2),
+             "d1": E.start(a, "kv_both", logs, "tp_both_tp1"),
+             "c1": E.start(b, "kv_producer", logs, "tp_prefill_tp1_other_attn")}
     try:
         for inst in insts.values():
             inst.wait_ready()
@@ -51,7 +53,7 @@ def _by_rank(inst) -> list:
     return sorted(ws, key=lambda c: c["tp_rank"])
 
 
-def _transfer(p, d, ps: list, d_tp: int, p_tp: int) -> None:
+def _transfer(p, d, ps: list, d_tp: int, p_tp: int, transport: str) -> None:
     kv = E.prefill(p, ps)
     assert all(len(k["llmdd_ranks"]) == p_tp and k["llmdd_compat"]["tp"] == p_tp for k in kv), kv[0]
     src0, c0 = E.by_source(d), _by_rank(d)
@@ -78,7 +80,7 @@ def _transfer(p, d, ps: list, d_tp: int, p_tp: int) -> None:
         assert after["bytes_pulled"] - before["bytes_pulled"] == blocks * heads_per_rank * UNIT_BYTES
         assert after["llmdd_bytes_read"] - before["llmdd_bytes_read"] == after["bytes_pulled"] - before["bytes_pulled"]
         assert after["pull_failures"] == before["pull_failures"] == 0
-        assert set(after["transports"].values()) == {"shm"}
+        assert set(after["transports"].values()) == {transport}
 
 
 def _freed(p) -> None:
@@ -88,17 +90,17 @@ def _freed(p) -> None:
 
 
 def test_tp2_prefill_to_tp2_decode_rank_to_rank(tp_insts):
-    _transfer(tp_insts["p2"], tp_insts["d2"], E.prompts(21), d_tp=2, p_tp=2)
+    _transfer(tp_insts["p2"], tp_insts["d2"], E.prompts(21), d_tp=2, p_tp=2, transport="tcp")
     _freed(tp_insts["p2"])
 
 
 def test_tp2_prefill_to_tp1_decode_reads_each_head_from_its_rank(tp_insts):
-    _transfer(tp_insts["p2"], tp_insts["d1"], E.prompts(22), d_tp=1, p_tp=2)
+    _transfer(tp_insts["p2"], tp_insts["d1"], E.prompts(22), d_tp=1, p_tp=2, transport="shm")
     _freed(tp_insts["p2"])
 
 
 def test_tp1_prefill_to_tp2_decode_each_rank_reads_its_head(tp_insts):
-    _transfer(tp_insts["d1"], tp_insts["d2"], E.prompts(23), d_tp=2, p_tp=1)
+    _transfer(tp_insts["d1"], tp_insts["d2"], E.prompts(23), d_tp=2, p_tp=1, transport="tcp")
     _freed(tp_insts["d1"])
 
 
