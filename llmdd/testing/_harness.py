@@ -29,10 +29,6 @@ stalled child).
 from __future__ import annotations
 
 import atexit
-import faulthandler
-import importlib
-import importlib.util
-import io
 import itertools
 import multiprocessing
 import multiprocessing.context
@@ -41,14 +37,14 @@ import pickle
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
-import traceback
-import types
 from contextlib import contextmanager
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Iterator, Literal, Mapping, Union
+
+from llmdd.testing._calls import CheckpointError, PeerCallError, PeerExitedError, RemoteTraceback, _dumps_call
+from llmdd.testing._peer import _peer_main, checkpoint, checkpoint_hits
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -74,43 +70,6 @@ Action = Literal["kill", "stall", "raise"]
 _ACTIONS = ("kill", "stall", "raise")
 
 
-# --------------------------------------------------------------------------- errors
-
-
-class RemoteTraceback(Exception):
-    """Carries the child's formatted traceback; set as ``__cause__`` of a re-raised exception."""
-
-    def __init__(self, tb_text: str) -> None:
-        super().__init__(tb_text)
-        self.tb_text = tb_text
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.tb_text}"""'
-
-
-class PeerCallError(RuntimeError):
-    """A call failed in a way that cannot be expressed by the child's own exception.
-
-    Raised when the child's exception (or the call's result) cannot be pickled or unpickled,
-    or when the function cannot be loaded in the child.  The message names the original type.
-    """
-
-
-class PeerExitedError(ConnectionError):
-    """The peer process exited (or was killed) before answering; ``exitcode`` as ``Process``."""
-
-    def __init__(self, message: str, exitcode: int | None = None) -> None:
-        super().__init__(message)
-        self.exitcode = exitcode
-
-    def __reduce__(self):
-        return (type(self), (str(self), self.exitcode))
-
-
-class CheckpointError(RuntimeError):
-    """Raised in the child by a checkpoint armed with ``action="raise"``."""
-
-
 # --------------------------------------------------------------------------- free port
 
 
@@ -123,216 +82,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-# --------------------------------------------------------------------------- child side
-
-_IN_PEER = False
-_ARMED: dict[str, list[Any]] = {}  # name -> [action, remaining hits before firing]
-_HITS: dict[str, int] = {}
-_CP_LOCK = threading.Lock()
-_CONN: Any = None  # the child's end of the pipe, once in a peer
-_SEND_LOCK = threading.Lock()  # checkpoints may fire in any thread of the child
-
-
-def _send(msg: tuple[Any, ...]) -> None:
-    with _SEND_LOCK:
-        _CONN.send(msg)
-
-
-def checkpoint(name: str) -> None:
-    """Mark a named point in code that may run inside a peer.
-
-    Outside a peer, or when ``name`` is not armed, this only counts the hit (cheap).  When the
-    parent armed ``name`` with :meth:`PeerHandle.arm`, the child SIGKILLs itself (``"kill"``),
-    SIGSTOPs itself until :meth:`PeerHandle.resume` (``"stall"``), or raises
-    :class:`CheckpointError` (``"raise"``) on the armed hit.  An armed checkpoint fires once.
-    """
-    with _CP_LOCK:
-        _HITS[name] = _HITS.get(name, 0) + 1
-        entry = _ARMED.get(name)
-        if entry is None or not _IN_PEER:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _ARMED[name]
-        action = entry[0]
-    try:
-        _send(("fired", name, action))  # before acting: the parent learns the fault fired
-    except OSError:
-        pass
-    if action == "kill":
-        _flush_stdio()
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "stall":
-        _flush_stdio()
-        os.kill(os.getpid(), signal.SIGSTOP)
-    else:
-        raise CheckpointError(f"checkpoint {name!r} armed to raise")
-
-
-def checkpoint_hits(state: dict[str, Any]) -> dict[str, int]:
-    """Peer function: how many times each checkpoint was reached in this child so far."""
-    with _CP_LOCK:
-        return dict(_HITS)
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or odd stream must not prevent the fault
-            pass
-
-
-# -------------------------------------------------------------- pickling across processes
-#
-# Functions and classes are pickled by reference (module + qualified name).  A module the
-# parent imported from a file that is not importable through sys.path in the child (pytest's
-# ``--import-mode=importlib`` names test modules ``tests.unit.test_x`` without touching
-# sys.path) is loaded in the child from the same file, under the same name.
-
-
-class _CallPickler(pickle.Pickler):
-    """Records ``module -> file`` of every function and class it pickles."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.origins: dict[str, str] = {}
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)):
-            name = getattr(obj, "__module__", None)
-            if name and name not in self.origins:
-                path = getattr(sys.modules.get(name), "__file__", None)
-                if path:
-                    self.origins[name] = path
-        return NotImplemented
-
-
-def _dumps_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    pickler = _CallPickler(buf)
-    pickler.dump((fn, args, kwargs))
-    return pickle.dumps((pickler.origins, buf.getvalue()))
-
-
-def _load_from_file(name: str, path: str) -> None:
-    """Import module ``name`` from ``path``, creating missing parent packages as namespaces."""
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        parent = ".".join(parts[:i])
-        if parent in sys.modules:
-            continue
-        try:
-            importlib.import_module(parent)
-        except ImportError:
-            pkg = types.ModuleType(parent)
-            pkg.__path__ = []
-            sys.modules[parent] = pkg
-            if i > 1:
-                setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], pkg)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {name!r} from {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    if len(parts) > 1:
-        setattr(sys.modules[".".join(parts[:-1])], parts[-1], module)
-
-
-class _CallUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, origins: Mapping[str, str]) -> None:
-        super().__init__(file)
-        self._origins = origins
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except ImportError:
-            if module not in self._origins or module in sys.modules:
-                raise
-        _load_from_file(module, self._origins[module])
-        return super().find_class(module, name)
-
-
-def _loads_call(payload: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    origins, blob = pickle.loads(payload)
-    return _CallUnpickler(io.BytesIO(blob), origins).load()
-
-
-def _error_message(cid: int, exc: BaseException) -> tuple[Any, ...]:
-    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    try:
-        blob = pickle.dumps(exc)
-        pickle.loads(blob)  # refuse exceptions that would not rebuild in the parent
-    except Exception:
-        blob = None
-    return ("err", cid, blob, tb_text, type_name, str(exc))
-
-
-def _peer_main(conn: Any, name: str, env: Mapping[str, str | None] | None) -> None:
-    """Entry point of the child: apply env, then serve the command loop until stop or EOF."""
-    global _IN_PEER, _CONN
-    _IN_PEER = True
-    _CONN = conn
-    faulthandler.enable()
-    if env:  # already applied at spawn for spawn/fork; this covers forkserver
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    state: dict[str, Any] = {"peer_name": name}
-    _send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        kind = msg[0]
-        if kind == "stop":
-            return
-        if kind == "arm":
-            _, cp_name, action, nth = msg
-            with _CP_LOCK:
-                _ARMED[cp_name] = [action, nth]
-            continue
-        if kind == "disarm":
-            with _CP_LOCK:
-                if msg[1] is None:
-                    _ARMED.clear()
-                else:
-                    _ARMED.pop(msg[1], None)
-            continue
-        # kind == "call"
-        _, cid, payload = msg
-        try:
-            fn, args, kwargs = _loads_call(payload)
-        except BaseException as exc:  # module not importable here, etc.
-            reply = _error_message(cid, PeerCallError(f"cannot load the call in peer {name!r}: {exc!r}"))
-        else:
-            try:
-                value = fn(state, *args, **kwargs)
-            except BaseException as exc:  # everything goes back to the parent, even SystemExit
-                reply = _error_message(cid, exc)
-            else:
-                try:
-                    reply = ("ok", cid, pickle.dumps(value))
-                except Exception as exc:
-                    reply = _error_message(cid, PeerCallError(
-                        f"result of {getattr(fn, '__qualname__', fn)!r} is not picklable: {exc!r}"))
-        try:
-            _send(reply)
-        except (BrokenPipeError, OSError):
-            return
 
 
 # --------------------------------------------------------------------------- parent side

@@ -1,4 +1,4 @@
-"""Idle engine memory (issue 22, target 5), measured for real in fresh processes (bench/idle_rss.py).
+"""Idle engine memory (issue 22, target 5), measured for real in fresh processes (bench/probes/idle_rss.py).
 
 * an idle engine loads neither structlog nor asyncio (the logging shim imports structlog at the first
   enabled log line; control: one warning line does load it);
@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "idle_rss.py"
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "probes" / "idle_rss.py"
 _spec = importlib.util.spec_from_file_location("llmdd_bench_idle_rss", _BENCH)
 idle_rss = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(idle_rss)
