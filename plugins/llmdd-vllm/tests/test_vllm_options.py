@@ -41,8 +41,8 @@ def test_bad_extra_config_is_refused(extra, needle):
 def test_layout_fingerprint_and_mixed_layers_refused():
     buf = torch.zeros(2 * 10 * 2 * 32 * 64)
     views = {f"l{i}": buf[i * 40960:(i + 1) * 40960].view(10, 2, 32, 64) for i in range(2)}
-    tensors, layout = layout_of(views)
-    assert layout == "2L:2x32x64:float32" and len(tensors) == 2
+    tensors, heads, layout = layout_of(views)
+    assert layout == "2L:32x64:float32" and len(tensors) == 2 and heads == 2
     with pytest.raises(ValueError, match="one shape"):
         layout_of({"a": torch.zeros(4, 2, 32, 64), "b": torch.zeros(4, 2, 32, 32)})
 
@@ -56,6 +56,7 @@ def test_a_kv_tensor_not_on_the_cpu_is_refused_with_a_clear_error():
         def is_contiguous(self):
             return True
 
-    settings = ConnectorSettings(opts=options(_cfg({})), producer=True, consumer=False, block_size=16, engine_id="e-1")
+    settings = ConnectorSettings(opts=options(_cfg({})), producer=True, consumer=False, block_size=16, engine_id="e-1",
+                                 tp_size=1, compat={"kv_heads": 2, "tp": 1})
     with pytest.raises(ValueError, match="no device-memory path"):
         WorkerSide(settings).register_kv_caches({"l0": OnCuda()})

@@ -39,10 +39,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .config import DEFAULTS, ConnectorSettings, options
+from .config import DEFAULTS, ConnectorSettings, compat_of, options
 from .logs import route_llmdd_log
 from .metadata import LlmddConnectorMetadata, LlmddHandshake
 from .scheduler import SchedulerSide
+from .tp import check_tp
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -67,15 +68,19 @@ class LlmddConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         route_llmdd_log()
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-            raise ValueError("LlmddConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 only "
-                             f"(got {par.tensor_parallel_size}, {par.pipeline_parallel_size}); see docs/vllm.md")
+        if par.pipeline_parallel_size != 1:
+            raise ValueError("LlmddConnector does not support pipeline parallelism: pipeline_parallel_size must be 1 "
+                             f"(got {par.pipeline_parallel_size}); tensor parallelism is supported (docs/vllm.md)")
         kv_role = vllm_config.kv_transfer_config.kv_role
+        compat = compat_of(vllm_config)
+        check_tp(par.tensor_parallel_size, compat["kv_heads"])
         self._settings = ConnectorSettings(opts=options(vllm_config),
                                            producer=kv_role in ("kv_producer", "kv_both"),
                                            consumer=kv_role in ("kv_consumer", "kv_both"),
                                            block_size=vllm_config.cache_config.block_size,
-                                           engine_id=vllm_config.kv_transfer_config.engine_id)
+                                           engine_id=vllm_config.kv_transfer_config.engine_id,
+                                           tp_size=int(par.tensor_parallel_size),
+                                           compat={**compat, "tp": int(par.tensor_parallel_size)})
         self._sched: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         if role == KVConnectorRole.SCHEDULER:

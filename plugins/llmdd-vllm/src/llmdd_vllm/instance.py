@@ -114,6 +114,7 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-space-gib", default="1")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (> 1: one worker process per rank)")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_space_gib)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")     # collective_rpc(worker_counters)
@@ -129,6 +130,8 @@ def main(argv: Optional[list] = None) -> int:
     kw: dict[str, Any] = dict(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                               block_size=args.block_size, max_model_len=args.max_model_len, seed=0,
                               enable_prefix_caching=False, disable_log_stats=False)
+    if args.tp > 1:
+        kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.role:
         from vllm.config import KVTransferConfig
 
@@ -174,9 +177,9 @@ class Instance:
     def __init__(self, model: str, *, role: Optional[str] = None, extra: Optional[dict] = None,
                  env: Optional[dict] = None, log_path: Optional[str] = None, python: str = sys.executable,
                  start_timeout_s: float = 300, nice: int = 0, max_model_len: int = 1024,
-                 kv_space_gib: str = "1", wait: bool = True) -> None:
+                 kv_space_gib: str = "1", wait: bool = True, tp: int = 1) -> None:
         cmd = [python, "-m", "llmdd_vllm.instance", "--model", model, "--extra", json.dumps(extra or {}),
-               "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib]
+               "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp)]
         if role:
             cmd += ["--role", role]
         if nice:

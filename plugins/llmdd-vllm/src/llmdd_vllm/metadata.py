@@ -17,22 +17,21 @@ class LlmddHandshake(KVConnectorHandshakeMetadata):
     host: str
     port: int
     cluster_id: int
-    layout: str
+    layout: str                 # one unit (one head of one block, all layers): config.layout_of
+    tp_rank: int = 0
 
 
 @dataclasses.dataclass
 class RecvJob:
-    """One decode request's pull: remote blocks ``src`` into local blocks ``dst``."""
+    """One decode request's pull: remote blocks ``src`` into local blocks ``dst``; each worker
+    rank reads its heads from the prefill ranks holding them (tp.plan)."""
 
     req_id: str
     remote_request_id: str
-    cluster_id: int
-    host: str
-    port: int
+    ranks: list                 # per prefill tensor-parallel rank: (host, port, llmdd cluster id)
     src: list
     dst: list
     layout: str
-    retried: bool = False
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from .config import MAX_TAG, REQUIRED, ConnectorSettings
+from .config import MAX_REQUEST_ID, REQUIRED, ConnectorSettings, compat_mismatch
 from .metadata import LlmddConnectorMetadata, LlmddHandshake, RecvJob
 
 if TYPE_CHECKING:
@@ -28,13 +28,21 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.s = settings
         self.handshake: Optional[LlmddHandshake] = None
+        self.ranks: list = []           # per tensor-parallel rank of this instance: [host, port, cluster id]
+        self.compat: dict = dict(settings.compat)
         self.recv: list = []
         self.send: dict = {}
+        self.refused: set = set()       # compatibility messages already logged
 
     def set_handshake(self, metadata: dict) -> None:
-        metas = [m for m in metadata.values() if isinstance(m, LlmddHandshake)]
-        if metas:
-            self.handshake = metas[0]
+        metas = {int(r): m for r, m in metadata.items() if isinstance(m, LlmddHandshake)}
+        if sorted(metas) != list(range(self.s.tp_size)):
+            _log.warning("llmdd_vllm: handshake metadata from tensor-parallel ranks %s of %d: this instance hands "
+                         "no blocks over", sorted(metas), self.s.tp_size)
+            return
+        self.handshake = metas[0]
+        self.ranks = [[metas[r].host, metas[r].port, metas[r].cluster_id] for r in range(self.s.tp_size)]
+        self.compat["layout"] = metas[0].layout
 
     @staticmethod
     def _remote(request: "Request") -> Optional[dict]:
@@ -54,13 +62,23 @@ class SchedulerSide:
         if isinstance(blocks, (list, tuple)) and len(blocks) == 1 and isinstance(blocks[0], (list, tuple)):
             blocks = blocks[0]
         need = math.ceil(request.num_prompt_tokens / self.s.block_size)
+        why = compat_mismatch(self.compat, params["llmdd_compat"])
+        if why is not None:
+            if why not in self.refused and len(self.refused) < 64:
+                self.refused.add(why)
+                _log.warning("llmdd_vllm: request %s: the prefill instance is not compatible (%s): computed locally",
+                             request.request_id, why)
+            return False
+        ranks = params["llmdd_ranks"]
         ok = (isinstance(blocks, (list, tuple)) and len(blocks) >= need
               and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2 ** 32 for b in blocks)
               and isinstance(params["remote_port"], int) and 0 < params["remote_port"] < 65536
               and isinstance(params["remote_cluster_id"], int) and 0 <= params["remote_cluster_id"] < 2 ** 64
               and isinstance(params["remote_request_id"], str)
-              and len(params["remote_request_id"].encode()) <= MAX_TAG
-              and isinstance(params["remote_host"], str))
+              and len(params["remote_request_id"].encode()) <= MAX_REQUEST_ID
+              and isinstance(params["remote_host"], str)
+              and isinstance(ranks, (list, tuple)) and len(ranks) == params["llmdd_compat"]["tp"]
+              and all(_endpoint(r) for r in ranks))
         if not ok:
             _log.warning("llmdd_vllm: request %s has malformed kv_transfer_params (%d prompt blocks needed): "
                          "computed locally", request.request_id, need)
@@ -89,8 +107,7 @@ class SchedulerSide:
         if len(remote) == 1 and isinstance(remote[0], (list, tuple)):
             remote = remote[0]
         self.recv.append(RecvJob(req_id=request.request_id, remote_request_id=params["remote_request_id"],
-                                 cluster_id=params["remote_cluster_id"], host=params["remote_host"],
-                                 port=params["remote_port"], src=list(remote[first:need]),
+                                 ranks=[tuple(r) for r in params["llmdd_ranks"]], src=list(remote[first:need]),
                                  dst=local[first:need], layout=params["llmdd_layout"]))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -108,10 +125,22 @@ class SchedulerSide:
             return False, None                          # aborted: nothing to hand over
         if not block_ids or self.handshake is None:
             return False, None
+        if len(request.request_id.encode()) > MAX_REQUEST_ID:
+            _log.warning("llmdd_vllm: request id %r longer than %d bytes: its blocks are not handed over",
+                         request.request_id[:40], MAX_REQUEST_ID)
+            return False, None
         self.send[request.request_id] = float(self.s.opts["free_timeout_s"])
         hs = self.handshake
         return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=list(block_ids),
                           remote_engine_id=self.s.engine_id,
                           remote_request_id=request.request_id, remote_host=hs.host, remote_port=hs.port,
                           remote_cluster_id=hs.cluster_id, remote_num_tokens=request.num_computed_tokens,
-                          llmdd_layout=hs.layout)
+                          llmdd_layout=hs.layout, llmdd_ranks=[list(r) for r in self.ranks],
+                          llmdd_compat=dict(self.compat))
+
+
+def _endpoint(r) -> bool:
+    """One prefill rank's endpoint in kv_transfer_params: [host, port, cluster id], bounded."""
+    return (isinstance(r, (list, tuple)) and len(r) == 3 and isinstance(r[0], str) and 0 < len(r[0]) <= 255
+            and isinstance(r[1], int) and not isinstance(r[1], bool) and 0 < r[1] < 65536
+            and isinstance(r[2], int) and not isinstance(r[2], bool) and 0 <= r[2] < 2 ** 63)

@@ -19,10 +19,12 @@ import llmdd.plugin
 from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException,
                    LLMRole, LLMStatusCode)
 
-from .config import ENGINE_DEFAULTS, LINK_ATTEMPTS, MODEL_ID, ConnectorSettings, layout_of
+from .config import ENGINE_DEFAULTS, LINK_ATTEMPTS, MODEL_ID, ConnectorSettings, layout_of, rank_cluster_id
 from .metadata import LlmddConnectorMetadata, LlmddHandshake, RecvJob
+from .tp import MAX_TP, heads_of, plan, readers, serves
 
-__all__ = ["WorkerSide", "TagFrees", "worker_cpus", "threads_started_on", "link_failure", "cluster_info"]
+__all__ = ["WorkerSide", "TagFrees", "worker_cpus", "threads_started_on", "link_failure", "cluster_info", "read_tag",
+           "parse_tag"]
 
 _log = logging.getLogger("vllm.llmdd_vllm")
 
@@ -75,7 +77,8 @@ def threads_started_on(cpus: Optional[set]):
 
 
 class TagFrees:
-    """llmdd plugin on the prefill worker: "peer finished reading" events carrying a tag."""
+    """llmdd plugin on the prefill worker: "peer finished reading" events carrying a tag
+    (:func:`read_tag`)."""
 
     def __init__(self, sink: "queue.SimpleQueue") -> None:
         self.sink = sink
@@ -88,6 +91,15 @@ class TagFrees:
                 self.sink.put((tag, event.error is None))
 
 
+class _Pull:
+    """One request's pull on one decode rank: its pieces still running and their outcome."""
+
+    def __init__(self, job: RecvJob, pieces: int, t0: float) -> None:
+        self.job, self.pieces, self.left, self.t0 = job, pieces, pieces, t0
+        self.ok = True
+        self.units = 0
+
+
 class WorkerSide:
     """The worker-side half (one per worker process): owns the llmdd engine, registers vLLM's KV tensors,
     pulls on its own thread and frees handed-over blocks when their reader is done."""
@@ -97,14 +109,21 @@ class WorkerSide:
         self.dd: Optional[LLMDataDist] = None
         self.cache = None
         self.layout = ""
-        self.block_bytes = 0            # bytes of one block, all layers
+        self.block_bytes = 0            # bytes of one block (this rank's heads), all layers
+        self.unit_bytes = 0             # bytes of one head of one block, all layers
+        self.kv_heads = int(settings.compat["kv_heads"])
+        self.local_heads = 0
+        self.tp_rank = 0
+        self.cluster_id = 0
+        self.readers: dict = {}         # prefill side: req_id -> decode ranks whose read was acknowledged
         self.handshake: Optional[LlmddHandshake] = None
         self.lock = threading.Lock()
         self.tags: "queue.SimpleQueue" = queue.SimpleQueue()
         self.done: "queue.SimpleQueue" = queue.SimpleQueue()      # (req_id, ok, nbytes, seconds)
         self.jobs: "queue.Queue" = queue.Queue()
         self.sending: dict = {}         # req_id -> deadline (monotonic)
-        self.read: dict = {}            # tag -> first seen (monotonic), for sends not yet known
+        self.read: dict = {}            # req_id -> when its last reader was acknowledged (monotonic)
+        self.unserved: set = set()      # sends of a replica rank no decoder reads (tp.serves)
         self.linked: dict = {}          # cluster id -> (host, port)
         # counters (int, float seconds), transports (dict), and identity / last-error fields (or None)
         self.stats: dict[str, Any] = {
@@ -112,22 +131,32 @@ class WorkerSide:
             "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
             "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
             "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
-            "last_link_error": None, "llmdd_cpus": None}
+            "last_link_error": None, "llmdd_cpus": None, "tp_rank": 0, "units_pulled": 0, "pieces_pulled": 0,
+            "freed_unserved": 0}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
     # ------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: dict) -> None:
-        tensors, self.layout = layout_of(kv_caches)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tensors, local_heads, self.layout = layout_of(kv_caches)
         for name, t in kv_caches.items():
             if t.device.type != "cpu":
                 raise ValueError(f"LlmddConnector: KV layer {name} is on {t.device}: llmdd has no device-memory "
                                  "path yet, only CPU KV caches can be registered (docs/vllm.md, limits)")
             if not t.is_contiguous():
                 raise ValueError(f"LlmddConnector: KV layer {name} is not contiguous")
+        self.tp_rank = int(get_tensor_model_parallel_rank()) if self.s.tp_size > 1 else 0
+        held = heads_of(self.tp_rank, self.s.tp_size, self.kv_heads)
+        if local_heads != len(held):
+            raise ValueError(f"LlmddConnector: rank {self.tp_rank} of {self.s.tp_size} holds {local_heads} KV heads, "
+                             f"expected {len(held)} of {self.kv_heads}")
+        self.local_heads = local_heads
         num_blocks = int(tensors[0].shape[0])
         per_block = int(tensors[0][0].numel() * tensors[0].element_size())
         self.block_bytes = per_block * len(tensors)
+        self.unit_bytes = per_block // local_heads * len(tensors)
         opts = self.s.opts
         cfg = LLMConfig()
         cfg.enable_cache_manager = True
@@ -143,24 +172,28 @@ class WorkerSide:
             LLMRole.PROMPT if self.s.producer else LLMRole.DECODER)
         cpus = worker_cpus()
         with threads_started_on(cpus):
-            self._start_engine(role, options, num_blocks, per_block, tensors)
+            self._start_engine(role, options, num_blocks, per_block // local_heads, tensors)
         self.stats["llmdd_cpus"] = sorted(cpus) if cpus else None
-        _log.info("llmdd_vllm: registered %d KV layers x %d blocks (%s), cluster %d, listen %s, llmdd threads on CPUs %s "
-                  "(the worker thread's: %s)", len(tensors), num_blocks, self.layout, opts["cluster_id"],
+        _log.info("llmdd_vllm: rank %d of %d: registered %d KV layers x %d blocks x %d heads (%s), cluster %d, listen %s, "
+                  "llmdd threads on CPUs %s (the worker thread's: %s)", self.tp_rank, self.s.tp_size, len(tensors),
+                  num_blocks, local_heads, self.layout, self.cluster_id,
                   self.stats["listen"], self.stats["llmdd_cpus"],
                   sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None)
 
-    def _start_engine(self, role, options: dict, num_blocks: int, per_block: int, tensors: list) -> None:
+    def _start_engine(self, role, options: dict, num_blocks: int, per_unit: int, tensors: list) -> None:
         opts = self.s.opts
-        dd = LLMDataDist(role, int(opts["cluster_id"]))
+        self.cluster_id = rank_cluster_id(int(opts["cluster_id"]), self.tp_rank)
+        dd = LLMDataDist(role, self.cluster_id)
         if self.s.producer:
             dd.add_plugin(TagFrees(self.tags), name="llmdd_vllm_tag_frees")
         dd.init(options)
-        # vLLM's CPU backend: one tensor per layer, every layer a view of one shared buffer; each
-        # view is one tensor of the blocks cache, registered in place as raw bytes per block
-        views = [t.view(num_blocks, -1).view(torch.uint8) for t in tensors]
-        desc = CacheDesc(len(views), [num_blocks, per_block], DataType.DT_UINT8)
-        key = BlocksCacheKey(int(opts["cluster_id"]), MODEL_ID) if self.s.producer else None
+        # vLLM's CPU backend: one tensor per layer ([blocks, heads, block_size, 2*head_size]), every
+        # layer a view of one shared buffer; each is registered in place as one tensor of a blocks
+        # cache whose unit is one head of one block (tp module docstring)
+        units = num_blocks * self.local_heads
+        views = [t.view(units, -1).view(torch.uint8) for t in tensors]
+        desc = CacheDesc(len(views), [units, per_unit], DataType.DT_UINT8)
+        key = BlocksCacheKey(self.cluster_id, MODEL_ID) if self.s.producer else None
         try:
             self.cache = dd.cache_manager.register_blocks_cache(desc, views, key)
         except LLMException:
@@ -168,9 +201,9 @@ class WorkerSide:
             raise
         self.dd = dd
         port = dd.statistics()["listen"][1] if self.s.producer else 0
-        self.handshake = LlmddHandshake(host=opts["host"], port=int(port), cluster_id=int(opts["cluster_id"]),
-                                        layout=self.layout)
-        self.stats.update(cluster_id=int(opts["cluster_id"]), listen=[opts["host"], int(port)])
+        self.handshake = LlmddHandshake(host=opts["host"], port=int(port), cluster_id=self.cluster_id,
+                                        layout=self.layout, tp_rank=self.tp_rank)
+        self.stats.update(cluster_id=self.cluster_id, listen=[opts["host"], int(port)], tp_rank=self.tp_rank)
         if self.s.consumer:
             self.thread = threading.Thread(target=self._run, name="llmdd-vllm-pulls", daemon=True)
             self.thread.start()
@@ -180,9 +213,13 @@ class WorkerSide:
         if not isinstance(meta, LlmddConnectorMetadata):
             return
         now = time.monotonic()
+        serving = serves(self.tp_rank, self.s.tp_size, self.kv_heads)
         with self.lock:
             for req_id, timeout_s in meta.send.items():
-                self.sending[req_id] = now + timeout_s
+                if serving:
+                    self.sending[req_id] = now + timeout_s
+                else:
+                    self.unserved.add(req_id)   # a replica no decoder reads: nothing to wait for
         for job in meta.recv:
             self.jobs.put(job)
 
@@ -212,11 +249,19 @@ class WorkerSide:
                 except queue.Empty:
                     break
                 if ok:
-                    self.read.setdefault(tag, now)
+                    req, reader, n = parse_tag(tag)
+                    seen = self.readers.setdefault(req, (now, set()))[1]
+                    seen.add(reader)
+                    if len(seen) >= n:
+                        self.read.setdefault(req, now)
+                        del self.readers[req]
                 else:
                     # a failed read: the decoder may retry it, so the blocks stay (the timeout frees
                     # them if it never reads them)
                     self.stats["failed_reads_seen"] += 1
+            out.finished_sending |= self.unserved
+            self.stats["freed_unserved"] += len(self.unserved)
+            self.unserved = set()
             for req_id in list(self.sending):
                 if self.read.pop(req_id, None) is not None:
                     self.stats["freed_by_tag"] += 1
@@ -230,20 +275,91 @@ class WorkerSide:
             horizon = float(self.s.opts["free_timeout_s"])
             for tag in [t for t, at in self.read.items() if now - at > horizon]:
                 del self.read[tag]
+            for req in [r for r, (at, _) in self.readers.items() if now - at > horizon]:
+                del self.readers[req]
             self.stats["pending_sends"] = len(self.sending)
         return out
 
     # ------------------------------------------------------------ the pull thread
     def _run(self) -> None:
         while True:
-            job = self.jobs.get()
-            if job is None:
+            item = self.jobs.get()
+            if item is None:
                 return
-            try:
-                self._pull(job)
-            except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
-                _log.warning("llmdd_vllm: pull of %s failed: %s", job.req_id, exc)
-                self.done.put((job.req_id, False, 0, 0, 0.0))
+            if isinstance(item, RecvJob):
+                try:
+                    pieces = self._plan(item)
+                except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
+                    _log.warning("llmdd_vllm: pull of %s refused: %s", item.req_id, exc)
+                    self.done.put((item.req_id, False, 0, 0, 0.0))
+                    continue
+                state = _Pull(item, len(pieces), time.monotonic())
+                for piece in pieces:
+                    self._submit(state, piece, retried=False)
+            else:
+                state, piece = item                 # a piece whose link went down: its one retry
+                self._submit(state, piece, retried=True)
+
+    def _plan(self, job: RecvJob) -> list:
+        if job.layout != self.layout:
+            raise ValueError(f"remote KV layout {job.layout} differs from the local {self.layout}")
+        if len(job.src) != len(job.dst) or not job.dst:
+            raise ValueError(f"{len(job.src)} remote blocks for {len(job.dst)} local ones")
+        return plan(self.tp_rank, self.s.tp_size, len(job.ranks), self.kv_heads, job.src, job.dst)
+
+    def _submit(self, state: "_Pull", piece, retried: bool) -> None:
+        """Start one piece (one prefill rank's heads of the request); its end is counted in ``state``."""
+        job = state.job
+        host, port, cluster_id = job.ranks[piece.rank]
+        p_tp = len(job.ranks)
+        tag = read_tag(job.remote_request_id, self.tp_rank, readers(piece.rank, p_tp, self.s.tp_size, self.kv_heads))
+
+        def done(status) -> None:
+            ok = status == LLMStatusCode.LLM_SUCCESS
+            if not ok and not retried and status in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
+                # the link went down under this pull (queued or running): relink and pull once more
+                _log.info("llmdd_vllm: pull of %s from rank %d ended %s: relinking, one retry", job.req_id,
+                          piece.rank, status.name)
+                with self.lock:
+                    self.stats["pull_retries"] += 1
+                self.jobs.put((state, piece))
+                return
+            if not ok:
+                _log.warning("llmdd_vllm: pull of %s from cluster %d (rank %d) ended %s", job.req_id, cluster_id,
+                             piece.rank, getattr(status, "name", status))
+            self._piece_done(state, piece, ok)
+
+        t0 = time.monotonic()
+        try:
+            self._ensure_link(cluster_id, host, port)
+            self._engine().cache_manager.pull_blocks_async(BlocksCacheKey(cluster_id, MODEL_ID), self.cache,
+                                                           piece.src, piece.dst, tag=tag, callback=done)
+        except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
+            if isinstance(exc, LLMException) and exc.status_code in (LLMStatusCode.LLM_NOT_YET_LINK,
+                                                                     LLMStatusCode.LLM_LINK_FAILED):
+                self.linked.pop(cluster_id, None)
+            _log.warning("llmdd_vllm: pull of %s from rank %d failed: %s", job.req_id, piece.rank, exc)
+            self._piece_done(state, piece, False)
+            return
+        took = time.monotonic() - t0
+        with self.lock:
+            self.stats["max_submit_s"] = max(self.stats["max_submit_s"], took)
+
+    def _piece_done(self, state: "_Pull", piece, ok: bool) -> None:
+        with self.lock:
+            state.left -= 1
+            state.ok = state.ok and ok
+            if ok:
+                state.units += len(piece.dst)
+            last = state.left == 0
+            if last:
+                self.stats["pieces_pulled"] += state.pieces if state.ok else 0
+                self.stats["units_pulled"] += state.units if state.ok else 0
+        if last:
+            job = state.job
+            nbytes = state.units * self.unit_bytes if state.ok else 0
+            self.done.put((job.req_id, state.ok, nbytes, len(job.dst) if state.ok else 0,
+                           time.monotonic() - state.t0))
 
     def _engine(self) -> LLMDataDist:
         """The running engine (the pull thread starts after register_kv_caches set it)."""
@@ -252,14 +368,14 @@ class WorkerSide:
             raise RuntimeError("llmdd_vllm: no llmdd engine (KV caches not registered yet, or shut down)")
         return dd
 
-    def _ensure_link(self, job: RecvJob) -> None:
+    def _ensure_link(self, cluster_id: int, host: str, port: int) -> None:
         dd = self._engine()
-        have = self.linked.get(job.cluster_id)
+        have = self.linked.get(cluster_id)
         if have is not None:
-            state = dd.statistics()["links"].get(job.cluster_id, {}).get("state")
-            if have == (job.host, job.port) and state == "linked":
+            state = dd.statistics()["links"].get(cluster_id, {}).get("state")
+            if have == (host, port) and state == "linked":
                 return
-            self._unlink(job.cluster_id, *have)
+            self._unlink(cluster_id, *have)
         # a first link_clusters call may fail (seen under load, early or by its deadline, while the
         # next one succeeds): up to LINK_ATTEMPTS attempts of a third of link_timeout_ms each, then
         # the request is recomputed (a peer that is gone refuses each attempt at once)
@@ -271,73 +387,39 @@ class WorkerSide:
             attempt += 1
             left_ms = max(1, min(attempt_ms, int((deadline - time.monotonic()) * 1000)))
             t0 = time.monotonic()
-            ret, rets = dd.link_clusters([cluster_info(job.cluster_id, job.host, job.port, self.s.opts["local_host"])], left_ms)
+            ret, rets = dd.link_clusters([cluster_info(cluster_id, host, port, self.s.opts["local_host"])], left_ms)
             took = time.monotonic() - t0
             status = rets[0] if rets else ret
             if status == LLMStatusCode.LLM_SUCCESS:
-                _log.info("llmdd_vllm: linked to cluster %d at %s:%d in %.3f s (attempt %d)", job.cluster_id,
-                          job.host, job.port, took, attempt)
+                _log.info("llmdd_vllm: linked to cluster %d at %s:%d in %.3f s (attempt %d)", cluster_id,
+                          host, port, took, attempt)
                 break
-            why = link_failure(dd.statistics(), job.cluster_id)
+            why = link_failure(dd.statistics(), cluster_id)
             with self.lock:
                 self.stats["link_failures"] += 1
                 self.stats["last_link_error"] = why
             last = (attempt >= LINK_ATTEMPTS or time.monotonic() + 0.1 >= deadline
                     or status == LLMStatusCode.LLM_PARAM_INVALID)
             _log.warning("llmdd_vllm: link attempt %d/%d to cluster %d at %s:%d: %s after %.2f s of %d ms: %s%s",
-                         attempt, LINK_ATTEMPTS, job.cluster_id, job.host, job.port, status.name, took, left_ms,
+                         attempt, LINK_ATTEMPTS, cluster_id, host, port, status.name, took, left_ms,
                          why, "" if last else "; retrying")
             if last:
-                raise LLMException(f"link to cluster {job.cluster_id} at {job.host}:{job.port}: {status.name} "
+                raise LLMException(f"link to cluster {cluster_id} at {host}:{port}: {status.name} "
                                    f"after {attempt} attempt(s) ({why})", status_code=status)
-            self._unlink(job.cluster_id, job.host, job.port)
-        self.linked[job.cluster_id] = (job.host, job.port)
-        transport = dd.statistics()["links"].get(job.cluster_id, {}).get("transport")
+            self._unlink(cluster_id, host, port)
+        self.linked[cluster_id] = (host, port)
+        transport = dd.statistics()["links"].get(cluster_id, {}).get("transport")
         with self.lock:
             self.stats["links"] += 1
-            self.stats["transports"][str(job.cluster_id)] = transport
+            self.stats["transports"][str(cluster_id)] = transport
 
     def _unlink(self, cluster_id: int, host: str, port: int) -> None:
         self.linked.pop(cluster_id, None)
         try:
-            self._engine().unlink_clusters([cluster_info(cluster_id, host, port, self.s.opts["local_host"])], 1000, force=True)
+            self._engine().unlink_clusters([cluster_info(cluster_id, host, port, self.s.opts["local_host"])], 1000,
+                                           force=True)
         except LLMException as exc:
             _log.info("llmdd_vllm: unlink of cluster %d: %s", cluster_id, exc)
-
-    def _pull(self, job: RecvJob) -> None:
-        if job.layout != self.layout:
-            raise ValueError(f"remote KV layout {job.layout} differs from the local {self.layout}")
-        if len(job.src) != len(job.dst) or not job.dst:
-            raise ValueError(f"{len(job.src)} remote blocks for {len(job.dst)} local ones")
-        self._ensure_link(job)
-        t0 = time.monotonic()
-        nbytes, nblocks = len(job.dst) * self.block_bytes, len(job.dst)
-
-        def done(status) -> None:
-            ok = status == LLMStatusCode.LLM_SUCCESS
-            if not ok and not job.retried and status in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
-                # the link went down under this pull (queued or running): relink and pull once more
-                _log.info("llmdd_vllm: pull of %s ended %s: relinking, one retry", job.req_id, status.name)
-                job.retried = True
-                with self.lock:
-                    self.stats["pull_retries"] += 1
-                self.jobs.put(job)
-                return
-            if not ok:
-                _log.warning("llmdd_vllm: pull of %s from cluster %d ended %s", job.req_id, job.cluster_id,
-                             getattr(status, "name", status))
-            self.done.put((job.req_id, ok, nbytes if ok else 0, nblocks if ok else 0, time.monotonic() - t0))
-
-        try:
-            self._engine().cache_manager.pull_blocks_async(BlocksCacheKey(job.cluster_id, MODEL_ID), self.cache,
-                                                    job.src, job.dst, tag=job.remote_request_id, callback=done)
-        except LLMException as exc:
-            if exc.status_code in (LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_LINK_FAILED):
-                self.linked.pop(job.cluster_id, None)
-            raise
-        took = time.monotonic() - t0
-        with self.lock:
-            self.stats["max_submit_s"] = max(self.stats["max_submit_s"], took)
 
     # ------------------------------------------------------------ introspection, teardown
     def counters(self) -> dict:
@@ -382,3 +464,18 @@ def cluster_info(cluster_id: int, host: str, port: int, local_host: Optional[str
     info.append_local_ip_info(local_host or "127.0.0.1", 0)
     info.append_remote_ip_info(host, port)
     return info
+
+
+def read_tag(remote_request_id: str, d_rank: int, readers: int) -> str:
+    """The tag of decode rank ``d_rank``'s read of a request from one prefill rank that
+    ``readers`` decode ranks read (the owner frees after that many acknowledged reads)."""
+    return f"{remote_request_id}|{d_rank}/{readers}"
+
+
+def parse_tag(tag: str) -> tuple:
+    """(request id, reader rank, readers) of a :func:`read_tag`; a tag without the suffix is one reader's."""
+    req, sep, tail = tag.rpartition("|")
+    reader, slash, n = tail.partition("/")
+    if sep and slash and reader.isdigit() and n.isdigit() and 0 < int(n) <= MAX_TP and int(reader) < MAX_TP:
+        return req, int(reader), int(n)
+    return tag, 0, 1
