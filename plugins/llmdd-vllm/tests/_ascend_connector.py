@@ -108,8 +108,10 @@ def rank_table(devices: dict) -> dict:
             "decode_device_list": [entry(d) for d in devices.get("decode", ())]}
 
 
-def instance_env(connector_file: str, table_path: str, device_id: int, rpc_port: int) -> dict:
-    """The environment of one instance running the connector."""
+def instance_env(connector_file: str, table_path: str, device_id: int, rpc_port: int, rendezvous: str) -> dict:
+    """The environment of one instance running the connector; ``rendezvous``: llmdd's same-host
+    rendezvous directory, one per test run (a member killed before its exit handler ran leaves its
+    published address behind, and a group of the same name and table would read it)."""
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.environ.get("PYTHONPATH")
     return {
@@ -120,6 +122,7 @@ def instance_env(connector_file: str, table_path: str, device_id: int, rpc_port:
         "VLLM_ASCEND_LLMDD_RPC_IP": "127.0.0.1",
         "VLLM_ASCEND_LLMDD_RPC_PORT": str(rpc_port),
         "VLLM_HOST_IP": "127.0.0.1",          # vLLM's get_ip(): the rank table's server_id
+        "LLMDD_RENDEZVOUS_DIR": rendezvous,
     }
 
 
@@ -231,7 +234,7 @@ def check_layers(kv_caches: dict) -> list:
 
 
 def align_in_place(tensors: list) -> None:
-    """Move each tensor, in place, to a 2 MiB-aligned address of one new allocation, its contents copied.
+    """Move each tensor, in place, to a 2 MiB-aligned address of one new allocation, contents kept.
 
     The file asserts that every address it registers is 2 MiB-aligned (what the NPU allocator gives);
     torch's CPU allocator aligns to 64 bytes (4 KiB with ``THP_MEM_ALLOC_ENABLE``).  ``Tensor.set_``
@@ -247,7 +250,10 @@ def align_in_place(tensors: list) -> None:
         for t, span in zip(tensors, spans):
             nbytes = t.numel() * t.element_size()
             new = raw[offset:offset + nbytes].view(t.dtype).view(t.shape)
-            new.copy_(t)
+            # vLLM registers its KV cache before writing it, and fresh pages read as zeros: then
+            # nothing is copied and the new pages are taken only as vLLM writes them
+            if bool(t.any()) or bool(new.any()):
+                new.copy_(t)
             t.set_(new.untyped_storage(), new.storage_offset(), new.shape, new.stride())
             offset += span
     for t in tensors:
@@ -301,14 +307,17 @@ def main(argv: list) -> int:
         raise SystemExit(f"usage: python -m _ascend_connector -m llmdd_vllm.instance ARGS (got {argv[:2]})")
     import vllm.config
     from llmdd_vllm import instance
+    from vllm import LLM  # noqa: F401 - imported before the swap below: vLLM's modules keep the real class
 
     real = vllm.config.KVTransferConfig
 
     def kv_transfer_config(**kw):
+        vllm.config.KVTransferConfig = real
         kw.update(kv_connector=CONNECTOR, kv_connector_module_path=SHIM)
         return real(**kw)
 
-    # the instance program builds its KVTransferConfig from vllm.config at start-up
+    # the instance program builds its one KVTransferConfig from vllm.config right after importing LLM;
+    # that one call gets this connector, and puts the real class back
     vllm.config.KVTransferConfig = kv_transfer_config   # type: ignore[misc,assignment]
     return instance.main(argv[2:])
 

@@ -67,7 +67,7 @@ def ascend_pd(tmp_path_factory):
                 ("p_other", b, "kv_producer", PREFILL_OTHER, ports[1], "ascend_prefill_other_attn"),
                 ("d", a, "kv_consumer", DECODE, ports[2], "ascend_decode")):
             insts[key] = E.start(model, role, logs, name, python=python,
-                                 env=A.instance_env(connector, table, dev[0], port))
+                                 env=A.instance_env(connector, table, dev[0], port, os.path.join(root, "rendezvous")))
         for inst in insts.values():
             inst.wait_ready()
         yield insts
@@ -81,7 +81,8 @@ def test_ascend_connector_decode_equals_a_single_instance_run_and_its_prompt_kv_
     ps = E.prompts(3)
     kv = E.prefill(p, ps)
     # the file's own kv_transfer_params: where the prefill worker listens, and its blocks
-    assert all(k["remote_host"] == "127.0.0.1" and k["remote_tp_size"] == "1" for k in kv), kv
+    assert all(k["remote_host"] == "127.0.0.1" and k["remote_tp_size"] == "1" and "llmdd_layout" not in k
+               for k in kv), kv
     assert [len(k["remote_block_ids"]) for k in kv] == [-(-len(x) // E.BLOCK) for x in ps]
     src0 = E.by_source(d)
     got = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS, params=kv)["results"]]
