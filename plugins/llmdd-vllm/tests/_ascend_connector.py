@@ -53,30 +53,36 @@ DEFAULT_TRANSFER_TIMEOUT_MS = int(4.096 * 2 ** 20 * 7 // 1000 + 3000)
 
 
 # ------------------------------------------------------------------ the file, from the wheel
-def fetch_connector(dest: str, python: str = sys.executable) -> str:
-    """Download the vllm-ascend 0.11.0 wheel (no dependencies, not installed) into ``dest``, write the
-    connector file out of it byte for byte and check its sha256 and size against the wheel's RECORD.
-    Returns the file's path; a refused download or a mismatch raises (never a skip)."""
+def fetch_connector(dest: str, python: str = sys.executable, env: dict | None = None) -> str:
+    """Download the vllm-ascend 0.11.0 wheel (no dependencies, not installed) into ``dest`` and write
+    the connector file out of it (:func:`extract_checked`).  Returns the file's path; a refused
+    download or a mismatch raises (never a skip).  ``env``: pip's environment (default: this one)."""
     os.makedirs(dest, exist_ok=True)
     # one wheel whatever the host: the file is pure Python, the same in every wheel of the release
     proc = subprocess.run([python, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                            "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
                            "--platform", "manylinux_2_24_x86_64", WHEEL, "-d", dest],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env=env)
     wheels = [f for f in os.listdir(dest) if f.startswith("vllm_ascend-0.11.0-") and f.endswith(".whl")]
     if proc.returncode != 0 or len(wheels) != 1:
         raise RuntimeError(f"could not download the {WHEEL} wheel from the package index (pip download "
                            f"exit {proc.returncode}, wheels {wheels}): the real-connector test needs it.\n"
                            + proc.stdout[-2000:] + proc.stderr[-4000:])
-    with zipfile.ZipFile(os.path.join(dest, wheels[0])) as whl:
+    return extract_checked(os.path.join(dest, wheels[0]), dest)
+
+
+def extract_checked(wheel: str, dest: str) -> str:
+    """Write the connector file out of ``wheel`` into ``dest`` byte for byte, after checking its sha256
+    and size against the wheel's RECORD (a mismatch raises).  Returns the file's path."""
+    with zipfile.ZipFile(wheel) as whl:
         data = whl.read(MEMBER)
         records = [n for n in whl.namelist() if n.endswith(".dist-info/RECORD")]
         if len(records) != 1:
-            raise RuntimeError(f"{wheels[0]}: expected one RECORD, found {records}")
+            raise RuntimeError(f"{wheel}: expected one RECORD, found {records}")
         record = whl.read(records[0]).decode()
     rows = [line.rsplit(",", 2) for line in record.splitlines() if line.startswith(MEMBER + ",")]
     if len(rows) != 1:
-        raise RuntimeError(f"{wheels[0]}: RECORD has {len(rows)} rows for {MEMBER}")
+        raise RuntimeError(f"{wheel}: RECORD has {len(rows)} rows for {MEMBER}")
     _, digest, size = rows[0]
     algo, _, want = digest.partition("=")
     got = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -114,3 +115,30 @@ def test_ascend_connector_control_prefill_with_other_attention_weights_changes_t
     assert E.delta(src1, src0)["local_compute"] == 0
     # ... so every output changed: the tokens depend on the transferred KV
     assert all(g != r for g, r in zip(got, ref)), (got, ref)
+
+
+def test_the_connector_file_is_checked_against_the_wheels_record_and_a_changed_byte_fails(tmp_path):
+    src = A.fetch_connector(str(tmp_path / "wheel"))
+    assert A.sha256_hex(src) == CONNECTOR_SHA256
+    (whl,) = [p for p in (tmp_path / "wheel").iterdir() if p.suffix == ".whl"]
+    # the control: the same wheel with one byte of the file changed (its RECORD unchanged)
+    bad = tmp_path / "tampered.whl"
+    with zipfile.ZipFile(whl) as zin, zipfile.ZipFile(bad, "w", zipfile.ZIP_DEFLATED) as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == A.MEMBER:
+                changed = data.replace(b"alignment = 2 * 1024 * 1024", b"alignment = 1 * 1024 * 1024", 1)
+                assert len(changed) == len(data) and changed != data
+                data = changed
+            zout.writestr(item, data)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(RuntimeError, match="RECORD says"):
+        A.extract_checked(str(bad), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / os.path.basename(A.MEMBER)).exists()
+
+
+def test_a_refused_download_fails_with_a_clear_message(tmp_path):
+    env = dict(os.environ, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_EXTRA_INDEX_URL="", PIP_FIND_LINKS="",
+               PIP_NO_CACHE_DIR="1", PIP_RETRIES="0", PIP_TIMEOUT="5")
+    with pytest.raises(RuntimeError, match="could not download the vllm-ascend==0.11.0 wheel"):
+        A.fetch_connector(str(tmp_path / "wheel"), env=env)
