@@ -6,6 +6,12 @@ table entry maps to an address here), the member of the higher rank of every pai
 connects to the lower one with the ordinary link handshake, and the group is ``OK``
 once every pairwise link is up (memory descriptors are exchanged by the handshake), or
 ``FAILED`` when that does not happen within ``link_total_time`` (default 120 s).
+
+A pair has one link, whatever number of groups (and ``link_clusters``) join it: a group over a
+pair already linked uses that link and holds it (its comm id among the link's holds); a member
+connects only when no link to that peer exists or is being made (one connect per peer at a time),
+so a second group never replaces the first one's link.  ``unlink(comm_id)`` gives back the group's
+hold; the link ends when neither side holds it (:meth:`LinkManager.unlink_one`).
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from llmdd._base.enums import RegisterMemStatus
-from llmdd._lifecycle.tables import GROUP_OK, GROUP_PREPARING
+from llmdd._lifecycle.tables import GROUP_OK, GROUP_PREPARING, LINK_SETTING_UP
 from llmdd._base.log import get_logger
 from llmdd._base.options import is_local_address
 from llmdd._base.ranktable import RankMember, RankTable
 from llmdd._base.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
+    from llmdd._control.link import Link
     from llmdd._lifecycle.machines import Lifecycle
     from llmdd._control.manager import LinkManager
 
@@ -77,6 +84,7 @@ class CommGroups:
         self._ids = itertools.count(1)
         self._groups: dict[int, _Group] = {}
         self._lock = threading.Lock()
+        self._connecting: dict[int, threading.Event] = {}   # peer cluster id -> its connect in progress
 
     def link(self, comm_name: str, cluster_rank_info: dict, table: RankTable) -> int:
         my_id = self._cluster_id
@@ -138,18 +146,20 @@ class CommGroups:
         try:
             for cid, rank in sorted(group.peers.items(), key=lambda kv: kv[1]):
                 if rank < group.my_rank:
-                    host, port = self._address(group, group.table.member(rank), deadline)
-                    link = self._lm.connect_peer(host, port, deadline, comm_id=group.comm_id)
+                    link = self._connect(group, cid, rank, deadline)
                     if link.peer_cluster_id != cid:
                         raise LLMException(f"rank {rank} answered as cluster {link.peer_cluster_id}, expected {cid}",
                                            status_code=S.LLM_LINK_FAILED)
+                    self._lm.hold(link, group.comm_id)
                     group.linked.add(cid)
             while time.monotonic() < deadline and not group.stop.is_set():
                 missing = [cid for cid in group.peers if cid not in group.linked]
                 for cid in missing:
                     found = self._lm.get(cid)
                     if found is not None and found.linked:
-                        found.comm_id = group.comm_id
+                        if found.comm_id is None:
+                            found.comm_id = group.comm_id
+                        self._lm.hold(found, group.comm_id)
                         group.linked.add(cid)
                 if len(group.linked) == len(group.peers):
                     break
@@ -163,6 +173,34 @@ class CommGroups:
             group.error = str(exc)
             _log.warning("llmdd.comm_group.failed", comm_id=group.comm_id, error=str(exc))
             group.fsm.offer("prepare_failed", error=exc, reason=str(exc))
+
+    def _connect(self, group: _Group, cid: int, rank: int, deadline: float) -> "Link":
+        """The link to member ``cid`` (this member connects): the one that exists already (another
+        group's, or ``link_clusters``'s), else a new connection.  One connect per peer at a time: a
+        group that comes while another connects to the same peer waits for it and uses its link
+        (a second handshake would replace the first group's link on the peer)."""
+        while True:
+            with self._lock:
+                busy = self._connecting.get(cid)
+                if busy is None:
+                    mine = self._connecting[cid] = threading.Event()
+            if busy is not None:
+                if not busy.wait(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"comm group {group.name!r}: the link to cluster {cid} being made for "
+                                       f"another group did not come up in time")
+                continue
+            try:
+                existing = self._lm.get(cid)
+                if existing is not None and not existing.linked and existing.fsm.in_(LINK_SETTING_UP):
+                    existing.settled.wait(max(0.0, deadline - time.monotonic()))
+                if existing is not None and existing.linked:
+                    return existing
+                host, port = self._address(group, group.table.member(rank), deadline)
+                return self._lm.connect_peer(host, port, deadline, comm_id=group.comm_id)
+            finally:
+                with self._lock:
+                    del self._connecting[cid]
+                mine.set()
 
     # ------------------------------------------------------------------ queries and teardown
     def _get(self, comm_id: int) -> _Group:
@@ -179,7 +217,7 @@ class CommGroups:
         if group.fsm.in_(GROUP_OK):
             for cid in group.peers:
                 link = self._lm.get(cid)
-                if link is None or not link.linked:
+                if link is None or not link.linked or group.comm_id not in link.holds:
                     group.fsm.fire("member_lost", peer=cid)
                     return RegisterMemStatus.FAILED
             return RegisterMemStatus.OK
@@ -194,9 +232,9 @@ class CommGroups:
         failed = []
         for cid in group.peers:
             link = self._lm.get(cid)
-            if link is None or link.comm_id != comm_id:
+            if link is None or comm_id not in link.holds:
                 continue
-            code = self._lm.unlink_one(cid, deadline, force=False)
+            code = self._lm.unlink_one(cid, deadline, force=False, hold=comm_id)
             if code not in (S.LLM_SUCCESS, S.LLM_NOTIFY_PROMPT_UNLINK_FAILED):
                 failed.append((cid, code))
         self._teardown(group, "unlink")

@@ -24,7 +24,7 @@ from llmdd._base.status import InvalidStateError, LLMException, LLMStatusCode
 from llmdd._control.announce import Announcements
 from llmdd._control.connection import ControlConnection
 from llmdd._control.endpoints import TransportEndpoints, endpoint_descriptor, offer_args, to_wire
-from llmdd._control.link import Link
+from llmdd._control.link import CLUSTERS_HOLD, Link
 from llmdd._control.linking import (
     CROSS_LINK_REASON, LINK_DESCRIPTOR_OP, NO_TRANSPORT, CrossLink, LinkHost, transport_reason,
 )
@@ -97,6 +97,9 @@ class Dialer:
         if io_error is not None:
             raise LLMException(f"the engine's I/O loop stopped ({io_error}); finalize and init again",
                                status_code=S.LLM_LINK_FAILED)
+        if self._table.rehold(remote_id, CLUSTERS_HOLD) is not None:
+            # this side unlinked it and the peer kept it: this side holds it again
+            return S.LLM_SUCCESS
         if self._table.peer_started(remote_id):
             # the peer linked to this engine first (or is doing so now): that link serves both directions
             return self._claim_peer_link(remote_id, deadline)
@@ -126,6 +129,7 @@ class Dialer:
             # the peer links to this engine at the same moment and keeps its own link: use that one
             return self._claim_peer_link(remote_id, deadline)
         self._table.set_alias(remote_id, link.peer_cluster_id)
+        self._table.hold(link, CLUSTERS_HOLD)
         return S.LLM_SUCCESS
 
     def _claim_peer_link(self, remote_id: int, deadline: float) -> LLMStatusCode:
@@ -141,7 +145,10 @@ class Dialer:
                 if not link.linked:
                     raise LLMException(f"the link cluster {remote_id} started to this engine did not come up "
                                        f"({link.last_error or link.state.value})", status_code=S.LLM_LINK_FAILED)
-                return S.LLM_SUCCESS if self._table.claim(link, remote_id) else S.LLM_ALREADY_LINK
+                if not self._table.claim(link, remote_id):
+                    return S.LLM_ALREADY_LINK
+                self._table.hold(link, CLUSTERS_HOLD)
+                return S.LLM_SUCCESS
             if link is not None and link.linked:
                 return S.LLM_ALREADY_LINK
             if left <= 0:

@@ -173,12 +173,33 @@ class LinkExchange:
             pending.event.set()
 
     def _on_unlink_request(self, link: Link, msg: m.UnlinkRequest) -> None:
+        decision = self.host.peer_unlinks(link, force=msg.force)
+        if decision == "kept":
+            # this side still holds the link: only the peer's hold went, the link stays up for this side
+            self.notify(link, m.UnlinkAck(request_id=msg.request_id, status_code=S.LLM_EXIST_LINK.value))
+            return
         self.notify(link, m.UnlinkAck(request_id=msg.request_id, status_code=0))
-        self.host.close_link(link, trigger="peer_unlinked", reason=msg.reason or "peer unlinked")
+        if decision == "close":
+            self.host.close_link(link, trigger="peer_unlinked", reason=msg.reason or "peer unlinked")
+        # "crossed": this side's own unlink, waiting for the peer's answer, ends the link
+
+    def _fenced(self, link: Link, request_id: Optional[int], what: str) -> bool:
+        """A request or notice on a link that does not serve its peer (FAILED, closed, not yet
+        accepted) is neither served nor recorded; a request is answered with the link's status."""
+        if link.serves_peer:
+            return False
+        _log.debug("llmdd.link.fenced", peer=link.peer_cluster_id, what=what, state=link.state.value)
+        if request_id is not None:
+            status = link.failure_status or (S.LLM_LINK_FAILED if link.fsm.in_(LINK_DOWN) else S.LLM_NOT_YET_LINK)
+            self.notify(link, m.TransferReply(request_id=request_id, status_code=status.value,
+                                              result={"error": f"{what} refused: the link is {link.state.value}"}))
+        return True
 
     def _on_transfer_request(self, link: Link, msg: m.TransferRequest) -> None:
         if msg.op == LINK_DESCRIPTOR_OP:   # the control plane's own request (deferred transport offers)
             self._reply(link, msg.request_id, msg.op, self._admission.serve_link_descriptor, link, dict(msg.args))
+            return
+        if self._fenced(link, msg.request_id, str(msg.op)[:64]):
             return
         op = request_op(msg.op)
         if op is None or self._data is None:
@@ -188,7 +209,7 @@ class LinkExchange:
         self._reply(link, msg.request_id, msg.op, self._data.serve, link, op, dict(msg.args))
 
     def _on_tagged_done(self, link: Link, msg: m.TaggedDone) -> None:
-        if self._data is not None:
+        if self._data is not None and not self._fenced(link, msg.request_id, "tagged_done"):
             self._reply(link, msg.request_id, "tagged_done", self._data.serve_tagged, link, msg)
 
     def _reply(self, link: Link, request_id: int, op: str, serve: Callable[..., tuple[int, dict]],
@@ -204,7 +225,7 @@ class LinkExchange:
         self.notify(link, m.TransferReply(request_id=request_id, status_code=status, result=result))
 
     def _on_data_notice(self, link: Link, msg: Any) -> None:
-        if self._data is not None:
+        if self._data is not None and not self._fenced(link, None, type(msg).__name__):
             self._data.on_notice(link, msg)
 
     def _on_refuse(self, link: Link, msg: m.Refuse) -> None:
@@ -230,7 +251,8 @@ class LinkExchange:
             self._admission.abort_setup(link, ProtocolError(f"the peer went away during the link setup ({reason})"))
             return
         if link.fsm.in_(LINK_UNLINKING):
-            # the peer acknowledged our unlink and closed: the unlink in progress ends the link
+            # the peer acknowledged our unlink (or unlinked at the same moment) and closed: the unlink
+            # in progress ends the link
             for pending in list(link.pending.values()):
                 pending.event.set()
             return

@@ -13,7 +13,7 @@ import attrs
 
 from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
-from llmdd._lifecycle.tables import LINK_IN_USE, LinkState
+from llmdd._lifecycle.tables import LINK_IN_USE, LINK_SERVES, LINK_SETTING_UP, LinkState
 from llmdd._control.protocol import messages as m
 from llmdd._control.protocol.handshake import PeerInfo
 from llmdd._control.protocol.tables import DescriptorTables, TableAnnouncer
@@ -22,7 +22,10 @@ from llmdd._control.connection import ControlConnection
 from llmdd._control.ioloop import Strand, Timer, Waiter
 from llmdd._control.liveness import Liveness
 
-__all__ = ["Link", "Pending", "SetupSession"]
+__all__ = ["Link", "Pending", "SetupSession", "CLUSTERS_HOLD"]
+
+#: the hold of this side's ``link_clusters`` on a link (a comm group's hold is its comm id)
+CLUSTERS_HOLD = "link_clusters"
 
 
 class SetupSession(Protocol):
@@ -80,6 +83,13 @@ class Link:
     settled: Waiter = attrs.field(kw_only=True)   # LINKED, FAILED or closed (from the loop)
     claimed: bool = False                     # server side: a local link_clusters to the peer returned it
     liveness: Liveness = attrs.field(kw_only=True)   # keepalive state, sans-io (.liveness)
+    # who on this side holds the link: CLUSTERS_HOLD (a link_clusters made or claimed it) and the
+    # comm ids of the groups using it; an unlink gives back one hold, and the link ends only when
+    # neither side holds it any more (docs/links.md, "Unlink").  Changed under the link table's lock.
+    holds: set = attrs.field(factory=set)
+    released: bool = False        # this side unlinked it while the peer still holds it (served, not used here)
+    unlink_pending: bool = False  # this side's non-force unlink waits for the peer's answer
+    unlink_crossed: bool = False  # ... and the peer's own unlink request came meanwhile (both unlink)
 
     @property
     def last_rx(self) -> float:
@@ -101,3 +111,10 @@ class Link:
     @property
     def linked(self) -> bool:
         return self.fsm.in_(LINK_IN_USE)
+
+    @property
+    def serves_peer(self) -> bool:
+        """Are the peer's requests and notices served (and recorded)?  LINKED or UNLINKING, or a
+        client's link still in its setup (the server is LINKED before its tables leave).  A link
+        FAILED, CLOSED or not yet accepted serves nothing and holds nothing."""
+        return self.fsm.in_(LINK_SERVES) or (self.is_client and self.fsm.in_(LINK_SETTING_UP))

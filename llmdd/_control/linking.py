@@ -95,6 +95,10 @@ class LinkHost(Protocol):
         """Best-effort one-way message."""
         ...
 
+    def peer_unlinks(self, link: Link, *, force: bool) -> str:
+        """The peer asks to unlink: ``"crossed"``, ``"kept"`` or ``"close"`` (``LinkTable.peer_unlinks``)."""
+        ...
+
 
 def transport_reason(info: LinkInfo, name: str) -> str:
     if info.forced:

@@ -24,9 +24,9 @@ plugins, hook subscribers, memory calls) runs on the loop's bounded pool, in ord
 registrar thread.  The thread count does not grow with links or connections.  All are daemon
 threads: they never keep the interpreter alive, and the exit handler's ``finalize`` closes them.
 
-Locks: the link table's lock (``LinkTable._lock``) guards the link, alias and pending tables only;
-nothing is called while it is held (no memory manager, region table, plugin, hook, listener or
-socket call).  ``ControlConnection._lock`` is a leaf held around non-blocking socket calls.  The
+Locks: the link table's lock (``LinkTable._lock``) guards the link, alias and pending tables and each
+link's holds only; nothing is called while it is held (no memory manager, region table, plugin,
+hook, listener or socket call).  ``ControlConnection._lock`` is a leaf held around non-blocking socket calls.  The
 order is written in docs/architecture.md ("Locks").
 """
 
@@ -47,7 +47,7 @@ from llmdd._control.dialer import Dialer
 from llmdd._control.exchange import LinkExchange, sync_remote_regions
 from llmdd._control.endpoints import Registrar, TransportEndpoints
 from llmdd._control.ioloop import PoolFull, Runtime, Strand
-from llmdd._control.link import Link, Pending
+from llmdd._control.link import CLUSTERS_HOLD, Link, Pending
 from llmdd._control.linking import LINK_DESCRIPTOR_OP
 from llmdd._control.listener import Listeners
 from llmdd._control.liveness import Liveness, PeerLost
@@ -284,6 +284,9 @@ class LinkManager:
         link = self.get(cluster_id)
         if link is None:
             raise LLMException(f"cluster {cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
+        if link.released:
+            raise LLMException(f"cluster {cluster_id} is not linked (this side unlinked it; the peer still holds "
+                               f"its link)", status_code=S.LLM_NOT_YET_LINK)
         if link.fsm.in_(LINK_FAILED):
             raise LLMException(f"link to cluster {cluster_id} has failed ({link.last_error}); unlink and relink it",
                                status_code=link.failure_status or S.LLM_LINK_FAILED)
@@ -397,31 +400,53 @@ class LinkManager:
                 overall = code
         return overall, codes
 
-    def unlink_one(self, cluster_id: int, deadline: float, *, force: bool) -> LLMStatusCode:
+    def unlink_one(self, cluster_id: int, deadline: float, *, force: bool,
+                   hold: object = CLUSTERS_HOLD) -> LLMStatusCode:
+        """Give back this side's ``hold`` (its ``link_clusters``, or a comm group's id) on the link to
+        ``cluster_id``.  Non-force: the link ends when neither side holds it any more: a hold of this
+        side that remains keeps it without a message; otherwise the peer is asked, and keeps the link
+        when it still holds it (this side has then released it: served, not used here).  Both sides
+        unlinking at once each answer the other's request, and both succeed (docs/links.md, "Unlink")."""
         link = self.get(cluster_id)
         if link is None:
             return S.LLM_SUCCESS if force else S.LLM_NOT_YET_LINK
         if force:
             self.close_link(link, trigger="force_unlink", reason="force unlink")
             return S.LLM_SUCCESS
+        if link.released:
+            return S.LLM_NOT_YET_LINK   # this side unlinked it already; the peer still holds it
         if link.fsm.in_(LINK_BUSY):
             return S.LLM_PROCESSING_LINK
         if link.fsm.in_(LINK_FAILED):
             # the peer cannot be told: tear down here; the other side must unlink too
             self.close_link(link, trigger="force_unlink", reason="unlink of a failed link")
             return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        if self._table.drop_shared_hold(link, hold):
+            return S.LLM_SUCCESS        # another hold of this side (a comm group, link_clusters) keeps it
         if self._data is not None and not self._data.quiesce(link):
             return S.LLM_LINK_BUSY
+        held = self._table.begin_unlink(link, hold)
         link.fsm.fire("unlink")   # no lock held: the data plane starts no transfer on a quiesced link
         rid = self.exchange.new_request_id()
         pending = Pending(self.loop.event())
         link.pending[rid] = pending
         try:
-            link.control.send(m.UnlinkRequest(request_id=rid, force=False, reason="unlink_clusters"))
-            acked = pending.event.wait(max(0.0, deadline - self.loop.monotonic())) and pending.reply is not None
+            # ``force`` in the request: this side never held the link (a server the peer linked to), so
+            # its unlink ends the link whatever the peer holds, as before holds existed
+            link.control.send(m.UnlinkRequest(request_id=rid, force=not held, reason="unlink_clusters"))
+            answered = pending.event.wait(max(0.0, deadline - self.loop.monotonic()))
         except ProtocolError:
-            acked = False
-        if acked:
+            answered = False
+        finally:
+            link.pending.pop(rid, None)
+        reply = pending.reply if answered else None
+        outcome = self._table.end_unlink(link, kept=reply is not None and reply.status_code == S.LLM_EXIST_LINK.value)
+        if outcome == "kept":
+            link.fsm.offer("unlink_kept", reason="the peer keeps the link")
+            if self._data is not None:
+                self._data.resume(link)
+            return S.LLM_SUCCESS
+        if outcome == "crossed" or reply is not None:
             self.close_link(link, trigger="unlink_succeeded", reason="unlinked")
             return S.LLM_SUCCESS
         # the peer could not be told: the link failed (the event says why), and is torn down here
@@ -431,6 +456,14 @@ class LinkManager:
                   status=S.LLM_NOTIFY_PROMPT_UNLINK_FAILED)
         self.close_link(link, trigger="force_unlink", reason=reason)
         return S.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+
+    def hold(self, link: Link, token: object) -> None:
+        """``token`` (a comm id) holds ``link`` from now on (comm groups)."""
+        self._table.hold(link, token)
+
+    def peer_unlinks(self, link: Link, *, force: bool) -> str:
+        """The peer asks to unlink (on the link's strand): :meth:`LinkTable.peer_unlinks`."""
+        return self._table.peer_unlinks(link, force=force)
 
     # ------------------------------------------------------------------ liveness
     def _keepalive_tick(self) -> None:
@@ -480,7 +513,7 @@ class LinkManager:
                 "state": link.state.value, "transport": link.transport, "transport_reason": link.transport_reason,
                 "client": link.is_client, "bytes_read": link.bytes_read, "bytes_written": link.bytes_written,
                 "transfers": link.transfers, "failures": link.failures, "last_error": link.last_error,
-                "rtt_s": link.rtt_s, "comm_id": link.comm_id,
+                "rtt_s": link.rtt_s, "comm_id": link.comm_id, "released": link.released,
             }
         return out
 

@@ -166,6 +166,68 @@ class LinkTable:
             self._aliases[remote_id] = link.peer_cluster_id
         return True
 
+    # ------------------------------------------------------------------ holds (who on this side uses a link)
+    def hold(self, link: Link, token: object) -> None:
+        """``token`` (``CLUSTERS_HOLD`` or a comm id) holds ``link`` from now on."""
+        with self._lock:
+            link.holds.add(token)
+            link.released = False
+
+    def rehold(self, remote_id: int, token: object) -> Optional[Link]:
+        """A ``link_clusters`` to a peer whose link this side released but the peer kept: hold it
+        again (it is LINKED, nothing to set up) and return it; None when that is not the case."""
+        with self._lock:
+            link = self._links.get(self._aliases.get(remote_id, remote_id))
+            if link is None or not link.released or not link.linked or link.unlink_pending:
+                return None
+            link.holds.add(token)
+            link.released = False
+            return link
+
+    def drop_shared_hold(self, link: Link, token: object) -> bool:
+        """Drop ``token``'s hold when another hold of this side remains (no message to the peer):
+        True when it was dropped so."""
+        with self._lock:
+            if token not in link.holds or len(link.holds) < 2:
+                return False
+            link.holds.discard(token)
+            return True
+
+    def begin_unlink(self, link: Link, token: object) -> bool:
+        """This side's last hold (``token``) goes and its unlink request is about to leave: whether
+        this side held the link at all (a server that never linked back did not)."""
+        with self._lock:
+            held = token in link.holds
+            link.holds.discard(token)
+            link.unlink_pending, link.unlink_crossed = True, False
+            return held
+
+    def end_unlink(self, link: Link, *, kept: bool) -> str:
+        """This side's unlink got its answer (or none): ``"crossed"`` when the peer unlinked at the
+        same moment (the link ends), ``"kept"`` when the peer keeps the link (this side has
+        released it), else ``"closed"``."""
+        with self._lock:
+            link.unlink_pending = False
+            if link.unlink_crossed:
+                return "crossed"
+            if kept:
+                link.released = not link.holds
+                return "kept"
+            return "closed"
+
+    def peer_unlinks(self, link: Link, *, force: bool) -> str:
+        """The peer's unlink request arrived: ``"crossed"`` when this side is unlinking too (each
+        answers the other's request; this side's own unlink ends the link), ``"kept"`` when this side
+        still holds the LINKED link (only the peer's hold went), else ``"close"``.  ``force``: the peer
+        held nothing and ends the link whatever this side holds."""
+        with self._lock:
+            if link.unlink_pending:
+                link.unlink_crossed = True
+                return "crossed"
+            if link.holds and not force and link.linked:
+                return "kept"
+            return "close"   # nothing holds it here, or it failed here: it ends on both sides
+
     def record_attempt(self, remote_id: int, code: LLMStatusCode, error: Optional[str]) -> None:
         """The outcome of a ``link_clusters`` attempt: a failure is kept until one succeeds."""
         with self._lock:

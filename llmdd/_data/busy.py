@@ -90,6 +90,6 @@ class BusyTable:
                        getattr(link, "failure_status", None) or S.LLM_LINK_FAILED)
 
     def forget(self, link: Any) -> None:
-        """The link is down: it is no longer being unlinked."""
+        """The link is down, or its unlink kept it: it is no longer being unlinked."""
         with self._lock:
             self._closing.discard(id(link))

@@ -146,6 +146,10 @@ class TransferEngine:
         on it (the control plane unlinks it next); False while one runs (the unlink answers LLM_LINK_BUSY)."""
         return self._busy.quiesce(link)
 
+    def resume(self, link: Any) -> None:
+        """llmdd._data.port.DataService: the unlink that quiesced ``link`` kept it (the peer holds it)."""
+        self._busy.forget(link)
+
     def run_ops(self, link: Any, ops: np.ndarray, *, write: bool, kind: str, step_of: Any = None,
                 nbytes: Optional[int] = None) -> None:
         """Move ``ops`` over ``link`` as one task with the sync_kv_timeout deadline (``nbytes``: the

@@ -134,7 +134,16 @@ class OwnerSide:
         if hit is None:
             return S.LLM_KV_CACHE_NOT_EXIST.value, {}
         with self._lock:
-            self._reservations.setdefault(id(link), {})[index] = int(hit[0])
+            # recorded only while the link serves its peer: the control plane moves a link to FAILED
+            # or CLOSED before it calls link_down (which takes this lock), so a reservation recorded
+            # here is given back by it, and one on a link already down is given back at once
+            live = link.serves_peer
+            if live:
+                self._reservations.setdefault(id(link), {})[index] = int(hit[0])
+        if not live:
+            self._memory.finish_reserved(index, None, pulled=False)
+            return (getattr(link, "failure_status", None) or S.LLM_LINK_FAILED).value, {
+                "error": "reserve_key refused: the link is down"}
         return 0, {"cache_id": int(hit[0]), "batch_index": int(hit[1])}
 
     def _end_reservation(self, link: Any, index: tuple) -> bool:

@@ -100,6 +100,11 @@ class DataService(Protocol):
         on; False while one runs (the unlink answers ``LLM_LINK_BUSY``)."""
         ...
 
+    def resume(self, link: "Link") -> None:
+        """An unlink that quiesced ``link`` ended with the link kept (the peer still holds it):
+        transfers may start on it again."""
+        ...
+
     def on_link_down(self, link: "Link") -> None:
         """The link failed or closed: forget what its peer reserved, queued or was refused."""
         ...

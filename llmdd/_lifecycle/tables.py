@@ -33,7 +33,7 @@ __all__ = [
     "TABLES", "INITIAL", "FINAL", "STATES", "ABSORBED",
     # the named groups of states (Tracked.in_)
     "LINK_SETTING_UP", "LINK_IN_USE", "LINK_UNLINKING", "LINK_FAILED", "LINK_BUSY", "LINK_PROCESSING",
-    "LINK_DOWN", "LINK_KEEPS_ALIVE", "LINK_CLAIMABLE", "CACHE_HOLDS_MEMORY", "CACHE_RELEASE_PENDING",
+    "LINK_DOWN", "LINK_KEEPS_ALIVE", "LINK_SERVES", "LINK_CLAIMABLE", "CACHE_HOLDS_MEMORY", "CACHE_RELEASE_PENDING",
     "ENGINE_UP", "LISTENER_OPEN", "GROUP_PREPARING", "GROUP_OK",
 ]
 
@@ -128,6 +128,9 @@ LINK_TRANSITIONS = [
     _t("regions_updated", L.LINKED, L.LINKED),
     _t("unlink", L.LINKED, L.UNLINKING),
     _t("unlink_succeeded", L.UNLINKING, L.CLOSED),
+    # the peer still holds the link (it linked to this side too, or a comm group of its uses it):
+    # only this side's hold went, the link stays up for the peer
+    _t("unlink_kept", L.UNLINKING, L.LINKED),
     _t("unlink_failed", L.UNLINKING, L.FAILED),
     _t("peer_unlinked", [L.LINKED, L.UNLINKING, L.FAILED], L.CLOSED),
     _t("force_unlink", _LIVE_LINK, L.CLOSED),
@@ -236,6 +239,8 @@ ABSORBED = {
         # an unanswered unlink whose link the peer's own unlink closed first (both sides unlinking at
         # once: each answers the other's request and closes), or whose peer was lost meanwhile
         ("unlink_failed", (L.FAILED, L.CLOSED)),
+        # the peer answered that it keeps the link, but its own unlink (or a loss) ended it first
+        ("unlink_kept", (L.FAILED, L.CLOSED)),
     ),
     Machine.COMM_GROUP: (
         # the group was unlinked (or the engine finalized) while its members were still linking
@@ -283,6 +288,10 @@ LINK_PROCESSING = frozenset({L.UNLINKED, L.LINKING, L.UNLINKING})
 LINK_DOWN = frozenset({L.FAILED, L.CLOSED})
 #: links the keepalive watches (the peer is expected to answer)
 LINK_KEEPS_ALIVE = frozenset({L.LINKED, L.UNLINKING})
+#: links whose peer's requests and notices are served (anything else is fenced: not served, not
+#: recorded).  LINKING is served on the client side only: the server is LINKED before its tables
+#: leave, so it may ask before the client's own setup finished (``Link.serves_peer``)
+LINK_SERVES = frozenset({L.LINKED, L.UNLINKING})
 #: a link the peer started that this side's link_clusters may claim
 LINK_CLAIMABLE = frozenset({L.LINKING, L.LINKED})
 #: caches whose memory is still held (allocated or registered, not being released)

@@ -144,6 +144,21 @@ def unlink(state: dict, targets: list, force: bool = False, timeout: int = 5000)
     return state["dd"].unlink_clusters(clusters, timeout, force=force)
 
 
+def unlink_on_go(state: dict, barrier_port: int, targets: list, timeout: int = 5000) -> tuple:
+    """Wait for the parent's go (a byte on a connection to its barrier socket), then ``unlink``:
+    two peers released by one go unlink at the same moment, with no sleep involved."""
+    with socket.create_connection(("127.0.0.1", barrier_port), timeout=30.0) as sock:
+        sock.settimeout(30.0)
+        if sock.recv(1) != b"g":
+            raise RuntimeError("the barrier closed without a go")
+    return unlink(state, targets, timeout=timeout)
+
+
+def link_released(state: dict) -> dict:
+    """peer -> ``statistics()["links"][peer]["released"]`` (this side unlinked it; the peer kept it)."""
+    return {cid: v["released"] for cid, v in state["dd"].statistics()["links"].items()}
+
+
 def link_states(state: dict) -> dict:
     return {cid: v["state"] for cid, v in state["dd"].statistics()["links"].items()}
 
@@ -213,6 +228,13 @@ def blocks(state: dict) -> np.ndarray:
     return np.stack([b.copy() for b in state["bufs"]])
 
 
+def restore(state: dict) -> None:
+    """Put this engine's seeded pattern back into its registered cache."""
+    data = pattern(state["cluster_id"], state["seed"], len(state["bufs"]))
+    for i, b in enumerate(state["bufs"]):
+        b[:] = data[i]
+
+
 def fill(state: dict, value: float) -> None:
     for b in state["bufs"]:
         b[:] = value
@@ -264,6 +286,24 @@ def group_wait(state: dict, comm_id: int, timeout: float = 8.0) -> tuple:
         if status is not RegisterMemStatus.PREPARING or time.monotonic() >= deadline:
             return status.name, time.monotonic() - started
         time.sleep(0.02)
+
+
+def groups_polled(state: dict, comm_names: list, rank_info: dict, rank_table: str, timeout: float = 10.0) -> dict:
+    """``link()`` each of ``comm_names`` back to back (same members), then poll every group's
+    ``query_register_mem_status`` every millisecond until none is PREPARING: the comm ids, their
+    final statuses, and every status any poll saw (a FAILED seen once is FAILED for good)."""
+    dd = state["dd"]
+    ids = [dd.link(name, rank_info, rank_table) for name in comm_names]
+    seen: dict = {cid: set() for cid in ids}
+    deadline = time.monotonic() + timeout
+    while True:
+        now = {cid: dd.query_register_mem_status(cid) for cid in ids}
+        for cid, status in now.items():
+            seen[cid].add(status.name)
+        if all(st is not RegisterMemStatus.PREPARING for st in now.values()) or time.monotonic() >= deadline:
+            return {"ids": ids, "final": {cid: st.name for cid, st in now.items()},
+                    "seen": {cid: sorted(v) for cid, v in seen.items()}}
+        time.sleep(0.001)
 
 
 def group_unlink(state: dict, comm_id: int) -> Optional[str]:

@@ -125,3 +125,50 @@ def test_group_with_a_missing_member_fails_after_link_total_time(tmp_path):
             while h.call(P.link_states) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert h.call(P.link_states) == {}
+
+
+def test_a_second_group_over_the_same_pair_never_affects_the_first(tmp_path):
+    """Both engines call ``link("link", ...)`` then ``link("link2", ...)`` with the same members and
+    poll ``query_register_mem_status`` of both every millisecond: both groups reach OK on both sides
+    and no poll ever reads FAILED, in every trial.  Upstream gives each ``link()`` its own
+    communicator and status (hicann/hixl ``comm_link_manager.cc:332-383, 428-446``); llmdd shares the
+    pair's one link between the groups, each holding it, so group 2 never replaces group 1's link
+    (before: group 1 FAILED in 8 of 8 trials).  Then upstream's ``test_remote_cache_accessible.py:84-95``
+    flow: ``unlink(1)`` raises nothing, and group 2 stays OK and carries transfers (bytes compared),
+    until its own unlink ends the link."""
+    ids = [801, 802]
+    table = rank_table_v10(2)
+    rank_info = {cid: rank for rank, cid in enumerate(ids)}
+    with Cluster(env=_env(tmp_path)) as c:
+        lo, hi = c.spawn("m801", "m802")
+        for h, cid in ((lo, 801), (hi, 802)):
+            h.call(P.start, "PROMPT" if cid == 801 else "DECODER", cid, seed=cid, local_comm_res=False)
+        for trial in range(4):
+            futures = [h.call_async(P.groups_polled, ["link", "link2"], rank_info, table) for h in (lo, hi)]
+            results = [f.result(30.0) for f in futures]
+            for h, res in zip((lo, hi), results):
+                first, second = res["ids"]
+                assert second == first + 1, res
+                assert res["final"] == {first: "OK", second: "OK"}, (trial, res)
+                assert all("FAILED" not in seen for seen in res["seen"].values()), (trial, res)
+            first_lo, second_lo = results[0]["ids"]
+            first_hi, second_hi = results[1]["ids"]
+            # one link for the pair (one handshake per trial on each side), used by both groups
+            assert lo.call(P.link_states) == {802: "linked"} and hi.call(P.link_states) == {801: "linked"}
+            assert [e["trigger"] for e in lo.call(P.events)].count("handshake_succeeded") == trial + 1
+            # upstream's flow: unlink group 1 (both members); group 2 is untouched and still transfers
+            assert lo.call(P.group_unlink, first_lo) is None and hi.call(P.group_unlink, first_hi) is None
+            assert lo.call(P.group_status, second_lo) == "OK" and hi.call(P.group_status, second_hi) == "OK"
+            assert lo.call(P.group_status, first_lo) == "LLM_PARAM_INVALID"   # group 1's comm id is gone
+            src = lo.call(P.blocks)
+            assert not np.array_equal(hi.call(P.blocks)[:, 1], src[:, 2])   # the control: differ before
+            assert hi.call(P.pull, 801, [2], [1])[0] == "LLM_SUCCESS"
+            np.testing.assert_array_equal(hi.call(P.blocks)[:, 1], src[:, 2])
+            hi.call(P.restore)   # the next trial's control starts from the seeded pattern again
+            # group 2's unlink by both members ends the link on both sides
+            assert lo.call(P.group_unlink, second_lo) is None and hi.call(P.group_unlink, second_hi) is None
+            for h, peer in ((lo, 802), (hi, 801)):
+                state, _ = h.call(P.wait_link_state, peer, (None,), 5.0)
+                assert state is None, (trial, state)
+            assert "failed" not in [e["dest"] for e in lo.call(P.events) + hi.call(P.events)]
+        assert not os.listdir(tmp_path / "rendezvous")

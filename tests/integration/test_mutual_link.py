@@ -1,11 +1,15 @@
 """Two engines that both listen link_clusters to each other (the hixl_transfer_backend sample's shape):
 at the same moment and one after the other.  Both calls return LLM_SUCCESS, each side holds one
-usable link to the other, it carries transfers both ways (bytes compared), and unlink from either
-side ends it on both.  One engine per process; every wait is bounded."""
+usable link to the other, it carries transfers both ways (bytes compared), and each side's non-force
+unlink succeeds on its own, one after the other or at the same moment (hicann/hixl 9ed283b: the
+sample checks both unlinks, ``hixl_transfer_backend_sample.py`` 115-117 and 184-186; each side
+destroys only its own entity, ``hixl_transfer_engine.cc:186-219``, ``comm_entity_manager.cc:33-61``).
+One engine per process; every wait is bounded."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import numpy as np
@@ -63,12 +67,28 @@ def _one_link_each(a, b, a_id, b_id) -> str:
     return "a" if ta[0] == "link" else "b"
 
 
-def _unlink_from(x, y, x_id, y_id, y_port):
+def _unlink_in_sequence(x, y, x_id, y_id, x_port, y_port):
+    """x unlinks first: LLM_SUCCESS, and y, which still holds the link, keeps using it (it pulls x's
+    bytes); x no longer does (LLM_NOT_YET_LINK, and so does a repeated unlink).  Then y unlinks:
+    LLM_SUCCESS, and the link is gone on both sides."""
     assert x.call(P.unlink, [(y_id, HOST, y_port)]) == OK
-    state, _ = y.call(P.wait_link_state, x_id, (None,), 5.0)
-    assert state is None, state
-    assert x.call(P.link_states) == {}
+    assert y.call(P.link_states) == {x_id: "linked"}
+    assert x.call(P.link_states) == {y_id: "linked"}   # still up here: it serves y
+    assert x.call(P.link_released) == {y_id: True} and y.call(P.link_released) == {x_id: False}
     assert x.call(P.pull, y_id, [0], [0])[0] == "LLM_NOT_YET_LINK"
+    assert x.call(P.unlink, [(y_id, HOST, y_port)]) == (S.LLM_NOT_YET_LINK, [S.LLM_NOT_YET_LINK])
+    src_x = x.call(P.blocks)
+    assert not np.array_equal(y.call(P.blocks)[:, 0], src_x[:, 2])   # the control: they differ before
+    assert y.call(P.pull, x_id, [2], [0])[0] == "LLM_SUCCESS"
+    np.testing.assert_array_equal(y.call(P.blocks)[:, 0], src_x[:, 2])
+    assert [e["trigger"] for e in x.call(P.events) if e["id"] == y_id][-2:] == ["unlink", "unlink_kept"]
+    assert y.call(P.unlink, [(x_id, HOST, x_port)]) == OK
+    state, _ = x.call(P.wait_link_state, y_id, (None,), 5.0)
+    assert state is None, state
+    assert y.call(P.link_states) == {}
+    assert [e["trigger"] for e in y.call(P.events) if e["id"] == x_id][-2:] == ["unlink", "unlink_succeeded"]
+    assert [e["trigger"] for e in x.call(P.events) if e["id"] == y_id][-1] == "peer_unlinked"
+    assert y.call(P.pull, x_id, [0], [0])[0] == "LLM_NOT_YET_LINK"
 
 
 @pytest.mark.parametrize("unlink_side", ["lower", "higher"])
@@ -92,9 +112,9 @@ def test_simultaneous_mutual_link_gives_one_link_used_both_ways(unlink_side):
             assert b.call(P.link, [(a_id, HOST, a_port)]) == (S.LLM_ALREADY_LINK, [S.LLM_ALREADY_LINK])
             lower_is_a = a_id < b_id
             if (unlink_side == "lower") == lower_is_a:
-                _unlink_from(a, b, a_id, b_id, b_port)
+                _unlink_in_sequence(a, b, a_id, b_id, a_port, b_port)
             else:
-                _unlink_from(b, a, b_id, a_id, a_port)
+                _unlink_in_sequence(b, a, b_id, a_id, b_port, a_port)
             a.call(P.finalize)
             b.call(P.finalize)
     print("simultaneous mutual links:", outcomes)
@@ -115,10 +135,58 @@ def test_mutual_link_one_after_the_other(first):
         _both_ways(lo, hi, 3, 9, 7, 8)
         # unlink from the side that did not start the link
         if first == "lower":
-            _unlink_from(hi, lo, 9, 3, lo_port)
+            _unlink_in_sequence(hi, lo, 9, 3, hi_port, lo_port)
         else:
-            _unlink_from(lo, hi, 3, 9, hi_port)
+            _unlink_in_sequence(lo, hi, 3, 9, lo_port, hi_port)
         # and they link again afterwards, the other way round
         assert lo.call(P.link, [(9, HOST, hi_port)]) == OK
         _one_link_each(lo, hi, 3, 9)
         _both_ways(lo, hi, 3, 9, 7, 8)
+
+
+def test_mutual_unlinks_at_the_same_moment_both_succeed():
+    """Both sides of a mutual link unlink at once (released by one go over a barrier socket): both
+    get LLM_SUCCESS and the link is gone on both.  Two interleavings are legal and each is checked:
+    the requests crossed (each side answered the other's and closed with ``unlink_succeeded``), or
+    one arrived first (that side's link was kept, ``unlink_kept``, and closed by the other's
+    request, ``peer_unlinked``).  Before: LLM_NOTIFY_PROMPT_UNLINK_FAILED on the side whose own
+    request was never answered (8 of 8 runs of the sample)."""
+    outcomes = []
+    with peers("x", "y", env=ENV) as (x, y):
+        for rnd in range(4):
+            x_id, y_id = 30 + rnd, 40 + rnd
+            x_port = x.call(P.start, "PROMPT", x_id, f"{HOST}:0", seed=rnd + 1)
+            y_port = y.call(P.start, "DECODER", y_id, f"{HOST}:0", seed=rnd + 5)
+            assert x.call(P.link, [(y_id, HOST, y_port)]) == OK
+            assert y.call(P.link, [(x_id, HOST, x_port)]) == OK
+            _one_link_each(x, y, x_id, y_id)
+            with socket.socket() as barrier:
+                barrier.bind((HOST, 0))
+                barrier.listen(2)
+                barrier.settimeout(30.0)
+                fx = x.call_async(P.unlink_on_go, barrier.getsockname()[1], [(y_id, HOST, y_port)])
+                fy = y.call_async(P.unlink_on_go, barrier.getsockname()[1], [(x_id, HOST, x_port)])
+                conns = [barrier.accept()[0] for _ in range(2)]
+                for conn in conns:
+                    conn.sendall(b"g")
+                for conn in conns:
+                    conn.close()
+                assert fx.result(30.0) == OK and fy.result(30.0) == OK
+            for h, peer in ((x, y_id), (y, x_id)):
+                state, _ = h.call(P.wait_link_state, peer, (None,), 5.0)
+                assert state is None, state
+            tx = [e["trigger"] for e in x.call(P.events) if e["id"] == y_id]
+            ty = [e["trigger"] for e in y.call(P.events) if e["id"] == x_id]
+            assert "failed" not in tx + ty and "unlink_failed" not in tx + ty and "force_unlink" not in tx + ty
+            if tx[-2:] == ["unlink", "unlink_succeeded"] and ty[-2:] == ["unlink", "unlink_succeeded"]:
+                outcomes.append("crossed")
+            elif tx[-3:] == ["unlink", "unlink_kept", "peer_unlinked"]:
+                assert ty[-2:] == ["unlink", "unlink_succeeded"], (tx, ty)
+                outcomes.append("x first")
+            else:
+                assert ty[-3:] == ["unlink", "unlink_kept", "peer_unlinked"], (tx, ty)
+                assert tx[-2:] == ["unlink", "unlink_succeeded"], (tx, ty)
+                outcomes.append("y first")
+            x.call(P.finalize)
+            y.call(P.finalize)
+    print("mutual unlinks at the same moment:", outcomes)

@@ -16,7 +16,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 import _rel_peers as R  # noqa: E402
 
-from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException, Placement  # noqa: E402
+from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode, Placement  # noqa: E402
 from llmdd._data.port import RequestOp  # noqa: E402
 from llmdd._control.protocol import messages as m  # noqa: E402
 
@@ -142,10 +142,16 @@ def hostile_send(state: dict, remote: int, port: int, msgs: list, deadline_s: fl
     return out
 
 
+_STATUS_VALUES = {code.value for code in LLMStatusCode}
+
+
 def _probe(lm, link, deadline_s: float) -> str:
     try:
         status, _ = lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + deadline_s)
-        return "answered" if status == 0 else f"status {status}"
+        if status == 0:
+            return "answered"
+        # the owner's answer on a link it failed meanwhile (it serves nothing there): its status
+        return LLMStatusCode(status).name if status in _STATUS_VALUES else f"status {status}"
     except LLMException as exc:
         return exc.status_code.name
 
@@ -164,6 +170,26 @@ def request_raw(state: dict, remote: int, op: str, args: dict, deadline_s: float
         out = {"status": exc.status_code.name, "error": str(exc)}
     out["state"] = R.link_states(state).get(remote)
     return out
+
+
+def request_ignoring_state(state: dict, remote: int, op: str, args: dict, deadline_s: float) -> dict:
+    """One request sent over the control connection whatever state this side's link is in (a hostile
+    peer ignores its own link's failure): the owner's reply status, or ``"no reply"`` at the deadline."""
+    from llmdd._control.link import Pending
+    lm = state["dd"]._core.link_manager
+    link = _link_to(state, remote)
+    rid = lm.exchange.new_request_id()
+    pending = Pending(lm.loop.event())
+    link.pending[rid] = pending
+    try:
+        link.control.send(m.TransferRequest(request_id=rid, op=op, args=args))
+        pending.event.wait(deadline_s)   # set by the reply (or by the link closing meanwhile)
+    finally:
+        link.pending.pop(rid, None)
+    if pending.reply is None:
+        return {"status": "no reply", "error": "", "state": R.link_states(state).get(remote)}
+    return {"status": pending.reply.status_code, "error": dict(pending.reply.result).get("error", ""),
+            "state": R.link_states(state).get(remote)}
 
 
 def notify_raw(state: dict, remote: int, msg) -> None:

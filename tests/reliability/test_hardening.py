@@ -231,6 +231,45 @@ def test_read_done_spans_outside_the_cache_fail_the_link_and_fire_no_event(hosti
     _relink(hostile)
 
 
+def test_a_failed_link_is_fenced_its_reserve_key_is_refused_and_a_legitimate_pull_gets_the_key(hostile):
+    """Issue 36, item 4: the owner used to keep serving a link it had failed for hostile input.  A
+    hostile peer sent garbage (its link FAILED on the owner), then ``reserve_key`` for an
+    engine-owned CacheKey: the key was taken, not given back when the peer left, and every
+    legitimate decoder's ``pull_cache`` of it got LLM_KV_CACHE_NOT_EXIST.  Now the failed link
+    serves nothing and holds nothing: the reserve is refused (LLM_LINK_FAILED), a reservation the
+    link made while it was still LINKED went back when it failed, and a legitimate decoder pulls
+    both keys with the right bytes.  Control: the same raw request on the LINKED link is granted."""
+    hostile.owner.call(R.allocate, "kv45", NT, [2, 1024], seed=9, keys=((PROMPT, 4, 0), (PROMPT, 5, 0)))
+    _relink(hostile)
+    granted = hostile.peer.call(H.request_ignoring_state, PROMPT, "reserve_key", {"id": 5, "model_id": 0}, PROBE_S)
+    assert granted["status"] == 0 and granted["state"] == "linked", granted       # the control
+    # garbage the owner refuses by failing the link (a peer-read notice past the cache's end)
+    src_id = hostile.owner.call(H.cache_id_of, "src")
+    bad = m.ReadDone(entries=(m.ReadDoneEntry(cache_id=src_id, block_bounds=(0, NB + 1)),))
+    hostile.peer.call(H.notify_raw, PROMPT, bad)
+    assert hostile.owner.call(R.wait_link_state, DECODER, ("failed",), PROBE_S)[0] == "failed"
+    refused = hostile.peer.call(H.request_ignoring_state, PROMPT, "reserve_key", {"id": 4, "model_id": 0}, PROBE_S)
+    assert refused["status"] == LLMStatusCode.LLM_LINK_FAILED.value, refused
+    assert "link is failed" in refused["error"], refused
+    assert hostile.owner.call(R.link_states) == {DECODER: "failed"}   # the hostile peer has not left
+    # a legitimate decoder (its own process and cluster id) pulls both keys: the right bytes
+    legit = hostile.cluster.spawn("legit_decoder")[0]
+    try:
+        legit.call(R.setup, "DECODER", 3, mem_pool=1 << 20)
+        assert legit.call(R.link, [(PROMPT, hostile.port)])["status"] == "LLM_SUCCESS"
+        want = R.pattern(PROMPT, 9, NT, 2 * 1024)
+        for req_id, batch in ((4, 0), (5, 1)):
+            assert legit.call(R.allocate, f"dst{req_id}", NT, [1, 1024]) > 0
+            status = legit.call(R.transfer, "pull_cache", ("key", PROMPT, req_id, 0), f"dst{req_id}", 0)[0]
+            assert status == "LLM_SUCCESS", (req_id, status)
+            np.testing.assert_array_equal(legit.call(R.snapshot, f"dst{req_id}"),
+                                          want[:, batch * 1024:(batch + 1) * 1024])
+        legit.call(R.finalize)
+    finally:
+        legit.close()
+    _relink(hostile)
+
+
 class HostileRig:
     def __init__(self) -> None:
         self.cluster = Cluster(env=ENV)
@@ -312,8 +351,9 @@ def test_post_link_message_fuzz_owner_stays_responsive(hostile, batch):
     assert out["relinked"], out                     # the owner always accepts a new link
     hostile.sent += out["sent"]
     # either the owner answered on the same link, or it failed the link (a refused message; the peer
-    # sees the failure, or its request times out if it asked after the failure arrived) and then
-    # serves a fresh link at once
+    # sees the failure, the owner refuses the probe with LLM_LINK_FAILED since a failed link serves
+    # nothing, or the probe times out if it asked after the failure arrived) and then serves a fresh
+    # link at once
     kinds = [type(x).__name__ for x in batch]
     peer_said_fatal = any(isinstance(x, m.Error) and x.fatal for x in batch)
     if out["probe"] == "answered":
@@ -323,8 +363,9 @@ def test_post_link_message_fuzz_owner_stays_responsive(hostile, batch):
         outcome = "owner failed the link"
     else:
         # the hostile peer itself sent a fatal Error: the owner dropped the link as told, and this
-        # side learns only from its own liveness timeout
-        assert peer_said_fatal and out["probe"] == "LLM_TIMEOUT", (out, kinds)
+        # side learns from the owner's refusal of its probe (a failed link serves nothing) or from
+        # its own liveness timeout
+        assert peer_said_fatal and out["probe"] in ("LLM_LINK_FAILED", "LLM_TIMEOUT"), (out, kinds)
         outcome = "peer declared the link dead"
     if outcome != "answered":
         assert out["fresh_link"] == "LLM_SUCCESS" and out["fresh_probe"] == "answered", (out, kinds)

@@ -8,7 +8,7 @@ Every call maps onto the engine that cache-manager mode uses:
 
 * allocations come from the memory manager's DEVICE pool, sized at ``init`` from
   ``ge.flowGraphMemMaxSize`` x ``llm.MemoryUtilization`` (see ``options.py``); beyond it an
-  allocation fails with ``LLM_OUT_OF_MEMORY`` and leaves nothing behind.  Cache ids start at 1
+  allocation fails with ``LLM_DEVICE_OUT_OF_MEMORY`` (v1's status, as upstream v1) and leaves nothing behind.  Cache ids start at 1
   (the memory manager's counter), so the v0 connector's hard-coded ids 1..4 hold;
 * keys, deferred free and key consumption are the memory manager's (a cache deallocated while
   ``CacheKey``\\ s still name it is freed when the last one is pulled or removed);
@@ -32,7 +32,7 @@ from llmdd._base.types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, Cache
                       check_cache_key, _timeout_seconds)
 from llmdd._base.validation import INVALID_ID, check_dict, check_int32, check_int64, check_isinstance, check_uint32, \
     check_uint64
-from llmdd._api.v1.offsets import pull_with_offsets
+from llmdd._api.v1.offsets import allocate_device, pull_with_offsets
 from llmdd._api.v1.tensor import Tensor, TensorDesc
 
 __all__ = ["KvCacheManager"]
@@ -149,7 +149,7 @@ class KvCacheManager:
     def _check_pool(self) -> None:
         if not self._memory.has_pool(Placement.DEVICE):
             raise LLMException("the v1 device pool is empty (ge.flowGraphMemMaxSize x llm.MemoryUtilization is 0)",
-                               status_code=LLMStatusCode.LLM_OUT_OF_MEMORY)
+                               status_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY)
 
     def allocate_cache(self, cache_desc: CacheDesc,
                        cache_keys: Union[Tuple[CacheKey, ...], List[CacheKey]] = ()) -> KvCache:
@@ -168,7 +168,7 @@ class KvCacheManager:
         if self._role != LLMRole.PROMPT:
             raise_if_false(len(keys) == 0, "cache_keys is not supported by {0}", self._role.name)
         self._check_pool()
-        rec = self._memory.allocate_cache(cache_desc, keys=self._last_wins(keys), is_blocks=False)
+        rec = allocate_device(self._memory, cache_desc, keys=self._last_wins(keys), is_blocks=False)
         _log.debug("llmdd.v1.allocated", cache_id=rec.cache_id, keys=len(keys))
         return KvCache(rec.cache_id, cache_desc, [list(rec.addrs)], self)
 
@@ -196,7 +196,7 @@ class KvCacheManager:
             raise_if_false(blocks_cache_key is None, "blocks_cache_key is not supported by DECODER")
         self._check_pool()
         cache_desc._is_blocks = True
-        rec = self._memory.allocate_cache(cache_desc, blocks_key=blocks_cache_key, is_blocks=True)
+        rec = allocate_device(self._memory, cache_desc, blocks_key=blocks_cache_key, is_blocks=True)
         return KvCache(rec.cache_id, cache_desc, [list(rec.addrs)], self)
 
     def deallocate_cache(self, cache: KvCache) -> None:

@@ -8,8 +8,8 @@ at ``[dst_cache_offset, +length)`` of destination slot ``batch_index``, for ever
 
 The data plane pulls slot prefixes (``[0, size)`` of a slot into ``[0, size)`` of a slot).  With both
 offsets 0 that is the request itself.  Otherwise llmdd pulls ``[0, src_cache_offset + length)`` of
-the source slot into a staging cache from the engine's pool (``LLM_OUT_OF_MEMORY`` when the pool
-cannot hold it), then copies the requested range locally, bounds-checked, and frees the staging
+the source slot into a staging cache from the engine's pool (``LLM_DEVICE_OUT_OF_MEMORY``, v1's
+memory status, when the pool cannot hold it), then copies the requested range locally, bounds-checked, and frees the staging
 cache: a slower path (a cache allocation announced to linked peers, and an extra local copy).
 The key protocol is the engine's: a pull by ``CacheKey`` consumes the key once the bytes are here.
 """
@@ -21,10 +21,23 @@ from typing import Any, Optional
 from llmdd._base.enums import DataType, Placement
 from llmdd._memory.copy import execute, slot_copy_ops
 from llmdd._data.planner import tensor_range
-from llmdd._base.status import raise_if_false
+from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false
 from llmdd._base.types import Cache, CacheDesc
 
-__all__ = ["pull_with_offsets"]
+__all__ = ["allocate_device", "pull_with_offsets"]
+
+
+def allocate_device(memory: Any, desc: CacheDesc, **kwargs: Any) -> Any:
+    """A v1 allocation from the engine's DEVICE pool.  Exhaustion is v1's status
+    ``LLM_DEVICE_OUT_OF_MEMORY`` (upstream v1's UDF code 14, ``hicann/ge`` ``llm_flow_service.cc:613``,
+    ``llm_datadist_v1.h:55``, ``llm_datadist_v1/status.py:83``), not the pool's ``LLM_OUT_OF_MEMORY``,
+    which upstream's user guide gives to cache-manager mode only."""
+    try:
+        return memory.allocate_cache(desc, **kwargs)
+    except LLMException as exc:
+        if exc.status_code is not LLMStatusCode.LLM_OUT_OF_MEMORY:
+            raise
+        raise LLMException(str(exc), status_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY) from exc
 
 
 def pull_with_offsets(memory: Any, transfers: Any, key: Any, rec: Any, *, batch_index: int, size: int,
@@ -46,7 +59,7 @@ def pull_with_offsets(memory: Any, transfers: Any, key: Any, rec: Any, *, batch_
     dst_tensors = tensor_range(dst_layer_range, len(rec.addrs), tnpl)
     staged = src_offset + length
     desc = CacheDesc(len(rec.addrs), [1, staged], DataType.DT_UINT8, Placement.DEVICE)
-    staging = memory.allocate_cache(desc, is_blocks=False)  # LLM_OUT_OF_MEMORY beyond the pool
+    staging = allocate_device(memory, desc, is_blocks=False)  # LLM_DEVICE_OUT_OF_MEMORY beyond the pool
     try:
         view = Cache(staging.cache_id, desc, list(staging.addrs), None, False, False)
         # the engine's pull checks the source side: src_offset + length within a source slot

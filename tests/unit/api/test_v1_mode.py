@@ -212,7 +212,10 @@ def test_default_pool_is_documented_size_times_utilization():
     assert device_pool(dd)["total_bytes"] == -(-expected // PAGE) * PAGE
 
 
-def test_allocation_beyond_the_pool_is_out_of_memory_and_leaves_nothing():
+def test_allocation_beyond_the_pool_is_device_out_of_memory_and_leaves_nothing():
+    """Upstream v1 answers an exhausted pool with LLM_DEVICE_OUT_OF_MEMORY (the UDF's code 14:
+    hicann/ge ``llm_flow_service.cc:613``, ``llm_datadist_v1.h:55``, ``llm_datadist_v1/status.py:83``);
+    LLM_OUT_OF_MEMORY is cache-manager mode's."""
     dd = v1_engine(LLMRole.PROMPT, mem=1 * MiB, **{"llm.MemoryUtilization": "0.5"})
     km = dd.kv_cache_manager
     half = 512 * 1024
@@ -220,7 +223,7 @@ def test_allocation_beyond_the_pool_is_out_of_memory_and_leaves_nothing():
     assert first.cache_id == 1
     with pytest.raises(LLMException) as info:
         km.allocate_cache(CacheDesc(3, [1, half // 4], DataType.DT_UINT8), [CacheKey(1, 5)])
-    assert info.value.status_code is S.LLM_OUT_OF_MEMORY
+    assert info.value.status_code is S.LLM_DEVICE_OUT_OF_MEMORY
     stats = device_pool(dd)
     assert stats["used_bytes"] == 2 * (half // 4) and stats["allocations"] == 2
     assert memory(dd)["cache_keys"] == 0
@@ -229,7 +232,7 @@ def test_allocation_beyond_the_pool_is_out_of_memory_and_leaves_nothing():
     assert second.cache_id == 2
     with pytest.raises(LLMException) as info:
         km.allocate_blocks_cache(CacheDesc(1, [2, PAGE], DataType.DT_UINT8))
-    assert info.value.status_code is S.LLM_OUT_OF_MEMORY
+    assert info.value.status_code is S.LLM_DEVICE_OUT_OF_MEMORY
     km.deallocate_cache(first)
     third = km.allocate_blocks_cache(CacheDesc(1, [2, PAGE], DataType.DT_UINT8))
     assert third.cache_id == 3
@@ -239,7 +242,7 @@ def test_zero_utilization_refuses_every_allocation():
     dd = v1_engine(LLMRole.DECODER, **{"llm.MemoryUtilization": "0.0"})
     with pytest.raises(LLMException) as info:
         dd.kv_cache_manager.allocate_cache(CacheDesc(1, [1, 1], DataType.DT_UINT8))
-    assert info.value.status_code is S.LLM_OUT_OF_MEMORY
+    assert info.value.status_code is S.LLM_DEVICE_OUT_OF_MEMORY
 
 
 def test_many_small_allocations_are_bounded_too():
@@ -248,7 +251,7 @@ def test_many_small_allocations_are_bounded_too():
     caches = [km.allocate_cache(CacheDesc(1, [1, 1], DataType.DT_UINT8)) for _ in range(64)]
     with pytest.raises(LLMException) as info:
         km.allocate_cache(CacheDesc(1, [1, 1], DataType.DT_UINT8))
-    assert info.value.status_code is S.LLM_OUT_OF_MEMORY
+    assert info.value.status_code is S.LLM_DEVICE_OUT_OF_MEMORY
     assert [c.cache_id for c in caches] == list(range(1, 65))
 
 

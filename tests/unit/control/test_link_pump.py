@@ -511,6 +511,8 @@ def test_the_simulation_is_deterministic():
 
 
 def test_both_sides_unlinking_at_once_close_both_links_without_an_error(world):
+    """Crossing unlinks: each side answers the other's request and its own unlink ends the link;
+    both succeed (hicann/hixl ``hixl_transfer_engine.cc:186-219``: each side's unlink is its own)."""
     client, server = linked_pair(world)
     answers: dict[str, LLMStatusCode] = {}
     # the server's unlink starts the moment the client's link is UNLINKING (its request on the way)
@@ -522,10 +524,99 @@ def test_both_sides_unlinking_at_once_close_both_links_without_an_error(world):
     assert client.lm.get(2) is None and server.lm.get(1) is None
     assert world.failures == []
     assert client.trace()[-2:] == [(world.now, 2, "unlink", "linked", "unlinking"),
-                                   (world.now, 2, "peer_unlinked", "unlinking", "closed")]
+                                   (world.now, 2, "unlink_succeeded", "unlinking", "closed")]
     assert server.trace()[-2:] == [(world.now, 1, "unlink", "linked", "unlinking"),
                                    (world.now, 1, "unlink_succeeded", "unlinking", "closed")]
-    assert answers == {"server": S.LLM_SUCCESS, "client": S.LLM_NOTIFY_PROMPT_UNLINK_FAILED}
+    assert answers == {"server": S.LLM_SUCCESS, "client": S.LLM_SUCCESS}
+
+
+def mutual_pair(world: World) -> tuple[Engine, Engine]:
+    """Both listen; the client links to the server, then the server links back (it claims the
+    client's link: one link per pair, held by both sides)."""
+    server = make(world, 2, LLMRole.PROMPT, listen=True)
+    client = make(world, 1, LLMRole.DECODER, listen=True)
+    assert client.link(server) is S.LLM_SUCCESS
+    world.settle()
+    assert server.link(client) is S.LLM_SUCCESS
+    world.settle()
+    assert client.state(2) is L.LINKED and server.state(1) is L.LINKED
+    assert len(world.connections) == 1
+    return client, server
+
+
+def scenario_mutual_unlink_in_sequence(world: World) -> tuple[Engine, Engine]:
+    """After a mutual link the client unlinks first: the server still holds the link, so it stays up
+    (the client released it: ``unlink_kept``)."""
+    client, server = mutual_pair(world)
+    world.status = client.lm.unlink_clusters([client.cluster(server)], 1000, False)[0]   # type: ignore[attr-defined]
+    world.settle()
+    return client, server
+
+
+def test_mutual_unlink_in_sequence_each_side_succeeds_and_the_link_ends_with_the_second(world):
+    """hicann/hixl ``hixl_transfer_backend_sample.py`` 115-117 and 184-186: after a mutual link both
+    sides' non-force unlinks succeed; each gives back only its own hold (``hixl_transfer_engine.cc:186-219``,
+    ``comm_entity_manager.cc:33-61``)."""
+    client, server = scenario_mutual_unlink_in_sequence(world)
+    t0 = world.now
+    assert world.status is S.LLM_SUCCESS
+    assert client.trace()[-2:] == [(t0, 2, "unlink", "linked", "unlinking"), (t0, 2, "unlink_kept", "unlinking", "linked")]
+    assert server.triggers(1) == ["accept", "handshake_succeeded"]   # the server heard only a released hold
+    assert client.lm.get(2).released and not server.lm.get(1).released
+    # the client no longer uses it (as a call made after an unlink), and a repeated unlink says so
+    with pytest.raises(Exception) as err:
+        client.lm.require(2)
+    assert err.value.status_code is S.LLM_NOT_YET_LINK
+    assert client.lm.unlink_clusters([client.cluster(server)], 1000, False)[0] is S.LLM_NOT_YET_LINK
+    server.lm.require(1)   # the server still does
+    # the server's own unlink is the last hold: the link ends on both sides
+    assert server.lm.unlink_clusters([server_cluster(server, client)], 1000, False)[0] is S.LLM_SUCCESS
+    world.settle()
+    assert client.lm.get(2) is None and server.lm.get(1) is None
+    assert client.triggers(2)[-1] == "peer_unlinked" and server.triggers(1)[-1] == "unlink_succeeded"
+
+
+def test_a_side_that_unlinked_links_again_without_a_new_connection(world):
+    client, server = scenario_mutual_unlink_in_sequence(world)
+    assert client.link(server) is S.LLM_SUCCESS   # the client holds the kept link again
+    assert not client.lm.get(2).released and len(world.connections) == 1
+    client.lm.require(2)
+    # now the server's unlink leaves it to the client, and the client's ends it
+    assert server.lm.unlink_clusters([server_cluster(server, client)], 1000, False)[0] is S.LLM_SUCCESS
+    world.settle()
+    assert server.lm.get(1).released and client.state(2) is L.LINKED
+    assert client.lm.unlink_clusters([client.cluster(server)], 1000, False)[0] is S.LLM_SUCCESS
+    world.settle()
+    assert client.lm.get(2) is None and server.lm.get(1) is None
+
+
+def test_mutual_unlinks_crossing_both_succeed(world):
+    client, server = mutual_pair(world)
+    answers: dict[str, LLMStatusCode] = {}
+    client.at("unlink", lambda: answers.setdefault(
+        "server", server.lm.unlink_clusters([server_cluster(server, client)], 1000, False)[0]))
+    answers["client"] = client.lm.unlink_clusters([client.cluster(server)], 1000, False)[0]
+    world.settle()
+    assert answers == {"server": S.LLM_SUCCESS, "client": S.LLM_SUCCESS}
+    assert client.lm.get(2) is None and server.lm.get(1) is None
+    assert client.triggers(2)[-2:] == ["unlink", "unlink_succeeded"]
+    assert server.triggers(1)[-2:] == ["unlink", "unlink_succeeded"]
+
+
+def test_an_unlink_request_on_a_link_failed_here_closes_it_whatever_this_side_holds(world):
+    """A side whose link failed (a transfer timed out) keeps no hold worth answering "kept": the
+    peer's unlink ends the link on both sides (LLM_SUCCESS there), never a half-open pair."""
+    client, server = mutual_pair(world)
+    client.lm.transfer_timed_out(client.lm.get(2), TimeoutError("sync_kv_timeout passed"))
+    world.settle()
+    assert client.state(2) is L.FAILED and client.lm.get(2).holds
+    assert server.lm.unlink_clusters([server_cluster(server, client)], 1000, False)[0] is S.LLM_SUCCESS
+    world.settle()
+    assert client.lm.get(2) is None and server.lm.get(1) is None
+    assert client.triggers(2)[-1] == "peer_unlinked" and server.triggers(1)[-1] == "unlink_succeeded"
+
+
+SCENARIOS["unlink_kept"] = scenario_mutual_unlink_in_sequence
 
 
 def server_cluster(server: Engine, client: Engine) -> LLMClusterInfo:

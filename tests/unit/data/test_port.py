@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from llmdd import LLMRole, LLMStatusCode
+from llmdd import CacheDesc, CacheKey, DataType, LLMRole, LLMStatusCode
 from llmdd._lifecycle.machines import Lifecycle
-from llmdd._lifecycle.tables import LINK_IN_USE, Machine
+from llmdd._lifecycle.tables import LINK_IN_USE, LINK_SERVES, Machine
 from llmdd._memory.manager import MemoryManager
 from llmdd._base.options import EngineOptions
 from llmdd._extension.manager import Hooks, make_plugin_manager
@@ -76,6 +76,10 @@ class FakeLink:
     def linked(self) -> bool:
         return self.fsm.in_(LINK_IN_USE)
 
+    @property
+    def serves_peer(self) -> bool:
+        return self.fsm.in_(LINK_SERVES)
+
 
 @pytest.fixture
 def engine():
@@ -96,7 +100,7 @@ def test_the_recording_port_and_the_engine_satisfy_the_port_protocols(engine):
     assert sorted(port_api) == ["ask", "fail_link", "get", "notify", "record_transfer", "request", "require",
                                 "transfer_timed_out"]
     assert all(callable(getattr(port, n)) for n in port_api)
-    assert sorted(service_api) == ["on_link_down", "on_notice", "quiesce", "serve", "serve_tagged"]
+    assert sorted(service_api) == ["on_link_down", "on_notice", "quiesce", "resume", "serve", "serve_tagged"]
     assert all(callable(getattr(te, n)) for n in service_api)
 
 
@@ -166,3 +170,37 @@ def test_a_request_for_an_unknown_cache_key_is_answered_not_exist_without_touchi
         te.serve(FakeLink(8), RequestOp.RESERVE_KEY, {"id": True, "model_id": 0})
     assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
     assert [c[0] for c in port.calls] == ["notify", "fail_link"]
+
+
+def test_a_reserve_key_on_a_failed_link_is_refused_and_holds_nothing():
+    """A failed link is fenced down to the owner: its reserve_key is refused with the link's status
+    and the key stays free (a live link then reserves it); a reservation a live link holds goes
+    back when that link goes down (issue 36, item 4)."""
+    options = EngineOptions.parse({"llm.EnableCacheManager": "1", "llm.MemPoolConfig": '{"memory_size": 1048576}'},
+                                  LLMRole.PROMPT)
+    memory = MemoryManager.from_options(options.raw, caches=Lifecycle(Machine.CACHE))
+    te = TransferEngine(port=RecordingPort(), memory=memory, tasks=Lifecycle(Machine.TASK),
+                        hooks=Hooks(make_plugin_manager(autoload=False)), options=options, profile=PROFILES["generic"])
+    try:
+        _reserve_on_failed_and_live_links(te, memory)
+    finally:
+        te.close()
+        memory.close()
+
+
+def _reserve_on_failed_and_live_links(te: TransferEngine, memory: MemoryManager) -> None:
+    memory.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_UINT8), keys=(CacheKey(1, 11), CacheKey(1, 12)),
+                                   is_blocks=False)
+    failed, live = FakeLink(9), FakeLink(10)
+    failed.fsm.fire("peer_lost")
+    failed.failure_status = LLMStatusCode.LLM_LINK_FAILED
+    status, result = te.serve(failed, RequestOp.RESERVE_KEY, {"id": 11, "model_id": 0})
+    assert status == LLMStatusCode.LLM_LINK_FAILED.value and "link is down" in result["error"], (status, result)
+    status, result = te.serve(live, RequestOp.RESERVE_KEY, {"id": 11, "model_id": 0})   # control: it is free
+    assert status == 0 and result["batch_index"] == 0, (status, result)
+    assert te.serve(FakeLink(11), RequestOp.RESERVE_KEY, {"id": 11, "model_id": 0})[0] == \
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST.value                                    # taken by ``live`` now
+    live.fsm.fire("peer_lost")
+    te.on_link_down(live)                                                             # dies with its link
+    status, result = te.serve(FakeLink(12), RequestOp.RESERVE_KEY, {"id": 11, "model_id": 0})
+    assert status == 0 and result["batch_index"] == 0, (status, result)
