@@ -203,7 +203,7 @@ def main() -> int:
                          "plugin, --runs interleaved runs each)")
     ap.add_argument("--report", nargs="+", metavar="DIR",
                     help="print the markdown table of committed runs (their results.json) instead of measuring "
-                         "(docs/benchmarks.md's issue-21 table is this output; tests/unit/test_bench_docs.py checks it)")
+                         "(docs/benchmarks.md's issue-21 table is this output; tests/unit/tools/test_bench_docs.py checks it)")
     ap.add_argument("--markdown", action="store_true", help="with --report: markdown (the only format)")
     if "--report" in sys.argv:   # no --out needed
         for act in ap._actions:

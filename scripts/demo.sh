@@ -9,4 +9,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 . scripts/_venv.sh
 llmdd_venv bench
+echo "demo.sh: running llmdd demo (it prints each step as it goes; Ctrl-C stops it)"
 exec .venv/bin/llmdd demo "$@"

@@ -18,6 +18,8 @@ export LLMDD_REQUIRE_NATIVE=1
 llmdd_venv bench,test
 # torch CPU for the torch-registration test (optional for llmdd itself); the CPU build, where the
 # package index serves it, so that no CUDA libraries come along; elsewhere that one test skips and says so
-.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q 'torch==2.13.0+cpu' \
+.venv/bin/python -c "import torch" 2>/dev/null || llmdd_step "installing torch 2.13.0+cpu (for the one torch-registration test): a ~190 MB download, about 850 MB installed with sympy and networkx; 1-3 minutes" \
+    .venv/bin/python -m pip install -q 'torch==2.13.0+cpu' \
     || echo "test.sh: torch==2.13.0+cpu is not available from this package index; the torch test will skip"
+echo "test.sh: running the test suite (pytest -m 'not slow'; 8-20 minutes on a 2-core machine, longer when it is busy)"
 .venv/bin/python -m pytest -q -m "not slow" "$@"

@@ -13,13 +13,16 @@ if ! .venv/bin/python -c "import llmdd" 2>/dev/null; then
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
   plugins=()
   for p in plugins/*/; do [ -f "$p/pyproject.toml" ] && plugins+=(-e "$p"); done
-  .venv/bin/python -m pip install -q -e . "${plugins[@]}"
-  .venv/bin/python -m pip install -q --no-deps 'nixl-cu12==1.5.1'
+  . scripts/_venv.sh   # llmdd_step, NIXL_PIN
+  llmdd_step "installing llmdd and its plugins into .venv (editable): about 100 MB, about a minute" \
+    .venv/bin/python -m pip install -q -e . "${plugins[@]}"
+  llmdd_step "installing NIXL ($NIXL_PIN, --no-deps) for the ucx transport: about 220 MB, 15-60 s" \
+    .venv/bin/python -m pip install -q --no-deps "$NIXL_PIN"
 fi
-echo "== C++ API: configure and build ($BUILD)"
+echo "== C++ API: configure and build ($BUILD; about 40 s from an empty build directory on 2 cores)"
 cmake -S cpp -B "$BUILD" -DLLMDD_PYTHON="$PWD/.venv/bin/python" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$BUILD" -j "$JOBS"
-echo "== C++ API: ctest"
+echo "== C++ API: ctest (about 15 s on a quiet machine, a few minutes on a busy one)"
 ctest --test-dir "$BUILD" --output-on-failure --timeout 120
 echo "== C++ API: install, then the examples built against the installed package"
 work=$(mktemp -d)

@@ -4,12 +4,14 @@
 # Builds every distribution's wheel into one directory (scripts/build_wheels.sh; or uses
 # WHEEL_DIR), then in a fresh venv outside the repository, from a working directory outside it (so
 # the source tree cannot be imported by accident):
+#   0. every wheel is pure or manylinux-tagged (what a package index accepts);
 #   1. pip install --find-links DIR llmdd        -> llmdd with the shm and tcp transports;
 #      `llmdd --version`, `llmdd doctor`, `llmdd demo --quick` and a two-process pull must pass;
 #   2. pip install --find-links DIR "llmdd[all]" -> + ucx (the plugin; NIXL itself is not pulled in:
 #      its wheel requires torch and CUDA), metrics, faults, matplotlib; the same again, plus
 #      `llmdd bench`'s plots library; and "llmdd[vllm]" when plugins/llmdd-vllm exists (the
-#      connector only; vLLM itself is far too large for this check and is not installed);
+#      connector only; vLLM itself is far too large for this check and is not installed, and importing
+#      the connector must say so); info and doctor name NIXL's install as ucx's fix;
 #   3. the transports uninstalled: demo, doctor and a link must each say that no transport is
 #      available and how to fix it.
 # Needs network access to the package index for llmdd's third-party dependencies.
@@ -26,6 +28,11 @@ if [ -z "$wheels" ]; then
   bash "$repo/scripts/build_wheels.sh" "$wheels"
 fi
 wheels=$(cd "$wheels" && pwd)
+# a package index takes manylinux (or pure) wheels only: build_wheels.sh retags the C plugins with auditwheel
+if ls "$wheels"/*.whl | grep -E -- '-linux_[^/]*\.whl$'; then
+  echo "test_wheels: the wheels above carry a plain linux tag, which a package index refuses" >&2; exit 1
+fi
+ls "$wheels"/*.whl | sed 's|.*/|  wheel: |'
 cd "$work"
 unset PYTHONPATH
 export PYTHONSAFEPATH=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -166,10 +173,22 @@ pipi "llmdd[all]"
   llmdd-transport-ucx llmdd-metrics llmdd-faults
 "$V/python" -c "import matplotlib, llmdd_metrics, llmdd_faults, llmdd_ucx; print('matplotlib', matplotlib.__version__)"
 run_all
+# llmdd[all] has the ucx plugin but not NIXL (an extra cannot say --no-deps): info and doctor name the fix
+"$V/llmdd" info | grep -F "fix: pip install --no-deps nixl-cu12"
+"$V/llmdd" doctor --seconds 0 | grep -F "fix: pip install --no-deps nixl-cu12"
+# a wheel ships no C++ sources: the bench's C++ row says what to do instead of pointing at scripts/test_cpp.sh
+"$V/python" -c "from llmdd._tools.bench.cpp import not_built_reason as r; m = r(); print('bench C++ row:', m); \
+assert m.startswith('the C++ API is not part of an installed llmdd'), m"
 if [ -f "$repo/plugins/llmdd-vllm/pyproject.toml" ]; then
   step "pip install --find-links $wheels \"llmdd[vllm]\"  (the connector; vLLM itself is not installed here)"
   pipi "llmdd[vllm]"
   "$V/python" "$work/check_install.py" "$repo" "$wheels" llmdd llmdd-vllm
+  # without vLLM, importing the connector says what to install (not a bare "No module named 'torch'")
+  if out=$("$V/python" -c "import llmdd_vllm" 2>&1); then
+    echo "test_wheels: llmdd_vllm imported without vLLM installed" >&2; exit 1
+  fi
+  grep -F "llmdd_vllm is the KV connector that vLLM loads: it needs vLLM (and its torch) installed" <<<"$out" \
+    || { echo "test_wheels: import llmdd_vllm without vLLM said: $out" >&2; exit 1; }
 fi
 
 step "no transport (shm, tcp and ucx uninstalled): every command says so and how to fix it"

@@ -82,7 +82,7 @@ def _run(code: str, env_update: dict, drop: tuple = ()) -> str:
     env.update(env_update)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=30)
+                         text=True)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -295,7 +295,9 @@ class Bridge:
         rets = [r.value & 0xFFFFFFFF for r in rets]
         code = status.value & 0xFFFFFFFF
         if code != OK:
-            return _Partial(code, f"link_clusters failed, per cluster: {[hex(r) for r in rets]}", rets)
+            why = dd.statistics()["link_failures"]   # the reason of each failed cluster (docs/cpp.md)
+            return _Partial(code, f"link_clusters failed, per cluster: {[hex(r) for r in rets]}" + "".join(
+                f"; cluster {c[0]}: {why[c[0]]['error']}" for c, r in zip(clusters, rets) if r != OK and c[0] in why), rets)
         return rets
 
     @_call

@@ -342,10 +342,15 @@ int main(int argc, char **argv) {
   CHECK_EQ(dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "", port)}, rets), LLM_PARAM_INVALID);
   CHECK_EQ(dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.1", port)}, rets), LLM_PARAM_INVALID);
   {
-    const Status s = dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.0.1", FreePort())}, rets, 500);
+    const uint16_t closed = FreePort();
+    const Status s = dd.LinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.0.1", closed)}, rets, 500);
     CHECK(s != LLM_SUCCESS);
     CHECK_EQ(rets.size(), static_cast<size_t>(1));
     CHECK(!rets.empty() && rets[0] != LLM_SUCCESS);
+    // the message names the failed cluster and why (the address it could not reach), not only its code
+    const std::string why = llmdd::LastErrorMessage();
+    CHECK(why.find("; cluster " + std::to_string(DECODER_CLUSTER_ID) + ": ") != std::string::npos);
+    CHECK(why.find("127.0.0.1:" + std::to_string(closed)) != std::string::npos);
   }
   CHECK_EQ(dd.UnlinkLlmClusters({Cluster(DECODER_CLUSTER_ID, "127.0.0.1", port)}, rets, 0), LLM_PARAM_INVALID);
 

@@ -157,6 +157,32 @@ def bench_row(build: str) -> None:
     assert "PullKvBlocks" in row["line"]
 
 
+def examples_by_hand(b: str) -> None:
+    """The examples run by hand without their driver say how they are paced instead of exiting silently,
+    and a decoder with no prompt to link to says why the link failed (the reason, not only the code)."""
+    prompt = os.path.join(b, "example_prompt")
+    for stdin, said in ((subprocess.DEVNULL, "[ERROR] stdin ended before the command PUSH (sent once the decoder "
+                                             "printed PULLED): these examples are paced by one-word commands"),
+                        ("HELLO\n", '[ERROR] expected the command PUSH (sent once the decoder printed PULLED), '
+                                    'got "HELLO": these examples are paced')):
+        p = subprocess.run([prompt, str(free_port())], input=None if stdin is subprocess.DEVNULL else stdin,
+                           stdin=stdin if stdin is subprocess.DEVNULL else None, capture_output=True, text=True,
+                           timeout=DEADLINE_S)
+        lines = p.stdout.splitlines()
+        assert p.returncode != 0 and lines[0] == "READY", p.stdout
+        assert lines[1].startswith(said), p.stdout
+        assert "cpp/tests/run_case.py --bin" in p.stdout and "docs/cpp.md" in p.stdout, p.stdout
+    p = subprocess.run([prompt], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert p.returncode == 2 and p.stdout.startswith("usage: ") and "paced by one-word commands" in p.stdout, p.stdout
+    closed = free_port()
+    p = subprocess.run([os.path.join(b, "example_decoder"), str(closed)], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=DEADLINE_S)
+    assert p.returncode != 0, p.stdout
+    assert p.stdout.startswith("[ERROR] LinkLlmClusters failed, ret = "), p.stdout
+    # "cannot connect to 127.0.0.1:PORT: ... refused" (or, on a starved machine, "link to 127.0.0.1:PORT failed: ...")
+    assert "; cluster 1: " in p.stdout and f"127.0.0.1:{closed}" in p.stdout, p.stdout
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", required=True)
@@ -187,6 +213,8 @@ def main() -> int:
         p = Proc("api_local", [os.path.join(b, "api_local"), "bad_python"], env=env)
         p.wait_for("DONE")
         assert p.finish() == 0
+    elif args.case == "examples_by_hand":
+        examples_by_hand(b)
     elif args.case == "bench_row":
         bench_row(os.path.dirname(os.path.abspath(b)))
     else:

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <unistd.h>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -54,15 +55,30 @@ inline bool Same(const llm_datadist::Cache &cache, uint32_t t, size_t offset, ui
                      len) == 0;
 }
 
-// the driver's next command (one word a line); "" at end of input
-inline std::string Expect(const char *want) {
+// How the two programs are paced (docs/cpp.md, "Running the examples"): each waits for one-word commands on
+// stdin at the points where the other side must have done something first.
+constexpr const char *kPacing =
+    "these examples are paced by one-word commands on stdin: run both with\n"
+    "  python cpp/tests/run_case.py --bin <dir of example_prompt and example_decoder> cpp_cpp\n"
+    "or by hand in two terminals, typing each command when the program asks for it (docs/cpp.md)";
+
+// the driver's next command (one word a line), to be sent `when`; "" at end of input or on another word,
+// after saying why. On a terminal it first says what to type and when.
+inline std::string Expect(const char *want, const char *when) {
+  if (isatty(STDIN_FILENO)) {
+    std::printf("(type %s and Enter %s)\n", want, when);
+    std::fflush(stdout);
+  }
   std::string line;
   if (!std::getline(std::cin, line)) {
+    std::printf("[ERROR] stdin ended before the command %s (sent %s): %s\n", want, when, kPacing);
+    std::fflush(stdout);
     return "";
   }
   if (line != want) {
-    std::printf("[ERROR] expected command %s, got %s\n", want, line.c_str());
+    std::printf("[ERROR] expected the command %s (sent %s), got \"%s\": %s\n", want, when, line.c_str(), kPacing);
     std::fflush(stdout);
+    return "";
   }
   return line;
 }

@@ -1,6 +1,7 @@
 // Decoder side of the LLM-DataDist C++ guide on llmdd: links to the prompt, pulls a cache and
 // blocks {0,1,2,3} -> {3,2,1,0}, checks what the prompt pushed, unlinks, relinks, force-unlinks.
-// Usage: decoder <prompt_port> ; paced by a driver over stdin/stdout (see cpp/tests/run_case.py).
+// Usage: decoder <prompt_port> ; paced by one-word commands on stdin (docs/cpp.md, "Running the examples":
+// cpp/tests/run_case.py drives both programs, or type the commands by hand as each program asks).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -45,7 +46,7 @@ Status Link(LlmDataDist &llm_data_dist, const std::vector<ClusterInfo> &clusters
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    std::printf("usage: %s <prompt_port>\n", argv[0]);
+    std::printf("usage: %s <prompt_port>\n%s\n", argv[0], kPacing);
     return 2;
   }
   const uint16_t port = static_cast<uint16_t>(std::atoi(argv[1]));
@@ -110,7 +111,7 @@ int main(int argc, char **argv) {
   Say("PULLED");
 
   // the prompt pushed layer 0 (tensors 0, 1): slot 0 of cache 3, blocks {0..3} -> {3..0} of cache 4
-  if (Expect("VERIFY") != "VERIFY") {
+  if (Expect("VERIFY", "once the prompt printed PUSHED") != "VERIFY") {
     return -1;
   }
   for (uint32_t t = 0; t < NUM_TENSORS; ++t) {
@@ -149,7 +150,7 @@ int main(int argc, char **argv) {
     return Failed("LinkLlmClusters (again)", ret);
   }
   Say("VERIFIED");
-  if (Expect("FORCE") != "FORCE") {
+  if (Expect("FORCE", "once the prompt printed UNLINKED") != "FORCE") {
     return -1;
   }
   ret = llm_data_dist.UnlinkLlmClusters(clusters, rets, 1000, true);

@@ -1,6 +1,7 @@
 // Prompt side of the LLM-DataDist C++ guide on llmdd: listens, allocates caches the decoder
 // pulls (by cache and by blocks), pushes a cache and blocks into the decoder, unlinks with force.
-// Usage: prompt <listen_port> ; paced by a driver over stdin/stdout (see cpp/tests/run_case.py).
+// Usage: prompt <listen_port> ; paced by one-word commands on stdin (docs/cpp.md, "Running the examples":
+// cpp/tests/run_case.py drives both programs, or type the commands by hand as each program asks).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -32,7 +33,7 @@ void OnError(LlmDataDist &llm_data_dist, std::vector<Cache> &caches) {
 
 int main(int argc, char **argv) {
   if (argc < 2) {
-    std::printf("usage: %s <listen_port>\n", argv[0]);
+    std::printf("usage: %s <listen_port>\n%s\n", argv[0], kPacing);
     return 2;
   }
   const std::string port = argv[1];
@@ -67,7 +68,7 @@ int main(int argc, char **argv) {
   }
   Say("READY");
 
-  if (Expect("PUSH") != "PUSH") {
+  if (Expect("PUSH", "once the decoder printed PULLED") != "PUSH") {
     OnError(llm_data_dist, caches);
     return -1;
   }
@@ -96,7 +97,7 @@ int main(int argc, char **argv) {
   Say("PUSHED");
 
   // the decoder unlinks, relinks; then both sides unlink with force
-  if (Expect("FORCE") != "FORCE") {
+  if (Expect("FORCE", "once the decoder printed VERIFIED") != "FORCE") {
     OnError(llm_data_dist, caches);
     return -1;
   }

@@ -1,6 +1,7 @@
 """``LlmConfig`` / ``LLMConfig`` and ``LLMClusterInfo`` of the llm_datadist contract.
 
-Both are upstream's *mutable* configuration holders (spec §4 and §5): properties
+Both are upstream's *mutable* configuration holders (hicann/hixl ``docs/zh/api/python/LLMConfig.md``
+and ``LLMClusterInfo.md``; options in docs/configuration.md): properties
 with validating setters, and ``generate_options()`` turning the config into the
 ``Dict[str, str]`` that ``LLMDataDist.init`` consumes.
 
@@ -112,7 +113,7 @@ def parse_mem_pool_cfg(text: str, name: str = "mem_pool_cfg") -> Tuple[int, int]
 
 
 class LLMClusterInfo:
-    """The peer to link with (``link_clusters`` / ``unlink_clusters``), spec §5.
+    """The peer to link with (``link_clusters`` / ``unlink_clusters``; docs/links.md).
 
     IP strings are stored as ``int.from_bytes(socket.inet_aton(ip), "little")``.
     ``remote_role_type`` is kept for compatibility and never sent anywhere.
@@ -173,7 +174,7 @@ class LLMClusterInfo:
 
 
 class LlmConfig:
-    """Builder of the ``LLMDataDist.init`` options (spec §4).
+    """Builder of the ``LLMDataDist.init`` options (docs/configuration.md).
 
     Each property has upstream's getter default and setter validation; see the
     module docstring for what llmdd adds.

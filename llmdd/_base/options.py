@@ -42,13 +42,28 @@ def _param_invalid(msg: str) -> LLMException:
     return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
+#: :func:`ip_port_problem`'s answer for an address not of the form ip:port (a port out of range has another)
+NOT_IP_PORT = "must be in the form ip:port"
+
+
+def ip_port_problem(value: object) -> str:
+    """What is wrong with an ``"ip:port"`` address ("" when nothing): not of that form, or a port out of range."""
+    if not isinstance(value, str) or value.count(":") != 1:
+        return NOT_IP_PORT
+    ip, port_text = value.split(":")
+    if not ip or not port_text.isdigit():
+        return NOT_IP_PORT
+    if int(port_text) > 65535:
+        return f"has port {int(port_text)}, out of range (a port is 0..65535)"
+    return ""
+
+
 def parse_listen_ip_info(value: str) -> tuple[str, int]:
     """``"ip:port"`` with exactly one ``:``; the ip must be an IPv4 address or a host name."""
-    if not isinstance(value, str) or value.count(":") != 1:
-        raise _param_invalid(f"llm.listenIpInfo must be in the form ip:port, but got {value!r}.")
+    problem = ip_port_problem(value)
+    if problem:
+        raise _param_invalid(f"llm.listenIpInfo {problem}, but got {value!r}.")
     ip, port_text = value.split(":")
-    if not ip or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise _param_invalid(f"llm.listenIpInfo must be in the form ip:port, but got {value!r}.")
     return ip, int(port_text)
 
 

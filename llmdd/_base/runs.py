@@ -8,7 +8,7 @@ span of the sources and one of the destinations (an element starting at every by
 the elements it is indexed with, which the caller guarantees are inside memory it holds), gathered into a
 temporary and scattered.  The remaining runs, long ones (where the copy dominates the call and one
 ``memmove`` beats the gather's two copies) and lengths with too few runs to pay numpy's fixed costs, are
-``memmove``d one by one.  ``bench/shm_mapped_path.py`` and ``bench/shm_copy_micro.py`` measured the
+``memmove``d one by one.  ``bench/probes/shm_mapped_path.py`` and ``bench/probes/shm_copy_micro.py`` measured the
 choice (bench/results-committed/issue17/): a batch-wide ``process_vm_readv`` on the own pid was slower
 than both at 13 of 14 shapes.
 """

@@ -283,7 +283,9 @@ class LinkManager:
         """The LINKED link to ``cluster_id``, or the contract's error."""
         link = self.get(cluster_id)
         if link is None:
-            raise LLMException(f"cluster {cluster_id} is not linked", status_code=S.LLM_NOT_YET_LINK)
+            failed = self._table.link_failures().get(cluster_id)
+            why = f" (its last link_clusters failed: {failed['error']})" if failed else ""
+            raise LLMException(f"cluster {cluster_id} is not linked{why}", status_code=S.LLM_NOT_YET_LINK)
         if link.released:
             raise LLMException(f"cluster {cluster_id} is not linked (this side unlinked it; the peer still holds "
                                f"its link)", status_code=S.LLM_NOT_YET_LINK)

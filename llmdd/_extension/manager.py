@@ -14,25 +14,23 @@ built-in and third-party transports.  Environment switches (read at creation):
   ``llmdd.hooks`` logger (INFO).
 
 Core code never calls ``pm.hook.*``: it calls :class:`Hooks`, whose methods are
-typed.  Notifications go through one helper that runs every subscriber even
-when one raises (pluggy alone would stop at the first exception): each
-implementation is wrapped once (cached until the subscriber set changes) so that
-its exception is logged as ``llmdd.hook.failed`` with the plugin's name, counted
-in :meth:`Hooks.statistics`, and re-raised after all subscribers ran only in
-strict mode (tests).  The wrapped implementations still go through the
-manager's hook execution, so ``add_hookcall_monitoring`` (``LLMDD_TRACE_HOOKS``,
-:class:`llmdd.testing.HookRecorder`) sees one call per event.
+typed.  Notifications go through :class:`~llmdd._extension.dispatch.ContainedCalls`,
+which runs every subscriber in pluggy's order even when one raises (pluggy alone
+would stop at the first exception): an exception is logged as ``llmdd.hook.failed``
+with the plugin's name, counted in :meth:`Hooks.statistics`, and re-raised after all
+subscribers ran only in strict mode (tests); ``add_hookcall_monitoring``
+(``LLMDD_TRACE_HOOKS``, :class:`llmdd.testing.HookRecorder`) sees one call per event.
+No plugin is special-cased by its name: what the fast paths skip, subscribers
+declare themselves (:mod:`llmdd._extension.dispatch`: ``llmdd_wants``,
+``llmdd_passthrough``).
 """
 
 from __future__ import annotations
 
 import collections
-import logging
-import functools
 import importlib
 import os
 import threading
-import traceback
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, final
 
 import attrs
@@ -42,9 +40,8 @@ from llmdd import hookspecs
 from llmdd._lifecycle.events import TransitionEvent
 from llmdd._lifecycle.machines import Tracked
 from llmdd._lifecycle.tables import Machine
-from llmdd._base import log as log_module
 from llmdd._base.log import get_logger
-from llmdd._extension.builtin import log_events
+from llmdd._extension.dispatch import PASSTHROUGH, WANTS, ContainedCalls, where
 from llmdd.plugin import PROJECT, EngineConfig, LinkInfo, TransferTask, TransportCandidate, TransportRegistry
 
 __all__ = [
@@ -70,9 +67,6 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "llmdd._extension.builtin.run_transfer",
     "llmdd._extension.builtin.log_events",
 )
-
-_DEFAULT_RUN_TRANSFER = "llmdd._extension.builtin.run_transfer"
-_LOG_OBSERVER = "llmdd._extension.builtin.log_events"
 
 #: The notification hook of each lifecycle machine.
 TRANSITION_HOOKS: Mapping[Machine, str] = {
@@ -270,45 +264,6 @@ class HookStatistics:
     last_failure: Optional[str]
 
 
-class _Failure:
-    """What a contained implementation returns instead of raising."""
-
-    __slots__ = ("error", "plugin_name")
-
-    def __init__(self, error: Exception, plugin_name: str) -> None:
-        self.error = error
-        self.plugin_name = plugin_name
-
-
-class _Dispatch:
-    """The contained implementations of one hook, valid for one generation of the manager."""
-
-    __slots__ = ("generation", "originals", "contained", "direct")
-
-    def __init__(self, generation: Optional[int], originals: list[pluggy.HookImpl],
-                 contained: list[pluggy.HookImpl]) -> None:
-        self.generation = generation
-        self.originals = originals
-        self.contained = contained
-        self.direct = tuple((i.function, i.argnames, i.kwargnames) for i in reversed(contained))
-
-
-def _run_direct(dispatch: _Dispatch, kwargs: Mapping[str, Any]) -> list:
-    """Call the contained implementations in pluggy's order (LIFO, tryfirst first), without its
-    per-call machinery; their results, a :class:`_Failure` for each that raised."""
-    results = []
-    for function, argnames, kwargnames in dispatch.direct:
-        if kwargnames:
-            result = function(*[kwargs[name] for name in argnames],
-                              **{k: kwargs[k] for k in kwargnames if k in kwargs})
-        elif len(argnames) == 1:
-            result = function(kwargs[argnames[0]])
-        else:
-            result = function(*[kwargs[name] for name in argnames])
-        results.append(result)
-    return results
-
-
 def _task_view(task: Any) -> Any:
     """What a plugin sees of a task: the engine's tracked task as a :class:`TransferTask` (read-only);
     anything else (a test's stand-in, a view already) as it is."""
@@ -343,14 +298,6 @@ class _RunOnce:
         if self._error is not None:
             raise self._error
         return self._result
-
-
-def _where(exc: BaseException) -> str:
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return ""
-    last = frames[-1]
-    return f"{last.filename}:{last.lineno}"
 
 
 class LazyCandidates(Sequence):
@@ -430,7 +377,7 @@ class Hooks:
         self._events: collections.Counter[str] = collections.Counter()
         self._failures: collections.Counter[str] = collections.Counter()
         self._last_failure: Optional[str] = None
-        self._contained: dict[str, _Dispatch] = {}
+        self._notify = ContainedCalls(pm, self._record_failure, self._strict).notify
         self._transition_hooks = {m: getattr(pm.hook, name) for m, name in TRANSITION_HOOKS.items()}
         self._emitters = {m: self._make_emitter(m) for m in Machine}
         self._run_direct: tuple = (None, False)  # (pm generation, no plugin intercepts llmdd_run_transfer)
@@ -455,30 +402,34 @@ class Hooks:
         """``(emit, wants)`` for ``Lifecycle(machine, emit, wants=wants)``: decided per event, not once.
 
         ``wants(error)`` says whether an event of ``machine`` (with ``error`` or without) has a
-        listener *now*: some subscriber other than the built-in log observer, a hook-call tracer, or
-        the log observer with its logger enabled for that event's level.  A lifecycle then builds
-        no event object while nobody listens, and a subscriber registered later gets every later
-        event.  Costs one integer compare (and a logger level check) per transition."""
+        listener *now*: a hook-call tracer, a subscriber that declares nothing, or a subscriber whose
+        declared ``llmdd_wants(error)`` (:mod:`llmdd._extension.dispatch`) is true (the built-in log
+        observer declares its logger's level).  A lifecycle then builds no event object while
+        nobody listens, and a subscriber registered later gets every later event.  Costs one
+        integer compare (and each declared predicate, e.g. a logger level check) per transition."""
         hook = self._transition_hooks[machine]
         pm = self._pm
-        state: list = [None, False, False]  # [generation seen, others subscribe, log observer subscribes]
-        # the log observer's own rule (log_events.log_event): nothing is built below its level
-        logger = log_events._STDLIB[machine]
-        level = log_events.LEVELS[machine]
+        # [generation seen, some subscriber wants every event, the declared predicates, the one predicate
+        # when there is exactly one (the usual case: the log observer alone), else None]
+        state: list = [None, False, (), None]
 
         if not isinstance(pm, LLMDDPluginManager):
             return self._emitters[machine], lambda error: True  # no generation to follow: always emit
+        tracers = pm._tracers   # read directly, not through the ``monitored`` property: one call less per event
 
         def wants(error: Any) -> bool:
             if pm.generation != state[0]:
-                impls = hook.get_hookimpls()
-                state[1] = any(impl.plugin_name != _LOG_OBSERVER for impl in impls)
-                state[2] = any(impl.plugin_name == _LOG_OBSERVER for impl in impls)
+                declared = [getattr(impl.function, WANTS, None) for impl in hook.get_hookimpls()]
+                state[1] = any(w is None for w in declared)
+                state[2] = tuple(w for w in declared if w is not None)
+                state[3] = state[2][0] if len(state[2]) == 1 else None
                 state[0] = pm.generation
-            if state[1] or pm.monitored:
+            if state[1] or tracers:
                 return True
-            return state[2] and (log_module._native or
-                                 logger.isEnabledFor(logging.WARNING if error is not None else level))
+            single = state[3]
+            if single is not None:
+                return single(error)
+            return any(declared_wants(error) for declared_wants in state[2])
 
         return self._emitters[machine], wants
 
@@ -515,52 +466,11 @@ class Hooks:
         emit.__qualname__ = f"Hooks.emit_{key}"
         return emit
 
-    def _notify(self, hook: pluggy.HookCaller, kwargs: Mapping[str, Any]) -> None:
-        """Call every implementation of ``hook``; contain (log, count) what raises."""
-        pm = self._pm
-        generation = getattr(pm, "generation", None)
-        dispatch = self._contained.get(hook.name)
-        if dispatch is None or generation is None or dispatch.generation != generation:
-            impls = hook.get_hookimpls()
-            if dispatch is None or dispatch.originals != impls:
-                dispatch = _Dispatch(generation, impls, [self._contain(hook.name, impl) for impl in impls])
-                self._contained[hook.name] = dispatch
-            else:
-                dispatch.generation = generation
-        if not dispatch.originals:
-            return
-        if isinstance(pm, LLMDDPluginManager) and pm.monitored:
-            # the tracers see one call with every (contained) subscriber, as for a pluggy hook call
-            results = pm.traced_call(hook.name, dispatch.contained, kwargs, lambda: _run_direct(dispatch, kwargs))
-        else:
-            results = _run_direct(dispatch, kwargs)
-        failures = [r for r in results if r.__class__ is _Failure]
-        if failures and self._strict:
-            raise failures[0].error
-
-    def _contain(self, hook_name: str, impl: pluggy.HookImpl) -> pluggy.HookImpl:
-        function = impl.function
-        plugin_name = impl.plugin_name
-        record = self._record_failure
-
-        @functools.wraps(function)
-        def contained(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return function(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - a subscriber cannot break the engine
-                record(hook_name, plugin_name, exc)
-                return _Failure(exc, plugin_name)
-
-        wrapped = pluggy.HookImpl(impl.plugin, plugin_name, contained, impl.opts)
-        if (wrapped.argnames, wrapped.kwargnames) != (impl.argnames, impl.kwargnames):  # pragma: no cover
-            raise RuntimeError(f"cannot contain {hook_name} of {plugin_name!r}: signature lost")
-        return wrapped
-
     def _record_failure(self, hook_name: str, plugin_name: str, exc: Exception) -> None:
         with self._stats_lock:
             self._failures[plugin_name] += 1
             self._last_failure = f"{plugin_name}.{hook_name}: {type(exc).__name__}: {exc}"
-        _log.error("llmdd.hook.failed", hook=hook_name, plugin=plugin_name, error=repr(exc), where=_where(exc),
+        _log.error("llmdd.hook.failed", hook=hook_name, plugin=plugin_name, error=repr(exc), where=where(exc),
                    strict=self._strict)
 
     # -- configuration and registration ----------------------------------------------
@@ -600,9 +510,10 @@ class Hooks:
         return None
 
     def runs_transfers_directly(self) -> bool:
-        """True while only the default ``llmdd_run_transfer`` is registered and no tracer monitors
-        hook calls: a task's transfer may then run without the hook (what :meth:`run_transfer`
-        does in that case).  Decided once per plugin-manager generation."""
+        """True while every ``llmdd_run_transfer`` implementation declares that it only calls
+        ``run()`` (``llmdd_passthrough``, :mod:`llmdd._extension.dispatch`; the built-in default
+        does) and no tracer monitors hook calls: a task's transfer may then run without the hook
+        (what :meth:`run_transfer` does in that case).  Decided once per plugin-manager generation."""
         pm = self._pm
         if getattr(pm, "monitored", True):
             return False
@@ -610,7 +521,7 @@ class Hooks:
         direct = self._run_direct
         if generation is None or direct[0] != generation:
             impls = pm.hook.llmdd_run_transfer.get_hookimpls()
-            direct = self._run_direct = (generation, len(impls) == 1 and impls[0].plugin_name == _DEFAULT_RUN_TRANSFER)
+            direct = self._run_direct = (generation, all(getattr(i.function, PASSTHROUGH, False) is True for i in impls))
         return direct[1]
 
     def run_transfer(self, task: Any, run: Callable[[], Any]) -> Any:

@@ -29,10 +29,6 @@ stalled child).
 from __future__ import annotations
 
 import atexit
-import faulthandler
-import importlib
-import importlib.util
-import io
 import itertools
 import multiprocessing
 import multiprocessing.context
@@ -41,14 +37,14 @@ import pickle
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
-import traceback
-import types
 from contextlib import contextmanager
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Callable, Iterator, Literal, Mapping, Union
+
+from llmdd.testing._calls import CheckpointError, PeerCallError, PeerExitedError, RemoteTraceback, _dumps_call
+from llmdd.testing._peer import _peer_main, checkpoint, checkpoint_hits
 
 __all__ = [
     "DEFAULT_CALL_TIMEOUT",
@@ -67,48 +63,15 @@ __all__ = [
 ]
 
 DEFAULT_CALL_TIMEOUT = 10.0
-_DEFAULT_STARTUP_TIMEOUT = 30.0
+#: no fixed deadline on a peer's startup by default: it is CPU-bound work (the interpreter and the
+#: imports), which a busy machine slows down without bound, so a fixed number of seconds failed
+#: healthy children (issue 41).  The parent waits while the child lives and fails at once when it
+#: dies (:class:`PeerExitedError`); under pytest, the test's own timeout bounds the wait.
+_DEFAULT_STARTUP_TIMEOUT: float | None = None
 _REAP_TIMEOUT = 5.0
 
 Action = Literal["kill", "stall", "raise"]
 _ACTIONS = ("kill", "stall", "raise")
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class RemoteTraceback(Exception):
-    """Carries the child's formatted traceback; set as ``__cause__`` of a re-raised exception."""
-
-    def __init__(self, tb_text: str) -> None:
-        super().__init__(tb_text)
-        self.tb_text = tb_text
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.tb_text}"""'
-
-
-class PeerCallError(RuntimeError):
-    """A call failed in a way that cannot be expressed by the child's own exception.
-
-    Raised when the child's exception (or the call's result) cannot be pickled or unpickled,
-    or when the function cannot be loaded in the child.  The message names the original type.
-    """
-
-
-class PeerExitedError(ConnectionError):
-    """The peer process exited (or was killed) before answering; ``exitcode`` as ``Process``."""
-
-    def __init__(self, message: str, exitcode: int | None = None) -> None:
-        super().__init__(message)
-        self.exitcode = exitcode
-
-    def __reduce__(self):
-        return (type(self), (str(self), self.exitcode))
-
-
-class CheckpointError(RuntimeError):
-    """Raised in the child by a checkpoint armed with ``action="raise"``."""
 
 
 # --------------------------------------------------------------------------- free port
@@ -123,216 +86,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-# --------------------------------------------------------------------------- child side
-
-_IN_PEER = False
-_ARMED: dict[str, list[Any]] = {}  # name -> [action, remaining hits before firing]
-_HITS: dict[str, int] = {}
-_CP_LOCK = threading.Lock()
-_CONN: Any = None  # the child's end of the pipe, once in a peer
-_SEND_LOCK = threading.Lock()  # checkpoints may fire in any thread of the child
-
-
-def _send(msg: tuple[Any, ...]) -> None:
-    with _SEND_LOCK:
-        _CONN.send(msg)
-
-
-def checkpoint(name: str) -> None:
-    """Mark a named point in code that may run inside a peer.
-
-    Outside a peer, or when ``name`` is not armed, this only counts the hit (cheap).  When the
-    parent armed ``name`` with :meth:`PeerHandle.arm`, the child SIGKILLs itself (``"kill"``),
-    SIGSTOPs itself until :meth:`PeerHandle.resume` (``"stall"``), or raises
-    :class:`CheckpointError` (``"raise"``) on the armed hit.  An armed checkpoint fires once.
-    """
-    with _CP_LOCK:
-        _HITS[name] = _HITS.get(name, 0) + 1
-        entry = _ARMED.get(name)
-        if entry is None or not _IN_PEER:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _ARMED[name]
-        action = entry[0]
-    try:
-        _send(("fired", name, action))  # before acting: the parent learns the fault fired
-    except OSError:
-        pass
-    if action == "kill":
-        _flush_stdio()
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif action == "stall":
-        _flush_stdio()
-        os.kill(os.getpid(), signal.SIGSTOP)
-    else:
-        raise CheckpointError(f"checkpoint {name!r} armed to raise")
-
-
-def checkpoint_hits(state: dict[str, Any]) -> dict[str, int]:
-    """Peer function: how many times each checkpoint was reached in this child so far."""
-    with _CP_LOCK:
-        return dict(_HITS)
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or odd stream must not prevent the fault
-            pass
-
-
-# -------------------------------------------------------------- pickling across processes
-#
-# Functions and classes are pickled by reference (module + qualified name).  A module the
-# parent imported from a file that is not importable through sys.path in the child (pytest's
-# ``--import-mode=importlib`` names test modules ``tests.unit.test_x`` without touching
-# sys.path) is loaded in the child from the same file, under the same name.
-
-
-class _CallPickler(pickle.Pickler):
-    """Records ``module -> file`` of every function and class it pickles."""
-
-    def __init__(self, file: io.BytesIO) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.origins: dict[str, str] = {}
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (type, types.FunctionType)):
-            name = getattr(obj, "__module__", None)
-            if name and name not in self.origins:
-                path = getattr(sys.modules.get(name), "__file__", None)
-                if path:
-                    self.origins[name] = path
-        return NotImplemented
-
-
-def _dumps_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    pickler = _CallPickler(buf)
-    pickler.dump((fn, args, kwargs))
-    return pickle.dumps((pickler.origins, buf.getvalue()))
-
-
-def _load_from_file(name: str, path: str) -> None:
-    """Import module ``name`` from ``path``, creating missing parent packages as namespaces."""
-    parts = name.split(".")
-    for i in range(1, len(parts)):
-        parent = ".".join(parts[:i])
-        if parent in sys.modules:
-            continue
-        try:
-            importlib.import_module(parent)
-        except ImportError:
-            pkg = types.ModuleType(parent)
-            pkg.__path__ = []
-            sys.modules[parent] = pkg
-            if i > 1:
-                setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], pkg)
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {name!r} from {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    if len(parts) > 1:
-        setattr(sys.modules[".".join(parts[:-1])], parts[-1], module)
-
-
-class _CallUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, origins: Mapping[str, str]) -> None:
-        super().__init__(file)
-        self._origins = origins
-
-    def find_class(self, module: str, name: str) -> Any:
-        try:
-            return super().find_class(module, name)
-        except ImportError:
-            if module not in self._origins or module in sys.modules:
-                raise
-        _load_from_file(module, self._origins[module])
-        return super().find_class(module, name)
-
-
-def _loads_call(payload: bytes) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    origins, blob = pickle.loads(payload)
-    return _CallUnpickler(io.BytesIO(blob), origins).load()
-
-
-def _error_message(cid: int, exc: BaseException) -> tuple[Any, ...]:
-    tb_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    try:
-        blob = pickle.dumps(exc)
-        pickle.loads(blob)  # refuse exceptions that would not rebuild in the parent
-    except Exception:
-        blob = None
-    return ("err", cid, blob, tb_text, type_name, str(exc))
-
-
-def _peer_main(conn: Any, name: str, env: Mapping[str, str | None] | None) -> None:
-    """Entry point of the child: apply env, then serve the command loop until stop or EOF."""
-    global _IN_PEER, _CONN
-    _IN_PEER = True
-    _CONN = conn
-    faulthandler.enable()
-    if env:  # already applied at spawn for spawn/fork; this covers forkserver
-        for key, value in env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    state: dict[str, Any] = {"peer_name": name}
-    _send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        kind = msg[0]
-        if kind == "stop":
-            return
-        if kind == "arm":
-            _, cp_name, action, nth = msg
-            with _CP_LOCK:
-                _ARMED[cp_name] = [action, nth]
-            continue
-        if kind == "disarm":
-            with _CP_LOCK:
-                if msg[1] is None:
-                    _ARMED.clear()
-                else:
-                    _ARMED.pop(msg[1], None)
-            continue
-        # kind == "call"
-        _, cid, payload = msg
-        try:
-            fn, args, kwargs = _loads_call(payload)
-        except BaseException as exc:  # module not importable here, etc.
-            reply = _error_message(cid, PeerCallError(f"cannot load the call in peer {name!r}: {exc!r}"))
-        else:
-            try:
-                value = fn(state, *args, **kwargs)
-            except BaseException as exc:  # everything goes back to the parent, even SystemExit
-                reply = _error_message(cid, exc)
-            else:
-                try:
-                    reply = ("ok", cid, pickle.dumps(value))
-                except Exception as exc:
-                    reply = _error_message(cid, PeerCallError(
-                        f"result of {getattr(fn, '__qualname__', fn)!r} is not picklable: {exc!r}"))
-        try:
-            _send(reply)
-        except (BrokenPipeError, OSError):
-            return
 
 
 # --------------------------------------------------------------------------- parent side
@@ -360,7 +113,8 @@ class PeerFuture:
         return self._event.is_set()
 
     def result(self, timeout: float | None = DEFAULT_CALL_TIMEOUT) -> Any:
-        """Wait at most ``timeout`` seconds (``None``: no deadline — avoid in tests)."""
+        """Wait at most ``timeout`` seconds; ``None``: as long as the peer lives (its death fails the
+        future at once), for CPU-bound work of the child, which the test's own timeout bounds."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"peer {self._peer!r}: {self._what} did not answer within {timeout} s")
         if self._exc is not None:
@@ -567,7 +321,7 @@ class PeerHandle:
                 return  # the reader reports the death
 
     # -- calls
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float | None) -> None:
         try:
             self._ready.result(timeout)
         except BaseException:
@@ -593,13 +347,15 @@ class PeerHandle:
         self._outbox.put(("call", cid, payload))
         return fut
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CALL_TIMEOUT,
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = DEFAULT_CALL_TIMEOUT,
              **kwargs: Any) -> Any:
         """Run ``fn(state, *args, **kwargs)`` in the child and return its result.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the
-        call; its late answer is discarded), :class:`PeerExitedError` if the child dies first,
-        or the child's exception (``__cause__``: :class:`RemoteTraceback`).
+        Raises ``TimeoutError`` after ``timeout`` seconds (the child may still be running the call; its
+        late answer is discarded), :class:`PeerExitedError` if the child dies first, or the child's
+        exception (``__cause__``: :class:`RemoteTraceback`).  ``timeout=None`` waits while the child
+        lives: for CPU-bound work (a fresh child's imports, an engine's init), which the test's own
+        timeout bounds.
         """
         return self.call_async(fn, *args, **kwargs).result(timeout)
 
@@ -730,8 +486,12 @@ class PeerHandle:
 
 
 def spawn_peer(name: str, *, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
-               startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> PeerHandle:
+               startup_timeout: float | None = _DEFAULT_STARTUP_TIMEOUT) -> PeerHandle:
     """Start a peer child process and wait until its command loop answers.
+
+    ``startup_timeout``: ``None`` (the default) waits as long as the child is alive (a child that
+    exits during startup raises :class:`PeerExitedError` at once); a number of seconds raises
+    ``TimeoutError`` after it.
 
     ``env`` entries are set (``None``: removed) in the child's environment before the
     interpreter starts (spawn/fork), so code reading the environment at import sees them.
@@ -756,8 +516,10 @@ class Cluster:
         self._handles: dict[str, PeerHandle] = {}
 
     def spawn(self, *names: str, env: Mapping[str, str | None] | None = None,
-              startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT) -> list[PeerHandle]:
-        """Start peers concurrently, wait until all answer; returns their handles in order."""
+              startup_timeout: float | None = _DEFAULT_STARTUP_TIMEOUT) -> list[PeerHandle]:
+        """Start peers concurrently, wait until all answer; returns their handles in order.
+
+        ``startup_timeout`` as :func:`spawn_peer` (``None``: while each child is alive)."""
         for n in names:
             if n in self._handles:
                 raise ValueError(f"a peer named {n!r} already exists in this cluster")
@@ -767,9 +529,9 @@ class Cluster:
             h = PeerHandle(n, env=merged, start_method=self._start_method)
             self._handles[n] = h
             started.append(h)
-        deadline = time.monotonic() + startup_timeout
+        deadline = None if startup_timeout is None else time.monotonic() + startup_timeout
         for h in started:
-            h._wait_ready(max(0.0, deadline - time.monotonic()))
+            h._wait_ready(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return started
 
     def __getitem__(self, name: str) -> PeerHandle:
@@ -803,7 +565,7 @@ class Cluster:
 
 @contextmanager
 def peers(*names: str, env: Mapping[str, str | None] | None = None, start_method: StartMethod = "spawn",
-          startup_timeout: float = _DEFAULT_STARTUP_TIMEOUT,
+          startup_timeout: float | None = _DEFAULT_STARTUP_TIMEOUT,
           close_timeout: float = _REAP_TIMEOUT) -> Iterator[Cluster]:
     """``with peers("prompt", "decoder") as cluster:`` — every child is reaped at exit, even on failure."""
     cluster = Cluster(env=env, start_method=start_method, close_timeout=close_timeout)

@@ -35,6 +35,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,12 @@ SKIPS_FILE = Path(__file__).resolve().parent / "snippet_skips.txt"
 
 #: seconds one snippet process may run (a pair: each side, counted from its own start)
 TIMEOUT_S = 120.0
+
+#: the port the docs' examples listen on and connect to: fixed, so a reader can follow it.  Each run of a
+#: unit gets a port that was free a moment before instead (every occurrence of the number in its code is
+#: rewritten): two suites running at once on one machine clashed on the fixed one (issue 41)
+DOC_PORT = 26000
+_DOC_PORT = re.compile(rf"(?<![0-9]){DOC_PORT}(?![0-9])")
 
 _FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^`]*?)[ \t]*$")
 _MARKER = re.compile(r"^\s*<!--\s*snippet\s*:(?P<body>.*?)-->\s*$")
@@ -290,9 +297,21 @@ def run_unit(unit: Unit, workdir: Optional[Path] = None, timeout: float = TIMEOU
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="llmdd-snippet-") as tmp:
             return run_unit(unit, Path(tmp), timeout)
+    unit = on_a_free_port(unit)
     if len(unit.snippets) == 1:
         return _run_single(unit.snippets[0], workdir, timeout)
     return _run_pair(unit.snippets[0], unit.snippets[1], workdir, timeout)
+
+
+def on_a_free_port(unit: Unit) -> Unit:
+    """``unit`` with :data:`DOC_PORT` in its code replaced by a port free on 127.0.0.1 a moment ago (the
+    same one in both blocks of a pair); a unit that does not name it is returned as it is."""
+    if not any(_DOC_PORT.search(s.code) for s in unit.snippets):
+        return unit
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return Unit(tuple(dataclasses.replace(s, code=_DOC_PORT.sub(str(port), s.code)) for s in unit.snippets))
 
 
 def _run_single(snippet: Snippet, workdir: Path, timeout: float) -> Outcome:

@@ -46,7 +46,7 @@ def test_mkdocs_build_strict_passes(tmp_path):
                     "scripts/build_docs.sh installs them and builds the site in CI")
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
+                          cwd=ROOT, capture_output=True, text=True, env=env)
     warnings = [line for line in proc.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))]
     assert proc.returncode == 0, "\n".join(warnings) or proc.stderr[-4000:]
     assert (tmp_path / "site" / "api" / "llmdd.html").exists()

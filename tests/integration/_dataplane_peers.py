@@ -426,8 +426,12 @@ class PeerPool:
                 self._clusters[-1].close()
             self._spawn()
         try:
-            port = self._p.call(setup, "PROMPT", 1, listen=True, transport=transport, **(prompt_kw or {}))
-            self._d.call(setup, "DECODER", 2, transport=transport, **(decoder_kw or {}))
+            # importing this module, llmdd and the transports in a fresh child, then an engine's init:
+            # CPU-bound work, waited for while the child lives (its death fails the call at once); the
+            # test's timeout bounds it (a fixed 10 s failed busy machines, issue 41)
+            port = self._p.call(setup, "PROMPT", 1, listen=True, transport=transport, **(prompt_kw or {}),
+                                timeout=None)
+            self._d.call(setup, "DECODER", 2, transport=transport, **(decoder_kw or {}), timeout=None)
         except BaseException:
             self.discard()
             raise

@@ -63,7 +63,7 @@ def _with_trustme(trustme, d: pathlib.Path) -> None:
 
 def _with_openssl(openssl: str, d: pathlib.Path) -> None:
     def run(*args):
-        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=30)
+        subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True)
 
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     (d / "ext.cnf").write_text(f"basicConstraints=CA:FALSE\nsubjectAltName=DNS:{NODE_NAME},IP:127.0.0.1\n"

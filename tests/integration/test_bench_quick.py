@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+#: the test's own bound (pytest-timeout; subprocess.run kills the child when it fires): the bench is
+#: CPU-bound work, so no shorter deadline of its own (a 120 s one failed a busy machine, issue 41)
+pytestmark = pytest.mark.timeout(300)
 
 FIGURES = ("pull_blocks_64k", "push_blocks_64k", "pull_blocks_16k", "push_blocks_16k", "transfer_cache_async_64k",
            "pull_cache")
@@ -19,7 +21,7 @@ ANCHORS = ("memcpy", "gather_64k", "gather_16k", "cma_contiguous", "cma_64k", "c
 def test_bench_quick(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "llmdd", "bench", "--quick", "--quiet", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     results = json.loads((out / "results.json").read_text())
     assert results["errors"] == []

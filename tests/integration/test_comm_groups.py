@@ -57,10 +57,11 @@ def test_two_groups_of_four_link_concurrently_and_every_pair_transfers(tmp_path)
     with Cluster(env=_env(tmp_path)) as c:
         names = [f"m{cid}" for ids, _ in groups.values() for cid in ids]
         handles = dict(zip(names, c.spawn(*names)))
-        for ids, _ in groups.values():
-            for rank, cid in enumerate(ids):
-                handles[f"m{cid}"].call_async(P.start, "PROMPT" if rank == 0 else "DECODER", cid, seed=cid,
-                                              local_comm_res=False)
+        starts = [handles[f"m{cid}"].call_async(P.start, "PROMPT" if rank == 0 else "DECODER", cid, seed=cid,
+                                                local_comm_res=False)
+                  for ids, _ in groups.values() for rank, cid in enumerate(ids)]
+        for fut in starts:   # engine init is CPU-bound (8 at once): waited while the peer lives, the
+            fut.result(None)  # test's timeout bounds it; the protocol steps below keep their deadlines
         # every member of both groups calls link() at the same time
         futures = {}
         for comm_name, (ids, table) in groups.items():

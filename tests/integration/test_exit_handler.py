@@ -278,7 +278,6 @@ def test_shutdown_handler_is_registered_with_atexit():
     """)
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=20)
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "FINALIZED" in out.stdout

@@ -1,4 +1,4 @@
-"""Idle engine memory (issue 22, target 5), measured for real in fresh processes (bench/idle_rss.py).
+"""Idle engine memory (issue 22, target 5), measured for real in fresh processes (bench/probes/idle_rss.py).
 
 * an idle engine loads neither structlog nor asyncio (the logging shim imports structlog at the first
   enabled log line; control: one warning line does load it);
@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-_BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "idle_rss.py"
+_BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "probes" / "idle_rss.py"
 _spec = importlib.util.spec_from_file_location("llmdd_bench_idle_rss", _BENCH)
 idle_rss = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(idle_rss)
@@ -51,7 +51,7 @@ def test_idle_engine_loads_no_structlog_until_a_line_is_written():
         print(json.dumps({"before": before, "after": "structlog" in sys.modules,
                           "messages": [r.getMessage() for r in records]}))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"before": False, "after": True, "messages": ["llmdd.test.loud n=2"]}

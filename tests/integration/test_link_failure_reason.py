@@ -96,3 +96,32 @@ def test_a_handshake_whose_deadline_passed_before_any_attempt_says_so():
         assert "Connection refused" in str(err.value), str(err.value)
     finally:
         dec.finalize()
+
+
+def test_a_call_on_a_cluster_whose_link_failed_raises_not_yet_linked_with_the_reason():
+    """Where the API raises (pull_blocks on a cluster that is not linked), the message carries why the last
+    link_clusters to that cluster failed; a cluster never tried (control) gets the plain message."""
+    import numpy as np
+
+    from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMException
+
+    dec = _engine(LLMRole.DECODER, 84)
+    try:
+        buf = np.random.default_rng(84).integers(0, 256, (1, 4 * 64), dtype=np.uint8)
+        cache = dec.cache_manager.register_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_UINT8),
+                                                        [int(buf[0].ctypes.data)])
+        port = _closed_port()
+        ret, _ = dec.link_clusters([_server(85, port)], 2000)
+        assert ret == LLMStatusCode.LLM_LINK_FAILED
+        reason = dec.statistics()["link_failures"][85]["error"]
+        with pytest.raises(LLMException) as err:
+            dec.cache_manager.pull_blocks(BlocksCacheKey(85, 0), cache, [0], [1])
+        assert err.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        assert str(err.value) == f"cluster 85 is not linked (its last link_clusters failed: {reason})"
+        assert f"cannot connect to 127.0.0.1:{port}" in reason, reason
+        with pytest.raises(LLMException) as err:
+            dec.cache_manager.pull_blocks(BlocksCacheKey(86, 0), cache, [0], [1])
+        assert err.value.status_code == LLMStatusCode.LLM_NOT_YET_LINK
+        assert str(err.value) == "cluster 86 is not linked"
+    finally:
+        dec.finalize()

@@ -101,10 +101,18 @@ def test_stalled_owner_times_out_then_relink_works(peer_pool, transport, what):
             d.call(P.fill, dst, 0xA5)
         finally:
             p.resume()
-        time.sleep(0.5)  # whatever the owner had queued runs now: it must not reach the caller's memory
-        assert (d.call(P.snapshot, dst) == 0xA5).all(), "a timed-out pull wrote after it returned"
+        # the force unlink closes the failed link's control connection; the owner handles what it had
+        # queued on that link (the timed-out request, the puller's ReleaseKey) on the link's strand before
+        # the close, and its link ends only then, its data connections revoked: once the owner's link is
+        # down, whatever it had queued has run (was: a 0.5 s sleep), and it must not have reached the
+        # caller's memory.  The relink then meets no stale link on the owner.
         assert d.call(P.unlink, PROMPT, port, True)[0] == "LLM_SUCCESS"
+        gone = (None, "failed", "closed")
+        assert p.call(P.wait_link_state, DECODER, gone, 20.0, timeout=30) in gone
+        assert (d.call(P.snapshot, dst) == 0xA5).all(), "a timed-out pull wrote after it returned"
         _link(d, port)
+        # the owner's side is set up too before the pull (link_clusters returns on the puller's side)
+        assert p.call(P.wait_link_state, DECODER, ("linked",), 20.0, timeout=30) == "linked"
         d.call(P.cm, *args)
         if what == "blocks":
             src = p.call(P.snapshot, "src").reshape(4, 16, 4096)

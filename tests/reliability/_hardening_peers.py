@@ -248,7 +248,9 @@ def cache_id_of(state: dict, name: str) -> int:
 # ---------------------------------------------------------------------------- crash leftovers
 def own_segments(state: dict) -> list:
     """The /dev/shm names this process created (pool and control segments)."""
-    prefix = f"llmdd_{os.getpid()}_"
+    from llmdd._memory.segments import segment_prefix
+
+    prefix = f"{segment_prefix()}{os.getpid()}_"   # in this process's scope (LLMDD_SHM_SCOPE)
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
 
 

@@ -406,9 +406,22 @@ def test_post_link_message_fuzz_owner_resources_back_to_baseline(hostile):
 # ---------------------------------------------------------------------------- crash leftovers
 import subprocess  # noqa: E402
 
-from llmdd._memory.segments import find_leftovers, parse_segment_name, pid_namespace, reclaim_leftovers  # noqa: E402
+from llmdd._memory.segments import (SCOPE_ENV, find_leftovers, parse_segment_name, pid_namespace,  # noqa: E402
+                                    reclaim_leftovers, segment_prefix)
 
 SHM = "/dev/shm"
+
+
+@pytest.fixture
+def shm_scope(monkeypatch):
+    """A segment scope of this test's own (LLMDD_SHM_SCOPE, inherited by its engines' processes and
+    the doctor): no other llmdd engine on the machine reclaims what the test planted or what its
+    SIGKILLed engine left before the test looks, and the test's engines reclaim nothing of theirs."""
+    import secrets
+
+    scope = "t" + secrets.token_hex(6)
+    monkeypatch.setenv(SCOPE_ENV, scope)
+    return scope
 
 
 def _dead_pid() -> int:
@@ -427,17 +440,20 @@ def _plant(name: str, *, uid: int | None = None) -> str:
 
 
 @pytest.mark.timeout(60)
-def test_segments_of_a_sigkilled_engine_are_reclaimed_when_an_engine_initializes():
+def test_segments_of_a_sigkilled_engine_are_reclaimed_when_an_engine_initializes(shm_scope):
     """A SIGKILLed engine leaves its pool and shm control segments; the next engine's init removes
-    exactly those: never a live process's, never another user's or namespace's, never a name
-    without llmdd's form (controls planted beside them survive every engine init of the test)."""
+    exactly those: never a live process's, never another user's, namespace's or scope's, never a
+    name without llmdd's form (controls planted beside them survive every engine init of the test)."""
     dead = _dead_pid()
     ns = pid_namespace()
+    mine = segment_prefix()
+    assert mine == f"llmdd{shm_scope}_"
     planted = {
         "not_llmdd": _plant(f"other_{dead}_{ns}_pool_x"),                     # no llmdd prefix
-        "other_ns": _plant(f"llmdd_{dead}_{ns + 1}_pool_x"),                  # another pid namespace
-        "other_user": _plant(f"llmdd_{dead}_{ns}_pool_y", uid=4242),          # another user's
-        "bad_form": _plant(f"llmdd_{dead}_pool"),                             # not the name form
+        "other_ns": _plant(f"{mine}{dead}_{ns + 1}_pool_x"),                  # another pid namespace
+        "other_user": _plant(f"{mine}{dead}_{ns}_pool_y", uid=4242),          # another user's
+        "bad_form": _plant(f"{mine}{dead}_pool"),                             # not the name form
+        "other_scope": _plant(f"llmdd{shm_scope}x_{dead}_{ns}_pool_z"),      # another scope's leftover
     }
     try:
         with Cluster(env=ENV) as cluster:
@@ -453,7 +469,7 @@ def test_segments_of_a_sigkilled_engine_are_reclaimed_when_an_engine_initializes
             live_segments = live.call(H.own_segments)
             kinds = {parse_segment_name(n)[2] for n in victim_segments}
             assert {"pool", "shmctl"} <= kinds, victim_segments
-            planted["dead_mine"] = _plant(f"llmdd_{dead}_{ns}_shmctl_z")     # a leftover of another crash
+            planted["dead_mine"] = _plant(f"{mine}{dead}_{ns}_shmctl_z")     # a leftover of another crash
             victim.kill()
             assert all(os.path.exists(os.path.join(SHM, n)) for n in victim_segments)
             found = {left.name for left in find_leftovers()}
@@ -464,7 +480,7 @@ def test_segments_of_a_sigkilled_engine_are_reclaimed_when_an_engine_initializes
             assert not set(victim_segments) & left, sorted(set(victim_segments) & left)
             assert os.path.basename(planted["dead_mine"]) not in left
             assert set(live_segments) <= left                                # a live process's: kept
-            for kind in ("not_llmdd", "other_ns", "other_user", "bad_form"):
+            for kind in ("not_llmdd", "other_ns", "other_user", "bad_form", "other_scope"):
                 assert os.path.exists(planted[kind]), kind                   # never touched
             assert live.call(H.link_and_pull_once, PROMPT, port) != "LLM_SUCCESS"  # (the victim is gone)
     finally:
@@ -492,16 +508,16 @@ def test_doctor_lists_leftovers_and_removes_them_only_with_the_flag(tmp_path):
     assert reclaim_leftovers(str(tmp_path)) == []
 
 
-def test_doctor_cli_reports_leftovers_before_any_engine_reclaims_them():
+def test_doctor_cli_reports_leftovers_before_any_engine_reclaims_them(shm_scope):
     dead = _dead_pid()
-    path = _plant(f"llmdd_{dead}_{pid_namespace()}_pool_9_cli")
+    path = _plant(f"{segment_prefix()}{dead}_{pid_namespace()}_pool_9_cli")
     try:
         exe = os.path.join(os.path.dirname(sys.executable), "llmdd")
-        out = subprocess.run([exe, "doctor", "--seconds", "0", "--json"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run([exe, "doctor", "--seconds", "0", "--json"], capture_output=True, text=True)
         assert os.path.basename(path) in out.stdout, out.stdout[-2000:]
         assert os.path.exists(path)
         out = subprocess.run([exe, "doctor", "--seconds", "0", "--json", "--reclaim-shm"], capture_output=True,
-                             text=True, timeout=60)
+                             text=True)
         assert os.path.basename(path) in out.stdout and not os.path.exists(path), out.stdout[-2000:]
     finally:
         if os.path.exists(path):

@@ -30,7 +30,6 @@ LAYERS = [
     ("_data", "data"),            # the data plane: planner, transfer engine, owner side, tasks
     ("_engine", "engine"),        # the composition root
     ("_api", "facade"),           # the llm_datadist facade and the legacy v1 mode
-    ("_compat", "facade"),        # upstream's module paths
     ("_tools", "tools"),          # cli, doctor, bench, demo
 ]
 

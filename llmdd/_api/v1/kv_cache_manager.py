@@ -29,7 +29,8 @@ from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from llmdd._base.types import (BlocksCacheKey, Cache, CacheDesc, CacheKey, CacheKeyByIdAndIndex, CacheTask, KvCache,
                       LayerSynchronizer, TransferConfig, cache_key_index,
-                      check_cache_key, _timeout_seconds)
+                      check_cache_key)
+from llmdd._base.types.transfer import _timeout_seconds
 from llmdd._base.validation import INVALID_ID, check_dict, check_int32, check_int64, check_isinstance, check_uint32, \
     check_uint64
 from llmdd._api.v1.offsets import allocate_device, pull_with_offsets

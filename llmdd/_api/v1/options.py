@@ -22,6 +22,7 @@ from typing import Mapping, Optional
 import attrs
 
 from llmdd._base.enums import LLMRole
+from llmdd._base.options import NOT_IP_PORT, ip_port_problem
 from llmdd._base.profiles import profile_from_options
 from llmdd._base.status import LLMException, LLMStatusCode
 
@@ -69,9 +70,11 @@ def parse_v1_listen_ip_info(value: object) -> list:
         raise TypeError(f"listen_ip_info only support ['str'], but got {type(value)}.")
     out = []
     for part in value.split(";"):
+        problem = ip_port_problem(part)
+        if problem:   # upstream's text for a malformed address; the range is llmdd's own check
+            raise _invalid(f'llm.listenIpInfo "{part}" is invalid, '
+                           + ('format should be "ip:port"' if problem == NOT_IP_PORT else f"it {problem}"))
         pieces = part.split(":")
-        if len(pieces) != 2 or not pieces[0] or not pieces[1].isdigit() or not 0 <= int(pieces[1]) <= 65535:
-            raise _invalid(f'llm.listenIpInfo "{part}" is invalid, format should be "ip:port"')
         out.append((pieces[0], int(pieces[1])))
     return out
 

@@ -11,8 +11,9 @@ checking the bytes they received.  The row reports the medians over the rounds, 
 (C++ p50 / Python p50, target <= 1.2; C++ GB/s / Python GB/s, target >= 0.9) and the resident
 memory of each decoder process at the end (the library's cost beyond a Python engine).
 
-When the C++ library is not built the row is skipped with the reason (build it with
-``bash scripts/test_cpp.sh`` or ``cmake -S cpp -B cpp/build && cmake --build cpp/build``);
+When the C++ library is not built the row is skipped with the reason and what to do (build it with
+``bash scripts/test_cpp.sh`` or ``cmake -S cpp -B cpp/build && cmake --build cpp/build``; from an installed
+wheel, which has no C++ sources, in a checkout of them, named by ``LLMDD_CPP_BUILD``);
 ``LLMDD_CPP_BUILD`` names another build directory.
 """
 
@@ -35,7 +36,23 @@ SALT = 0x5EED0000
 BLOCK = 64 * KiB
 BLOCK_INTS = BLOCK // 4
 PROMPT, DECODER = 1, 2
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+#: the source checkout this module runs from (llmdd/_tools/bench/cpp.py -> the checkout's root); in an
+#: installed wheel this is site-packages, which has no cpp/ (see :func:`not_built_reason`)
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def not_built_reason() -> str:
+    """Why the C++ row is skipped, with what to do: in a source checkout, build it; from an installed wheel
+    (which ships no C++ sources), build it in a checkout of the sources and name that build."""
+    if os.environ.get("LLMDD_CPP_BUILD"):
+        return (f"C++ library not built: no tests/bench_pull in LLMDD_CPP_BUILD={os.environ['LLMDD_CPP_BUILD']} "
+                f"(build it with `bash scripts/test_cpp.sh` in llmdd's source checkout)")
+    if os.path.isfile(os.path.join(_REPO, "cpp", "CMakeLists.txt")):
+        return ("C++ library not built: no cpp/build/tests/bench_pull (run `bash scripts/test_cpp.sh` or "
+                "`cmake -S cpp -B cpp/build && cmake --build cpp/build`; LLMDD_CPP_BUILD names another build)")
+    return ("the C++ API is not part of an installed llmdd (a wheel ships no C++ sources): to measure it, build it "
+            "in a checkout of llmdd's sources (`bash scripts/test_cpp.sh` there builds cpp/build) and run "
+            "`LLMDD_CPP_BUILD=<checkout>/cpp/build llmdd bench`")
 
 
 def _binary() -> Optional[str]:
@@ -178,8 +195,7 @@ def run_cpp(quick: bool, progress: Optional[Callable[[str], None]] = None, round
     note = progress or (lambda _s: None)
     binary = _binary()
     if binary is None:
-        reason = ("C++ library not built: no cpp/build/tests/bench_pull (run `bash scripts/test_cpp.sh` or "
-                  "`cmake -S cpp -B cpp/build && cmake --build cpp/build`; LLMDD_CPP_BUILD names another build)")
+        reason = not_built_reason()
         note(f"cpp: skipped ({reason})")
         return {"skipped": reason}
     lat_n, lat_warmup, tensors, blocks, reps = (200, 20, 4, 64, 5) if quick else (1000, 100, 8, 128, 5)

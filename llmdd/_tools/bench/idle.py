@@ -1,4 +1,4 @@
-"""Idle engine memory for ``llmdd bench`` and bench/idle_rss.py (issue 22, target 5).
+"""Idle engine memory for ``llmdd bench`` and bench/probes/idle_rss.py (issue 22, target 5).
 
 An idle engine is measured in a fresh interpreter that does nothing else: it imports llmdd, builds
 an engine as the bench worker does (cache manager on, remote cache access on, listening on loopback,

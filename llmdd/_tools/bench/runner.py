@@ -220,11 +220,11 @@ class Run:
     def count_steps(opts: Options, transports: list) -> int:
         s = opts.sizes
         # start, memcpy, gather x2, cma contig, cma x2, cma 2-thread x2, cma lat, tcp x2, rr
-        anchors = 1 + 1 + 2 + 1 + 2 + 2 + 1 + 2 + 1
+        anchors = 1 + 1 + 2 + 1 + 2 + 2 + 1 + 2 + 1 if "anchors" not in opts.skip else 0
         per_t = 2 + 2 * len(s.block_sizes) + 3 + len(s.decoders) + 2 + len(s.links)
         if opts.profile:
             per_t += len(s.block_sizes) + 1
-        return anchors + per_t * len(transports)
+        return anchors + per_t * len(transports) + len(late_phases(opts))
 
     def _tables(self, block_bytes: int) -> tuple[int, list, list]:
         nb = self.s.kv_bytes // NUM_TENSORS // block_bytes
@@ -300,8 +300,9 @@ class Run:
     def transport(self, t: str) -> None:
         """Every workload on transport ``t``.
 
-        Every cache is registered before the link: a cache registered after it is not announced to
-        the peer (see docs/benchmarks.md, "bugs found"), so the workloads share one buffer per side
+        Every cache is registered before the link: a cache registered after it reaches the peer
+        later, in a table update on the control channel (see ``_until_known`` in worker.py), so no
+        timing waits for one.  The workloads share one buffer per side
         with a buffer per cache (the engine refuses overlapping registrations): the 64 KiB layout,
         the 16 KiB layout and one contiguous tensor."""
         s = self.s
@@ -530,6 +531,19 @@ class Run:
             close_all(clients + [server])
 
 
+def late_phases(opts: Options) -> list[str]:
+    """The phases after the per-transport steps, in order: each is one step of the progress bar (so that
+    the bar does not sit full while they run) and says what it does when it starts."""
+    phases = [p for p in ("idle", "control", "scaling", "cpp") if p not in opts.skip]
+    return [p for p in phases if p != "scaling" or opts.sizes.scaling_links]
+
+
+_LATE_WHAT = {"idle": "an idle engine per transport, each in a fresh interpreter (its memory)",
+              "control": "the bulk control notice's encode/decode cost",
+              "scaling": "links and transfers as the number of peers grows",
+              "cpp": "the C++ API's pull against the Python call (when libllm_datadist is built)"}
+
+
 def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
     """Run everything; returns the results dictionary (without ratios: see :mod:`.report`)."""
     transports = opts.transports if opts.transports is not None else available_transports()
@@ -553,7 +567,14 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except BenchError as exc:
             run.results["errors"].append({"step": t, "error": str(exc)})
             progress.note(f"{t} FAILED: {str(exc).splitlines()[0]}")
-    if "idle" not in opts.skip:   # an idle engine per transport, each in a fresh interpreter (issue 22, target 5)
+    late = late_phases(opts)
+
+    def phase(name: str) -> bool:
+        if name in late:
+            progress.note(f"{name}: {_LATE_WHAT[name]} ...")
+        return name in late
+
+    if phase("idle"):   # an idle engine per transport, each in a fresh interpreter (issue 22, target 5)
         from llmdd._tools.bench.idle import idle_engine
 
         for t in transports:
@@ -563,7 +584,8 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
                     progress.note(f"{t}: idle engine {run.results['transports'][t]['idle_engine']['rss_bytes'] / MiB:.1f} MiB")
                 except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
                     run.results["errors"].append({"step": f"{t} idle engine", "error": repr(exc)})
-    if "control" not in opts.skip:   # the bulk control notice's codec cost (issue 22, target 4)
+        progress.step("idle: done")
+    if phase("control"):   # the bulk control notice's codec cost (issue 22, target 4)
         from llmdd._tools.bench.control import run_control
 
         try:
@@ -571,7 +593,8 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
             run.results["errors"].append({"step": "control", "error": repr(exc)})
             progress.note(f"control FAILED: {exc!r}")
-    if opts.sizes.scaling_links and "scaling" not in opts.skip:
+        progress.step("control: done")
+    if phase("scaling"):
         from llmdd._tools.bench.scaling import run_scaling
 
         try:
@@ -579,7 +602,8 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
             run.results["errors"].append({"step": "scaling", "error": repr(exc)})
             progress.note(f"scaling FAILED: {exc!r}")
-    if "cpp" not in opts.skip:  # libllm_datadist's PullKvBlocks vs the Python call (skipped if not built)
+        progress.step("scaling: done")
+    if phase("cpp"):  # libllm_datadist's PullKvBlocks vs the Python call (skipped if not built)
         from llmdd._tools.bench.cpp import run_cpp
 
         try:
@@ -588,6 +612,7 @@ def run_bench(opts: Options, progress_enabled: bool = True) -> dict:
         except Exception as exc:  # noqa: BLE001 - one step's failure is a result, not a crash
             run.results["errors"].append({"step": "cpp", "error": repr(exc)})
             progress.note(f"cpp FAILED: {exc!r}")
+        progress.step("cpp: done")
     meta["load_after"] = load_average()
     meta["elapsed_s"] = time.monotonic() - began
     return run.results

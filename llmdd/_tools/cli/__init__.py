@@ -65,7 +65,21 @@ def _add_global_options(parser: argparse.ArgumentParser, version: str, *, sub: b
     same (counts add up: ``llmdd -v doctor -v`` is ``-vv``)."""
     parser.add_argument("-v", "--verbose", action="count", dest="verbose_sub" if sub else "verbose",
                         default=argparse.SUPPRESS if sub else 0, help="log llmdd events (-vv: debug)")
-    parser.add_argument("--version", action="version", version=version, help="print llmdd's version and exit")
+    parser.add_argument("--version", action=_VersionAction, version=version, help="print llmdd's version and exit")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the line as it is (argparse's own action wraps it at the terminal's width, splitting the
+    path that a user copies)."""
+
+    def __init__(self, option_strings: list, version: str, dest: str = argparse.SUPPRESS,
+                 default: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+        self.version = version
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(self.version)
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.DEBUG if args.verbose > 1 else logging.INFO,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:   # Ctrl-C: one line, not a traceback; 130 as a shell reports SIGINT
+        print(f"llmdd {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def build_parser() -> argparse.ArgumentParser:

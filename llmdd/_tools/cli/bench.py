@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     results["meta"]["command"] = " ".join(["llmdd", "bench"] + sys.argv[2:]) if sys.argv[1:2] == ["bench"] \
         else "llmdd bench"
     results["meta"]["quick"] = bool(args.quick)
+    if not args.quiet:
+        print("llmdd bench: computing ratios and targets, writing results.json and the plots ...", file=sys.stderr)
     results = finish(results, out)
     _emit(results, args, table)
     if not args.quiet:

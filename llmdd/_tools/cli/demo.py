@@ -10,6 +10,7 @@ Exit status 0 only when every decoder matches the reference.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -24,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None,
                         help=f"tokens to generate (default {DEFAULTS[1]}; --quick: {QUICK[1]})")
     parser.add_argument("--decoders", type=int, default=1, help="decoder processes pulling from one prompt")
-    parser.add_argument("--transport", choices=("auto", "tcp", "shm"), default="auto",
-                        help="force a transport (engine option llmdd.transport); auto lets llmdd choose")
+    parser.add_argument("--transport", choices=("auto", "tcp", "shm", "ucx"), default="auto",
+                        help="force a transport (engine option llmdd.transport; each one `llmdd info` lists); "
+                             "auto lets llmdd choose")
     parser.add_argument("--mode", choices=("pull", "push"), default="pull",
                         help="pull: decoders call pull_blocks; push: the prompt pushes each layer with "
                              "transfer_cache_async while it computes the next")
@@ -66,16 +68,25 @@ def run(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"[{time.monotonic() - began:6.2f} s] {line}", flush=True)
 
+    previous = signal.signal(signal.SIGINT, _interrupt_once)
     try:
         result = run_demo(opts, progress)
     except DemoError as exc:
         print(f"llmdd demo: FAILED: {exc}", file=sys.stderr)
         return 1
+    finally:   # a Ctrl-C goes on to main (one line, exit 130) once run_demo's cleanup stopped the children
+        signal.signal(signal.SIGINT, previous)
     print()
     for line in format_report(result):
         print(line)
     sys.stdout.flush()
     return 0 if result.ok else 1
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    """Ctrl-C: stop the run; a second one does not cut its cleanup short (no process or segment left)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def _transport_problem(forced: str) -> str:

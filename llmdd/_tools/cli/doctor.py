@@ -133,6 +133,8 @@ def _print_info(info: dict, out: TextIO) -> None:
         if t.get("data_path"):
             line += f"; data path: {t['data_path']}"
         w(line + "\n")
+        if not t["available"] and t["details"].get("fix"):
+            w(f"           fix: {t['details']['fix']}\n")
 
     profile = info["profile"]
     w(f"profile {profile['name']}: {profile['description']}\n")

@@ -12,6 +12,7 @@ subscriber saw).
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import traceback
@@ -113,11 +114,12 @@ class _Role:
         while True:
             try:
                 command, args = self.conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError):   # the parent is gone: leave as on "exit"
+                self._finalize()
                 break
             if command == "exit":
                 self._finalize()
-                self.conn.send(("ok", {}))
+                self.conn.send(("bye", {}))
                 break
             handler = getattr(self, "cmd_" + command, None)
             try:
@@ -339,6 +341,11 @@ def decoder_main(conn, spec: dict) -> None:
 
 
 def _main(cls, conn, spec: dict) -> None:
+    # Ctrl-C at a terminal reaches the whole process group: the parent alone answers it (it stops this
+    # process with "exit", which finalizes the engine), so a role process never prints a traceback of its own.
+    # The parent started this process with SIGINT blocked (_Child): one sent before this line is dropped here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         role = cls(conn, spec)
     except Exception as exc:

@@ -56,8 +56,8 @@ class DemoOptions:
             raise ValueError("--tokens must be at least 1")
         if not 1 <= self.decoders <= 8:
             raise ValueError("--decoders must be in 1..8")
-        if self.transport not in ("auto", "tcp", "shm"):
-            raise ValueError("--transport must be auto, tcp or shm")
+        if self.transport not in ("auto", "tcp", "shm", "ucx"):
+            raise ValueError("--transport must be auto, tcp, shm or ucx")
         if self.mode not in ("pull", "push"):
             raise ValueError("--mode must be pull or push")
         if self.faults not in ("none", "kill", "stall"):
@@ -125,16 +125,23 @@ class DemoResult:
 class _Child:
     """One spawned role process and its pipe."""
 
-    def __init__(self, ctx, label: str, target, spec: dict, timeout_s: float) -> None:
+    def __init__(self, ctx, label: str, target, spec: dict, timeout_s: float, started: list) -> None:
         self.label = label
         self.timeout_s = timeout_s
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child_conn, spec), name=f"llmdd-demo-{label}")
-        self.proc.start()
-        child_conn.close()
-        self.pid = self.proc.pid
         self.ready: Optional[dict] = None
         self.gone = False
+        # started with SIGINT blocked (the child ignores it once it runs, roles._main): Ctrl-C reaches the
+        # whole process group, and only this process answers it, by stopping the children (close)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.proc.start()
+            child_conn.close()
+            self.pid = self.proc.pid
+            started.append(self)   # before a Ctrl-C held back meanwhile is delivered: its cleanup closes this one
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def send(self, command: str, **args: Any) -> None:
         self.conn.send((command, args))
@@ -178,14 +185,19 @@ class _Child:
             try:
                 os.kill(self.pid, signal.SIGCONT)
                 self.conn.send(("exit", {}))
-                if self.conn.poll(10.0):
-                    self.conn.recv()
+                # the answer of a command still running (an interrupted run) may come first: wait for the
+                # exit's own ("bye": the engine is finalized, its shared memory released)
+                deadline = time.monotonic() + self.timeout_s
+                while (left := deadline - time.monotonic()) > 0 and self.conn.poll(left):
+                    if self.conn.recv()[0] == "bye":
+                        break
             except (EOFError, OSError, ProcessLookupError):
                 pass
             self.proc.join(5.0)
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(5.0)
+                _remove_shm_of(self.pid)
         self.conn.close()
 
 
@@ -245,9 +257,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] = lambda line: N
 
     def start_prompt(attempt: int) -> _Child:
         spec = dict(base_spec, cluster_id=PROMPT_CLUSTER, listen="127.0.0.1:0")
-        child = _Child(ctx, "prompt" if attempt == 0 else f"prompt#{attempt + 1}", prompt_main, spec, step)
-        children.append(child)
-        return child
+        return _Child(ctx, "prompt" if attempt == 0 else f"prompt#{attempt + 1}", prompt_main, spec, step, children)
 
     try:
         prompt_proc = start_prompt(0)
@@ -255,8 +265,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] = lambda line: N
         for i in range(opts.decoders):
             table = shuffled_table(num_blocks, needed, [opts.seed, 2, i])
             spec = dict(base_spec, cluster_id=FIRST_DECODER_CLUSTER + i, table=table)
-            child = _Child(ctx, f"decoder {i + 1}", decoder_main, spec, step)
-            children.append(child)
+            child = _Child(ctx, f"decoder {i + 1}", decoder_main, spec, step, children)
             decoders.append(child)
             result.decoders.append({"label": child.label, "pid": child.pid, "cluster_id": FIRST_DECODER_CLUSTER + i,
                                     "table": table[:prompt_blocks]})
@@ -351,6 +360,7 @@ def run_demo(opts: DemoOptions, progress: Callable[[str], None] = lambda line: N
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join(5.0)
+                _remove_shm_of(c.pid)
         if ref_kv is not None:
             ref_kv.close()
     result.wall_s = time.monotonic() - began

@@ -20,14 +20,17 @@ from llmdd._tools.doctor.util import (
 
 
 def _parse_addr(name: str, value: str) -> tuple[Optional[tuple[str, int]], Optional[Check]]:
-    from llmdd._base.options import parse_listen_ip_info
+    from llmdd._base.options import NOT_IP_PORT, ip_port_problem, parse_listen_ip_info
     from llmdd._base.status import LLMException
 
     try:
         return parse_listen_ip_info(value), None
     except LLMException as exc:
-        return None, Check(name=name, status=FAIL, message=f"{value!r} is not an ip:port address",
-                           fix="write it as ip:port, e.g. 127.0.0.1:26000", details={"error": str(exc)})
+        problem = ip_port_problem(value)
+        return None, Check(name=name, status=FAIL, message=f"{value!r} " + (
+                               "is not an ip:port address" if problem == NOT_IP_PORT else problem),
+                           fix="write it as ip:port with a port in 0..65535, e.g. 127.0.0.1:26000",
+                           details={"error": str(exc)})
 
 
 def _listener_of(port: int) -> Optional[str]:

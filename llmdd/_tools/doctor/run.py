@@ -16,7 +16,7 @@ from llmdd._tools.doctor.info import _plugin_manager, collect_info
 from llmdd._tools.doctor.peer import check_engine, check_peer
 from llmdd._tools.doctor.report import Check, DoctorReport, SelfTestResult
 from llmdd._tools.doctor.selftest import self_test
-from llmdd._tools.doctor.util import FAIL, OK, SKIP
+from llmdd._tools.doctor.util import FAIL, OK, SKIP, WARN
 
 
 def run_doctor(*, profile: str = "generic", seconds: float = 3.0, listen: Optional[str] = None,
@@ -57,6 +57,12 @@ def run_doctor(*, profile: str = "generic", seconds: float = 3.0, listen: Option
     if not plugins_error:
         if available:
             checks.append(Check(name="transports", status=OK, message=f"available: {', '.join(available)}"))
+            # an installed transport that cannot run here: why, and its fix where the plugin names one
+            for t in info["transports"]:
+                if not t["available"]:
+                    checks.append(Check(name=f"transport {t['name']}", status=WARN,
+                                        message=f"installed but unavailable: {t['reason'] or 'no reason given'}",
+                                        fix=str(t["details"].get("fix") or "see `llmdd info` and docs/transports.md")))
         else:
             checks.append(Check(name="transports", status=FAIL, message=no_transport_message(info["transports"]),
                                 fix=NO_TRANSPORT_FIX))

@@ -77,7 +77,7 @@ def test_native_layout_constants_match_the_python_side():
 def test_env_switch_forces_the_python_path():
     code = ("import llmdd_shm, json; print(json.dumps(llmdd_shm.data_path()))")
     env = dict(os.environ, LLMDD_SHM_NATIVE="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert '"native": false' in out.stdout and "LLMDD_SHM_NATIVE=0" in out.stdout
 

@@ -188,7 +188,7 @@ def test_segment_survives_reader_exit_and_is_never_unlinked_by_it(owner):
     p, conn, desc, descs, seg_name = owner
     info = json.dumps({"desc": _jsonable(desc), "region": _jsonable(descs[POOL_RID])})
     # an independent interpreter: its own resource tracker would unlink a tracked segment at exit
-    r = subprocess.run([sys.executable, "-c", _READER], input=info, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", _READER], input=info, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[1]) == int(_content(1).astype(np.uint64).sum())
     time.sleep(0.2)  # let a (wrongly) tracking resource tracker finish its cleanup

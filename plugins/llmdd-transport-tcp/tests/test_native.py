@@ -73,7 +73,7 @@ def test_native_wire_constants_match_the_python_side():
 def test_env_switch_forces_the_python_path():
     code = "import llmdd_tcp, json; print(json.dumps(llmdd_tcp.data_path()))"
     env = dict(os.environ, LLMDD_TCP_NATIVE="0")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     dp = json.loads(out.stdout)
     assert dp == {"native": False, "path": "pure Python", "reason": "disabled by LLMDD_TCP_NATIVE=0"}
@@ -96,8 +96,7 @@ def test_option_chooses_the_path_and_refuses_nonsense():
 
 
 def test_llmdd_info_names_the_active_path():
-    out = subprocess.run([sys.executable, "-m", "llmdd", "info", "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run([sys.executable, "-m", "llmdd", "info", "--json"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     tcp = [t for t in info["transports"] if t["name"] == "tcp"]

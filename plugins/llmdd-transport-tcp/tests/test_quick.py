@@ -295,13 +295,35 @@ def test_quick_deadline_against_an_owner_that_never_answers_raises_timeout(owner
     assert ch.statistics()["failed"] == 2
 
 
-def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(owner, client, mode):
+class _StoppedClock:
+    """Wraps a quick plan: ``time.monotonic`` stands still while one of its calls runs.  Whether a call's
+    arming is remembered is decided on that clock (armed once, within a quarter of the 2 ms slack of the
+    call's start, :meth:`QuickCall.keep_armed`): on the real clock a busy machine that preempts the call
+    for half a millisecond makes it forget, rightly, and the test failed (issue 41).  Stopped, the call
+    arms "at its start" and no syscall of it starts "late", so what is remembered follows the plan's
+    rules only.  The real waits stay bounded: the socket timeouts armed are the plan's timeout less the
+    slack (measured from a clock that has not moved), which is what ends a call to a stopped owner."""
+
+    def __init__(self, monkeypatch, plan) -> None:
+        self._mp, self._plan = monkeypatch, plan
+
+    def __call__(self, src, dst):
+        now = time.monotonic()
+        with self._mp.context() as m:
+            m.setattr(time, "monotonic", lambda: now)
+            return self._plan(src, dst)
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+
+def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(owner, client, mode, monkeypatch):
     if mode.startswith("c"):
         pytest.skip("the C client path sets no socket timeouts (its waits are ppoll()s bounded by the deadline): "
                     "test_quick_deadline_holds_against_a_stopped_owner covers its deadline")
     ep, ch, local = client
-    pull = ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.5)
-    push = ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.5)
+    pull = _StoppedClock(monkeypatch, ch.quick_plan([(1, 5)], BS, NB, NB, False, timeout_s=0.5))
+    push = _StoppedClock(monkeypatch, ch.quick_plan([(3, 6)], BS, NB, NB, True, timeout_s=0.5))
     want = _blocks(pattern(5, SIZE, SEED))
     assert pull([3], [4]) == BS and pull.armed_sock is not None   # armed once, remembered
     sock, epoch = pull.armed_sock, ch._arm_epoch

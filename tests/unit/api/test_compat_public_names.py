@@ -105,14 +105,6 @@ def test_module_through_the_alias_is_the_same_object(alias, path):
         assert namespace[name] is getattr(aliased, name)
 
 
-@pytest.mark.parametrize("path", sorted(UPSTREAM_MODULES))
-def test_old_compat_paths_re_export_the_same_objects(path):
-    old = importlib.import_module(f"llmdd._compat.{path}")
-    new = importlib.import_module(f"llmdd.{path}")
-    for name in UPSTREAM_MODULES[path]:
-        assert getattr(old, name) is getattr(new, name)
-
-
 @pytest.mark.parametrize("path, name", [(p, n) for p, names in NOT_PROVIDED.items() for n in names])
 def test_native_only_names_say_why(path, name):
     module = importlib.import_module(f"llmdd.{path}")
@@ -137,7 +129,7 @@ def test_alias_distribution_in_a_fresh_interpreter():
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(REPO, "compat", "llm-datadist-alias", "src"),
                                                        os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "('10.1.2.3', 26000) 1 LLM_DATADIST"
 

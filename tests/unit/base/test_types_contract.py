@@ -20,11 +20,11 @@ from llmdd._base.types import (
     MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
-    _AsyncTaskLike,
     cache_key_index,
     check_cache_key,
     check_layer_range,
 )
+from llmdd._base.types.transfer import _AsyncTaskLike
 
 U64 = 2**64 - 1
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID

@@ -35,13 +35,23 @@ def test_timers_fire_in_deadline_order_and_cancelled_ones_never(loop):
     fired = []
     done = threading.Event()
     delays = [rng.uniform(0.0, 0.2) for _ in range(40)]
-    timers = [loop.call_later(d, fired.append, i) for i, d in enumerate(delays)]
     cancelled = set(rng.sample(range(40), 10))
-    for i in cancelled:
-        timers[i].cancel()
-    loop.call_later(0.3, done.set)
+    timers: list = []
+
+    def schedule():
+        # on the loop thread: no timer can fire before every one is set and the cancelled ones are
+        # cancelled (from another thread, a short one fired first when the machine was busy)
+        timers.extend(loop.call_later(d, fired.append, i) for i, d in enumerate(delays))
+        for i in cancelled:
+            timers[i].cancel()
+        loop.call_later(0.3, done.set)
+
+    loop.call_soon(schedule)
     assert done.wait(5.0)
-    expected = [i for i in sorted(range(40), key=lambda i: delays[i]) if i not in cancelled]
+    assert len(timers) == 40
+    # the order of the deadlines the loop computed (each delay counted from its own call_later; a tie
+    # keeps the order of scheduling), not of the delays alone: time passes between two call_later
+    expected = [i for i in sorted(range(40), key=lambda i: (timers[i].when, i)) if i not in cancelled]
     assert fired == expected
 
 

@@ -556,7 +556,7 @@ def _run_demo(root, **env):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("LLMDD_")}
     environ.update(PYTHONPATH=str(root), LLMDD_DISABLED_PLUGINS=",".join(others), **env)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_SCRIPT)], env=environ, cwd=root,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

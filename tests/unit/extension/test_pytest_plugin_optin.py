@@ -47,7 +47,7 @@ def _run_suite(tmp_path, *args):
     env.pop("PYTEST_PLUGINS", None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *args, "test_framework.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100,
+        cwd=tmp_path, env=env, capture_output=True, text=True,
     )
     return proc.returncode, proc.stdout + proc.stderr
 

@@ -72,3 +72,40 @@ def test_docs_benchmarks_small_transfer_tables_match_the_committed_runs():
                 runs.append(json.load(f))
         assert lines[i + 1:end] == [""] + markdown(runs, args) + [""], m.group(1)
     assert found, "docs/benchmarks.md has no generated small-transfer table"
+
+
+PLOTS_COMMAND = re.compile(r"llmdd bench --report ((?:\S+\.json\s+(?:\\\s+)?)+)--markdown --plots (docs/img/\S+)")
+
+
+def test_every_figure_in_docs_comes_from_committed_results_with_its_command():
+    """Every image under docs/ is shown by a page that also gives the ``llmdd bench --report ... --plots DIR``
+    command that writes it: DIR is the image's folder, and the results it reads are committed files."""
+    docs = os.path.join(ROOT, "docs")
+    images = sorted(os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(docs) for f in fs
+                    if f.endswith((".png", ".svg", ".jpg", ".jpeg", ".gif")))
+    assert images, "no figure under docs/: the benchmarks page shows the latest runs' plots"
+    pages = {}
+    for d, _, fs in os.walk(docs):
+        for f in fs:
+            if f.endswith(".md"):
+                pages[os.path.relpath(os.path.join(d, f), ROOT)] = open(os.path.join(d, f)).read()
+    for image in images:
+        showing = [p for p, text in pages.items()
+                   if os.path.relpath(image, os.path.dirname(p)) in text]
+        assert showing, f"{image} is shown by no page"
+        for page in showing:
+            commands = [(m.group(1).replace("\\", "").split(), m.group(2))
+                        for m in PLOTS_COMMAND.finditer(pages[page].replace("\\\n", " "))]
+            made = [results for results, out in commands if out == os.path.dirname(image)]
+            assert made, f"{page} shows {image} without the --plots command that writes it"
+            for results in made:
+                assert results and all(r.startswith("bench/results-committed/") for r in results), results
+                assert all(os.path.isfile(os.path.join(ROOT, r)) for r in results), results
+
+
+def test_the_figure_provenance_check_refuses_a_figure_without_its_command():
+    # the control: the same pattern finds nothing in a page that shows a plot but gives no --plots command
+    text = "![scaling](img/run-1-3/scaling.png)\n\n```bash\nllmdd bench --report a.json --markdown\n```\n"
+    assert not PLOTS_COMMAND.findall(text)
+    good = "llmdd bench --report bench/results-committed/x/run-1/results.json --markdown --plots docs/img/run-1-3"
+    assert PLOTS_COMMAND.search(good).group(2) == "docs/img/run-1-3"

@@ -182,7 +182,7 @@ def test_cli_report_of_several_runs_rewrites_none_and_writes_plots(tmp_path):
         paths.append(str(d / "results.json"))
     before = [open(p).read() for p in paths]
     proc = subprocess.run([sys.executable, "-m", "llmdd", "bench", "--report", *paths, "--markdown", "--plots",
-                           str(tmp_path / "img")], capture_output=True, text=True, timeout=90)
+                           str(tmp_path / "img")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.rstrip("\n").split("\n") == report.markdown([json.loads(b) for b in before], paths)
     assert [open(p).read() for p in paths] == before

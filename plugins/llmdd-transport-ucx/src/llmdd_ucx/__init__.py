@@ -90,6 +90,9 @@ __all__ = ["UcxTransport", "UcxEndpoint", "UcxChannel", "EndpointFields", "Regio
 
 
 _INIT_AGENT = "NIXL_INIT_AGENT"
+#: what makes ucx available where this plugin is installed without NIXL (``llmdd info`` / ``llmdd doctor`` say it)
+NIXL_FIX = ("pip install --no-deps nixl-cu12 (NIXL, this transport's engine: `llmdd[ucx]` and `llmdd[all]` do not "
+            "pull it in, because its wheel requires torch and CUDA wheels that llmdd does not need)")
 
 
 class UcxTransport(Transport):
@@ -103,8 +106,9 @@ class UcxTransport(Transport):
     def probe(cls) -> TransportInfo:
         try:
             api = _nixl.load()
-        except ImportError as exc:
-            return TransportInfo(name=cls.name, available=False, reason=str(exc))
+        except ImportError as exc:   # `llmdd[ucx]`/`llmdd[all]` bring this plugin, not NIXL (it requires torch+CUDA)
+            return TransportInfo(name=cls.name, available=False, reason=str(exc),
+                                 details={"fix": NIXL_FIX})
         except Exception as exc:  # noqa: BLE001 - probe never raises
             return TransportInfo(name=cls.name, available=False, reason=f"loading NIXL failed: {exc!r}")
         try:

@@ -1,1 +1,0 @@
-"""Re-export of :mod:`llmdd.utils` (``llm_datadist.utils``)."""

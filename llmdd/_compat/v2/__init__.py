@@ -1,1 +1,0 @@
-"""Re-export of :mod:`llmdd.v2` (``llm_datadist.v2``)."""
