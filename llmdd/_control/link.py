@@ -113,6 +113,12 @@ class Link:
         return self.fsm.in_(LINK_IN_USE)
 
     @property
+    def in_use(self) -> bool:
+        """llmdd._protocol.port.LinkView: this side's transfers may start on it (LINKED, not on its way
+        down, not released)."""
+        return self.fsm.in_(LINK_IN_USE) and not self.released
+
+    @property
     def serves_peer(self) -> bool:
         """Are the peer's requests and notices served (and recorded)?  LINKED or UNLINKING, or a
         client's link still in its setup (the server is LINKED before its tables leave).  A link

@@ -44,7 +44,7 @@ class BusyTable:
         """An async task takes ``links`` (all or none): LLM_LINK_BUSY while another task or an unlink has one."""
         with self._lock:
             for link in links:
-                if self._async_busy.get(id(link)) or not link.linked:
+                if self._async_busy.get(id(link)) or not link.in_use:
                     raise _err(f"an async transfer is already running on the link to cluster "
                                f"{link.peer_cluster_id}, or the link is no longer in use", S.LLM_LINK_BUSY)
             for link in links:
@@ -98,7 +98,7 @@ class Turn:
         if not link.transfer_lock.acquire(timeout=busy.timeout_s):
             raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {busy.timeout_s:.3f} s",
                        S.LLM_LINK_BUSY)
-        if not link.linked:
+        if not link.in_use:
             link.transfer_lock.release()
             if busy._lm.get(link.peer_cluster_id) in (link, None):
                 # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now

@@ -210,7 +210,7 @@ class TransferEngine:
             if isinstance(exc, PeerGone):
                 self._lm.fail_link(link, exc)
                 code = S.LLM_LINK_FAILED
-            elif not link.linked:
+            elif not link.in_use:
                 # cancelled because the link went down under it (peer lost, force unlink, finalize):
                 # report why the link is gone, not a generic failure
                 code = link.failure_status or S.LLM_LINK_FAILED

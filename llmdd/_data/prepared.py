@@ -170,7 +170,7 @@ class PreparedPlans:
         rec, link = plan.rec, plan.link
         tables = link.tables
         return (rec.live and rec.regions is plan.regions and self._memory.get(rec.cache_id) is rec
-                and link.linked and link.channel is plan.chan and self._lm.get(link.peer_cluster_id) is link
+                and link.in_use and link.channel is plan.chan and self._lm.get(link.peer_cluster_id) is link
                 and tables is plan.tables and tables.cache_table_version == plan.cv
                 and tables.regions_version == plan.rv)
 
@@ -199,7 +199,7 @@ class PreparedPlans:
               src_layer_range: Optional[range], dst_layer_range: Optional[range], tnpl: int) -> Optional[PreparedPlan]:
         rec = self._memory.get(local_id)
         link = self._lm.get(cluster_id)
-        if rec is None or not rec.live or link is None or not link.linked or link.channel is None:
+        if rec is None or not rec.live or link is None or not link.in_use or link.channel is None:
             return None
         # ranges by (start, stop, step): range(0, 2, 2) == range(0, 1), but only one passes the checks
         pk = (push, id(link), local_id, remote.model_id if isinstance(remote, BlocksCacheKey) else ("id", remote),

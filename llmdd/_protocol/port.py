@@ -66,8 +66,9 @@ class LinkView(Protocol):
         ...
 
     @property
-    def linked(self) -> bool:
-        """The link is in use (LINKED and not on its way down)."""
+    def in_use(self) -> bool:
+        """This side may start transfers on the link: LINKED, not on its way down, and not released
+        (a link this side unlinked while the peer still holds it serves the peer only)."""
         ...
 
     @property

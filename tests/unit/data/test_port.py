@@ -73,7 +73,7 @@ class FakeLink:
         self.failure_status = None
 
     @property
-    def linked(self) -> bool:
+    def in_use(self) -> bool:
         return self.fsm.in_(LINK_IN_USE)
 
     @property
@@ -140,9 +140,9 @@ def test_quiesce_refuses_a_busy_link_and_takes_an_idle_one_out_of_use_before_any
     link.transfer_lock.acquire()               # a blocking transfer holds it
     assert te.quiesce(link, unlink) is False
     link.transfer_lock.release()
-    assert unlinked == [] and link.linked      # a refused quiesce leaves the link in use
+    assert unlinked == [] and link.in_use      # a refused quiesce leaves the link in use
     assert te.quiesce(link, unlink) is True    # idle: UNLINKING, moved while the link's turn was held
-    assert unlinked == [True] and not link.linked and not link.transfer_lock.locked()
+    assert unlinked == [True] and not link.in_use and not link.transfer_lock.locked()
     with pytest.raises(LLMException) as err:   # out of use: the control plane says why (this port: not linked)
         with te._busy.turn(link):
             raise AssertionError("a blocking transfer got the turn of a link quiesced for an unlink")

@@ -43,7 +43,7 @@ class _Memory:
 def _world():
     port, memory = _Port(), _Memory()
     tables = types.SimpleNamespace(cache_table_version=3, regions_version=5)
-    link = types.SimpleNamespace(peer_cluster_id=9, linked=True, failure_status=None, channel=object(), tables=tables,
+    link = types.SimpleNamespace(peer_cluster_id=9, in_use=True, failure_status=None, channel=object(), tables=tables,
                                  transfer_lock=threading.Lock())
     rec = types.SimpleNamespace(cache_id=4, live=True, regions=("r1", "r2"))
     port.links[9], memory.records[4] = link, rec
@@ -64,7 +64,7 @@ def _stale(what: str, port, memory, link, rec, tables) -> None:
     elif what == "another record under the id":
         memory.records[4] = types.SimpleNamespace(cache_id=4, live=True, regions=rec.regions)
     elif what == "link down":
-        link.linked = False
+        link.in_use = False
     elif what == "another channel":
         link.channel = object()
     elif what == "relinked":
@@ -103,7 +103,7 @@ def test_a_link_that_went_down_takes_its_plans_and_its_memo():
 
 def test_the_busy_turn_is_given_back_however_its_body_ends():
     port = _Port()
-    link = types.SimpleNamespace(peer_cluster_id=9, linked=True, failure_status=None, transfer_lock=threading.Lock())
+    link = types.SimpleNamespace(peer_cluster_id=9, in_use=True, failure_status=None, transfer_lock=threading.Lock())
     port.links[9] = link
     busy = BusyTable(port=port, timeout_s=1.0)   # type: ignore[arg-type]
     with busy.turn(link):
@@ -119,7 +119,7 @@ def test_the_busy_turn_is_given_back_however_its_body_ends():
             raise AssertionError("the body of a refused turn ran")
     assert err.value.status_code is LLMStatusCode.LLM_LINK_BUSY and not link.transfer_lock.locked()
     busy.release_links([link])
-    link.linked = False                          # down: the turn is refused with the link's status
+    link.in_use = False                          # down: the turn is refused with the link's status
     with pytest.raises(LLMException) as err:
         with busy.turn(link):
             raise AssertionError("the body of a refused turn ran")

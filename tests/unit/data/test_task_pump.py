@@ -109,7 +109,7 @@ class PumpLink:
         self.channel = channel
 
     @property
-    def linked(self) -> bool:
+    def in_use(self) -> bool:
         return self.fsm.in_(LINK_IN_USE)
 
 
