@@ -7,8 +7,9 @@ member to a TCP address:
 * a member whose ``device_ip`` is an address of this host (loopback included) is
   reached through a same-host rendezvous: every member listens on an ephemeral port
   on 127.0.0.1 and publishes it in a file named after the comm name, the rank table
-  and its rank under ``$LLMDD_RENDEZVOUS_DIR`` (default: ``<tmp>/llmdd-rendezvous-<uid>``);
-  no configuration is needed for members on one host;
+  and its rank under ``$LLMDD_RENDEZVOUS_DIR`` (default: ``<tmp>/llmdd-rendezvous-<uid>``),
+  with its pid and start time, so that the entry of a killed member is skipped as stale
+  (:mod:`llmdd._control.comm_group`); no configuration is needed for members on one host;
 * any other member is reached at ``device_ip:(LLMDD_COMM_BASE_PORT + device_id)``
   (default base port 26100), where that member listens while its ``link()`` runs.
 """

@@ -12,6 +12,15 @@ pair already linked uses that link and holds it (its comm id among the link's ho
 connects only when no link to that peer exists or is being made (one connect per peer at a time),
 so a second group never replaces the first one's link.  ``unlink(comm_id)`` gives back the group's
 hold; the link ends when neither side holds it (:meth:`LinkManager.unlink_one`).
+
+A same-host member publishes its address in a rendezvous file (:func:`rendezvous_dir`) that names
+its incarnation too: ``ip:port pid start incarnation``, ``start`` being the process's start time
+(``/proc/<pid>/stat``, clock ticks since boot; 0 where there is no ``/proc``) and ``incarnation`` a
+random token of the group.  A reader takes an entry only while that process lives (same pid *and*
+start time, not a zombie): the file of a member killed before it could remove it (SIGKILL) is
+stale, and the reader keeps waiting, until the group's deadline, for the new member's entry, which
+replaces the stale file atomically.  A reader never deletes a file (it could delete a new entry
+written between its check and the unlink).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import secrets
 import socket
 import tempfile
 import threading
@@ -49,6 +59,57 @@ DEFAULT_TOTAL_TIME_S = 120.0
 def rendezvous_dir() -> str:
     return os.environ.get("LLMDD_RENDEZVOUS_DIR") or os.path.join(tempfile.gettempdir(),
                                                                    f"llmdd-rendezvous-{os.getuid()}")
+
+
+def _start_time(pid: int) -> Optional[tuple[str, int]]:
+    """(state, start time in clock ticks since boot) of ``pid`` from ``/proc``; None when there is
+    no such process.  Raises OSError other than "no such file" (no ``/proc`` at all, for one)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode("ascii", "replace")
+    except FileNotFoundError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()   # after "pid (comm) ": state is field 3, start 22
+    return fields[0], int(fields[19])
+
+
+def _own_start_time() -> int:
+    try:
+        found = _start_time(os.getpid())
+    except (OSError, ValueError, IndexError):
+        return 0
+    return found[1] if found is not None else 0
+
+
+def _entry_alive(pid: int, start: int) -> bool:
+    """Whether the process that wrote a rendezvous entry (``pid`` started at ``start``) still runs:
+    a process gone, a zombie, or another process under a reused pid is not it."""
+    if start and os.path.isdir("/proc"):
+        try:
+            found = _start_time(pid)
+        except (OSError, ValueError, IndexError):
+            found = ("R", start)   # unreadable: judged by the signal check below
+        if found is None or found[0] in ("Z", "X") or found[1] != start:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _parse_entry(text: str) -> tuple[str, int, int, int]:
+    """``ip:port pid start incarnation`` → (ip, port, pid, start); ValueError when malformed."""
+    parts = text.split()
+    if len(parts) != 4:
+        raise ValueError(f"malformed rendezvous entry {text!r}")
+    host, port_text = parts[0].rsplit(":", 1)
+    port, pid, start = int(port_text), int(parts[1]), int(parts[2])
+    if not 0 < port < 65536 or pid <= 0 or start < 0:
+        raise ValueError(f"malformed rendezvous entry {text!r}")
+    return host, port, pid, start
 
 
 def _base_port() -> int:
@@ -124,22 +185,32 @@ class CommGroups:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as fh:
-                fh.write(f"{addr[0]}:{addr[1]}\n")
-            os.replace(tmp, path)
+                fh.write(f"{addr[0]}:{addr[1]} {os.getpid()} {_own_start_time()} {secrets.token_hex(8)}\n")
+            os.replace(tmp, path)   # replaces a stale entry of this rank (its writer was killed)
             group.published = path
 
     def _address(self, group: _Group, member: RankMember, deadline: float) -> tuple[str, int]:
         if not is_local_address(member.device_ip):
             return member.device_ip, _base_port() + member.device_id
         path = os.path.join(rendezvous_dir(), f"{group.tag}-{member.rank_id}")
+        stale: Optional[str] = None
         while time.monotonic() < deadline and not group.stop.is_set():
             try:
                 with open(path) as fh:
-                    host, port = fh.read().strip().rsplit(":", 1)
-                return host, int(port)
-            except (OSError, ValueError):
+                    text = fh.read(256)
+                host, port, pid, start = _parse_entry(text)
+            except (OSError, ValueError):   # not there yet, or being replaced
                 time.sleep(0.02)
-        raise TimeoutError(f"member of rank {member.rank_id} did not publish its address")
+                continue
+            if _entry_alive(pid, start):
+                return host, port
+            if text != stale:   # once per stale entry: its writer is gone, the new member's is awaited
+                stale = text
+                _log.warning("llmdd.comm_group.stale_entry", comm_id=group.comm_id, rank=member.rank_id,
+                             pid=pid, path=path)
+            time.sleep(0.02)
+        raise TimeoutError(f"member of rank {member.rank_id} did not publish its address"
+                           + (" (its entry names a process that is gone)" if stale is not None else ""))
 
     # ------------------------------------------------------------------ setup
     def _run(self, group: _Group, deadline: float) -> None:

@@ -173,3 +173,66 @@ def test_a_second_group_over_the_same_pair_never_affects_the_first(tmp_path):
                 assert state is None, (trial, state)
             assert "failed" not in [e["dest"] for e in lo.call(P.events) + hi.call(P.events)]
         assert not os.listdir(tmp_path / "rendezvous")
+
+
+def _stale_seen_or_settled(h, comm_id: int, deadline_s: float) -> tuple:
+    """Poll member ``h`` until it logged a stale rendezvous entry or its group left PREPARING
+    (whichever first; the deadline only bounds a hang): (stale entry logged, group status)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        stale = any("llmdd.comm_group.stale_entry" in line for line in h.call(P.logs))
+        status = h.call(P.group_status, comm_id)
+        if stale or status != "PREPARING" or time.monotonic() >= deadline:
+            return stale, status
+        time.sleep(0.02)
+
+
+def test_a_member_killed_before_cleanup_leaves_a_stale_entry_the_restarted_group_ignores(tmp_path):
+    """A member SIGKILLed after publishing its rendezvous entry (as vLLM's shutdown kills workers)
+    leaves the file behind.  The next group with the same comm name and rank table reads it, sees
+    its writer is gone, and waits for the restarted member's entry instead of connecting to the dead
+    address: both sides reach OK and a pull moves the seeded bytes.  Before the entry named its
+    incarnation (pid and start time), the higher rank connected to the dead port and its group was
+    FAILED at once (the control: on that code, with the check of the entry's pid left out since its
+    entry had none, this test reads FAILED at the PREPARING assertion below)."""
+    ids = [901, 902]
+    table = rank_table_v10(2)
+    rank_info = {cid: rank for rank, cid in enumerate(ids)}
+    rdv = tmp_path / "rendezvous"
+    with Cluster(env=_env(tmp_path)) as c:
+        (old,) = c.spawn("old901")
+        old.call(P.start, "PROMPT", 901, seed=1, local_comm_res=False)
+        old.call(P.group_link, "restarted", rank_info, table)   # link() publishes before it returns
+        (entry,) = os.listdir(rdv)
+        assert entry.endswith("-0")
+        stale_text = (rdv / entry).read_text()
+        assert int(stale_text.split()[1]) == old.pid
+        old.kill()
+        assert old.exitcode == -9
+        assert (rdv / entry).read_text() == stale_text          # left behind: no exit handler ran
+
+        hi, lo = c.spawn("m902", "m901")
+        hi.call(P.start, "DECODER", 902, seed=2, local_comm_res=False)
+        lo.call(P.start, "PROMPT", 901, seed=3, local_comm_res=False)
+        hi.call(P.capture_logs)
+        hi_id = hi.call(P.group_link, "restarted", rank_info, table)
+        # rank 1 reads rank 0's entry first: the stale one, since the new rank 0 has not linked yet
+        stale, status = _stale_seen_or_settled(hi, hi_id, 10.0)
+        assert status == "PREPARING" and stale, (status, stale, hi.call(P.logs))
+        lo_id = lo.call(P.group_link, "restarted", rank_info, table)
+        waits = [h.call_async(P.group_wait, cid, 10.0) for h, cid in ((hi, hi_id), (lo, lo_id))]
+        for fut in waits:
+            status, took = fut.result(15.0)
+            assert status == "OK", (status, took)
+        new_text = (rdv / entry).read_text()
+        assert int(new_text.split()[1]) == lo.pid and new_text != stale_text   # replaced by the new writer
+        assert hi.call(P.link_states) == {901: "linked"} and lo.call(P.link_states) == {902: "linked"}
+
+        src = lo.call(P.blocks)
+        np.testing.assert_array_equal(src, P.pattern(901, 3))
+        assert not np.array_equal(hi.call(P.blocks)[:, 1], src[:, 2])   # the control: differ before
+        assert hi.call(P.pull, 901, [2], [1])[0] == "LLM_SUCCESS"
+        np.testing.assert_array_equal(hi.call(P.blocks)[:, 1], src[:, 2])
+
+        assert hi.call(P.group_unlink, hi_id) is None and lo.call(P.group_unlink, lo_id) is None
+        assert not os.listdir(rdv)
