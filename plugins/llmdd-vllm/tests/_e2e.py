@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -80,3 +81,46 @@ def by_source(inst: Instance) -> dict:
 
 def delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+
+
+def generate(inst: Instance, ps: list, params: "list | None" = None) -> list:
+    """Each prompt's greedy tokens on ``inst``; with ``params``, each prompt's kv_transfer_params."""
+    kw = {} if params is None else {"params": params}
+    return [r["tokens"] for r in inst.call(op="generate", prompts=ps, max_tokens=MAX_TOKENS, **kw)["results"]]
+
+
+def transfer_equals_local_run(d: Instance, ps: list, kv: list, counters: "Callable[[Instance], object] | None" = counters
+                              ) -> tuple:
+    """Run ``ps`` on the decode instance ``d`` with the prefill's ``kv`` (the transfer run), then as
+    the single-instance run (the same instance computes each prompt itself): the tokens are equal,
+    the weights are not degenerate (the outputs vary within and across prompts), and vLLM's own
+    metrics say every prompt token of the transfer run came by external KV transfer, none computed
+    locally, while the single-instance run computed them all.  ``counters(d)`` before and after the
+    transfer run (None, None without ``counters``: a connector other than llmdd's has none)."""
+    count = counters or (lambda inst: None)
+    src0, c0 = by_source(d), count(d)
+    got = generate(d, ps, kv)
+    src1, c1 = by_source(d), count(d)
+    ref = generate(d, ps)
+    src2 = by_source(d)
+    assert got == ref
+    assert all(len(set(t)) >= MAX_TOKENS // 2 for t in ref), ref
+    assert len({tuple(t) for t in ref}) == len(ref)
+    n = sum(len(x) for x in ps)
+    assert delta(src1, src0) == {"external_kv_transfer": n, "local_compute": 0, "local_cache_hit": 0}
+    assert delta(src2, src1) == {"external_kv_transfer": 0, "local_compute": n, "local_cache_hit": 0}
+    return c0, c1
+
+
+def control_prefill_changes_every_output(p_other: Instance, d: Instance, ps: list) -> None:
+    """The control: a prefill instance whose attention weights differ.  The decode instance uses its
+    KV (every prompt token by transfer, none computed), so every output differs from ``d``'s own run:
+    the tokens depend on the transferred KV."""
+    ref = generate(d, ps)
+    kv = prefill(p_other, ps)
+    src0 = by_source(d)
+    got = generate(d, ps, kv)
+    src1 = by_source(d)
+    assert delta(src1, src0)["external_kv_transfer"] == sum(len(x) for x in ps)
+    assert delta(src1, src0)["local_compute"] == 0
+    assert all(g != r for g, r in zip(got, ref)), (got, ref)

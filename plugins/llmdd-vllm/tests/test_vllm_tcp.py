@@ -62,14 +62,7 @@ def test_tcp_decode_equals_a_single_instance_run_and_its_prompt_kv_came_by_trans
     p, d = tcp_pd["p"], tcp_pd["d"]
     ps = E.prompts(3)
     kv = E.prefill(p, ps)
-    src0, c0 = E.by_source(d), E.counters(d)
-    got = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS, params=kv)["results"]]
-    src1, c1 = E.by_source(d), E.counters(d)
-    ref = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
-    assert got == ref
-    assert all(len(set(t)) >= E.MAX_TOKENS // 2 for t in ref), ref
-    n = sum(len(x) for x in ps)
-    assert E.delta(src1, src0) == {"external_kv_transfer": n, "local_compute": 0, "local_cache_hit": 0}
+    c0, c1 = E.transfer_equals_local_run(d, ps, kv)
     blocks = E.blocks_of(ps)
     assert c1["blocks_pulled"] - c0["blocks_pulled"] == blocks
     assert c1["bytes_pulled"] - c0["bytes_pulled"] == blocks * c1["block_bytes"]

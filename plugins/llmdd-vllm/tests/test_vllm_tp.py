@@ -56,17 +56,7 @@ def _by_rank(inst) -> list:
 def _transfer(p, d, ps: list, d_tp: int, p_tp: int, transport: str) -> None:
     kv = E.prefill(p, ps)
     assert all(len(k["llmdd_ranks"]) == p_tp and k["llmdd_compat"]["tp"] == p_tp for k in kv), kv[0]
-    src0, c0 = E.by_source(d), _by_rank(d)
-    got = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS, params=kv)["results"]]
-    src1, c1 = E.by_source(d), _by_rank(d)
-    ref = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
-    src2 = E.by_source(d)
-    assert got == ref
-    assert all(len(set(t)) >= E.MAX_TOKENS // 2 for t in ref), ref
-    assert len({tuple(t) for t in ref}) == len(ref)
-    n = sum(len(x) for x in ps)
-    assert E.delta(src1, src0) == {"external_kv_transfer": n, "local_compute": 0, "local_cache_hit": 0}
-    assert E.delta(src2, src1) == {"external_kv_transfer": 0, "local_compute": n, "local_cache_hit": 0}
+    c0, c1 = E.transfer_equals_local_run(d, ps, kv, counters=_by_rank)
     # each decode rank read its own heads (2 KV heads over d_tp ranks) of every prompt block, in
     # one piece per prefill rank holding them, and llmdd moved exactly those bytes
     blocks = E.blocks_of(ps)
@@ -106,15 +96,7 @@ def test_tp1_prefill_to_tp2_decode_each_rank_reads_its_head(tp_insts):
 
 def test_tp1_control_prefill_with_other_attention_weights_changes_every_tp2_decode_output(tp_insts):
     c1, d2 = tp_insts["c1"], tp_insts["d2"]
-    ps = E.prompts(24)
-    ref = [r["tokens"] for r in d2.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
-    kv = E.prefill(c1, ps)
-    src0 = E.by_source(d2)
-    got = [r["tokens"] for r in d2.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS, params=kv)["results"]]
-    src1 = E.by_source(d2)
-    assert E.delta(src1, src0)["external_kv_transfer"] == sum(len(x) for x in ps)
-    assert E.delta(src1, src0)["local_compute"] == 0
-    assert all(g != r for g, r in zip(got, ref)), (got, ref)
+    E.control_prefill_changes_every_output(c1, d2, E.prompts(24))
 
 
 def test_an_incompatible_prefill_is_refused_naming_both_values_and_the_prompt_recomputed(tp_insts):
