@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
-
 _IMPORT = """
 import sys
 for name in sys.argv[1:]:
@@ -29,7 +27,7 @@ else:
 
 @pytest.mark.parametrize("missing", [["torch"], ["vllm"], ["torch", "vllm"]])
 def test_import_without_vllm_or_torch_says_what_to_install(missing):
-    out = subprocess.run([sys.executable, "-c", _IMPORT, *missing], capture_output=True, text=True, timeout=50)
+    out = subprocess.run([sys.executable, "-c", _IMPORT, *missing], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     name, message = out.stdout.split("\n", 1)
     assert any(name == m or name.startswith(m + ".") for m in missing), name   # "vllm.distributed", ...
@@ -40,8 +38,7 @@ def test_import_without_vllm_or_torch_says_what_to_install(missing):
 
 def test_control_another_missing_module_is_not_reworded():
     """A missing module other than torch/vLLM (a broken install) keeps its own error."""
-    out = subprocess.run([sys.executable, "-c", _IMPORT, "llmdd_vllm.connector"], capture_output=True, text=True,
-                         timeout=50)
+    out = subprocess.run([sys.executable, "-c", _IMPORT, "llmdd_vllm.connector"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     name, message = out.stdout.split("\n", 1)
     assert name == "llmdd_vllm.connector" and "needs vLLM" not in message, out.stdout
