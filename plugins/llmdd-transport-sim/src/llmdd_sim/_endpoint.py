@@ -74,7 +74,7 @@ class SimCompletion(Completion):
     def wait(self, timeout: Union[float, None] = None) -> bool:
         clock = self._fabric.clock
         until = self.deadline if timeout is None else min(clock.now() + max(0.0, timeout), self.deadline)
-        clock.run_until(self.done, until)
+        clock.run_until(self.done, until, self)
         if not self._done and clock.now() >= self.deadline:
             with self._fabric.lock:
                 self.finish(TransportTimeout(f"sim batch {self.id} missed its deadline"))
@@ -99,6 +99,7 @@ class SimCompletion(Completion):
         self.timers.clear()
         self.channel._inflight.pop(self.id, None)
         self._fabric.emit("finish", self.id, error)
+        self._fabric.clock.notify(self)
 
     def __repr__(self) -> str:
         return f"<SimCompletion {self.id} {self.kind} done={self._done} error={self._error!r}>"
@@ -306,7 +307,8 @@ class SimChannel(Channel):
                 self._fail(c, PeerGone(f"sim peer {self.peer_process} is gone"))
                 return
             ops = c.ops
-            pairs = []
+            pairs: list[tuple[int, int, int, int, int]] = []
+            ranges: list[tuple[int, int]] = []
             for rid in np.unique(ops["remote_region"]).tolist():
                 known = self.remote.get(rid)
                 served = owner.serve(rid, known[1]) if known is not None else Refused(f"remote region {rid} unknown")
@@ -334,8 +336,12 @@ class SimChannel(Channel):
                 if ln:
                     ctypes.memmove(dst, src, ln)
                 pairs.append((lr, lo, rr, ro, ln))
+                ranges.append((dst, ln))
             fabric.stats["landed"] += 1
-            fabric.emit("land", c.id, (c.kind, self.ep.process, self.peer_process, pairs))
+            # what landed where: the simulator's byte oracle checks every range against the calls open now
+            fabric.emit("land", c.id, {"kind": c.kind, "process": self.ep.process, "peer": self.peer_process,
+                                       "dst_process": self.ep.process if c.kind == READ else self.peer_process,
+                                       "ranges": ranges})
             if fault == "partial":
                 self._fail(c, PeerGone(f"sim batch {c.id}: connection lost after {n} of {len(ops)} ops"))
                 return

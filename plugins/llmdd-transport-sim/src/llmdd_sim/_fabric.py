@@ -40,9 +40,13 @@ class Clock(Protocol):
 
     def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> Handle: ...
 
-    def run_until(self, pred: Callable[[], bool], until: float) -> bool:
+    def run_until(self, pred: Callable[[], bool], until: float, key: Any = None) -> bool:
         """Wait (run the simulation, or block) until ``pred()`` or the clock reaches ``until``;
-        return ``pred()``."""
+        return ``pred()``.  ``key``: what ``pred`` depends on; :meth:`notify` names it when it changes."""
+        ...
+
+    def notify(self, key: Any) -> None:
+        """``key`` changed (a batch finished): wake whoever waits on it."""
         ...
 
 
@@ -83,7 +87,11 @@ class RealClock:
             self._cv.notify_all()
         return timer
 
-    def run_until(self, pred: Callable[[], bool], until: float) -> bool:
+    def notify(self, key: Any) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def run_until(self, pred: Callable[[], bool], until: float, key: Any = None) -> bool:
         with self._cv:
             while not pred():
                 left = until - time.monotonic()
