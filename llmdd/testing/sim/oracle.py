@@ -48,7 +48,14 @@ class Oracle:
         #: (owner, owner incarnation, peer) -> tags delivered (peer_read events), in order
         self.delivered: dict[tuple[int, int, int], list[str]] = {}
         self.acked: dict[tuple[int, int, int], list[str]] = {}
+        self.failed_tags: set[str] = set()
+        self.nodes: dict[int, Any] = {}
+        self._stats_cursor = 0
         self.tasks: list[Any] = []
+        #: (engine, incarnation, peer) -> record index of this side's successful unlink (its hold released)
+        self.released: dict[tuple[int, int, int], int] = {}
+        #: engine -> (incarnation, record index) while its finalize runs
+        self.finalizing: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ landings
     def observe(self, kind: str, batch_id: int, detail: Any) -> None:
@@ -89,13 +96,21 @@ class Oracle:
                 _, shook = self.links.get(key, (None, -1))
                 if ev.trigger == "handshake_succeeded":
                     shook = self._cursor
+                    self.released.pop(key, None)
                 self.links[key] = (ev.dest, shook)
+            elif ev.machine is Machine.TASK and ev.trigger == "start":
+                going = self.finalizing.get(engine)
+                if going is not None and going[0] == inc and going[1] <= self._cursor:
+                    self.record.add("no_success_after_revocation", f"engine {engine}: task {ev.id!r} started after "
+                                    "its engine's finalize began (a queued task must be withdrawn)")
             elif ev.machine is Machine.CACHE and ev.trigger == "peer_read":
                 tag = ev.info.get("tag")
                 if tag is not None:
                     peer = int(ev.info.get("peer", -1))
-                    self.delivered.setdefault((engine, inc, peer), []).append(
-                        tag.decode() if isinstance(tag, bytes) else str(tag))
+                    text = tag.decode() if isinstance(tag, bytes) else str(tag)
+                    self.delivered.setdefault((engine, inc, peer), []).append(text)
+                    if ev.error is not None:
+                        self.failed_tags.add(text)
             self._cursor += 1
 
     def engine_up(self, node: Any) -> None:
@@ -106,6 +121,17 @@ class Oracle:
 
     def going_down(self, node: Any) -> None:
         self.down.add(node.cid)
+        self._read_events()
+        self.finalizing[node.cid] = (node.incarnation, len(self.record.events))
+
+    def link_call(self, a: Any, b: Any, op: str, status: Optional[str]) -> None:
+        """This side's link_clusters / unlink_clusters of ``b`` ended with ``status``."""
+        self._read_events()
+        key = (a.cid, a.incarnation, b.cid)
+        if op == "unlink" and status == "LLM_SUCCESS":
+            self.released[key] = len(self.record.events)
+        elif op == "link" and status in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
+            self.released.pop(key, None)
 
     def deregistered(self, node: Any) -> None:
         self.outbox_gone.add(node.cid)
@@ -118,6 +144,8 @@ class Oracle:
         self._read_events()
         reasons = []
         state, shook = self.links.get((a.cid, a.incarnation, b.cid), (None, -1))
+        if (a.cid, a.incarnation, b.cid) in self.released:
+            reasons.append(f"engine {a.cid} unlinked {b.cid} and did not link it again")
         if state is None:
             reasons.append(f"engine {a.cid} never linked {b.cid} in this incarnation")
         elif state in (LinkState.FAILED, LinkState.CLOSED):
@@ -148,6 +176,8 @@ class Oracle:
             acked = self.acked.setdefault(key, [])
             acked.append(tag)
             got_tags = self.delivered.get(key, [])
+            if tag in self.failed_tags:
+                rec.add("tags_once_in_order", f"{what} succeeded but its tag reached the owner as a failure")
             if got_tags.count(tag) != 1:
                 rec.add("tags_once_in_order", f"{what}: its tag reached the owner {got_tags.count(tag)} times "
                         "by the time the call returned")
@@ -162,6 +192,8 @@ class Oracle:
         self.tasks.append(task)
 
     def finalized(self, node: Any, leftovers: dict) -> None:
+        self._read_events()
+        self.finalizing.pop(node.cid, None)
         left = {k: v for k, v in leftovers.items() if v}
         if left:
             self.record.add("nothing_left", f"engine {node.cid} (incarnation {node.incarnation}) left {left} "
@@ -182,8 +214,29 @@ class Oracle:
             task.checked = True
         node.tasks = []
 
+    def check_statistics(self, node: Any) -> None:
+        """``statistics()``'s state of every link of ``node`` is the last state its events said."""
+        if not node.up:
+            return
+        self._read_events()
+        try:
+            links = node.dd.statistics()["links"]
+        except Exception as exc:  # noqa: BLE001 - a statistics() that raises disagrees with everything
+            self.record.add("statistics_agree", f"engine {node.cid}: statistics() raised {exc!r}")
+            return
+        for peer, info in links.items():
+            state, _ = self.links.get((node.cid, node.incarnation, int(peer)), (None, -1))
+            if state is None or info["state"] != state.value:
+                self.record.add("statistics_agree", f"engine {node.cid}: statistics() says its link to {peer} is "
+                                f"{info['state']}, its events say {None if state is None else state.value}")
+
     def check(self, rec: Record) -> None:
         """The per-step part (an extra check of :func:`~llmdd.testing.sim.invariants.check_step`)."""
+        for cid in {c.engine for c in rec.calls[self._stats_cursor:]}:
+            node = self.nodes.get(cid)
+            if node is not None:
+                self.check_statistics(node)
+        self._stats_cursor = len(rec.calls)
         with self._lock:
             late, self._late = self._late, []
         for detail in late:

@@ -77,6 +77,7 @@ def run(config: Config) -> Result:
         if not plan.has("crash"):
             mix.pop("crash", None)
         workload = Workload(backend, record, oracle, engines=config.engines, seed=config.seed, ops=mix)
+        oracle.nodes = {n.cid: n for n in workload.nodes}
         backend.apply_transport_faults(plan)
         workload.start_all()
         extra = (oracle.check, backend.check)
@@ -104,8 +105,8 @@ def run(config: Config) -> Result:
         h.update(backend.trace_hash().encode())
         outcomes: dict[str, int] = {}
         for call in record.calls:
-            k = f"{call.op} {call.status}"
-            outcomes[k] = outcomes.get(k, 0) + 1
+            what = f"{call.op} {call.status}"
+            outcomes[what] = outcomes.get(what, 0) + 1
         return Result(config, list(record.violations), h.hexdigest(), steps, ops_done, backend.elapsed(), outcomes)
     finally:
         backend.close()

@@ -111,7 +111,7 @@ class Node:
         return self.dd is not None
 
     def block_ranges(self, cache: str, blocks: list[int], layers: range) -> list[tuple[int, int]]:
-        out = []
+        out: list[tuple[int, int]] = []
         for layer in layers:
             for t in (2 * layer, 2 * layer + 1):
                 base = self.bufs[cache][t].ctypes.data
@@ -125,7 +125,7 @@ class Node:
 
 class TaskRec:
     def __init__(self, call: Call, node: Node, peer: Node, dst_blocks: list[int], layers: range,
-                 expect: np.ndarray, windows: list) -> None:
+                 expect: Optional[np.ndarray], windows: list) -> None:
         self.call, self.node, self.peer = call, node, peer
         self.dst_blocks, self.layers, self.expect, self.windows = dst_blocks, layers, expect, windows
         self.results: list[Any] = []
@@ -246,8 +246,9 @@ class Workload:
             return
         dd = a.dd
         assert dd is not None
-        self._call(a, "link_clusters", f"{b.cid}", LINK_MS / 1000.0,
-                   lambda: dd.link_clusters([self._cluster(a, b)], LINK_MS))
+        call = self._call(a, "link_clusters", f"{b.cid}", LINK_MS / 1000.0,
+                          lambda: dd.link_clusters([self._cluster(a, b)], LINK_MS))
+        self.oracle.link_call(a, b, "link", call.status)
 
     def op_unlink(self) -> None:
         a, b = self._pair()
@@ -256,8 +257,9 @@ class Workload:
         dd = a.dd
         assert dd is not None
         force = self.rng.random() < 0.3
-        self._call(a, "unlink_clusters", f"{b.cid}, force={force}", LINK_MS / 1000.0,
-                   lambda: dd.unlink_clusters([self._cluster(a, b)], LINK_MS, force=force))
+        call = self._call(a, "unlink_clusters", f"{b.cid}, force={force}", LINK_MS / 1000.0,
+                          lambda: dd.unlink_clusters([self._cluster(a, b)], LINK_MS, force=force))
+        self.oracle.link_call(a, b, "unlink", call.status)
 
     def _transfer_shape(self, src: Node, dst: Node, dst_cache: str) -> Optional[tuple[list, list, range, range]]:
         n = self.rng.randint(1, 4)
@@ -469,7 +471,7 @@ class Workload:
                        lambda: cm.pull_blocks(key, scratch, src_blocks=[0], dst_blocks=[0], tag="x" * 300))
         elif which == 5:
             self._call(a, "pull_blocks", "wrong key type", budget,
-                       lambda: cm.pull_blocks("not a key", scratch, src_blocks=[0], dst_blocks=[0]))  # type: ignore[arg-type]
+                       lambda: cm.pull_blocks("not a key", scratch, src_blocks=[0], dst_blocks=[0]))
         else:
             info = LLMClusterInfo()
             info.remote_cluster_id = 20_000 + b.cid
