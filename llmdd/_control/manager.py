@@ -263,6 +263,7 @@ class LinkManager:
         fsm = self._lc.create(peer.cluster_id, peer=peer.cluster_id)
         link = Link(peer_cluster_id=peer.cluster_id, fsm=fsm, control=conn, peer=peer, is_client=is_client,
                     transport=transport, transport_reason=reason, strand=Strand(self.loop.pool),
+                    transfer_lock=self.loop.lock(),
                     tables_ready=self.loop.event(), settled=self.loop.event(), created_at=self.loop.monotonic(),
                     liveness=Liveness(peer=peer.cluster_id, timeout_s=self.settings.peer_timeout_s,
                                       last_rx=self.loop.monotonic()))

@@ -1,0 +1,599 @@
+"""The simulated world: one thread, a fake clock, a FIFO scheduler and the waiting primitives.
+
+A :class:`World` runs everything of every simulated process on the thread that made it:
+
+* **loop callbacks** (``call_soon``, due timers, ready sockets) run on the world's *hub*, one at a
+  time, in the order they became runnable;
+* **workers** (pool tasks, :meth:`~llmdd._runtime.runtime.Threads.start_worker` workers, and the
+  test's own code, which is the main *fiber*) run as greenlets: a fiber runs until it waits on a
+  primitive of the world (an event, a lock, a condition, a socket, ``sleep``, a worker's ``join``),
+  and then the hub runs whatever else can run.  A fiber whose wait is over (the event was set, the
+  lock given back, the deadline passed) is resumed in FIFO order with the rest;
+* **time** is a number that moves only when nothing can run: to the next timer or to the deadline
+  of a wait, never otherwise.  Nothing sleeps for real.
+
+So a run is a function of its inputs and of the seed of :attr:`World.random` (the world's only
+randomness): the same scenario gives the same sequence of steps, which :meth:`World.trace_hash`
+sums up (a SHA-256 over every step's time and label).
+
+A wait on the hub itself (a loop callback that blocks, which the real loop forbids) runs the
+scheduler inside it, as a fallback.  A wait that nothing can ever end (no timer, no runnable fiber,
+no deadline) raises :class:`Stuck` in the test's fiber instead of hanging; a callback, task or worker
+that raises is recorded in :attr:`World.failures` (the real loop and pool log and contain it), and a
+test asserts that list is empty.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import heapq
+import itertools
+import math
+import random
+import weakref
+from typing import Any, Callable, Iterable, Optional
+
+try:
+    import greenlet  # type: ignore[import-untyped]
+except ImportError as exc:  # pragma: no cover - the extra is part of llmdd[test]
+    raise ImportError("llmdd.testing.sim needs the greenlet package: pip install 'llmdd[sim]'") from exc
+
+from llmdd._runtime.runtime import Timer
+
+__all__ = ["World", "Stuck", "Fiber", "SimEvent", "SimLock", "SimRLock", "SimCondition", "SimLocal"]
+
+#: steps the world may take without its clock moving before it calls the run stuck (a livelock: a ready
+#: socket nobody consumes, two workers waking each other for ever)
+MAX_STEPS_PER_INSTANT = 2_000_000
+
+
+class Stuck(AssertionError):
+    """A wait that nothing can end, or a world that does not settle (a livelock)."""
+
+
+class Fiber:
+    """One simulated thread of control (a pool worker, a long-lived worker, the test's code)."""
+
+    __slots__ = ("world", "name", "glet", "done", "__weakref__")
+
+    def __init__(self, world: "World", name: str) -> None:
+        self.world = world
+        self.name = name
+        self.glet: Optional[greenlet.greenlet] = None
+        self.done = False
+
+    # threading.Thread's surface (llmdd._runtime.runtime.Worker)
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self.world.current_fiber() is self:
+            raise RuntimeError("cannot join the current worker")
+        self.world.block(lambda: self.done, self.world.deadline(timeout), on=self)
+
+    def is_alive(self) -> bool:
+        return not self.done
+
+    def __repr__(self) -> str:
+        return f"<Fiber {self.name} {'done' if self.done else 'alive'}>"
+
+
+class _Park:
+    """A fiber waiting: resumed when one of the objects it waits on changes or its deadline passes."""
+
+    __slots__ = ("glet", "label", "woken", "observer")
+
+    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool) -> None:
+        self.glet = glet
+        self.label = label
+        self.woken = False
+        self.observer = observer   # waits on the world as a whole (rechecks after every other step)
+
+
+class World:
+    """The scheduler, the clock, the seeded randomness and the network every simulated process shares."""
+
+    def __init__(self, seed: int = 0, *, start: float = 1000.0, keep_log: bool = False) -> None:
+        self.seed = seed
+        self.random = random.Random(seed)
+        self.now = start
+        self.ready: collections.deque = collections.deque()     # (label, fn, args): run on the hub
+        self._timers: list = []
+        self._tseq = itertools.count()
+        self._watch: dict[Any, tuple[int, Callable[[int], None]]] = {}
+        self._parked: dict[Any, list[_Park]] = {}                # what a fiber waits on -> its parked fibers
+        self.failures: list[tuple[str, BaseException]] = []
+        self.steps = 0
+        self._instant_steps = 0
+        self._trace = hashlib.sha256()
+        self.log: Optional[list[str]] = [] if keep_log else None
+        self._fibers: "weakref.WeakKeyDictionary[greenlet.greenlet, Fiber]" = weakref.WeakKeyDictionary()
+        self._main = greenlet.getcurrent()
+        self._fibers[self._main] = Fiber(self, "main")
+        self._hub: Optional[greenlet.greenlet] = None
+        self._fiber_ids = itertools.count(1)
+        # the network (llmdd.testing.sim.net)
+        self.servers: dict[tuple[str, int], Any] = {}
+        self._ports = itertools.count(40_000)
+        self._fds = itertools.count(10_000)
+        self.connections: list = []   # (client end, server end), in order
+        self.running: Any = None      # the runtime whose callback runs on the hub now
+        self.shared: dict[str, Any] = {}   # what plugins of the world keep per world (the sim transport's books)
+        self._observer_resumed = False
+
+    # ------------------------------------------------------------------ the trace
+    def _record(self, label: str) -> None:
+        self.steps += 1
+        line = f"{self.now:.9f} {label}"
+        self._trace.update(line.encode())
+        self._trace.update(b"\n")
+        if self.log is not None:
+            self.log.append(line)
+
+    def trace_hash(self) -> str:
+        """A SHA-256 (64 hex digits) over every step so far: its time and label."""
+        return self._trace.copy().hexdigest()
+
+    # ------------------------------------------------------------------ fibers
+    def current_fiber(self) -> Optional[Fiber]:
+        return self._fibers.get(greenlet.getcurrent())
+
+    def on_hub(self) -> bool:
+        return self._hub is not None and greenlet.getcurrent() is self._hub
+
+    def spawn(self, name: str, fn: Callable, *args: Any, on_error: Optional[Callable[[BaseException], None]] = None,
+              runtime: Any = None) -> Fiber:
+        """Start ``fn(*args)`` as a fiber (it first runs when the scheduler reaches it, FIFO)."""
+        fiber = Fiber(self, name)
+
+        def body() -> None:
+            try:
+                fn(*args)
+            except greenlet.GreenletExit:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - a worker's failure is the test's to see
+                if on_error is not None:
+                    on_error(exc)
+                else:
+                    self.failures.append((name, exc))
+            finally:
+                fiber.done = True
+                self.wake(fiber)
+
+        def start() -> None:
+            glet = greenlet.greenlet(body, parent=self._ensure_hub())
+            fiber.glet = glet
+            self._fibers[glet] = fiber
+            glet.switch()
+
+        self.ready.append((f"start:{name}", start, (), runtime))
+        return fiber
+
+    def _ensure_hub(self) -> greenlet.greenlet:
+        if self._hub is None or self._hub.dead:
+            self._hub = greenlet.greenlet(self._hub_loop, parent=self._main)
+        return self._hub
+
+    # ------------------------------------------------------------------ waiting
+    def deadline(self, timeout: Optional[float]) -> float:
+        """The absolute time of a wait of ``timeout`` seconds (None or negative: no deadline)."""
+        if timeout is None or timeout < 0:
+            return math.inf
+        return self.now + timeout
+
+    def block(self, pred: Callable[[], Any], until: float, *, on: Any = None) -> bool:
+        """Wait until ``pred()`` or the clock reaches ``until``; returns ``pred()``.
+
+        ``on`` names what ``pred`` depends on (an object, or an iterable of objects, that call
+        :meth:`wake` when they change): the fiber is resumed then, and at ``until``.  Without ``on``
+        the fiber is resumed at ``until`` only (a sleep)."""
+        if pred():
+            return True
+        if self.on_hub():
+            return self._run_here(pred, until)
+        glet = greenlet.getcurrent()
+        fiber = self._fibers.get(glet)
+        label = f"resume:{fiber.name if fiber is not None else '?'}"
+        keys: tuple = () if on is None else (tuple(on) if isinstance(on, (list, tuple)) else (on,))
+        while True:
+            if self.now >= until:
+                return bool(pred())
+            park = _Park(glet, label, _Always in keys)
+            for key in keys:
+                self._parked.setdefault(key, []).append(park)
+            timer = None
+            if until != math.inf:
+                timer = self._push_timer(until, self._wake_park, (park,))
+            self._ensure_hub().switch()
+            # resumed by the hub: a key changed or the deadline passed
+            if timer is not None:
+                timer.cancelled = True
+            for key in keys:
+                waiting = self._parked.get(key)
+                if waiting is not None:
+                    try:
+                        waiting.remove(park)
+                    except ValueError:
+                        pass
+                    if not waiting:
+                        del self._parked[key]
+            if pred():
+                return True
+
+    def wake(self, key: Any) -> None:
+        """``key`` changed: the fibers waiting on it are resumed (in the order they began to wait)."""
+        waiting = self._parked.pop(key, None)
+        if waiting:
+            for park in waiting:
+                self._wake_park(park)
+
+    def _wake_park(self, park: _Park) -> None:
+        if park.woken:
+            return
+        park.woken = True
+        self.ready.append((park.label, self._resume, (park,), None))
+
+    def _resume(self, park: _Park) -> None:
+        if park.observer:
+            self._observer_resumed = True
+        if not park.glet.dead:
+            park.glet.switch()
+
+    # ------------------------------------------------------------------ the scheduler
+    def _push_timer(self, when: float, fn: Callable, args: tuple, runtime: Any = None) -> Timer:
+        timer = Timer(when, fn, args)
+        heapq.heappush(self._timers, (when, next(self._tseq), timer, runtime))
+        return timer
+
+    def call_later(self, delay: float, fn: Callable, args: tuple, runtime: Any = None) -> Timer:
+        return self._push_timer(self.now + max(0.0, delay), fn, args, runtime)
+
+    def call_soon(self, label: str, fn: Callable, args: tuple, runtime: Any = None) -> None:
+        self.ready.append((label, fn, args, runtime))
+
+    def watch(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]], runtime: Any = None) -> None:
+        if events and handler is not None and not getattr(fileobj, "closed", False):
+            self._watch[fileobj] = (events, handler, runtime)   # type: ignore[assignment]
+        else:
+            self._watch.pop(fileobj, None)
+
+    def unwatch(self, fileobj: Any) -> None:
+        self._watch.pop(fileobj, None)
+
+    def watched_by(self, fileobjs: Iterable[Any]) -> int:
+        return sum(1 for f in self._watch if f in fileobjs)
+
+    def _call(self, label: str, fn: Callable, args: tuple, runtime: Any) -> None:
+        self._record(label if runtime is None or label.startswith(runtime.name) else f"{runtime.name}:{label}")
+        previous, self.running = self.running, runtime
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the real loop logs and contains it; the test asserts
+            self.failures.append((label, exc))
+        finally:
+            self.running = previous
+
+    def _step(self) -> bool:
+        """Run one thing that can run now (a queued call, a resumed or new fiber, then a ready socket)."""
+        if self.ready:
+            label, fn, args, runtime = self.ready.popleft()
+            self._call(label, fn, args, runtime)
+            return True
+        for fileobj, (events, handler, runtime) in list(self._watch.items()):   # type: ignore[misc]
+            mask = fileobj.sim_ready() & events
+            if mask:
+                self._call(f"ready:{getattr(handler, '__qualname__', handler)!s}", handler, (mask,), runtime)
+                return True
+        return False
+
+    def next_timer(self) -> Optional[Timer]:
+        while self._timers and self._timers[0][2].cancelled:
+            heapq.heappop(self._timers)
+        return self._timers[0][2] if self._timers else None
+
+    def _advance(self, until: float) -> bool:
+        """Nothing can run now: move the clock to the next timer (not past ``until``) and run it;
+        False when there is none before ``until``."""
+        timer = self.next_timer()
+        if timer is None or timer.when > until:
+            return False
+        _when, _seq, timer, runtime = heapq.heappop(self._timers)
+        if timer.when > self.now:
+            self.now = timer.when
+            self._instant_steps = 0
+        timer.cancelled = True
+        self._call(f"timer:{getattr(timer.fn, '__qualname__', timer.fn)!s}", timer.fn, timer.args, runtime)
+        return True
+
+    def _count_instant(self) -> None:
+        self._instant_steps += 1
+        if self._instant_steps > MAX_STEPS_PER_INSTANT:
+            raise Stuck(f"{MAX_STEPS_PER_INSTANT} steps without the clock moving (a ready socket nobody "
+                        "consumes, or workers waking each other for ever)")
+
+    def _hub_loop(self) -> None:
+        while True:
+            self._count_instant()
+            self._observer_resumed = False
+            if self._step():
+                if not self._observer_resumed and _Always in self._parked:
+                    self.wake(_Always)
+                continue
+            if _Idle in self._parked:   # nothing can run at this instant: settle() is over
+                self.wake(_Idle)
+                continue
+            if self._advance(math.inf):
+                if _Always in self._parked:
+                    self.wake(_Always)
+                continue
+            # nothing can ever run again: the test's fiber waits for something that cannot happen
+            self._main.throw(Stuck("waiting with no deadline for something nothing can do"))
+
+    def _run_here(self, pred: Callable[[], Any], until: float) -> bool:
+        """The scheduler run inside a wait on the hub (a loop callback that blocks)."""
+        while True:
+            if pred():
+                return True
+            self._count_instant()
+            if self._step():
+                continue
+            if not self._advance(until):
+                if until == math.inf:
+                    raise Stuck("a loop callback waits with no deadline for something nothing can do")
+                self.now = max(self.now, until)
+                return bool(pred())
+
+    # ------------------------------------------------------------------ driving the world from the test
+    def run_until(self, pred: Callable[[], Any], until: float = math.inf) -> bool:
+        """Run the world until ``pred()`` or the clock reaches ``until``; returns ``pred()``."""
+        return self.block(pred, until, on=_Always)
+
+    def run(self, seconds: float = 0.0) -> None:
+        """Let ``seconds`` pass on the fake clock, running everything due meanwhile."""
+        self.block(lambda: False, self.now + max(0.0, seconds))
+        self.settle()
+
+    def settle(self) -> None:
+        """Run everything runnable now, without moving the clock."""
+        self.block(self._idle_now, math.inf, on=_Idle)
+
+    def _idle_now(self) -> bool:
+        if self.ready:
+            return False
+        for fileobj, (events, _handler, _rt) in self._watch.items():   # type: ignore[misc]
+            if fileobj.sim_ready() & events:
+                return False
+        timer = self.next_timer()
+        return timer is None or timer.when > self.now
+
+    def wake_always(self) -> None:
+        """Resume the fibers that wait on the world as a whole (:meth:`run_until`, :meth:`settle`)."""
+        self.wake(_Always)
+
+
+class _AlwaysKey:
+    """The key of waits that recheck after every step (:meth:`World.run_until`)."""
+
+    def __repr__(self) -> str:
+        return "<every step>"
+
+
+_Always = _AlwaysKey()
+_Idle = _AlwaysKey()   # the key of settle(): woken when nothing can run at this instant
+
+
+# ---------------------------------------------------------------------- primitives
+
+
+class SimEvent:
+    """``threading.Event`` in the world."""
+
+    __slots__ = ("_world", "_set")
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._world.wake(self)
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def clear(self) -> None:
+        self._set = False
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._world.block(self.is_set, self._world.deadline(timeout), on=self)
+
+
+class SimLock:
+    """``threading.Lock`` in the world: a contended ``acquire`` lets other fibers run."""
+
+    __slots__ = ("_world", "_owner", "__weakref__")
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        self._owner: Any = None
+
+    def _me(self) -> Any:
+        return greenlet.getcurrent()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = self._me()
+        if self._owner is None:
+            self._owner = me
+            return True
+        if self._owner is me:
+            raise Stuck(f"deadlock: {self._world.current_fiber()} takes a lock it holds")
+        if not blocking:
+            return False
+        if not self._world.block(lambda: self._owner is None, self._world.deadline(timeout), on=self):
+            return False
+        self._owner = me
+        return True
+
+    def release(self) -> None:
+        if self._owner is None:
+            raise RuntimeError("release unlocked lock")
+        self._owner = None
+        self._world.wake(self)
+
+    def locked(self) -> bool:
+        return self._owner is not None
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    # what SimCondition needs of its lock
+    def _release_save(self) -> Any:
+        self.release()
+        return None
+
+    def _acquire_restore(self, _state: Any) -> None:
+        self.acquire()
+
+    def _is_owned(self) -> bool:
+        return self._owner is self._me()
+
+
+class SimRLock(SimLock):
+    """``threading.RLock`` in the world."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self, world: World) -> None:
+        super().__init__(world)
+        self._count = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        me = self._me()
+        if self._owner is me:
+            self._count += 1
+            return True
+        if self._owner is not None:
+            if not blocking:
+                return False
+            if not self._world.block(lambda: self._owner is None, self._world.deadline(timeout), on=self):
+                return False
+        self._owner = me
+        self._count = 1
+        return True
+
+    def release(self) -> None:
+        if self._owner is not self._me():
+            raise RuntimeError("cannot release un-acquired lock")
+        self._count -= 1
+        if self._count == 0:
+            self._owner = None
+            self._world.wake(self)
+
+    def _release_save(self) -> Any:
+        count, self._count = self._count, 0
+        self._owner = None
+        self._world.wake(self)
+        return count
+
+    def _acquire_restore(self, count: Any) -> None:
+        self.acquire()
+        self._count = count
+
+
+class _Waiting:
+    __slots__ = ("notified",)
+
+    def __init__(self) -> None:
+        self.notified = False
+
+
+class SimCondition:
+    """``threading.Condition`` in the world (over a :class:`SimLock` or :class:`SimRLock`)."""
+
+    def __init__(self, world: World, lock: Optional[SimLock] = None) -> None:
+        self._world = world
+        self._lock: SimLock = lock if lock is not None else SimRLock(world)
+        self._waiters: collections.deque[_Waiting] = collections.deque()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if not self._lock._is_owned():
+            raise RuntimeError("cannot wait on un-acquired lock")
+        me = _Waiting()
+        self._waiters.append(me)
+        state = self._lock._release_save()
+        try:
+            return self._world.block(lambda: me.notified, self._world.deadline(timeout), on=me)
+        finally:
+            if not me.notified:
+                try:
+                    self._waiters.remove(me)
+                except ValueError:
+                    pass
+            self._lock._acquire_restore(state)
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
+        until = self._world.deadline(timeout)
+        result = predicate()
+        while not result:
+            left = until - self._world.now
+            if left <= 0:
+                break
+            self.wait(None if until == math.inf else left)
+            result = predicate()
+        return result
+
+    def notify(self, n: int = 1) -> None:
+        if not self._lock._is_owned():
+            raise RuntimeError("cannot notify on un-acquired lock")
+        while self._waiters and n > 0:
+            waiting = self._waiters.popleft()
+            waiting.notified = True
+            self._world.wake(waiting)
+            n -= 1
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class SimLocal:
+    """``threading.local`` in the world: attributes private to the running fiber."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_per", weakref.WeakKeyDictionary())
+
+    def _mine(self) -> dict:
+        per = object.__getattribute__(self, "_per")
+        me = greenlet.getcurrent()
+        d = per.get(me)
+        if d is None:
+            d = per[me] = {}
+        return d
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._mine()[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._mine()[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        try:
+            del self._mine()[name]
+        except KeyError:
+            raise AttributeError(name) from None
