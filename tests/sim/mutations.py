@@ -35,8 +35,8 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("deadline_not_armed", "llmdd/_data/engine.py",
-             "deadline = time.monotonic() + self.timeout_s\n        channel = link.channel",
-             "deadline = time.monotonic() + 1000 * self.timeout_s\n        channel = link.channel",
+             "deadline = self._clock() + self.timeout_s\n        channel = link.channel",
+             "deadline = self._clock() + 1000 * self.timeout_s\n        channel = link.channel",
              "freeze,xlate", "a transfer step's deadline is not the sync_kv_timeout: a stalled owner holds the call"),
     Mutation("completion_error_ignored", "llmdd/_data/engine.py",
              "        completion.wait()\n        if completion.error is not None:\n            raise completion.error",
@@ -89,6 +89,10 @@ MUTATIONS = [
              "        if defer is not None:\n            defer(lambda: emit(event))\n        else:\n            emit(event)\n"
              "        return event",
              "xfail", "a link's peer_lost transition emits no event (subscribers miss the failure)"),
+    Mutation("replaced_link_not_closed", "llmdd/_control/manager.py",
+             "        if old is not None:\n            # the peer relinks",
+             "        if False:\n            # the peer relinks",
+             "crash", "a peer that restarted (a new incarnation) relinks; the old incarnation's link is not closed"),
 ]
 
 

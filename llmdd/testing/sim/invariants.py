@@ -38,6 +38,7 @@ INVARIANTS = {
     "nothing_left": "at finalize nothing is left: links, registrations, tasks, transport endpoints, runtime work",
     "bounded_growth": "no engine's queues or buffers grow without bound under a stalled or hostile peer",
     "engine_failure": "no engine callback, pool task or worker raised (the runtime recorded none)",
+    "progress": "the world never livelocks (steps without the clock moving) and no wait is one nothing can end",
 }
 
 

@@ -88,7 +88,13 @@ def run(config: Config) -> Result:
             record.step = k + 1
             steps = k + 1
             plan.tick(backend, workload, record.step)
-            op = workload.step()
+            try:
+                op = workload.step()
+            except Exception as exc:  # noqa: BLE001 - only the world's Stuck is a finding; the rest re-raises
+                if type(exc).__name__ != "Stuck":
+                    raise
+                record.add("progress", f"{exc}")
+                op = "stuck"
             ops_done[op] = ops_done.get(op, 0) + 1
             h.update(f"{k} {op}\n".encode())
             check_step(record, extra)
@@ -99,7 +105,12 @@ def run(config: Config) -> Result:
         if not record.violations:
             record.step = config.ops + 1
             plan.heal(backend)
-            workload.finish()
+            try:
+                workload.finish()
+            except Exception as exc:  # noqa: BLE001 - as above
+                if type(exc).__name__ != "Stuck":
+                    raise
+                record.add("progress", f"at the final finalize: {exc}")
             check_final(record, extra)
         seen_events = _hash_events(h, record, seen_events)
         h.update(backend.trace_hash().encode())

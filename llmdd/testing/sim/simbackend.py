@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, cast
 import llmdd_sim
 
 from llmdd.testing.sim import net
+from llmdd.testing.sim import world as world_module
 from llmdd.testing.sim.backends import _FabricBackend
 from llmdd.testing.sim.invariants import Record
 from llmdd.testing.sim.net import SimSocket
@@ -43,6 +44,9 @@ __all__ = ["SimBackend", "WorldClock", "LatentSocket"]
 
 #: a lost segment is retransmitted after this long (the retransmission timeout)
 RTO_S = 0.2
+#: steps at one instant before the world calls the run a livelock (the world's default, 2,000,000, takes
+#: minutes of CPU to reach; the busiest instant of a 200-engine run is a few thousand steps)
+MAX_STEPS_PER_INSTANT = 200_000
 #: what an engine may hold in a world's buffers for one socket before bounded_growth says so
 GROWTH_BOUND = 4 * net.RX_CAPACITY
 
@@ -223,6 +227,8 @@ class SimBackend(_FabricBackend):
 
     def __init__(self, config: Any, oracle: Any) -> None:
         self.world = World(config.seed)
+        self._max_instant = world_module.MAX_STEPS_PER_INSTANT
+        world_module.MAX_STEPS_PER_INSTANT = MAX_STEPS_PER_INSTANT
         faults = set(config.faults)
         self.net: Optional[_Net] = None
         if faults & {"latency", "loss", "reorder"}:
@@ -240,6 +246,7 @@ class SimBackend(_FabricBackend):
         self.parked: dict[str, list] = {}
         self.partitions: list[tuple[set, set]] = []
         self.crashed_names: set[str] = set()
+        self.zombies: list = []   # the greenlets of crashed processes (never resumed)
         self._incarnations: dict[str, int] = {}
         self._failures_seen = 0
         self._t0 = self.world.now
@@ -367,7 +374,7 @@ class SimBackend(_FabricBackend):
         rt = self.runtimes.pop(proc, None)
         if rt is not None:
             self.crashed_names.add(rt.name)
-            rt.close(timeout=0.0)
+            self._kill(rt)
         self.frozen.discard(proc)
         self.stalled.pop(proc, None)
         self.parked.pop(proc, None)
@@ -381,6 +388,38 @@ class SimBackend(_FabricBackend):
         from llmdd._api.datadist import LLMDataDist
         if LLMDataDist.llm_engine_instance is node.dd:
             LLMDataDist.llm_engine_instance = None
+
+    def _kill(self, rt: FaultyRuntime) -> None:
+        """Everything of ``rt``'s process stops at once: its queued loop calls and pool tasks are dropped,
+        its fibers are never resumed (kept referenced, so no garbage collection runs their ``finally``
+        blocks during the run), its timers do nothing (the runtime is closed)."""
+        world = self.world
+        mine = (rt.name + ":", rt.name + "-")
+        dead = {g for g, f in list(world._fibers.items()) if f.name.startswith(mine)}
+        self.zombies.extend(dead)
+        for key, parks in list(world._parked.items()):
+            for park in parks:
+                if park.glet in dead:
+                    park.woken = True
+            left = [park for park in parks if park.glet not in dead]
+            if left:
+                world._parked[key] = left
+            else:
+                del world._parked[key]
+
+        def alive(entry: tuple) -> bool:
+            _label, _fn, args, runtime = entry
+            if runtime is rt:
+                return False
+            return not (args and getattr(args[0], "glet", None) in dead)
+
+        world.ready = collections.deque(e for e in world.ready if alive(e))
+        for pool in rt._pools:
+            pool._tasks.clear()
+            pool.closed = True
+        rt.closed = True
+        for fileobj in list(rt._mine):
+            world.unwatch(fileobj)
 
     # ------------------------------------------------------------------ what is left, per-step checks
     def leftovers(self, node: Any) -> dict:
@@ -417,4 +456,5 @@ class SimBackend(_FabricBackend):
         return self.world.trace_hash()
 
     def close(self) -> None:
+        world_module.MAX_STEPS_PER_INSTANT = self._max_instant
         super().close()
