@@ -36,6 +36,12 @@ REGRESSIONS = [
     (Config(seed=103, engines=5, ops=300, faults=parse_faults("all")),
      "simulator: a crashed process's queued pool task still started after the crash (crash now drops "
      "its queued work and never resumes its fibers)"),
+    (Config(seed=215, engines=5, ops=300, faults=parse_faults("all")),
+     "simulator: World.settle() with a timer due at the current instant woke its waiter for ever (a livelock "
+     "reported as 'progress'); the backend now lets due timers run instead"),
+    (Config(seed=6039, engines=4, ops=100, faults=parse_faults("all")),
+     "oracle: a step of a non-blocking pull already running started during its engine's finalize, which is "
+     "legal (finalize waits for it); only a queued non-blocking task must not start"),
 ]
 
 

@@ -29,6 +29,8 @@ from llmdd.testing.sim.invariants import Call, Record
 __all__ = ["Oracle"]
 
 _SUCCESS = ("ok", "LLM_SUCCESS")
+#: the task kinds that wait in a queue before they start (finalize must withdraw them)
+NONBLOCKING = ("pull_blocks_async", "transfer_cache_async")
 
 
 class Oracle:
@@ -98,7 +100,8 @@ class Oracle:
                     shook = self._cursor
                     self.released.pop(key, None)
                 self.links[key] = (ev.dest, shook)
-            elif ev.machine is Machine.TASK and ev.trigger == "start":
+            elif ev.machine is Machine.TASK and ev.trigger == "start" and ev.info.get("kind") in NONBLOCKING:
+                # a queued non-blocking task (a step of one already running may start: finalize waits for it)
                 going = self.finalizing.get(engine)
                 if going is not None and going[0] == inc and going[1] <= self._cursor:
                     self.record.add("no_success_after_revocation", f"engine {engine}: task {ev.id!r} started after "

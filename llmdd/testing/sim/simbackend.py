@@ -272,7 +272,14 @@ class SimBackend(_FabricBackend):
         return self.world.now - self._t0
 
     def advance(self, seconds: float) -> None:
-        self.world.run(seconds)
+        self.world.block(lambda: False, self.world.now + max(0.0, seconds))
+        self._settle()
+
+    def _settle(self) -> None:
+        """Run what is runnable now and what is due (one microsecond of the clock).  Not
+        ``World.settle()``: with a timer due at the current instant it wakes its waiter for ever
+        (the hub wakes it before running due timers; the waiter sees the due timer, not idle)."""
+        self.world.block(lambda: False, self.world.now + 1e-6)
 
     def host_of(self, node: Any) -> str:
         return "127.0.0.1"
@@ -424,8 +431,8 @@ class SimBackend(_FabricBackend):
     # ------------------------------------------------------------------ what is left, per-step checks
     def leftovers(self, node: Any) -> dict:
         # IoLoop.close runs what was queued before the stop (closing sockets); SimRuntime.close leaves
-        # those calls on the world's queue: let them run (nothing moves the clock) before looking
-        self.world.settle()
+        # those calls on the world's queue: let them run before looking
+        self._settle()
         out = super().leftovers(node)
         rt = self.runtimes.get(node.process)
         if rt is not None:
