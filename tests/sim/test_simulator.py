@@ -146,3 +146,13 @@ def test_regression_seed_runs_clean(config, why):
     result = run(config)
     assert result.ok, (why, [str(v) for v in result.violations], replay_command(config))
     assert LAST_LINE.fullmatch(summary_line(result))
+
+
+def test_the_soak_mode_runs_seeds_until_its_time_is_up():
+    proc = _cli("--seed", "20", "--engines", "3", "--ops", "30", "--minutes", "0.001")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert re.fullmatch(r"seed 20: 0 violations, 30 steps, [0-9.]+s", lines[0]), lines
+    assert re.fullmatch(r"soak: \d+ runs, seeds 20\.\.\d+, no violation", lines[-2]), lines
+    last = LAST_LINE.fullmatch(lines[-1])
+    assert last is not None and last.group(5) == "0"

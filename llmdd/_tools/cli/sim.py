@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             from llmdd.testing.sim.shrink import shrink
             small = shrink(result)
             print(f"shrunk to: {replay_command(small.config)}  ({small.violations[0]})")
-    elif runs > 1:
+    elif runs > 1 or deadline is not None:
         print(f"{'soak' if deadline is not None else 'runs'}: {runs} runs, seeds {args.seed}..{seed}, no violation")
     print(summary_line(result))
     return 0 if result.ok else 1

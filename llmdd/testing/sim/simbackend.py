@@ -357,7 +357,7 @@ class SimBackend(_FabricBackend):
         self.fabric.thaw(process)
         self._refreeze()
         for fn, args in self.parked.pop(process, []):
-            self.world.call_soon(f"thaw:{process}", fn, args)
+            self.world.call_soon(f"thaw:{process}", fn, args, fn.__self__ if hasattr(fn, "__self__") else None)
 
     def cut_connection(self, rng: Any) -> str:
         pairs = [(p, o, s) for p, o, s in self._pairs() if not s.cut]
@@ -455,8 +455,10 @@ class SimBackend(_FabricBackend):
             record.add("engine_failure", f"{label} raised {type(exc).__name__}: {exc}")
         self._failures_seen = len(failures)
         for proc, socks in self.sockets.items():
+            if any(s.closed for s in socks):
+                socks[:] = [s for s in socks if not s.closed]
             for s in socks:
-                if not s.closed and len(s.rx) > GROWTH_BOUND:
+                if len(s.rx) > GROWTH_BOUND:
                     record.add("bounded_growth", f"{proc}: a socket holds {len(s.rx)} unread bytes")
 
     def trace_hash(self) -> str:
