@@ -60,10 +60,6 @@ MUTATIONS = [
              "                self._cache_event(checked[0], \"peer_written\" if what == \"push_done\" else \"peer_read\", "
              "error=checked[1],\n                                  **checked[2])",
              "none", "the owner delivers a transfer's tag twice"),
-    Mutation("released_link_still_serves", "llmdd/_control/manager.py",
-             "        if link.released:\n            raise LLMException(f\"cluster {cluster_id} is not linked (this side",
-             "        if False:\n            raise LLMException(f\"cluster {cluster_id} is not linked (this side",
-             "none", "after this side's unlink (the peer keeping the link) transfers still run"),
     Mutation("failed_link_still_serves", "llmdd/_control/manager.py",
              "        if link.fsm.in_(LINK_FAILED):\n            raise LLMException(f\"link to cluster {cluster_id} has failed",
              "        if False:\n            raise LLMException(f\"link to cluster {cluster_id} has failed",
@@ -89,6 +85,16 @@ MUTATIONS = [
              "        if defer is not None:\n            defer(lambda: emit(event))\n        else:\n            emit(event)\n"
              "        return event",
              "xfail", "a link's peer_lost transition emits no event (subscribers miss the failure)"),
+    Mutation("layer_range_start_not_scaled", "llmdd/_data/planner.py",
+             "    return range(layer_range.start * tnpl, layer_range.stop * tnpl)",
+             "    return range(layer_range.start, layer_range.start + (layer_range.stop - layer_range.start) * tnpl)",
+             "none", "a layer range's first tensor is not scaled by the tensors per layer (layer 1 reads tensors 1-2)"),
+    Mutation("withdrawn_task_never_ends", "llmdd/_data/tasks.py",
+             "        if self.task.offer(\"withdraw\", error=LLMException(why, status_code=status)):\n"
+             "            self._finish(status)",
+             "        if self.task.offer(\"withdraw\", error=LLMException(why, status_code=status)):\n"
+             "            pass",
+             "none", "a queued non-blocking pull withdrawn (unlink, link failure, finalize) never calls back"),
     Mutation("replaced_link_not_closed", "llmdd/_control/manager.py",
              "        if old is not None:\n            # the peer relinks",
              "        if False:\n            # the peer relinks",
