@@ -60,10 +60,6 @@ MUTATIONS = [
              "                self._cache_event(checked[0], \"peer_written\" if what == \"push_done\" else \"peer_read\", "
              "error=checked[1],\n                                  **checked[2])",
              "none", "the owner delivers a transfer's tag twice"),
-    Mutation("failed_link_still_serves", "llmdd/_control/manager.py",
-             "        if link.fsm.in_(LINK_FAILED):\n            raise LLMException(f\"link to cluster {cluster_id} has failed",
-             "        if False:\n            raise LLMException(f\"link to cluster {cluster_id} has failed",
-             "xfail,xpartial,crash", "a FAILED link still carries transfers (e.g. to a peer's old incarnation)"),
     Mutation("queued_pull_not_withdrawn_at_finalize", "llmdd/_data/engine.py",
              "        for task in list(self._async):\n            task.cancel()",
              "        for task in list(self._async):\n            pass",

@@ -15,7 +15,7 @@ from llmdd.testing.sim.faults import parse_faults
 from llmdd.testing.sim.runner import Config, replay_command, run
 
 ENGINES = 4
-OPS = 100
+OPS = 80
 #: (faults, first seed, runs): 6 mixes x 50 seeds
 MIXES = [
     ("none", 1000, 50),
