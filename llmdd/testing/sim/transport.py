@@ -26,7 +26,7 @@ from llmdd.lowlevel import (
 )
 from llmdd.testing.sim.world import World
 
-__all__ = ["transport_for", "SimMemTransport"]
+__all__ = ["transport_for", "open_endpoints", "SimMemTransport"]
 
 NAME = "sim"
 VERSION = 1
@@ -44,7 +44,18 @@ def _books(world: World) -> _Books:
     books = world.shared.get(NAME)
     if books is None:
         books = world.shared[NAME] = _Books()
+
+        def crashed(runtime: Any) -> None:   # a crashed process's endpoints are gone with it
+            for ep in [ep for ep in books.endpoints.values() if ep.runtime is runtime]:
+                ep.close()
+
+        world.crash_hooks.append(crashed)
     return books
+
+
+def open_endpoints(world: World) -> int:
+    """Endpoints of this transport open in ``world`` (0 once every engine finalized or crashed)."""
+    return len(_books(world).endpoints)
 
 
 class SimMemChannel(Channel):
@@ -118,6 +129,7 @@ class SimMemEndpoint(Endpoint):
 
     def __init__(self, world: World) -> None:
         self.world = world
+        self.runtime = world.current_runtime()   # the process that opened it (closed when it crashes)
         books = _books(world)
         self.id = next(books.ids)
         books.endpoints[self.id] = self

@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - the extra is part of llmdd[test
     raise ImportError("llmdd.testing.sim needs the greenlet package: pip install 'llmdd[sim]'") from exc
 
 from llmdd._runtime.runtime import Timer
+from llmdd.testing.sim.net import Network
 
 __all__ = ["World", "Stuck", "Fiber", "SimEvent", "SimLock", "SimRLock", "SimCondition", "SimLocal"]
 
@@ -55,13 +56,15 @@ class Stuck(AssertionError):
 class Fiber:
     """One simulated thread of control (a pool worker, a long-lived worker, the test's code)."""
 
-    __slots__ = ("world", "name", "glet", "done", "__weakref__")
+    __slots__ = ("world", "name", "glet", "done", "runtime", "killed", "__weakref__")
 
-    def __init__(self, world: "World", name: str) -> None:
+    def __init__(self, world: "World", name: str, runtime: Any = None) -> None:
         self.world = world
         self.name = name
         self.glet: Optional[greenlet.greenlet] = None
         self.done = False
+        self.runtime = runtime   # the simulated process it belongs to (None: the test's own)
+        self.killed = False      # its process crashed: it never runs again
 
     # threading.Thread's surface (llmdd._runtime.runtime.Worker)
     def join(self, timeout: Optional[float] = None) -> None:
@@ -79,13 +82,15 @@ class Fiber:
 class _Park:
     """A fiber waiting: resumed when one of the objects it waits on changes or its deadline passes."""
 
-    __slots__ = ("glet", "label", "woken", "observer")
+    __slots__ = ("glet", "label", "woken", "observer", "runtime", "timer")
 
-    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool) -> None:
+    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool, runtime: Any) -> None:
         self.glet = glet
         self.label = label
         self.woken = False
         self.observer = observer   # waits on the world as a whole (rechecks after every other step)
+        self.runtime = runtime     # the process of the waiting fiber (a frozen process resumes nothing)
+        self.timer: Optional[Timer] = None   # its deadline
 
 
 class World:
@@ -109,14 +114,13 @@ class World:
         self._main = greenlet.getcurrent()
         self._fibers[self._main] = Fiber(self, "main")
         self._hub: Optional[greenlet.greenlet] = None
-        self._fiber_ids = itertools.count(1)
-        # the network (llmdd.testing.sim.net)
-        self.servers: dict[tuple[str, int], Any] = {}
-        self._ports = itertools.count(40_000)
-        self._fds = itertools.count(10_000)
-        self.connections: list = []   # (client end, server end), in order
+        self._live: dict[Fiber, None] = {}   # fibers spawned and not yet over, in spawn order
+        self.net = Network(self)      # the simulated network and its faults
         self.running: Any = None      # the runtime whose callback runs on the hub now
         self.shared: dict[str, Any] = {}   # what plugins of the world keep per world (the sim transport's books)
+        #: called with a process's runtime when it crashes (after its fibers, timers and sockets are gone):
+        #: what a plugin keeps per process (a transport's endpoints) is dropped here
+        self.crash_hooks: list[Callable[[Any], None]] = []
         self._observer_resumed = False
 
     # ------------------------------------------------------------------ the trace
@@ -136,13 +140,30 @@ class World:
     def current_fiber(self) -> Optional[Fiber]:
         return self._fibers.get(greenlet.getcurrent())
 
+    def fibers(self) -> list[Fiber]:
+        """The fibers spawned and not yet over (the test's own main fiber is not one)."""
+        return list(self._live)
+
+    def fibers_of(self, runtime: Any) -> list[Fiber]:
+        """The live fibers of ``runtime``'s process, in spawn order."""
+        return [f for f in self._live if f.runtime is runtime]
+
+    def current_runtime(self) -> Any:
+        """The simulated process running now: the runtime of the loop callback on the hub, or of the
+        running fiber (None: the test's own code)."""
+        if self.on_hub():
+            return self.running
+        fiber = self._fibers.get(greenlet.getcurrent())
+        return None if fiber is None else fiber.runtime
+
     def on_hub(self) -> bool:
         return self._hub is not None and greenlet.getcurrent() is self._hub
 
     def spawn(self, name: str, fn: Callable, *args: Any, on_error: Optional[Callable[[BaseException], None]] = None,
               runtime: Any = None) -> Fiber:
         """Start ``fn(*args)`` as a fiber (it first runs when the scheduler reaches it, FIFO)."""
-        fiber = Fiber(self, name)
+        fiber = Fiber(self, name, runtime)
+        self._live[fiber] = None
 
         def body() -> None:
             try:
@@ -156,9 +177,14 @@ class World:
                     self.failures.append((name, exc))
             finally:
                 fiber.done = True
+                self._live.pop(fiber, None)
                 self.wake(fiber)
 
         def start() -> None:
+            if fiber.killed:
+                fiber.done = True
+                self._live.pop(fiber, None)
+                return
             glet = greenlet.greenlet(body, parent=self._ensure_hub())
             fiber.glet = glet
             self._fibers[glet] = fiber
@@ -191,17 +217,20 @@ class World:
             return self._run_here(pred, until)
         glet = greenlet.getcurrent()
         fiber = self._fibers.get(glet)
+        if fiber is not None and fiber.killed:
+            raise greenlet.GreenletExit()   # its process crashed: a finally block that waits ends here
         label = f"resume:{fiber.name if fiber is not None else '?'}"
+        runtime = None if fiber is None else fiber.runtime
         keys: tuple = () if on is None else (tuple(on) if isinstance(on, (list, tuple)) else (on,))
         while True:
             if self.now >= until:
                 return bool(pred())
-            park = _Park(glet, label, _Always in keys)
+            park = _Park(glet, label, _Always in keys, runtime)
             for key in keys:
                 self._parked.setdefault(key, []).append(park)
             timer = None
             if until != math.inf:
-                timer = self._push_timer(until, self._wake_park, (park,))
+                timer = park.timer = self._push_timer(until, self._wake_park, (park,))
             self._ensure_hub().switch()
             # resumed by the hub: a key changed or the deadline passed
             if timer is not None:
@@ -229,7 +258,7 @@ class World:
         if park.woken:
             return
         park.woken = True
-        self.ready.append((park.label, self._resume, (park,), None))
+        self.ready.append((park.label, self._resume, (park,), park.runtime))
 
     def _resume(self, park: _Park) -> None:
         if park.observer:
@@ -262,6 +291,11 @@ class World:
         return sum(1 for f in self._watch if f in fileobjs)
 
     def _call(self, label: str, fn: Callable, args: tuple, runtime: Any) -> None:
+        if runtime is not None and runtime.frozen:
+            runtime.held.append((label, fn, args, runtime))   # runs when the process is thawed
+            return
+        if runtime is not None and runtime.crashed:
+            return   # its process is gone: nothing of it runs again
         self._record(label if runtime is None or label.startswith(runtime.name) else f"{runtime.name}:{label}")
         previous, self.running = self.running, runtime
         try:
@@ -278,6 +312,8 @@ class World:
             self._call(label, fn, args, runtime)
             return True
         for fileobj, (events, handler, runtime) in list(self._watch.items()):   # type: ignore[misc]
+            if runtime is not None and runtime.frozen:
+                continue
             mask = fileobj.sim_ready() & events
             if mask:
                 self._call(f"ready:{getattr(handler, '__qualname__', handler)!s}", handler, (mask,), runtime)
@@ -315,6 +351,10 @@ class World:
             self._observer_resumed = False
             if self._step():
                 if not self._observer_resumed and _Always in self._parked:
+                    self.wake(_Always)
+                continue
+            if self._advance(self.now):   # a timer due at this instant
+                if _Always in self._parked:
                     self.wake(_Always)
                 continue
             if _Idle in self._parked:   # nothing can run at this instant: settle() is over
@@ -358,8 +398,8 @@ class World:
     def _idle_now(self) -> bool:
         if self.ready:
             return False
-        for fileobj, (events, _handler, _rt) in self._watch.items():   # type: ignore[misc]
-            if fileobj.sim_ready() & events:
+        for fileobj, (events, _handler, runtime) in self._watch.items():   # type: ignore[misc]
+            if (runtime is None or not runtime.frozen) and fileobj.sim_ready() & events:
                 return False
         timer = self.next_timer()
         return timer is None or timer.when > self.now
@@ -367,6 +407,60 @@ class World:
     def wake_always(self) -> None:
         """Resume the fibers that wait on the world as a whole (:meth:`run_until`, :meth:`settle`)."""
         self.wake(_Always)
+
+    def leftovers(self) -> dict:
+        """What is still alive in the world: live fibers, armed timers, watched sockets, open sockets and
+        listeners, parked waits.  All 0 once every engine of the world finalized and the world settled."""
+        timers = sum(1 for _when, _seq, t, _rt in self._timers if not t.cancelled)
+        return {"fibers": len(self._live), "timers": timers, "watched": len(self._watch),
+                "sockets": self.net.open_sockets(), "parked": sum(len(v) for v in self._parked.values())}
+
+    # ------------------------------------------------------------------ process faults
+    def freeze(self, runtime: Any) -> None:
+        """Stop ``runtime``'s process (as under SIGSTOP): none of its callbacks, timers, ready sockets
+        or fibers runs until :meth:`thaw`; the network still delivers to its sockets."""
+        runtime.frozen = True
+
+    def thaw(self, runtime: Any) -> None:
+        """Let a frozen process run again: what became runnable meanwhile runs, in its order."""
+        if not runtime.frozen:
+            return
+        runtime.frozen = False
+        held, runtime.held = runtime.held, []
+        self.ready.extend(held)
+        self.wake_always()
+
+    def kill(self, fiber: Fiber) -> None:
+        """End ``fiber`` for good (its process crashed): it is resumed once with ``GreenletExit``, so
+        only ``finally`` blocks run, and none of them can wait."""
+        fiber.killed = True
+        glet = fiber.glet
+        if glet is None or glet.dead or fiber.done:
+            fiber.done = True
+            self._live.pop(fiber, None)
+            return   # not started (it never will) or over
+        if glet is greenlet.getcurrent():
+            raise RuntimeError("a fiber cannot kill itself")
+        for key, parks in list(self._parked.items()):   # its waits end with it
+            left = []
+            for park in parks:
+                if park.glet is not glet:
+                    left.append(park)
+                elif park.timer is not None:
+                    park.timer.cancel()
+            if left:
+                self._parked[key] = left
+            else:
+                del self._parked[key]
+        glet.parent = greenlet.getcurrent()   # come back here, not to the hub
+        glet.throw(greenlet.GreenletExit())
+
+    def drop(self, runtime: Any) -> None:
+        """Forget every timer and queued call of ``runtime``'s process (it crashed)."""
+        for _when, _seq, timer, rt in self._timers:
+            if rt is runtime:
+                timer.cancelled = True
+        self.ready = collections.deque(entry for entry in self.ready if entry[3] is not runtime)
 
 
 class _AlwaysKey:
