@@ -40,10 +40,11 @@ def _options(listen: str | None) -> dict:
 class _Engine:
     """One simulated process with a registered blocks cache of seeded random data."""
 
-    def __init__(self, world: World, cluster_id: int, role: LLMRole, rng: np.random.Generator) -> None:
+    def __init__(self, world: World, cluster_id: int, role: LLMRole, rng: np.random.Generator,
+                 extra: dict | None = None) -> None:
         self.proc = SimProcess(world, role, cluster_id)
         self.port = BASE_PORT + cluster_id
-        self.proc.init(_options(f"127.0.0.1:{self.port}" if role is LLMRole.PROMPT else None))
+        self.proc.init({**_options(f"127.0.0.1:{self.port}" if role is LLMRole.PROMPT else None), **(extra or {})})
         self.dd = self.proc.dd
         self.bufs = [rng.standard_normal((NUM_BLOCKS, BLOCK_ELEMS)).astype(np.float32) for _ in range(NUM_TENSORS)]
         desc = CacheDesc(NUM_TENSORS, [NUM_BLOCKS, BLOCK_ELEMS], DataType.DT_FLOAT)
@@ -129,10 +130,10 @@ def test_twenty_engines_on_one_world_link_pull_push_unlink_and_leave_nothing():
     assert len(trace) == 64 and steps > 0
 
 
-def _pair(seed: int) -> tuple[World, _Engine, _Engine]:
+def _pair(seed: int, extra: dict | None = None) -> tuple[World, _Engine, _Engine]:
     world = World(seed)
     rng = np.random.default_rng(seed)
-    return world, _Engine(world, 1, LLMRole.PROMPT, rng), _Engine(world, 100, LLMRole.DECODER, rng)
+    return world, _Engine(world, 1, LLMRole.PROMPT, rng, extra), _Engine(world, 100, LLMRole.DECODER, rng, extra)
 
 
 def _finalize(world: World, *engines: _Engine) -> None:
@@ -165,6 +166,33 @@ def test_a_frozen_peer_fails_link_clusters_at_exactly_its_timeout_on_the_fake_cl
     _finalize(world, d, p)
 
 
+@pytest.mark.parametrize("keepalive_ms,peer_timeout_ms", [(1000, 3000), (250, 1600)])
+def test_a_peer_frozen_after_linking_is_lost_at_the_first_keepalive_tick_past_its_timeout(keepalive_ms,
+                                                                                          peer_timeout_ms):
+    """The decoder hears nothing more from the frozen prompt: its link fails at the first keepalive tick
+    (every keepalive_ms from its start) at which the silence exceeds peer_timeout_ms, on the fake clock,
+    and not one tick earlier."""
+    world, p, d = _pair(seed=23, extra={"llmdd.keepalive_interval_ms": str(keepalive_ms),
+                                        "llmdd.peer_timeout_ms": str(peer_timeout_ms)})
+    start = world.now
+    code, codes = d.dd.link_clusters([p.cluster(d)], 3000)
+    assert code is LLMStatusCode.LLM_SUCCESS, codes
+    assert world.now == start   # linking took no simulated time: the last message from the prompt is at start
+    world.freeze(p.proc.runtime)
+    tick, timeout = keepalive_ms / 1000, peer_timeout_ms / 1000
+    ticks = int(timeout // tick) + 1   # the first tick at which the silence is more than the timeout
+    expected = start + ticks * tick
+
+    def state() -> str:
+        return d.dd.statistics()["links"][p.cluster_id]["state"]
+
+    assert world.run_until(lambda: state() == "failed", expected + 10)
+    assert world.now == pytest.approx(expected, abs=1e-9), (world.now - start, expected - start)
+    world.thaw(p.proc.runtime)
+    d.dd.unlink_clusters([p.cluster(d)], 3000, force=True)
+    _finalize(world, d, p)
+
+
 def test_latency_and_loss_delay_the_link_on_the_fake_clock_and_keep_every_byte():
     """Every message takes 10 ms and some are lost (retransmitted 200 ms later): the link takes
     longer on the fake clock than without them, and the pulled bytes are still the owner's."""
@@ -179,7 +207,8 @@ def test_latency_and_loss_delay_the_link_on_the_fake_clock_and_keep_every_byte()
         assert code is LLMStatusCode.LLM_SUCCESS, codes
         times.append(world.now - began)
         src = [int(b) for b in world.random.sample(range(NUM_BLOCKS), 4)]
-        d.dd.cache_manager.pull_blocks(BlocksCacheKey(p.cluster_id, 0), d.cache, src_blocks=src, dst_blocks=[0, 1, 2, 3])
+        d.dd.cache_manager.pull_blocks(BlocksCacheKey(p.cluster_id, 0), d.cache, src_blocks=src,
+                                       dst_blocks=[0, 1, 2, 3])
         np.testing.assert_array_equal(d.blocks()[:, :4], p.blocks()[:, src])
         if shaped:
             assert world.net.stats["lost"] > 0

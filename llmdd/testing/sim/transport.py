@@ -21,8 +21,8 @@ from typing import Any, ClassVar, Optional, Union
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport
 from llmdd.abc import TransportInfo
 from llmdd.lowlevel import (
-    DoneCompletion, MemRegion, PeerGone, Refused, TransportError, TransportTimeout, check_ops, copy_runs, decode_payload,
-    encode_payload, lazy_numpy as np,
+    DoneCompletion, MemRegion, PeerGone, Refused, TransportError, TransportTimeout, check_ops, copy_runs,
+    decode_payload, encode_payload, lazy_numpy as np,
 )
 from llmdd.testing.sim.world import World
 
@@ -66,7 +66,8 @@ class SimMemChannel(Channel):
         self._peer_id = peer_id
         self._remote: dict[int, int] = {}   # remote region id -> size (as the peer announced it)
         self._closed = False
-        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "batches": 0, "failures": 0, "last_error": None}
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "batches": 0, "failures": 0,
+                                       "last_error": None}
 
     def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
         peer_id, rid, rsize = decode_payload(desc, transport=NAME, version=VERSION, type=tuple[int, int, int])
