@@ -123,6 +123,16 @@ class World:
         self.crash_hooks: list[Callable[[Any], None]] = []
         self._observer_resumed = False
 
+    @property
+    def servers(self) -> dict:
+        """The listeners by address (``world.net.servers``)."""
+        return self.net.servers
+
+    @property
+    def connections(self) -> list:
+        """Every connection made, (client end, server end), in order (``world.net.connections``)."""
+        return self.net.connections
+
     # ------------------------------------------------------------------ the trace
     def _record(self, label: str) -> None:
         self.steps += 1
