@@ -1,7 +1,7 @@
 """Deterministic simulation of llmdd engines: one thread, a fake clock, in-memory sockets and memory.
 
 The engine does not know it is simulated: its composition root takes a
-:class:`~llmdd._runtime.runtime.Runtime` (docs/simulation.md, "The runtime seam"), and here that is a
+:class:`~llmdd._runtime.runtime.Runtime` (docs/simulation-runtime.md, "The runtime seam"), and here that is a
 :class:`SimRuntime` on a :class:`World`:
 
 * :class:`World`: the one scheduler (FIFO), clock (moves only when nothing can run), seeded
