@@ -24,6 +24,9 @@ message (what one ``send`` handed over) or per process, on the world's seeded ra
 :meth:`stall`          a process stops reading its sockets (its peers' sends back up and block)
 =====================  ==========================================================================
 
+Code that changes what a socket's readiness depends on by hand (its ``frozen`` flag, its
+``capacity``) calls ``world.wake(sock)`` after: the world checks only the sockets that changed.
+
 A process that freezes (as under SIGSTOP) or crashes is the world's (:meth:`World.freeze`,
 :meth:`~llmdd.testing.sim.runtime.SimRuntime.crash`); a crashed process's sockets are closed
 (its peers read EOF after what was already on the wire).
@@ -113,6 +116,11 @@ class Network:
 
     def unstall(self, process: str) -> None:
         self.stalled.discard(process)
+        for sock in self.sockets_of(process):
+            self.world.recheck(sock)
+        for server in self.servers.values():
+            if server.process == process:
+                self.world.recheck(server)
         self.world.wake_always()
 
     def sockets_of(self, process: str) -> list["SimSocket"]:
@@ -400,5 +408,6 @@ def connect(world: "World", address: tuple[str, int], timeout: Optional[float], 
     if server.owner is not None:
         server.owner._sockets.append(accepted)
     net.connections.append((client, accepted))
+    world.wake(server)   # a connection to accept
     world.wake_always()
     return client

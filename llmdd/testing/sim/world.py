@@ -104,6 +104,9 @@ class World:
         self._timers: list = []
         self._tseq = itertools.count()
         self._watch: dict[Any, tuple[int, Callable[[int], None]]] = {}
+        #: watched sockets whose readiness may have changed since they were last found not ready (an
+        #: ordered set): only these are checked, so a step costs nothing per idle socket
+        self._maybe: dict[Any, None] = {}
         self._parked: dict[Any, list[_Park]] = {}                # what a fiber waits on -> its parked fibers
         self.failures: list[tuple[str, BaseException]] = []
         self.steps = 0
@@ -258,7 +261,15 @@ class World:
                 return True
 
     def wake(self, key: Any) -> None:
-        """``key`` changed: the fibers waiting on it are resumed (in the order they began to wait)."""
+        """``key`` changed: the fibers waiting on it are resumed (in the order they began to wait).
+
+        A socket that changes (bytes or EOF arrived, bytes read, closed, unfrozen) wakes itself: then
+        it and its peer (whose room to send depends on this end's buffer) are checked for readiness."""
+        if key in self._watch:
+            self._maybe[key] = None
+        peer = getattr(key, "peer", None)
+        if peer is not None and peer in self._watch:
+            self._maybe[peer] = None
         waiting = self._parked.pop(key, None)
         if waiting:
             for park in waiting:
@@ -291,11 +302,17 @@ class World:
     def watch(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]], runtime: Any = None) -> None:
         if events and handler is not None and not getattr(fileobj, "closed", False):
             self._watch[fileobj] = (events, handler, runtime)   # type: ignore[assignment]
+            self._maybe[fileobj] = None
         else:
             self._watch.pop(fileobj, None)
 
     def unwatch(self, fileobj: Any) -> None:
         self._watch.pop(fileobj, None)
+
+    def recheck(self, fileobj: Any) -> None:
+        """Check ``fileobj``'s readiness again (something it depends on changed without waking it)."""
+        if fileobj in self._watch:
+            self._maybe[fileobj] = None
 
     def watched_by(self, fileobjs: Iterable[Any]) -> int:
         return sum(1 for f in self._watch if f in fileobjs)
@@ -321,11 +338,19 @@ class World:
             label, fn, args, runtime = self.ready.popleft()
             self._call(label, fn, args, runtime)
             return True
-        for fileobj, (events, handler, runtime) in list(self._watch.items()):   # type: ignore[misc]
-            if runtime is not None and runtime.frozen:
+        maybe = self._maybe
+        while maybe:
+            fileobj = next(iter(maybe))
+            del maybe[fileobj]
+            entry = self._watch.get(fileobj)
+            if entry is None:
                 continue
+            events, handler, runtime = entry   # type: ignore[misc]
+            if runtime is not None and runtime.frozen:
+                continue   # checked again when it is thawed
             mask = fileobj.sim_ready() & events
             if mask:
+                maybe[fileobj] = None   # readiness is level-triggered: checked again, after the others
                 self._call(f"ready:{getattr(handler, '__qualname__', handler)!s}", handler, (mask,), runtime)
                 return True
         return False
@@ -408,9 +433,13 @@ class World:
     def _idle_now(self) -> bool:
         if self.ready:
             return False
-        for fileobj, (events, _handler, runtime) in self._watch.items():   # type: ignore[misc]
-            if (runtime is None or not runtime.frozen) and fileobj.sim_ready() & events:
-                return False
+        for fileobj in list(self._maybe):
+            entry = self._watch.get(fileobj)
+            if entry is not None:
+                events, _handler, runtime = entry   # type: ignore[misc]
+                if (runtime is None or not runtime.frozen) and fileobj.sim_ready() & events:
+                    return False
+            del self._maybe[fileobj]
         timer = self.next_timer()
         return timer is None or timer.when > self.now
 
@@ -438,6 +467,9 @@ class World:
         runtime.frozen = False
         held, runtime.held = runtime.held, []
         self.ready.extend(held)
+        for fileobj, entry in self._watch.items():
+            if entry[2] is runtime:   # type: ignore[misc]
+                self._maybe[fileobj] = None
         self.wake_always()
 
     def kill(self, fiber: Fiber) -> None:
