@@ -1,0 +1,154 @@
+"""Inside each transport plugin, modules talk through public names (issue 37, item 5).
+
+A *private reach* is a use, in one module of a plugin's package, of a private name (``_x``: one leading
+underscore, not ``__dunder__``, not ``_sunder_``) that the plugin defines, when the using code does not own
+it:
+
+* ``obj._x`` where ``obj`` is not ``self`` / ``cls`` and the class around the access does not itself define
+  ``_x`` (another object's private member: the endpoint's lock read by a channel, a counter of the
+  channel bumped by a plan, a sibling module's private function called as ``mod._x``);
+* ``from .sibling import _x`` (a private name of another module).
+
+The plugin's own modules are named ``_x`` (private to the package, not to a module): importing them is
+not a reach (an attribute of the same name, ``ch._cma``, still is).  What "defines" means: a module-level name, a class attribute or method, an attribute
+assigned as ``self._x = ...``, or a ``__slots__`` entry, in any module of the package.  Names the plugin
+does not define (the standard library's, a C extension's) are not counted here.
+
+The target is no reach in any plugin; :data:`ALLOWED` lists the exceptions, each with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import Counter
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "plugins"
+PLUGINS = {
+    "shm": ROOT / "llmdd-transport-shm" / "src" / "llmdd_shm",
+    "tcp": ROOT / "llmdd-transport-tcp" / "src" / "llmdd_tcp",
+    "ucx": ROOT / "llmdd-transport-ucx" / "src" / "llmdd_ucx",
+}
+
+#: (plugin, module file, private name) -> why the reach stays
+ALLOWED: dict[tuple[str, str, str], str] = {}
+
+
+def _private(name: str) -> bool:
+    return (name.startswith("_") and not name.startswith("__") and not (len(name) > 2 and name.endswith("_")))
+
+
+def _self_attrs(cls: ast.ClassDef) -> set[str]:
+    """Names a class defines: its methods and class attributes, ``self._x = ...`` and ``__slots__``."""
+    out: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    out.add(t.id)
+                    if t.id == "__slots__" and node.value is not None:
+                        for elt in getattr(node.value, "elts", []):
+                            if isinstance(elt, ast.Constant) and isinstance(elt.value, str):
+                                out.add(elt.value)
+    for node in ast.walk(cls):
+        targets: list = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for t in targets:
+            for sub in ast.walk(t):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id in ("self", "cls")):
+                    out.add(sub.attr)
+    return out
+
+
+def _module_names(tree: ast.Module) -> set[str]:
+    out: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Name):
+                        out.add(sub.id)
+    return out
+
+
+def reaches(pkg: pathlib.Path) -> list[tuple[str, int, str]]:
+    """Every private reach in the package at ``pkg``: ``(module file, line, name)``."""
+    trees = {p.name: ast.parse(p.read_text(), str(p)) for p in sorted(pkg.glob("*.py"))}
+    modules = {p.stem for p in pkg.iterdir() if p.suffix in (".py", ".so", ".c")} | {
+        p.name.split(".")[0] for p in pkg.glob("*.so")}
+    defined: set[str] = set()
+    for tree in trees.values():
+        defined |= _module_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                defined |= _self_attrs(node)
+    defined = {n for n in defined if _private(n)}
+    names = defined - modules   # a sibling module imported by its name is no reach
+    found: list[tuple[str, int, str]] = []
+    for fname, tree in trees.items():
+
+        def visit(node: ast.AST, owned: frozenset) -> None:
+            if isinstance(node, ast.ClassDef):
+                owned = owned | _self_attrs(node)
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                for alias in node.names:
+                    if alias.name in names:
+                        found.append((fname, node.lineno, alias.name))
+            if (isinstance(node, ast.Attribute) and node.attr in defined and node.attr not in owned
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append((fname, node.lineno, node.attr))
+            for child in ast.iter_child_nodes(node):
+                visit(child, owned)
+
+        visit(tree, frozenset())
+    return found
+
+
+def counts() -> dict[str, int]:
+    return {name: len([r for r in reaches(pkg) if (name, r[0], r[2]) not in ALLOWED]) for name, pkg in PLUGINS.items()}
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGINS))
+def test_no_private_reaches(plugin: str) -> None:
+    found = [r for r in reaches(PLUGINS[plugin]) if (plugin, r[0], r[2]) not in ALLOWED]
+    by_module = Counter(f"{m}:{n}" for m, _, n in found)
+    print(f"{plugin}: {len(found)} private reaches", dict(by_module.most_common()))
+    assert not found, (f"{plugin}: {len(found)} cross-module private reaches (module:name -> count): "
+                       f"{dict(by_module.most_common())}")
+
+
+def test_allow_list_is_live() -> None:
+    """Every allowed reach still exists (an entry for a reach that went is removed with it)."""
+    live = {(name, m, n) for name, pkg in PLUGINS.items() for m, _, n in reaches(pkg)}
+    assert set(ALLOWED) <= live, sorted(set(ALLOWED) - live)
+
+
+def test_checker_finds_a_planted_reach(tmp_path: pathlib.Path) -> None:
+    """The control: a package with each kind of reach, and the accesses that are not reaches."""
+    (tmp_path / "_a.py").write_text(
+        "_HIDDEN = 1\n"
+        "class A:\n"
+        "    def __init__(self):\n"
+        "        self._lock = None\n"
+        "        self.public = 0\n"
+        "    def same(self, other: 'A'):\n"
+        "        return other._lock, self._lock\n")
+    (tmp_path / "_b.py").write_text(
+        "from . import _a\n"
+        "from ._a import _HIDDEN, A\n"
+        "def f(a: A):\n"
+        "    return a._lock, a.public, _a._HIDDEN, a.__class__, a._fields_\n")
+    got = sorted((m, n) for m, _, n in reaches(tmp_path))
+    assert got == [("_b.py", "_HIDDEN"), ("_b.py", "_HIDDEN"), ("_b.py", "_lock")]
