@@ -4,9 +4,10 @@ A *private reach* is a use, in one module of a plugin's package, of a private na
 underscore, not ``__dunder__``, not ``_sunder_``) that the plugin defines, when the using code does not own
 it:
 
-* ``obj._x`` where ``obj`` is not ``self`` / ``cls`` and the class around the access does not itself define
-  ``_x`` (another object's private member: the endpoint's lock read by a channel, a counter of the
-  channel bumped by a plan, a sibling module's private function called as ``mod._x``);
+* ``obj._x`` where ``obj`` is not ``self`` / ``cls``, unless the class around the access defines ``_x`` and
+  no other module of the package does (another instance of the same class); otherwise it is another
+  object's private member (the endpoint's lock read by a channel, a counter of the channel bumped by a
+  plan, a sibling module's private function called as ``mod._x``);
 * ``from .sibling import _x`` (a private name of another module).
 
 The plugin's own modules are named ``_x`` (private to the package, not to a module): importing them is
@@ -89,19 +90,25 @@ def reaches(pkg: pathlib.Path) -> list[tuple[str, int, str]]:
     modules = {p.stem for p in pkg.iterdir() if p.suffix in (".py", ".so", ".c")} | {
         p.name.split(".")[0] for p in pkg.glob("*.so")}
     defined: set[str] = set()
-    for tree in trees.values():
-        defined |= _module_names(tree)
+    by_module: dict[str, set[str]] = {}
+    for fname, tree in trees.items():
+        mine = _module_names(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
-                defined |= _self_attrs(node)
+                mine |= _self_attrs(node)
+        by_module[fname] = mine
+        defined |= mine
     defined = {n for n in defined if _private(n)}
     names = defined - modules   # a sibling module imported by its name is no reach
     found: list[tuple[str, int, str]] = []
     for fname, tree in trees.items():
+        # a name some other module defines too is never "owned" (``endpoint._cfg`` read in a channel class
+        # that has a ``_cfg`` of its own is still the endpoint's)
+        elsewhere = set().union(*(names_ for m, names_ in by_module.items() if m != fname))
 
         def visit(node: ast.AST, owned: frozenset) -> None:
             if isinstance(node, ast.ClassDef):
-                owned = owned | _self_attrs(node)
+                owned = owned | (_self_attrs(node) - elsewhere)
             if isinstance(node, ast.ImportFrom) and node.level >= 1:
                 for alias in node.names:
                     if alias.name in names:
