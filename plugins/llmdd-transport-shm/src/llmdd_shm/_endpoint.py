@@ -23,8 +23,8 @@ from . import _quick, _seg
 from ._channel import ShmChannel
 from ._cma import FEW, Cma, probe_cma
 from ._config import OPT_NATIVE
-from ._format import (CTL_CLOSED, CTL_SIZE, SLOT_DYING, SLOT_FREE, SLOT_LIVE, CTL_MAGIC, CTL_OPEN, PROBE_MAGIC, MAX_SLOTS, VERSION,
-                      EndpointFields, RegionFields, CtlView, id_words, endpoint_fields)
+from ._format import (CTL_CLOSED, CTL_MAGIC, CTL_OPEN, CTL_SIZE, MAX_SLOTS, PROBE_MAGIC, SLOT_DYING, SLOT_FREE, SLOT_LIVE,
+                      VERSION, CtlView, EndpointFields, RegionFields, endpoint_fields, id_words)
 from ._host import host_identity
 from ._hotpath import native
 

@@ -22,7 +22,8 @@ from ._descriptors import EndpointFields, region_fields
 from ._grants import cap_key, grant_handle, mac
 from ._io import move, sendmsg_all, Where
 from ._options import OPT_INLINE, OPT_SEGMENT, OPT_SPLIT, OPT_STREAMS
-from ._sock import StreamBatch, Spinner, arm_deadline, close_sock, map_exc, readable, recv_exact, shutdown_sock, StaleStream, tune
+from ._sock import Spinner, StaleStream, StreamBatch, arm_deadline, close_sock, map_exc, readable, recv_exact, shutdown_sock
+from ._sock import tune
 from ._wire import AUTH_RSP, HELLO, M_HELLO, M_REQ, OPEN, REQ, RSP, MAX_OPS_PER_REQUEST, READ, ST_OK
 from ._wire import F_PAD, ST_REFUSED, VERSION, WRITE, parse_rsp, recv_rsp
 

@@ -30,8 +30,8 @@ from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, 
 from ._options import OPT_NATIVE, OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
 from ._request import read_request
 from ._server import ServerConn
-from ._sock import StreamBatch, SPIN_SKIP_MAX, close_sock, map_exc, region_view, set_timeouts, shutdown_sock, tune, wait_readable
-from ._sock import waitall
+from ._sock import SPIN_SKIP_MAX, StreamBatch, close_sock, map_exc, region_view, set_timeouts, shutdown_sock, tune
+from ._sock import wait_readable, waitall
 from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, send_rsp
 
 _log = get_logger("llmdd.transport.tcp")

@@ -1,6 +1,6 @@
 """One accepted data-port stream (:class:`ServerConn`): the TLS handshake and the HELLO / OPEN exchange on
 the endpoint's I/O loop without blocking, the pending timer, idle watching on the loop, and the hand-over
-to a worker (:meth:`TcpEndpoint._serve_ready`) when a request comes."""
+to a worker (:meth:`TcpEndpoint.serve_ready`) when a request comes."""
 
 from __future__ import annotations
 
