@@ -16,6 +16,11 @@ assigned as ``self._x = ...``, or a ``__slots__`` entry, in any module of the pa
 does not define (the standard library's, a C extension's) are not counted here.
 
 The target is no reach in any plugin; :data:`ALLOWED` lists the exceptions, each with its reason.
+
+And no import cycle between a plugin's modules (:func:`import_graph`): every import of a sibling counts,
+``from . import x``, ``from .x import y``, absolute ones of the package, in a function or under ``if
+TYPE_CHECKING:`` alike (an annotation-only import back to the caller is still a cycle of concepts: a
+module names what it needs of its caller as a ``Protocol`` of its own instead).
 """
 
 from __future__ import annotations
@@ -159,3 +164,95 @@ def test_checker_finds_a_planted_reach(tmp_path: pathlib.Path) -> None:
         "    return a._lock, a.public, _a._HIDDEN, a.__class__, a._fields_\n")
     got = sorted((m, n) for m, _, n in reaches(tmp_path))
     assert got == [("_b.py", "_HIDDEN"), ("_b.py", "_HIDDEN"), ("_b.py", "_lock")]
+
+
+def import_graph(pkg: pathlib.Path) -> dict[str, set[str]]:
+    """``module -> the sibling modules it imports`` for the package at ``pkg`` (module names without
+    ``.py``; ``__init__`` for names taken from the package itself)."""
+    name = pkg.name
+    # C extensions too, built (.so) or not yet (their .c source)
+    mods = {p.stem for p in pkg.glob("*.py")} | {p.name.split(".")[0] for p in (*pkg.glob("*.so"), *pkg.glob("*.c"))}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(pkg.glob("*.py")):
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level > 1 or (node.level == 0 and (node.module or "").split(".")[0] != name):
+                    continue
+                parts = (node.module or "").split(".")
+                rest = parts if node.level == 1 else parts[1:]   # relative: .x ; absolute: pkg.x
+                if rest and rest[0]:
+                    out.add(rest[0] if rest[0] in mods else "__init__")
+                else:   # from . import a, b (or from pkg import a): a sibling module, else a name of __init__
+                    out |= {a.name if a.name in mods else "__init__" for a in node.names}
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == name:
+                        out.add(parts[1] if len(parts) > 1 and parts[1] in mods else "__init__")
+        out.discard(path.stem)
+        graph[path.stem] = out & (mods | {"__init__"})
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: each strongly connected set of more than one module (sorted)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGINS))
+def test_no_import_cycles(plugin: str) -> None:
+    graph = import_graph(PLUGINS[plugin])
+    assert len(graph) > 5 and graph["__init__"], graph   # the package was read
+    assert not cycles(graph), f"{plugin}: import cycles between modules: {cycles(graph)}"
+
+
+def test_cycle_check_finds_planted_cycles(tmp_path: pathlib.Path) -> None:
+    """The control: a runtime cycle, an annotation-only one (under TYPE_CHECKING), one through an import
+    inside a function and one through the package's own name are each found; a chain is not a cycle."""
+    pkg = tmp_path / "llmdd_planted"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from ._a import A\n")
+    (pkg / "_a.py").write_text("from . import _b\nclass A: pass\n")
+    (pkg / "_b.py").write_text("from ._a import A\n")                                  # _a <-> _b
+    (pkg / "_c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ._d import D\n")
+    (pkg / "_d.py").write_text("from ._c import TYPE_CHECKING\nclass D: pass\n")     # _c <-> _d
+    (pkg / "_e.py").write_text("def f():\n    from ._f import g\n    return g\n")
+    (pkg / "_f.py").write_text("import llmdd_planted._e\ndef g(): pass\n")            # _e <-> _f
+    (pkg / "_g.py").write_text("from llmdd_planted import A\n")                         # _g -> __init__ -> _a
+    (pkg / "_h.py").write_text("from . import _g\n")                                    # a chain, no cycle
+    graph = import_graph(pkg)
+    assert graph["_g"] == {"__init__"} and graph["_h"] == {"_g"}
+    assert cycles(graph) == [["_a", "_b"], ["_c", "_d"], ["_e", "_f"]]
+    (pkg / "_a.py").write_text("from . import _g\nclass A: pass\n")                    # __init__ -> _a -> _g -> __init__
+    assert ["__init__", "_a", "_g"] in cycles(import_graph(pkg))

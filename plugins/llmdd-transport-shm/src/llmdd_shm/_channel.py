@@ -13,7 +13,7 @@ import functools
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, RegionTable, Refused
@@ -22,6 +22,7 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from llmdd.status import LLMStatusCode
 
 from . import _quick, _seg
+from ._batch import PinnedBatch
 from ._cma import Cma, CmaError, iovecs, probe_cma
 from ._config import OPT_CHUNK, OPT_GIL, OPT_SPLIT, OPT_THREADS
 from ._copypool import copy_pool
@@ -33,8 +34,29 @@ from ._hotpath import ST_STALE
 from ._plans import AnyPlan, FewPlan, Part, Plan
 
 
-if TYPE_CHECKING:  # annotations only: the endpoint opens its channels
-    from ._endpoint import ShmEndpoint, PinnedBatch
+class ChannelOwner(Protocol):
+    """What a channel uses of the endpoint that opened it (:class:`~llmdd_shm._endpoint.ShmEndpoint`): its
+    configuration and C hot path, a batch's pins (``begin_batch`` / ``end_batch``), a native batch's
+    snapshot of its table (``begin_native`` / ``end_native``), a prepared transfer's view of its table
+    (``quick_locals``), and the channel's close (``forget_channel``)."""
+
+    @property
+    def cfg(self) -> Mapping[str, Any]: ...
+
+    @property
+    def native(self) -> Any: ...
+
+    def begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, PinnedBatch, np.ndarray]: ...
+
+    def end_batch(self, batch: PinnedBatch) -> None: ...
+
+    def begin_native(self) -> tuple[tuple, int]: ...
+
+    def end_native(self, epoch: int, counted: bool) -> None: ...
+
+    def quick_locals(self, region_ids: Sequence[int]) -> Optional[_quick.QuickTables]: ...
+
+    def forget_channel(self, ch: ShmChannel) -> None: ...
 
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
@@ -60,7 +82,7 @@ class _Remote:
 class ShmChannel(Channel):
     """A same-host peer: its control segment and pool segments mapped, its pid attached."""
 
-    def __init__(self, endpoint: ShmEndpoint, peer: EndpointFields, deadline: float) -> None:
+    def __init__(self, endpoint: ChannelOwner, peer: EndpointFields, deadline: float) -> None:
         self._ep = endpoint
         self._cfg = endpoint.cfg
         self._peer_id = peer.endpoint_id

@@ -1,6 +1,6 @@
 """The shm endpoint (:class:`ShmEndpoint`): owns a control segment, registers regions (one slot each when
 remote-accessible), opens channels to same-host peers and drains readers before a region or the endpoint
-goes; with :class:`PinnedBatch` (one running batch's pins) and the exit handler that unlinks the control
+goes; with the exit handler that unlinks the control
 segments of endpoints never closed."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any, Mapping as TMapping, Optional, Sequence
 import msgspec
 
 from llmdd.abc import Endpoint, EndpointDescriptor, RegionDescriptor
-from llmdd.lowlevel import Batch, Cancelled, MemRegion, RegionRegistry, RegionTable, RegisteredRegion, Refused
+from llmdd.lowlevel import Cancelled, MemRegion, RegionRegistry, RegionTable, RegisteredRegion, Refused
 from llmdd.lowlevel import encode_payload, get_logger, segment_name
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
 from . import _quick, _seg
+from ._batch import PinnedBatch
 from ._channel import ShmChannel
 from ._cma import FEW, Cma, probe_cma
 from ._config import OPT_NATIVE
@@ -55,17 +56,6 @@ class _LocalReg(RegisteredRegion):
         super().__init__(region)
         self.slot = slot
         self.gen = gen
-
-
-class PinnedBatch(Batch):
-    """One running batch: what it pins (local regions, the peer's mapped segments), its abort flag and
-    (split batch) completion; parts check ``aborted`` between chunks."""
-
-    __slots__ = ("maps",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maps: list = []
 
 
 class ShmEndpoint(Endpoint):

@@ -9,19 +9,35 @@ import ctypes
 import errno
 import itertools
 import os
-from typing import TYPE_CHECKING, Union
+from typing import Any, Protocol, Union
 
 from llmdd.lowlevel import copy_runs
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from ._cma import IOV_MAX, CmaError, iovecs
+from ._batch import PinnedBatch
+from ._cma import IOV_MAX, Cma, CmaError, iovecs
 from ._format import KIND_CMA, KIND_SHM
 from ._hotpath import ST_CMA, ST_NOPROGRESS
 
 
-if TYPE_CHECKING:  # annotations only: the channel runs the plans
-    from ._channel import ShmChannel
-    from ._endpoint import PinnedBatch
+class PlanChannel(Protocol):
+    """What a plan uses of the channel that runs it (:class:`~llmdd_shm._channel.ShmChannel`): the peer's
+    pid, the cross-memory-attach caller, the C hot path (or None), the chunk size, and the peer check a
+    plan runs between chunks."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def cma(self) -> Cma: ...
+
+    @property
+    def native(self) -> Any: ...
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    def check_peer(self, plan: "AnyPlan", batch: PinnedBatch, deadline: float, *, first: bool) -> None: ...
 
 
 class Plan:
@@ -73,7 +89,7 @@ class Plan:
         sh = _Shared(self, chunk, iov_max, parts)
         return [Part(sh) for _ in range(max(1, min(parts, len(sh.tasks))))]
 
-    def execute(self, ch: ShmChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
+    def execute(self, ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         """Every chunk in this thread, the peer checked between chunks."""
         Part(_Shared(self, ch.chunk_bytes, ch.cma.iov_max, 1)).execute(ch, batch, write, deadline)
 
@@ -105,7 +121,7 @@ class _Shared:
         self.take = itertools.count().__next__
         self.exhausted = False  # a worker found every chunk taken (a later one returns without locking)
 
-    def run(self, part: "Part", ch: ShmChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
+    def run(self, part: "Part", ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         tasks, n = self.tasks, len(self.tasks)
         nat = ch.native
         first = True
@@ -130,7 +146,7 @@ class _Shared:
                 self._cma(part, ch, batch, write, deadline, s, e)
             part.moved += nbytes
 
-    def _cma(self, part: "Part", ch: ShmChannel, batch: PinnedBatch, write: bool, deadline: float, s: int, e: int) -> None:
+    def _cma(self, part: "Part", ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float, s: int, e: int) -> None:
         liov, riov = self.c
         nat = ch.native
         if nat is None:
@@ -166,7 +182,7 @@ class Part:
     def n(self) -> int:
         return 0 if self.sh.exhausted else len(self.sh.tasks)
 
-    def execute(self, ch: ShmChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
+    def execute(self, ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         self.sh.run(self, ch, batch, write, deadline)
 
 
@@ -214,7 +230,7 @@ class FewPlan:
     def share(self, parts: int, chunk: int, iov_max: int) -> list:
         return self.full().share(parts, chunk, iov_max)
 
-    def execute(self, ch: "ShmChannel", batch: PinnedBatch, write: bool, deadline: float) -> None:
+    def execute(self, ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         chunk = ch.chunk_bytes
         if any(n > chunk for _, _, n in self.mm) or any(n > chunk for _, _, n in self.cm) \
                 or sum(n for _, _, n in self.mm) > chunk or sum(n for _, _, n in self.cm) > chunk:

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import Batch, BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, Refused, RegionTable
@@ -30,14 +30,26 @@ from ._wire import F_PAD, ST_REFUSED, VERSION, WRITE, parse_rsp, recv_rsp
 #: idle streams a channel keeps for its next batches (more are closed when they come back)
 _POOL_MAX = 4
 
-if TYPE_CHECKING:   # the endpoint opens channels (it imports this module); a channel only calls back into it
-    from ._endpoint import TcpEndpoint
+class ChannelOwner(_quick.QuickOwner, Protocol):
+    """What a channel uses of the endpoint that opened it (:class:`~llmdd_tcp._endpoint.TcpEndpoint`): what a
+    plan of its prepared path uses (:class:`~llmdd_tcp._quick.QuickOwner`), the link secret, the spin
+    time of its waits, a batch's pins (``begin_batch`` / ``end_batch``) and its close (``forget_channel``)."""
+
+    @property
+    def secret(self) -> Union[bytes, None]: ...
+
+    @property
+    def spin_s(self) -> float: ...
+
+    def begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[StreamBatch, Where]: ...
+
+    def forget_channel(self, ch: TcpChannel) -> None: ...
 
 
 class TcpChannel(Channel):
     """Streams to one peer endpoint, pooled; a batch takes one or two of them."""
 
-    def __init__(self, endpoint: TcpEndpoint, peer: EndpointFields, cap: Optional[bytes]) -> None:
+    def __init__(self, endpoint: ChannelOwner, peer: EndpointFields, cap: Optional[bytes]) -> None:
         self._ep = endpoint
         self._peer = peer
         self._addr = (peer.host, peer.port)

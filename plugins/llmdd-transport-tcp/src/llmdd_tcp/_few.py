@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Union
 
 from llmdd.lowlevel import Batch, Corrupt, PeerGone, Refused
 
@@ -24,8 +24,26 @@ from ._grants import Grant
 from ._io import COPY_ALL, TAIL, advance
 from ._wire import M_RSP, OK_PADDED, RSP, F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, send_rsp
 
-if TYPE_CHECKING:
-    from ._endpoint import TcpEndpoint
+
+class _Warns(Protocol):
+    def warning(self, event: str, **kw: Any) -> object: ...
+
+
+class FewOwner(Protocol):
+    """What the few-ops path uses of the endpoint that serves the request
+    (:class:`~llmdd_tcp._endpoint.TcpEndpoint`): its logger, the most of a refused write's payload it reads
+    to drop, and a request's regions taken and let go (``admit_few`` / ``end_request``)."""
+
+    @property
+    def log(self) -> _Warns: ...
+
+    @property
+    def eager_max(self) -> int: ...
+
+    def admit_few(self, token: int, sock: socket.socket, grant: Grant, regions: tuple, offsets: tuple, lengths: tuple,
+                  total: int) -> Union[str, tuple[Batch, list]]: ...
+
+    def end_request(self, token: int, grant: Grant, served: Batch, nbytes: int = 0, nops: int = -1) -> None: ...
 
 #: requests of at most this many ops take the few-ops path (the count is bounded before any work)
 FEW_OPS = 8
@@ -69,7 +87,7 @@ def recv_rows(sock: socket.socket, count: int, flags: int, pad: int = 0) -> tupl
     return _ROWS[count].unpack_from(buf)
 
 
-def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, total: int, grant: Grant,
+def serve_few(ep: FewOwner, sock: socket.socket, kind: int, flat: tuple, total: int, grant: Grant,
               flags: int = 0) -> None:
     """Check, then serve, the ops ``flat`` (region, offset, length triples) of one request."""
     regions, offsets, lengths = flat[0::3], flat[1::3], flat[2::3]

@@ -8,7 +8,7 @@ remote regions checked against the channel's table (known, remote-accessible, la
 every block of the shape), and the versions of both tables.  A call of the plan
 (:meth:`QuickCall.__call__`) then checks the blocks (exact ints in range, no destination twice, a
 few of them), that both versions are still current, pins the local regions as a batch of the ops
-path does (:meth:`TcpEndpoint._begin_batch`: a deregistration or a close fails it and waits for the
+path does (:meth:`TcpEndpoint.pin_prepared`: a deregistration or a close fails it and waits for the
 pin), builds the request's rows as the ops path would send them (runs of consecutive blocks merged
 as ``PreparedPlan.ops`` merges them, then sorted and coalesced as ``coalesce_ops`` does: the same bytes
 on the wire), takes an idle stream, sends the request in one call, receives the answer header and
@@ -29,20 +29,67 @@ import os
 import socket
 import struct
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
-from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout, block_runs
+from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TlsConfig, TransportError, TransportTimeout, block_runs
 
 from ._io import advance
 from ._native import native
 from ._options import OPT_INLINE, OPT_SEGMENT
-from ._sock import StaleStream, StreamBatch, close_sock, map_exc
+from ._sock import Spinner, StaleStream, StreamBatch, close_sock, map_exc
 from ._request import request_pad
 from ._wire import M_REQ, M_RSP, RSP, F_EAGER, F_PAD, FEAT_QUICK, MAX_MESSAGE, READ, ST_OK, ST_REFUSED, WRITE
 
-if TYPE_CHECKING:   # the channel calls this module; a plan calls the channel and the endpoint back
-    from ._channel import TcpChannel
-    from ._endpoint import TcpEndpoint
+
+class QuickOwner(Protocol):
+    """What a plan uses of the endpoint (:class:`~llmdd_tcp._endpoint.TcpEndpoint`): its configuration, TLS
+    and C path, and its local table read and pinned at a version (``prepared_locals``, ``pin_prepared``,
+    ``end_batch``)."""
+
+    @property
+    def cfg(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tls(self) -> Union[TlsConfig, None]: ...
+
+    @property
+    def native(self) -> bool: ...
+
+    def prepared_locals(self, region_ids: Sequence[int], min_size: int) -> Optional[tuple[int, dict, dict]]: ...
+
+    def pin_prepared(self, batch: StreamBatch, version: int) -> bool: ...
+
+    def end_batch(self, batch: StreamBatch) -> None: ...
+
+
+class QuickChannel(Protocol):
+    """What a plan uses of the channel (:class:`~llmdd_tcp._channel.TcpChannel`): the owner's features, the
+    spinner of its waits, the remote table read at a version (``prepared_remotes``), a call's start
+    (``begin_prepared``, ``bump_arm_epoch``), its streams (``open_stream``, ``give_back``) and its end
+    (``quick_done``, ``finish``)."""
+
+    @property
+    def features(self) -> int: ...
+
+    @property
+    def spinner(self) -> Spinner: ...
+
+    def prepared_remotes(self, region_ids: Sequence[int], min_size: int) -> Optional[int]: ...
+
+    def begin_prepared(self, batch: StreamBatch, version: int, armed_sock: Optional[socket.socket],
+                       armed_epoch: int) -> Optional[tuple[Optional[socket.socket], bool]]: ...
+
+    def bump_arm_epoch(self) -> int: ...
+
+    def open_stream(self, deadline: float) -> socket.socket: ...
+
+    def give_back(self, batch: StreamBatch, sock: socket.socket) -> None: ...
+
+    def quick_done(self, batch: StreamBatch, sock: socket.socket, kind: int, nops: int, total: int,
+                   native: bool) -> None: ...
+
+    def finish(self, batch: StreamBatch, err: Union[TransportError, None] = None, kind: int = READ,
+               nops: Union[int, None] = None, total: int = 0, *, quick: bool = False, native: bool = False) -> None: ...
 
 #: the most tensor pairs and blocks of one call the quick path takes (the engine's small path: 16 blocks)
 QUICK_MAX_PAIRS = 8
@@ -188,7 +235,7 @@ class QuickCall:
     __slots__ = ("ch", "ep", "pairs", "bs", "su", "du", "push", "timeout_s", "slack", "ep_ver", "ch_ver",
                  "views", "lids", "max_bytes", "kind", "armed_sock", "armed_epoch", "bases", "native")
 
-    def __init__(self, ch: TcpChannel, ep: TcpEndpoint, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
+    def __init__(self, ch: QuickChannel, ep: QuickOwner, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
                  ep_ver: int, ch_ver: int, views: dict, max_bytes: int, bases: dict) -> None:
         self.ch, self.ep = ch, ep
         self.pairs, self.bs, self.su, self.du, self.push = pairs, bs, su, du, push
@@ -198,7 +245,7 @@ class QuickCall:
         self.lids = frozenset(views)
         self.max_bytes = max_bytes
         self.kind = WRITE if push else READ
-        # the stream this plan armed last and the channel's arming epoch then (TcpChannel._arm_epoch): the
+        # the stream this plan armed last and the channel's arming epoch then (TcpChannel.bump_arm_epoch): the
         # same stream popped again with the epoch unchanged still has this plan's timeouts set
         self.armed_sock: Optional[socket.socket] = None
         self.armed_epoch = -1
@@ -417,7 +464,7 @@ class QuickCall:
         self.armed_sock, self.armed_epoch = (sock, epoch) if keep else (None, -1)
 
 
-def prepare(ch: TcpChannel, ep: TcpEndpoint, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+def prepare(ch: QuickChannel, ep: QuickOwner, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
             dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
     """The one-call path of this shape on channel ``ch`` of endpoint ``ep``, or None when it cannot take it:
     TLS (an SSL socket takes neither ``sendmsg`` nor receive flags: the ops path stages), too many pairs, a

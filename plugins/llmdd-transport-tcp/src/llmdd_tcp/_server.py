@@ -7,16 +7,46 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Optional, Protocol, Union
 
-from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, PeerGone, PoolFull, TransportError
+from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PeerGone, PoolFull, TransportError
 
 from ._grants import Grant, mac
 from ._sock import Spinner, close_sock, is_tls, map_exc, shutdown_sock
 from ._wire import AUTH_RSP, HELLO, M_HELLO, OPEN, FEAT_QUICK, VERSION
 
-if TYPE_CHECKING:   # the endpoint creates the streams (it imports this module); a stream only calls back into it
-    from ._endpoint import TcpEndpoint
+class ServerOwner(Protocol):
+    """What a stream uses of the endpoint that accepted it (:class:`~llmdd_tcp._endpoint.TcpEndpoint`): its
+    id, link secret and I/O loop, the pending and spin times, the grant an OPEN proves
+    (``open_grant``), the counts of what failed, and the stream's hand-over (``mark_proven``,
+    ``serve_ready``, ``release_conn``)."""
+
+    @property
+    def endpoint_id(self) -> bytes: ...
+
+    @property
+    def secret(self) -> Union[bytes, None]: ...
+
+    @property
+    def loop(self) -> IoLoop: ...
+
+    @property
+    def pending_s(self) -> float: ...
+
+    @property
+    def spin_s(self) -> float: ...
+
+    def open_grant(self, conn: ServerConn, nonce_c: bytes, handle: bytes, mac_c: bytes) -> Union[Grant, None]: ...
+
+    def mark_proven(self, conn: ServerConn) -> None: ...
+
+    def serve_ready(self, conn: ServerConn) -> None: ...
+
+    def release_conn(self, conn: ServerConn) -> None: ...
+
+    def count_tls_failure(self, ip: str, exc: BaseException) -> None: ...
+
+    def count_pending_expired(self, ip: str) -> None: ...
 
 
 class ServerConn:
@@ -25,7 +55,7 @@ class ServerConn:
 
     __slots__ = ("ep", "sock", "ip", "nonce_s", "buf", "proven", "timer", "closed", "grant", "tls", "head", "spinner")
 
-    def __init__(self, ep: TcpEndpoint, sock: socket.socket, ip: str) -> None:
+    def __init__(self, ep: ServerOwner, sock: socket.socket, ip: str) -> None:
         self.ep = ep
         self.sock = sock
         self.ip = ip

@@ -5,22 +5,47 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
-from llmdd.lowlevel import BatchSet, Cancelled, DoneCompletion, PeerGone, RegionTable, Refused, TransportError
+from llmdd.lowlevel import BatchSet, Cancelled, DoneCompletion, PeerGone, RegionRegistry, RegionTable, Refused
+from llmdd.lowlevel import TransportError
 from llmdd.lowlevel import TransportTimeout, check_ops, coalesce_ops, submitted
 
 from . import _proto, _quick
 from ._fields import region_fields
 from ._nixl import nixl_error
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS, OPT_CONTROL_TIMEOUT
-from ._lanes import PARTS_PER_THREAD, Split, split_bounds
-from ._xfer import Xfer, chunk, split_big
+from ._lanes import PARTS_PER_THREAD, PostThreads, Split, split_bounds
+from ._regs import LocalReg
+from ._xfer import Xfer, XferEndpoint, chunk, split_big
 
-if TYPE_CHECKING:  # annotations only: the endpoint creates its channels
-    from ._endpoint import UcxEndpoint
+class ChannelOwner(XferEndpoint, _quick.QuickEndpoint, Protocol):
+    """What a channel uses of the endpoint that opened it (:class:`~llmdd_ucx._endpoint.UcxEndpoint`): what
+    its batches and its prepared path use (:class:`~llmdd_ucx._xfer.XferEndpoint`,
+    :class:`~llmdd_ucx._quick.QuickEndpoint`), its lock (taken before the channel's), registry and
+    closed flag, the split threshold and posting threads, a control request to the peer (``request``) and
+    the channel's close (``forget_channel``)."""
+
+    @property
+    def lock(self) -> threading.RLock: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def regs(self) -> RegionRegistry[LocalReg]: ...
+
+    @property
+    def split_min(self) -> int: ...
+
+    @property
+    def posters(self) -> Optional[PostThreads]: ...
+
+    def request(self, peer: str, kind: int, payload: bytes, timeout: float) -> bool: ...
+
+    def forget_channel(self, ch: UcxChannel) -> None: ...
 
 
 #: batches of at most this many ops (checked) are turned into descriptors in plain Python (_few_descs)
@@ -65,7 +90,7 @@ class _Remote:
 class UcxChannel(Channel):
     """Requests from the local agent to one peer agent."""
 
-    def __init__(self, endpoint: UcxEndpoint, peer_name: str) -> None:
+    def __init__(self, endpoint: ChannelOwner, peer_name: str) -> None:
         self.endpoint = endpoint
         self.peer_name = peer_name
         self._lock = threading.RLock()

@@ -25,6 +25,7 @@ from ._nixl import nixl_error
 from ._lanes import PostThreads, bind_request
 from ._options import OPT_CONTROL_TIMEOUT, OPT_DEVICES, OPT_NOTIF_IDLE_MS, OPT_PROGRESS_THREAD, OPT_SPLIT_MIN
 from ._options import OPT_THREADS, THREADS_MAX, ucx_env
+from ._regs import LocalReg
 from ._xfer import xfer_settings
 
 _log = get_logger("llmdd.transport.ucx")
@@ -46,15 +47,6 @@ def _close_open_endpoints() -> None:
             ep.close()
         except Exception as exc:  # noqa: BLE001 - exit goes on; the others still close
             _log.warning("llmdd.transport.ucx.exit_close_failed", agent=ep.agent_name, error=repr(exc))
-
-
-class _LocalReg(RegisteredRegion):
-    __slots__ = ("dlist", "gen")
-
-    def __init__(self, region: MemRegion, dlist: Any, gen: int) -> None:
-        super().__init__(region)
-        self.dlist = dlist
-        self.gen = gen
 
 
 class UcxEndpoint(Endpoint):
@@ -88,7 +80,7 @@ class UcxEndpoint(Endpoint):
         self.agent = agent
         self.lock = threading.RLock()
         self.closed = False
-        self.regs: RegionRegistry[_LocalReg] = RegionRegistry(threading.Condition(self.lock),
+        self.regs: RegionRegistry[LocalReg] = RegionRegistry(threading.Condition(self.lock),
                                                                on_rebuild=self._rebuild)
         self._gen = int.from_bytes(os.urandom(6), "little") << 8
         self._channels: set[UcxChannel] = set()
@@ -150,7 +142,7 @@ class UcxEndpoint(Endpoint):
                 except Exception as exc:  # noqa: BLE001
                     raise nixl_error(exc, f"registering region {region.region_id}") from None
             self._gen += 1
-            self.regs.add(_LocalReg(region, dlist, self._gen))
+            self.regs.add(LocalReg(region, dlist, self._gen))
         fields = RegionFields(agent=self._name, region_id=region.region_id, addr=region.addr, size=region.size,
                               gen=self._gen, remote_accessible=region.remote_accessible, metadata=bytes(partial))
         return RegionDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))

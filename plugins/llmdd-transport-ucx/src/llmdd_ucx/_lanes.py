@@ -17,14 +17,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from llmdd.abc import Completion
 from llmdd.lowlevel import lazy_numpy as np
 from llmdd.lowlevel import Cancelled, TransportError, TransportTimeout, get_logger
 
-if TYPE_CHECKING:
-    from ._xfer import Xfer
+
+class Posted(Protocol):
+    """A part of a split batch as a posting thread sees it (:class:`~llmdd_ucx._xfer.Xfer`): posted and
+    polled to its end by ``run_posted`` (which records its own error)."""
+
+    def run_posted(self) -> None: ...
 
 _log = get_logger("llmdd.transport.ucx")
 
@@ -73,7 +77,7 @@ class PostThreads:
                 _log.error("llmdd.transport.ucx.post_thread_failed", error=repr(exc))
             part = None
 
-    def submit(self, part: "Xfer") -> None:
+    def submit(self, part: Posted) -> None:
         self._q.put(part)
 
     def stop(self) -> None:

@@ -18,15 +18,43 @@ it) or makes it decline.  ``fast`` returns the bytes moved, a negative number wh
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 from llmdd.lowlevel import block_runs
 
 from . import _nixl
 from ._options import OPT_CHUNK_BYTES, OPT_CHUNK_DESCS
 
-if TYPE_CHECKING:  # annotations only: the channel calls this module
-    from ._channel import UcxChannel
+
+class QuickEndpoint(Protocol):
+    """What a plan uses of the endpoint (:class:`~llmdd_ucx._endpoint.UcxEndpoint`): its NIXL agent (None
+    once closed), its options and its table's version."""
+
+    @property
+    def agent(self) -> Any: ...
+
+    @property
+    def cfg(self) -> Mapping[str, Any]: ...
+
+    @property
+    def table_version(self) -> int: ...
+
+
+class QuickChannel(Protocol):
+    """What a plan uses of the channel (:class:`~llmdd_ucx._channel.UcxChannel`): its endpoint, its table's
+    version, both tables read together (``prepared_rows``) and the post of one call (``quick_run``)."""
+
+    @property
+    def endpoint(self) -> QuickEndpoint: ...
+
+    @property
+    def table_version(self) -> int: ...
+
+    def prepared_rows(self, pairs: Sequence[tuple[int, int]], local_min: int,
+                      remote_min: int) -> Optional[tuple[int, int, list]]: ...
+
+    def quick_run(self, op: str, ldesc: Any, rdesc: Any, nbytes: int, nops: int, local_ids: frozenset,
+                  remote_ids: frozenset, ev: int, cv: int, deadline: float) -> int: ...
 
 __all__ = ["prepare", "STALE", "SHAPE", "LARGE", "MAX_BLOCKS"]
 
@@ -39,7 +67,7 @@ STALE, SHAPE, LARGE = -1, -2, -3
 MAX_BLOCKS = 16
 
 
-def prepare(ch: "UcxChannel", pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+def prepare(ch: QuickChannel, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
                dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
     """``fast(src_blocks, dst_blocks)`` for this shape on channel ``ch``, or None when the channel
     cannot take it (closed, peer gone, a local region not registered, a remote region not announced

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from llmdd.abc import Completion
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
@@ -15,19 +15,49 @@ from llmdd.lowlevel import Cancelled, PeerGone, TransportError, TransportTimeout
 from ._nixl import nixl_error
 from ._options import OPT_DRAIN_TIMEOUT, OPT_INFLIGHT, OPT_SPIN_US
 
-if TYPE_CHECKING:  # annotations only: the channel creates batches, a batch reports to its channel
-    from ._channel import UcxChannel
-    from ._lanes import Split
+from ._lanes import Split
 
 _log = get_logger("llmdd.transport.ucx")
+
+
+class XferEndpoint(Protocol):
+    """What a batch uses of the endpoint (:class:`~llmdd_ucx._endpoint.UcxEndpoint`): its NIXL agent, the
+    batch settings read from its options (:func:`xfer_settings`), and where requests that did not drain
+    are kept (``strand``)."""
+
+    @property
+    def agent(self) -> Any: ...
+
+    @property
+    def xfer_settings(self) -> tuple[int, float, float]: ...
+
+    def strand(self, requests: list) -> None: ...
+
+
+class XferChannel(Protocol):
+    """What a batch uses of the channel that made it (:class:`~llmdd_ucx._channel.UcxChannel`): its endpoint,
+    the peer agent's name, the error a failed request means (``gone_error``, ``transfer_error``) and
+    the batch's end (``batch_done``)."""
+
+    @property
+    def endpoint(self) -> XferEndpoint: ...
+
+    @property
+    def peer_name(self) -> str: ...
+
+    def gone_error(self) -> Optional[TransportError]: ...
+
+    def transfer_error(self) -> TransportError: ...
+
+    def batch_done(self, batch: Xfer, err: Optional[TransportError]) -> None: ...
 
 
 class Xfer(Completion):
     """One batch: a list of NIXL requests (chunks), at most ``window`` in flight."""
 
-    def __init__(self, ch: "UcxChannel", op: str, chunks: list, deadline: float, nbytes: int, nops: int,
+    def __init__(self, ch: XferChannel, op: str, chunks: list, deadline: float, nbytes: int, nops: int,
                  local_ids: frozenset, remote_ids: frozenset, *, quick: bool = False,
-                 parent: "Optional[Split]" = None) -> None:
+                 parent: Optional[Split] = None) -> None:
         self._ch = ch
         ep = ch.endpoint
         self._agent = ep.agent
