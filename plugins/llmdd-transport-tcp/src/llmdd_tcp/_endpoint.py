@@ -29,7 +29,7 @@ from ._native import native
 from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
 from ._options import OPT_NATIVE, OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
 from ._request import read_request
-from ._server import ServerConn
+from ._server import PendingStreams, ServerConn
 from ._sock import SPIN_SKIP_MAX, StreamBatch, close_sock, map_exc, region_view, set_timeouts, shutdown_sock, tune
 from ._sock import wait_readable, waitall
 from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, send_rsp
@@ -79,8 +79,7 @@ class TcpEndpoint(Endpoint):
         self._fast = native.Table() if native is not None and tls is None and cfg.get(OPT_NATIVE) != "off" else None
         self.eager_max = int(self.cfg[OPT_SEGMENT])   # the most a refused eager write's payload is read to drop
         self._server_conns: dict[socket.socket, ServerConn] = {}
-        self._pending: dict[ServerConn, None] = {}
-        self._pending_by_ip: dict[str, int] = {}
+        self._pending = PendingStreams()
         self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
         self._channels: set[TcpChannel] = set()
         self._grants: dict[int, Grant] = {}
@@ -394,12 +393,8 @@ class TcpEndpoint(Endpoint):
         try:
             if self._closed:
                 raise Refused("endpoint is closed")
-            if self._pending_by_ip.get(ip, 0) >= int(self.cfg[OPT_MAX_PENDING_PER_ADDRESS]):
-                raise Refused(f"{ip} has too many connections that did not prove themselves yet")
-            if len(self._pending) >= int(self.cfg[OPT_MAX_PENDING]):
-                victim = self._eviction_victim(ip)
-                if victim is None:
-                    raise Refused("too many connections that did not prove themselves yet")
+            victim = self._pending.admit(ip, int(self.cfg[OPT_MAX_PENDING]), int(self.cfg[OPT_MAX_PENDING_PER_ADDRESS]))
+            if victim is not None:
                 with self._lock:
                     self._stats["evicted"] += 1
                 self.mark_proven(victim)   # its slot is the newcomer's from now on
@@ -419,33 +414,12 @@ class TcpEndpoint(Endpoint):
         with self._lock:
             self._server_conns[sock] = conn
             self._stats["connections"] += 1
-        self._pending[conn] = None
-        self._pending_by_ip[ip] = self._pending_by_ip.get(ip, 0) + 1
+        self._pending.add(conn)
         conn.start()
-
-    def _eviction_victim(self, ip: str) -> Union["ServerConn", None]:
-        """With every pending slot taken (loop thread): the oldest pending stream of the address holding
-        the most slots makes room, unless ``ip`` already holds as many (as on the control port: a flood
-        from some addresses never locks another address's links out of the data port)."""
-        busiest, count = None, self._pending_by_ip.get(ip, 0)
-        for addr, n in self._pending_by_ip.items():
-            if n > count:
-                busiest, count = addr, n
-        if busiest is None:
-            return None
-        for conn in self._pending:   # insertion order: the oldest first
-            if conn.ip == busiest:
-                return conn
-        return None
 
     def mark_proven(self, conn: "ServerConn") -> None:
         """``conn`` authenticated (or served its first request): it no longer counts as pending."""
-        if self._pending.pop(conn, 0) is None:
-            n = self._pending_by_ip.get(conn.ip, 1) - 1
-            if n > 0:
-                self._pending_by_ip[conn.ip] = n
-            else:
-                self._pending_by_ip.pop(conn.ip, None)
+        self._pending.discard(conn)
         conn.timer.cancel()
 
     def count_tls_failure(self, ip: str, exc: BaseException) -> None:

@@ -1,6 +1,7 @@
 """One accepted data-port stream (:class:`ServerConn`): the TLS handshake and the HELLO / OPEN exchange on
 the endpoint's I/O loop without blocking, the pending timer, idle watching on the loop, and the hand-over
-to a worker (:meth:`TcpEndpoint.serve_ready`) when a request comes."""
+to a worker (:meth:`TcpEndpoint.serve_ready`) when a request comes; and the streams accepted that did not
+prove a grant yet (:class:`PendingStreams`: their caps and who makes room)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import socket
 import ssl
 from typing import Optional, Protocol, Union
 
-from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PeerGone, PoolFull, TransportError
+from llmdd.lowlevel import EVENT_READ, EVENT_WRITE, IoLoop, PeerGone, PoolFull, Refused, TransportError
 
 from ._grants import Grant, mac
 from ._sock import Spinner, close_sock, is_tls, map_exc, shutdown_sock
@@ -192,3 +193,54 @@ class ServerConn:
     def release(self) -> None:
         self.ep.release_conn(self)
         close_sock(self.sock)
+
+
+class PendingStreams:
+    """The accepted streams that did not prove a grant yet, oldest first, and how many each address holds
+    (the endpoint's I/O loop thread only: no lock).  :meth:`admit` applies the caps to a newcomer."""
+
+    __slots__ = ("_conns", "_by_ip")
+
+    def __init__(self) -> None:
+        self._conns: dict[ServerConn, None] = {}   # insertion order: the oldest first
+        self._by_ip: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def __contains__(self, conn: ServerConn) -> bool:
+        return conn in self._conns
+
+    def admit(self, ip: str, max_total: int, max_per_address: int) -> Optional[ServerConn]:
+        """Room for one more stream from ``ip``: None when there is room, else the stream that makes room
+        (the oldest pending stream of the address holding the most, when ``ip`` holds fewer: as on the
+        control port, a flood from some addresses never locks another address's links out of the data
+        port; the caller drops it).  Raises :class:`Refused` when ``ip`` is at its cap, or every slot is
+        taken and no other address holds more."""
+        count = self._by_ip.get(ip, 0)
+        if count >= max_per_address:
+            raise Refused(f"{ip} has too many connections that did not prove themselves yet")
+        if len(self._conns) < max_total:
+            return None
+        busiest = None
+        for addr, n in self._by_ip.items():
+            if n > count:
+                busiest, count = addr, n
+        if busiest is not None:
+            for conn in self._conns:
+                if conn.ip == busiest:
+                    return conn
+        raise Refused("too many connections that did not prove themselves yet")
+
+    def add(self, conn: ServerConn) -> None:
+        self._conns[conn] = None
+        self._by_ip[conn.ip] = self._by_ip.get(conn.ip, 0) + 1
+
+    def discard(self, conn: ServerConn) -> None:
+        """``conn`` proved itself (or ended): it no longer counts."""
+        if self._conns.pop(conn, 0) is None:
+            n = self._by_ip.get(conn.ip, 1) - 1
+            if n > 0:
+                self._by_ip[conn.ip] = n
+            else:
+                self._by_ip.pop(conn.ip, None)
