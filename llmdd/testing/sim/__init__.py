@@ -23,9 +23,8 @@ thread, switched only where they wait on a primitive of the world.
 from llmdd.testing.sim.engines import SimProcess, sim_plugin
 from llmdd.testing.sim.net import Network, SimServerSocket, SimSocket
 from llmdd.testing.sim.runtime import SimPool, SimRuntime
-from llmdd.testing.sim.world import (
-    Fiber, SimCondition, SimEvent, SimLocal, SimLock, SimRLock, Stuck, World,
-)
+from llmdd.testing.sim.primitives import SimCondition, SimEvent, SimLocal, SimLock, SimRLock
+from llmdd.testing.sim.world import Fiber, Stuck, World
 
 __all__ = [
     "World", "Stuck", "Fiber", "SimRuntime", "SimPool", "SimProcess", "sim_plugin",

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 
 from llmdd._runtime.runtime import PoolFull, Timer
 from llmdd.testing.sim import net
-from llmdd.testing.sim.world import Fiber, SimCondition, SimEvent, SimLocal, SimLock, SimRLock, World
+from llmdd.testing.sim.primitives import SimCondition, SimEvent, SimLocal, SimLock, SimRLock
+from llmdd.testing.sim.world import Fiber, World
 
 __all__ = ["SimRuntime", "SimPool"]
 
