@@ -39,20 +39,50 @@ def sim_plugin(world: World) -> Any:
 
 
 class SimProcess:
-    """One simulated process of ``world``: a runtime and the engine on it (not yet initialized)."""
+    """One simulated process of ``world``: a runtime and the engine on it (not yet initialized).
+
+    ``transport`` is the transport the engine is forced to (``llmdd.transport``): ``"sim"``, the
+    world's minimal in-memory one registered here, or None to leave the choice to the options (a
+    transport plugin of the simulation registered through its entry point)."""
 
     def __init__(self, world: World, role: LLMRole, cluster_id: int, *, name: Optional[str] = None,
-                 workers: int = 8) -> None:
+                 workers: int = 8, transport: Optional[str] = NAME) -> None:
         self.world = world
+        self.role = role
         self.cluster_id = cluster_id
-        self.runtime = SimRuntime(world, name or f"e{cluster_id}", workers=workers)
-        self.dd = LLMDataDist(role, cluster_id)
+        self.name = name or f"e{cluster_id}"
+        self.workers = workers
+        self.transport = transport
+        self.options: Optional[dict] = None
+        self._build(1)
+
+    def _build(self, incarnation: int) -> None:
+        self.runtime = SimRuntime(self.world, self.name, workers=self.workers, incarnation=incarnation)
+        self.dd = LLMDataDist(self.role, self.cluster_id)
         use_runtime(self.dd, cast(Runtime, self.runtime))   # in-memory sockets, not socket.socket
-        self.dd.add_plugin(sim_plugin(world), name=f"llmdd-sim-transport-{cluster_id}")
+        if self.transport == NAME:
+            self.dd.add_plugin(sim_plugin(self.world), name=f"llmdd-sim-transport-{self.cluster_id}")
+
+    @property
+    def incarnation(self) -> int:
+        return self.runtime.incarnation
 
     def init(self, options: dict) -> None:
-        """``init`` with ``options`` and the ``sim`` transport forced (``llmdd.transport``)."""
-        self.dd.init({**options, "llmdd.transport": NAME})
+        """``init`` with ``options`` (and the transport forced, see the class); kept for :meth:`restart`."""
+        self.options = dict(options)
+        self.dd.init({**options, "llmdd.transport": self.transport} if self.transport else options)
 
     def finalize(self) -> None:
         self.dd.finalize()
+
+    def crash(self) -> None:
+        """The process dies at once, all its state lost (:meth:`SimRuntime.crash`); ``dd`` is dead."""
+        self.runtime.crash()
+
+    def restart(self) -> None:
+        """Crash (if not yet) and start the process again: a new runtime (the next incarnation) and a
+        new engine of the same cluster id, initialized with the options of the last :meth:`init`."""
+        self.crash()
+        self._build(self.runtime.incarnation + 1)
+        if self.options is not None:
+            self.init(self.options)

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 
 from llmdd._runtime.runtime import PoolFull, Timer
 from llmdd.testing.sim import net
-from llmdd.testing.sim.world import Fiber, SimCondition, SimEvent, SimLocal, SimLock, SimRLock, World
+from llmdd.testing.sim.primitives import SimCondition, SimEvent, SimLocal, SimLock, SimRLock
+from llmdd.testing.sim.world import Fiber, World
 
 __all__ = ["SimRuntime", "SimPool"]
 
@@ -76,12 +77,23 @@ def _done_of(worker: Fiber) -> Callable[[], bool]:
 
 
 class SimRuntime:
-    """One simulated process's runtime (:class:`~llmdd._runtime.runtime.Runtime`) on ``world``."""
+    """One simulated process's runtime (:class:`~llmdd._runtime.runtime.Runtime`) on ``world``.
 
-    def __init__(self, world: World, name: str, *, workers: int = 8) -> None:
+    ``process`` names the simulated process (what the network's partitions and stalls name; it stays
+    the same across restarts), ``incarnation`` counts its lives (1 first; ``name`` is ``process``,
+    then ``process#2``, ...).  :meth:`crash` ends this life at once; a restart is a new
+    :class:`SimRuntime` of the same process with the next incarnation."""
+
+    def __init__(self, world: World, name: str, *, workers: int = 8, incarnation: int = 1) -> None:
         self.world = world
-        self.name = name
-        self.pool = SimPool(world, workers, f"{name}-work", self)
+        self.process = name
+        self.incarnation = incarnation
+        self.name = name if incarnation == 1 else f"{name}#{incarnation}"
+        self.frozen = False
+        self.crashed = False
+        self.held: list = []   # what became runnable while frozen (World.thaw queues it)
+        self._sockets: list = []   # every socket and listener it opened or accepted
+        self.pool = SimPool(world, workers, f"{self.name}-work", self)
         self.dead: Optional[BaseException] = None
         self._on_dead: list[Callable[[BaseException], None]] = []
         self._mine: set = set()
@@ -129,10 +141,15 @@ class SimRuntime:
 
     # ------------------------------------------------------------------ sockets
     def create_connection(self, address: tuple[str, int], timeout: float) -> net.SimSocket:
-        return net.connect(self.world, address, timeout)
+        sock = net.connect(self.world, address, timeout, self.process)
+        self._sockets.append(sock)
+        return sock
 
     def create_server(self, address: tuple[str, int], backlog: int) -> net.SimServerSocket:
-        return net.listen(self.world, address, backlog)
+        server = net.listen(self.world, address, backlog, self.process)
+        server.owner = self
+        self._sockets.append(server)
+        return server
 
     # ------------------------------------------------------------------ the loop
     def in_loop(self) -> bool:
@@ -182,6 +199,28 @@ class SimRuntime:
         for fileobj in list(self._mine):
             self.world.unwatch(fileobj)
         self.pool.close(timeout)
+
+    def crash(self) -> None:
+        """The process dies now (as under SIGKILL): none of its fibers, callbacks or timers runs again
+        (a fiber's ``finally`` blocks run once and cannot wait), the kernel closes its sockets (its
+        peers read EOF after what was on the wire), and the world's :attr:`~World.crash_hooks` drop
+        what plugins keep for it.  Its engine object is left as it is: nothing may call it again."""
+        if self.crashed:
+            return
+        self.crashed = True
+        self.closed = True
+        self.frozen = False
+        self.held.clear()
+        for fiber in self.world.fibers_of(self):
+            self.world.kill(fiber)
+        self.world.drop(self)
+        for fileobj in list(self._mine):
+            self.world.unwatch(fileobj)
+        for sock in self._sockets:
+            sock.close()
+        for hook in list(self.world.crash_hooks):
+            hook(self)
+        self.world.wake_always()
 
     def __repr__(self) -> str:
         return f"<SimRuntime {self.name}{' closed' if self.closed else ''}>"

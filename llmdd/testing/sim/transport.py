@@ -21,12 +21,12 @@ from typing import Any, ClassVar, Optional, Union
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport
 from llmdd.abc import TransportInfo
 from llmdd.lowlevel import (
-    DoneCompletion, MemRegion, PeerGone, Refused, TransportError, TransportTimeout, check_ops, copy_runs, decode_payload,
-    encode_payload, lazy_numpy as np,
+    DoneCompletion, MemRegion, PeerGone, Refused, TransportError, TransportTimeout, check_ops, copy_runs,
+    decode_payload, encode_payload, lazy_numpy as np,
 )
 from llmdd.testing.sim.world import World
 
-__all__ = ["transport_for", "SimMemTransport"]
+__all__ = ["transport_for", "open_endpoints", "SimMemTransport"]
 
 NAME = "sim"
 VERSION = 1
@@ -44,7 +44,18 @@ def _books(world: World) -> _Books:
     books = world.shared.get(NAME)
     if books is None:
         books = world.shared[NAME] = _Books()
+
+        def crashed(runtime: Any) -> None:   # a crashed process's endpoints are gone with it
+            for ep in [ep for ep in books.endpoints.values() if ep.runtime is runtime]:
+                ep.close()
+
+        world.crash_hooks.append(crashed)
     return books
+
+
+def open_endpoints(world: World) -> int:
+    """Endpoints of this transport open in ``world`` (0 once every engine finalized or crashed)."""
+    return len(_books(world).endpoints)
 
 
 class SimMemChannel(Channel):
@@ -55,7 +66,8 @@ class SimMemChannel(Channel):
         self._peer_id = peer_id
         self._remote: dict[int, int] = {}   # remote region id -> size (as the peer announced it)
         self._closed = False
-        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "batches": 0, "failures": 0, "last_error": None}
+        self._stats: dict[str, Any] = {"bytes_read": 0, "bytes_written": 0, "batches": 0, "failures": 0,
+                                       "last_error": None}
 
     def add_remote_region(self, region_id: int, size: int, desc: RegionDescriptor) -> None:
         peer_id, rid, rsize = decode_payload(desc, transport=NAME, version=VERSION, type=tuple[int, int, int])
@@ -118,6 +130,7 @@ class SimMemEndpoint(Endpoint):
 
     def __init__(self, world: World) -> None:
         self.world = world
+        self.runtime = world.current_runtime()   # the process that opened it (closed when it crashes)
         books = _books(world)
         self.id = next(books.ids)
         books.endpoints[self.id] = self

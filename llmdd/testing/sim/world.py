@@ -40,8 +40,9 @@ except ImportError as exc:  # pragma: no cover - the extra is part of llmdd[test
     raise ImportError("llmdd.testing.sim needs the greenlet package: pip install 'llmdd[sim]'") from exc
 
 from llmdd._runtime.runtime import Timer
+from llmdd.testing.sim.net import Network
 
-__all__ = ["World", "Stuck", "Fiber", "SimEvent", "SimLock", "SimRLock", "SimCondition", "SimLocal"]
+__all__ = ["World", "Stuck", "Fiber"]
 
 #: steps the world may take without its clock moving before it calls the run stuck (a livelock: a ready
 #: socket nobody consumes, two workers waking each other for ever)
@@ -55,13 +56,15 @@ class Stuck(AssertionError):
 class Fiber:
     """One simulated thread of control (a pool worker, a long-lived worker, the test's code)."""
 
-    __slots__ = ("world", "name", "glet", "done", "__weakref__")
+    __slots__ = ("world", "name", "glet", "done", "runtime", "killed", "__weakref__")
 
-    def __init__(self, world: "World", name: str) -> None:
+    def __init__(self, world: "World", name: str, runtime: Any = None) -> None:
         self.world = world
         self.name = name
         self.glet: Optional[greenlet.greenlet] = None
         self.done = False
+        self.runtime = runtime   # the simulated process it belongs to (None: the test's own)
+        self.killed = False      # its process crashed: it never runs again
 
     # threading.Thread's surface (llmdd._runtime.runtime.Worker)
     def join(self, timeout: Optional[float] = None) -> None:
@@ -79,13 +82,15 @@ class Fiber:
 class _Park:
     """A fiber waiting: resumed when one of the objects it waits on changes or its deadline passes."""
 
-    __slots__ = ("glet", "label", "woken", "observer")
+    __slots__ = ("glet", "label", "woken", "observer", "runtime", "timer")
 
-    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool) -> None:
+    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool, runtime: Any) -> None:
         self.glet = glet
         self.label = label
         self.woken = False
         self.observer = observer   # waits on the world as a whole (rechecks after every other step)
+        self.runtime = runtime     # the process of the waiting fiber (a frozen process resumes nothing)
+        self.timer: Optional[Timer] = None   # its deadline
 
 
 class World:
@@ -99,6 +104,9 @@ class World:
         self._timers: list = []
         self._tseq = itertools.count()
         self._watch: dict[Any, tuple[int, Callable[[int], None]]] = {}
+        #: watched sockets whose readiness may have changed since they were last found not ready (an
+        #: ordered set): only these are checked, so a step costs nothing per idle socket
+        self._maybe: dict[Any, None] = {}
         self._parked: dict[Any, list[_Park]] = {}                # what a fiber waits on -> its parked fibers
         self.failures: list[tuple[str, BaseException]] = []
         self.steps = 0
@@ -109,15 +117,24 @@ class World:
         self._main = greenlet.getcurrent()
         self._fibers[self._main] = Fiber(self, "main")
         self._hub: Optional[greenlet.greenlet] = None
-        self._fiber_ids = itertools.count(1)
-        # the network (llmdd.testing.sim.net)
-        self.servers: dict[tuple[str, int], Any] = {}
-        self._ports = itertools.count(40_000)
-        self._fds = itertools.count(10_000)
-        self.connections: list = []   # (client end, server end), in order
+        self._live: dict[Fiber, None] = {}   # fibers spawned and not yet over, in spawn order
+        self.net = Network(self)      # the simulated network and its faults
         self.running: Any = None      # the runtime whose callback runs on the hub now
         self.shared: dict[str, Any] = {}   # what plugins of the world keep per world (the sim transport's books)
+        #: called with a process's runtime when it crashes (after its fibers, timers and sockets are gone):
+        #: what a plugin keeps per process (a transport's endpoints) is dropped here
+        self.crash_hooks: list[Callable[[Any], None]] = []
         self._observer_resumed = False
+
+    @property
+    def servers(self) -> dict:
+        """The listeners by address (``world.net.servers``)."""
+        return self.net.servers
+
+    @property
+    def connections(self) -> list:
+        """Every connection made, (client end, server end), in order (``world.net.connections``)."""
+        return self.net.connections
 
     # ------------------------------------------------------------------ the trace
     def _record(self, label: str) -> None:
@@ -136,13 +153,30 @@ class World:
     def current_fiber(self) -> Optional[Fiber]:
         return self._fibers.get(greenlet.getcurrent())
 
+    def fibers(self) -> list[Fiber]:
+        """The fibers spawned and not yet over (the test's own main fiber is not one)."""
+        return list(self._live)
+
+    def fibers_of(self, runtime: Any) -> list[Fiber]:
+        """The live fibers of ``runtime``'s process, in spawn order."""
+        return [f for f in self._live if f.runtime is runtime]
+
+    def current_runtime(self) -> Any:
+        """The simulated process running now: the runtime of the loop callback on the hub, or of the
+        running fiber (None: the test's own code)."""
+        if self.on_hub():
+            return self.running
+        fiber = self._fibers.get(greenlet.getcurrent())
+        return None if fiber is None else fiber.runtime
+
     def on_hub(self) -> bool:
         return self._hub is not None and greenlet.getcurrent() is self._hub
 
     def spawn(self, name: str, fn: Callable, *args: Any, on_error: Optional[Callable[[BaseException], None]] = None,
               runtime: Any = None) -> Fiber:
         """Start ``fn(*args)`` as a fiber (it first runs when the scheduler reaches it, FIFO)."""
-        fiber = Fiber(self, name)
+        fiber = Fiber(self, name, runtime)
+        self._live[fiber] = None
 
         def body() -> None:
             try:
@@ -156,9 +190,14 @@ class World:
                     self.failures.append((name, exc))
             finally:
                 fiber.done = True
+                self._live.pop(fiber, None)
                 self.wake(fiber)
 
         def start() -> None:
+            if fiber.killed:
+                fiber.done = True
+                self._live.pop(fiber, None)
+                return
             glet = greenlet.greenlet(body, parent=self._ensure_hub())
             fiber.glet = glet
             self._fibers[glet] = fiber
@@ -191,17 +230,20 @@ class World:
             return self._run_here(pred, until)
         glet = greenlet.getcurrent()
         fiber = self._fibers.get(glet)
+        if fiber is not None and fiber.killed:
+            raise greenlet.GreenletExit()   # its process crashed: a finally block that waits ends here
         label = f"resume:{fiber.name if fiber is not None else '?'}"
+        runtime = None if fiber is None else fiber.runtime
         keys: tuple = () if on is None else (tuple(on) if isinstance(on, (list, tuple)) else (on,))
         while True:
             if self.now >= until:
                 return bool(pred())
-            park = _Park(glet, label, _Always in keys)
+            park = _Park(glet, label, _Always in keys, runtime)
             for key in keys:
                 self._parked.setdefault(key, []).append(park)
             timer = None
             if until != math.inf:
-                timer = self._push_timer(until, self._wake_park, (park,))
+                timer = park.timer = self._push_timer(until, self._wake_park, (park,))
             self._ensure_hub().switch()
             # resumed by the hub: a key changed or the deadline passed
             if timer is not None:
@@ -219,7 +261,15 @@ class World:
                 return True
 
     def wake(self, key: Any) -> None:
-        """``key`` changed: the fibers waiting on it are resumed (in the order they began to wait)."""
+        """``key`` changed: the fibers waiting on it are resumed (in the order they began to wait).
+
+        A socket that changes (bytes or EOF arrived, bytes read, closed, unfrozen) wakes itself: then
+        it and its peer (whose room to send depends on this end's buffer) are checked for readiness."""
+        if key in self._watch:
+            self._maybe[key] = None
+        peer = getattr(key, "peer", None)
+        if peer is not None and peer in self._watch:
+            self._maybe[peer] = None
         waiting = self._parked.pop(key, None)
         if waiting:
             for park in waiting:
@@ -229,7 +279,7 @@ class World:
         if park.woken:
             return
         park.woken = True
-        self.ready.append((park.label, self._resume, (park,), None))
+        self.ready.append((park.label, self._resume, (park,), park.runtime))
 
     def _resume(self, park: _Park) -> None:
         if park.observer:
@@ -252,16 +302,27 @@ class World:
     def watch(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]], runtime: Any = None) -> None:
         if events and handler is not None and not getattr(fileobj, "closed", False):
             self._watch[fileobj] = (events, handler, runtime)   # type: ignore[assignment]
+            self._maybe[fileobj] = None
         else:
             self._watch.pop(fileobj, None)
 
     def unwatch(self, fileobj: Any) -> None:
         self._watch.pop(fileobj, None)
 
+    def recheck(self, fileobj: Any) -> None:
+        """Check ``fileobj``'s readiness again (something it depends on changed without waking it)."""
+        if fileobj in self._watch:
+            self._maybe[fileobj] = None
+
     def watched_by(self, fileobjs: Iterable[Any]) -> int:
         return sum(1 for f in self._watch if f in fileobjs)
 
     def _call(self, label: str, fn: Callable, args: tuple, runtime: Any) -> None:
+        if runtime is not None and runtime.frozen:
+            runtime.held.append((label, fn, args, runtime))   # runs when the process is thawed
+            return
+        if runtime is not None and runtime.crashed:
+            return   # its process is gone: nothing of it runs again
         self._record(label if runtime is None or label.startswith(runtime.name) else f"{runtime.name}:{label}")
         previous, self.running = self.running, runtime
         try:
@@ -277,9 +338,19 @@ class World:
             label, fn, args, runtime = self.ready.popleft()
             self._call(label, fn, args, runtime)
             return True
-        for fileobj, (events, handler, runtime) in list(self._watch.items()):   # type: ignore[misc]
+        maybe = self._maybe
+        while maybe:
+            fileobj = next(iter(maybe))
+            del maybe[fileobj]
+            entry = self._watch.get(fileobj)
+            if entry is None:
+                continue
+            events, handler, runtime = entry   # type: ignore[misc]
+            if runtime is not None and runtime.frozen:
+                continue   # checked again when it is thawed
             mask = fileobj.sim_ready() & events
             if mask:
+                maybe[fileobj] = None   # readiness is level-triggered: checked again, after the others
                 self._call(f"ready:{getattr(handler, '__qualname__', handler)!s}", handler, (mask,), runtime)
                 return True
         return False
@@ -315,6 +386,10 @@ class World:
             self._observer_resumed = False
             if self._step():
                 if not self._observer_resumed and _Always in self._parked:
+                    self.wake(_Always)
+                continue
+            if self._advance(self.now):   # a timer due at this instant
+                if _Always in self._parked:
                     self.wake(_Always)
                 continue
             if _Idle in self._parked:   # nothing can run at this instant: settle() is over
@@ -358,15 +433,76 @@ class World:
     def _idle_now(self) -> bool:
         if self.ready:
             return False
-        for fileobj, (events, _handler, _rt) in self._watch.items():   # type: ignore[misc]
-            if fileobj.sim_ready() & events:
-                return False
+        for fileobj in list(self._maybe):
+            entry = self._watch.get(fileobj)
+            if entry is not None:
+                events, _handler, runtime = entry   # type: ignore[misc]
+                if (runtime is None or not runtime.frozen) and fileobj.sim_ready() & events:
+                    return False
+            del self._maybe[fileobj]
         timer = self.next_timer()
         return timer is None or timer.when > self.now
 
     def wake_always(self) -> None:
         """Resume the fibers that wait on the world as a whole (:meth:`run_until`, :meth:`settle`)."""
         self.wake(_Always)
+
+    def leftovers(self) -> dict:
+        """What is still alive in the world: live fibers, armed timers, watched sockets, open sockets and
+        listeners, parked waits.  All 0 once every engine of the world finalized and the world settled."""
+        timers = sum(1 for _when, _seq, t, _rt in self._timers if not t.cancelled)
+        return {"fibers": len(self._live), "timers": timers, "watched": len(self._watch),
+                "sockets": self.net.open_sockets(), "parked": sum(len(v) for v in self._parked.values())}
+
+    # ------------------------------------------------------------------ process faults
+    def freeze(self, runtime: Any) -> None:
+        """Stop ``runtime``'s process (as under SIGSTOP): none of its callbacks, timers, ready sockets
+        or fibers runs until :meth:`thaw`; the network still delivers to its sockets."""
+        runtime.frozen = True
+
+    def thaw(self, runtime: Any) -> None:
+        """Let a frozen process run again: what became runnable meanwhile runs, in its order."""
+        if not runtime.frozen:
+            return
+        runtime.frozen = False
+        held, runtime.held = runtime.held, []
+        self.ready.extend(held)
+        for fileobj, entry in self._watch.items():
+            if entry[2] is runtime:   # type: ignore[misc]
+                self._maybe[fileobj] = None
+        self.wake_always()
+
+    def kill(self, fiber: Fiber) -> None:
+        """End ``fiber`` for good (its process crashed): it is resumed once with ``GreenletExit``, so
+        only ``finally`` blocks run, and none of them can wait."""
+        fiber.killed = True
+        glet = fiber.glet
+        if glet is None or glet.dead or fiber.done:
+            fiber.done = True
+            self._live.pop(fiber, None)
+            return   # not started (it never will) or over
+        if glet is greenlet.getcurrent():
+            raise RuntimeError("a fiber cannot kill itself")
+        for key, parks in list(self._parked.items()):   # its waits end with it
+            left = []
+            for park in parks:
+                if park.glet is not glet:
+                    left.append(park)
+                elif park.timer is not None:
+                    park.timer.cancel()
+            if left:
+                self._parked[key] = left
+            else:
+                del self._parked[key]
+        glet.parent = greenlet.getcurrent()   # come back here, not to the hub
+        glet.throw(greenlet.GreenletExit())
+
+    def drop(self, runtime: Any) -> None:
+        """Forget every timer and queued call of ``runtime``'s process (it crashed)."""
+        for _when, _seq, timer, rt in self._timers:
+            if rt is runtime:
+                timer.cancelled = True
+        self.ready = collections.deque(entry for entry in self.ready if entry[3] is not runtime)
 
 
 class _AlwaysKey:
@@ -378,222 +514,3 @@ class _AlwaysKey:
 
 _Always = _AlwaysKey()
 _Idle = _AlwaysKey()   # the key of settle(): woken when nothing can run at this instant
-
-
-# ---------------------------------------------------------------------- primitives
-
-
-class SimEvent:
-    """``threading.Event`` in the world."""
-
-    __slots__ = ("_world", "_set")
-
-    def __init__(self, world: World) -> None:
-        self._world = world
-        self._set = False
-
-    def set(self) -> None:
-        if not self._set:
-            self._set = True
-            self._world.wake(self)
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def clear(self) -> None:
-        self._set = False
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._world.block(self.is_set, self._world.deadline(timeout), on=self)
-
-
-class SimLock:
-    """``threading.Lock`` in the world: a contended ``acquire`` lets other fibers run."""
-
-    __slots__ = ("_world", "_owner", "__weakref__")
-
-    def __init__(self, world: World) -> None:
-        self._world = world
-        self._owner: Any = None
-
-    def _me(self) -> Any:
-        return greenlet.getcurrent()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = self._me()
-        if self._owner is None:
-            self._owner = me
-            return True
-        if self._owner is me:
-            raise Stuck(f"deadlock: {self._world.current_fiber()} takes a lock it holds")
-        if not blocking:
-            return False
-        if not self._world.block(lambda: self._owner is None, self._world.deadline(timeout), on=self):
-            return False
-        self._owner = me
-        return True
-
-    def release(self) -> None:
-        if self._owner is None:
-            raise RuntimeError("release unlocked lock")
-        self._owner = None
-        self._world.wake(self)
-
-    def locked(self) -> bool:
-        return self._owner is not None
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-    # what SimCondition needs of its lock
-    def _release_save(self) -> Any:
-        self.release()
-        return None
-
-    def _acquire_restore(self, _state: Any) -> None:
-        self.acquire()
-
-    def _is_owned(self) -> bool:
-        return self._owner is self._me()
-
-
-class SimRLock(SimLock):
-    """``threading.RLock`` in the world."""
-
-    __slots__ = ("_count",)
-
-    def __init__(self, world: World) -> None:
-        super().__init__(world)
-        self._count = 0
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        me = self._me()
-        if self._owner is me:
-            self._count += 1
-            return True
-        if self._owner is not None:
-            if not blocking:
-                return False
-            if not self._world.block(lambda: self._owner is None, self._world.deadline(timeout), on=self):
-                return False
-        self._owner = me
-        self._count = 1
-        return True
-
-    def release(self) -> None:
-        if self._owner is not self._me():
-            raise RuntimeError("cannot release un-acquired lock")
-        self._count -= 1
-        if self._count == 0:
-            self._owner = None
-            self._world.wake(self)
-
-    def _release_save(self) -> Any:
-        count, self._count = self._count, 0
-        self._owner = None
-        self._world.wake(self)
-        return count
-
-    def _acquire_restore(self, count: Any) -> None:
-        self.acquire()
-        self._count = count
-
-
-class _Waiting:
-    __slots__ = ("notified",)
-
-    def __init__(self) -> None:
-        self.notified = False
-
-
-class SimCondition:
-    """``threading.Condition`` in the world (over a :class:`SimLock` or :class:`SimRLock`)."""
-
-    def __init__(self, world: World, lock: Optional[SimLock] = None) -> None:
-        self._world = world
-        self._lock: SimLock = lock if lock is not None else SimRLock(world)
-        self._waiters: collections.deque[_Waiting] = collections.deque()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> bool:
-        return self._lock.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        if not self._lock._is_owned():
-            raise RuntimeError("cannot wait on un-acquired lock")
-        me = _Waiting()
-        self._waiters.append(me)
-        state = self._lock._release_save()
-        try:
-            return self._world.block(lambda: me.notified, self._world.deadline(timeout), on=me)
-        finally:
-            if not me.notified:
-                try:
-                    self._waiters.remove(me)
-                except ValueError:
-                    pass
-            self._lock._acquire_restore(state)
-
-    def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
-        until = self._world.deadline(timeout)
-        result = predicate()
-        while not result:
-            left = until - self._world.now
-            if left <= 0:
-                break
-            self.wait(None if until == math.inf else left)
-            result = predicate()
-        return result
-
-    def notify(self, n: int = 1) -> None:
-        if not self._lock._is_owned():
-            raise RuntimeError("cannot notify on un-acquired lock")
-        while self._waiters and n > 0:
-            waiting = self._waiters.popleft()
-            waiting.notified = True
-            self._world.wake(waiting)
-            n -= 1
-
-    def notify_all(self) -> None:
-        self.notify(len(self._waiters))
-
-
-class SimLocal:
-    """``threading.local`` in the world: attributes private to the running fiber."""
-
-    def __init__(self) -> None:
-        object.__setattr__(self, "_per", weakref.WeakKeyDictionary())
-
-    def _mine(self) -> dict:
-        per = object.__getattribute__(self, "_per")
-        me = greenlet.getcurrent()
-        d = per.get(me)
-        if d is None:
-            d = per[me] = {}
-        return d
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._mine()[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self._mine()[name] = value
-
-    def __delattr__(self, name: str) -> None:
-        try:
-            del self._mine()[name]
-        except KeyError:
-            raise AttributeError(name) from None
