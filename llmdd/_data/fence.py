@@ -28,7 +28,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import attrs
 
@@ -52,6 +52,10 @@ GEN_MAX = (1 << 63) - 1
 FENCE_FAILED = S.LLM_KV_CACHE_NOT_EXIST
 
 
+def _generations(value: "Iterable[int]") -> "tuple[int, ...]":
+    return tuple(value)
+
+
 @attrs.frozen
 class BlockFence:
     """What a fenced pull expects of the owner's blocks (llmdd extension): the epoch of the owner's
@@ -60,7 +64,7 @@ class BlockFence:
     application may carry it in its own messages (``as_dict`` / ``from_dict``)."""
 
     epoch: int
-    generations: tuple = attrs.field(converter=tuple)
+    generations: "tuple[int, ...]" = attrs.field(converter=_generations)
 
     def __attrs_post_init__(self) -> None:
         for name, value in (("epoch", self.epoch), *(("generations", g) for g in self.generations)):
