@@ -64,8 +64,8 @@ def test_the_decoder_sends_an_abort_at_once_and_nothing_for_an_unknown_request()
 
     def notify(cluster, notes):
         sent.append((cluster, list(notes)))
-        if any(n.startswith("abort:") for n in notes):
-            got.set()
+        if sum(n.startswith("abort:") for _, ns in sent for n in ns) == 2:
+            got.set()                       # each prefill rank's sender told its rank
 
     r = Renewer(notify)
     r.start()
@@ -79,6 +79,33 @@ def test_the_decoder_sends_an_abort_at_once_and_nothing_for_an_unknown_request()
     aborts = sorted(c for c, notes in sent if notes == ["abort:p-1"])
     assert aborts == [7, 8], sent
     assert all(notes in (["abort:p-1"], ["renew:p-1"]) for _, notes in sent), sent
+
+
+def test_a_prefill_rank_that_never_answers_delays_no_other_rank_s_notes():
+    """One sender per prefill rank: rank 1's notify hangs (a stalled prefill: up to sync_kv_timeout),
+    rank 2 still gets its renewal and then its abort."""
+    release = threading.Event()
+    to_two: list = []
+    two_aborted = threading.Event()
+
+    def notify(cluster, notes):
+        if cluster == 1:
+            assert release.wait(30)
+            return
+        to_two.extend(notes)
+        if "abort:p" in notes:
+            two_aborted.set()
+
+    r = Renewer(notify)
+    r.start()
+    try:
+        r.pulling("d", "p", [1, 2], 3600.0)
+        assert r.abort("d")
+        assert two_aborted.wait(10), to_two
+    finally:
+        release.set()
+        r.close()
+    assert to_two[-1] == "abort:p" and set(to_two) <= {"renew:p", "abort:p"}, to_two
 
 
 def test_a_failed_note_is_counted_and_never_raised():

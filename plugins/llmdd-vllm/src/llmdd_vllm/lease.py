@@ -135,17 +135,31 @@ class _Pulling:
         self.remote_id, self.clusters, self.lease_s = remote_id, clusters, lease_s
 
 
+class _Outbox:
+    """The notes waiting for one prefill rank, and whether its sender thread is sending."""
+
+    __slots__ = ("aborts", "renews", "thread")
+
+    def __init__(self) -> None:
+        self.aborts: list = []          # remote request ids, in order
+        self.renews: dict = {}          # remote request ids (a dict: ordered, each once)
+        self.thread: Optional[threading.Thread] = None
+
+
 class Renewer:
     """Decode worker rank: renews the leases of the requests whose pulls are queued or running, and
-    sends abort notes, on a thread of its own (``notify(cluster id, notes)`` may block up to llmdd's
-    sync_kv_timeout; vLLM's step loop never waits for it)."""
+    sends abort notes.  One thread decides what to send (an abort at once; a new pull's first renewal
+    at once, since its lease has run since the prefill finished; then every pull every third of the
+    shortest lease); one sender thread per prefill rank sends it (``notify(cluster id, notes)`` may
+    block up to llmdd's sync_kv_timeout when that rank is stalled or gone: the other ranks' renewals
+    do not wait for it).  vLLM's step loop never waits for any of them."""
 
     def __init__(self, notify: Callable[[int, list], None]) -> None:
         self._notify = notify
         self._cond = threading.Condition()
         self._pulling: dict = {}    # decode request id -> _Pulling
-        self._aborts: list = []     # (cluster id, remote request id) abort notes to send
         self._fresh: list = []      # pulls registered since the last round: renewed at once
+        self._out: dict = {}        # cluster id -> _Outbox
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         self.stats = {"renewals_sent": 0, "aborts_sent": 0, "notes_failed": 0}
@@ -158,7 +172,7 @@ class Renewer:
         with self._cond:
             self._pulling[req_id] = _Pulling(remote_id, list(clusters), float(lease_s))
             self._fresh.append(req_id)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def ended(self, req_id: str) -> None:
         with self._cond:
@@ -170,59 +184,75 @@ class Renewer:
             p = self._pulling.pop(req_id, None)
             if p is None:
                 return False
-            self._aborts.extend((c, p.remote_id) for c in p.clusters)
-            self._cond.notify()
+            for c in p.clusters:
+                self._box(c).aborts.append(p.remote_id)
+            self._cond.notify_all()
             return True
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(10)
+            self._cond.notify_all()
+            threads = [t for t in [self._thread, *(b.thread for b in self._out.values())] if t is not None]
+        for t in threads:
+            t.join(10)
 
-    def _send(self, kind: str, items: list) -> None:
-        by_cluster: dict = {}
-        for cluster, rid in items:
-            by_cluster.setdefault(cluster, []).append(note(kind, rid))
-        for cluster, notes in by_cluster.items():
-            for i in range(0, len(notes), MAX_NOTES):
-                chunk = notes[i:i + MAX_NOTES]
-                try:
-                    self._notify(cluster, chunk)
-                except Exception as exc:  # noqa: BLE001 - a lost note: the lease decides (never raised)
+    def _box(self, cluster: int) -> _Outbox:
+        """(under ``_cond``) the outbox of ``cluster``, its sender thread started on first use."""
+        box = self._out.get(cluster)
+        if box is None:
+            box = self._out[cluster] = _Outbox()
+            box.thread = threading.Thread(target=self._sender, args=(cluster, box),
+                                          name=f"llmdd-vllm-notes-{cluster}", daemon=True)
+            box.thread.start()
+        return box
+
+    def _sender(self, cluster: int, box: _Outbox) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or box.aborts or box.renews):
+                    self._cond.wait()
+                if self._closed:
+                    return
+                aborts, gone = box.aborts, set(box.aborts)
+                renews = [rid for rid in box.renews if rid not in gone]    # an abort ends its renewals
+                box.aborts, box.renews = [], {}
+            self._send(cluster, ABORT, aborts)
+            self._send(cluster, RENEW, renews)
+
+    def _send(self, cluster: int, kind: str, rids: list) -> None:
+        for i in range(0, len(rids), MAX_NOTES):
+            chunk = [note(kind, rid) for rid in rids[i:i + MAX_NOTES]]
+            try:
+                self._notify(cluster, chunk)
+            except Exception as exc:  # noqa: BLE001 - a lost note: the lease decides (never raised)
+                with self._cond:
                     self.stats["notes_failed"] += 1
-                    _log.info("llmdd_vllm: %d %s note(s) to cluster %d not delivered: %s", len(chunk), kind,
-                              cluster, exc)
-                    continue
+                _log.info("llmdd_vllm: %d %s note(s) to cluster %d not delivered: %s", len(chunk), kind,
+                          cluster, exc)
+                continue
+            with self._cond:
                 self.stats["aborts_sent" if kind == ABORT else "renewals_sent"] += len(chunk)
 
     def _run(self) -> None:
-        """Abort notes at once; a new pull's first renewal at once (its lease has run since the prefill
-        finished), then every pull's every third of the shortest lease."""
         next_round: Optional[float] = None
-        while True:
-            with self._cond:
-                while True:
-                    if self._closed:
-                        return
-                    now = time.monotonic()
-                    if not self._pulling:
-                        next_round = None
-                    elif next_round is None:
-                        next_round = now + min(p.lease_s for p in self._pulling.values()) / 3
-                    if self._aborts or self._fresh or (next_round is not None and now >= next_round):
-                        break
-                    self._cond.wait(None if next_round is None else next_round - now)
-                aborts, self._aborts = self._aborts, []
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                if not self._pulling:
+                    next_round = None
+                elif next_round is None:
+                    next_round = now + min(p.lease_s for p in self._pulling.values()) / 3
                 if next_round is not None and now >= next_round:
-                    renew = [(c, p.remote_id) for p in self._pulling.values() for c in p.clusters]
+                    due = list(self._pulling.values())
                     next_round = now + min(p.lease_s for p in self._pulling.values()) / 3
                 else:
-                    renew = [(c, p.remote_id) for rid in self._fresh if (p := self._pulling.get(rid)) is not None
-                             for c in p.clusters]
+                    due = [p for rid in self._fresh if (p := self._pulling.get(rid)) is not None]
                 self._fresh = []
-            if aborts:
-                self._send(ABORT, aborts)
-            if renew:
-                self._send(RENEW, renew)
+                for p in due:
+                    for c in p.clusters:
+                        self._box(c).renews[p.remote_id] = None
+                if due:
+                    self._cond.notify_all()
+                if not self._fresh:
+                    self._cond.wait(None if next_round is None else max(0.0, next_round - time.monotonic()))

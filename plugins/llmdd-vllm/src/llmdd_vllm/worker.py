@@ -137,7 +137,7 @@ class WorkerSide:
             "requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
             "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
             "failed_reads_seen": 0, "pull_retries": 0, "freed_by_lease": 0, "freed_by_abort": 0, "pending_sends": 0,
-            "fence_failures": 0, "aborted_pulls": 0,
+            "fence_failures": 0, "aborted_pulls": 0, "pulls_started": 0, "given_back_at": None,
             "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
             "last_link_error": None, "llmdd_cpus": None, "tp_rank": 0, "units_pulled": 0, "pieces_pulled": 0,
             "freed_unserved": 0}
@@ -324,6 +324,7 @@ class WorkerSide:
         with self.lock:
             for _, _, why in back:
                 self.stats["freed_unserved" if why == "unserved" else f"freed_by_{why}"] += 1
+            self.stats["given_back_at"] = time.monotonic()     # CLOCK_MONOTONIC: comparable across processes
         return {r for r, _, _ in back}
 
     # ------------------------------------------------------------ the pull thread
@@ -345,8 +346,12 @@ class WorkerSide:
                     pieces = self._plan(item)
                 except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
                     _log.warning("llmdd_vllm: pull of %s refused: %s", item.req_id, exc)
+                    if self.renewer is not None:
+                        self.renewer.ended(item.req_id)
                     self.done.put((item.req_id, False, 0, 0, 0.0))
                     continue
+                with self.lock:
+                    self.stats["pulls_started"] += 1
                 state = _Pull(item, len(pieces), time.monotonic())
                 for piece in pieces:
                     self._submit(state, piece, retried=False)
