@@ -108,6 +108,28 @@ def test_a_prefill_rank_that_never_answers_delays_no_other_rank_s_notes():
     assert to_two[-1] == "abort:p" and set(to_two) <= {"renew:p", "abort:p"}, to_two
 
 
+def test_a_renewal_that_was_not_delivered_is_sent_again_soon_not_a_third_of_the_lease_later():
+    """The first renewal of a pull often precedes its link: it fails, and the next round comes after
+    RETRY_S instead of after 20 minutes (a third of this lease)."""
+    calls: list = []
+    delivered = threading.Event()
+
+    def notify(cluster, notes):
+        calls.append(list(notes))
+        if len(calls) == 1:
+            raise RuntimeError("cluster 5 is not linked")
+        delivered.set()
+
+    r = Renewer(notify)
+    r.start()
+    try:
+        r.pulling("d", "p", [5], 3600.0)
+        assert delivered.wait(30), calls
+    finally:
+        r.close()
+    assert calls[:2] == [["renew:p"], ["renew:p"]] and r.stats["notes_failed"] == 1, calls
+
+
 def test_a_failed_note_is_counted_and_never_raised():
     done = threading.Event()
 

@@ -1,7 +1,7 @@
 """Two real vLLM instances linked through llmdd over tcp (forced by kv_connector_extra_config):
 tokens equal a single-instance run and came by transfer; a prefill instance stalled by the faults plugin mid-transfer and then killed makes
-the decode instance recompute (correct tokens within 60 s) while its scheduler keeps decoding
-other requests; the prefill instance frees each read request's blocks by the read's tag, an unread one's
+the decode instance recompute (correct tokens within 60 s, its KV cache usage back to idle: no
+block leak) while its scheduler keeps decoding other requests; the prefill instance frees each read request's blocks by the read's tag, an unread one's
 only by the expiry of its lease (lease_s: no decoder renews it), again after the link sat idle.  Runs in a venv with vLLM (scripts/test_vllm.sh)."""
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def test_tcp_prefill_stalled_then_killed_mid_transfer_decode_recomputes_and_keep
     ps = E.prompts(6, (70, 95))
     other = E.prompts(7, (40,))
     ref = [r["tokens"] for r in d.call(op="generate", prompts=ps, max_tokens=E.MAX_TOKENS)["results"]]
+    idle = E.kv_usage(d)
     worker_pid = E.counters(doomed)["pid"]
     kv = E.prefill(doomed, ps)
     c0, src0 = E.counters(d), E.by_source(d)
@@ -120,6 +121,8 @@ def test_tcp_prefill_stalled_then_killed_mid_transfer_decode_recomputes_and_keep
     first_remote = min(r["first_token_s"] for r in res[:len(ps)])
     assert res[-1]["finished_s"] == local["s"] < first_remote, res
     assert len(res[-1]["tokens"]) == 64
+    # no block leak: the failed pulls' and the recomputed requests' blocks are all back in vLLM's pool
+    assert E.kv_usage(d) == idle
 
 
 def _freed(p) -> dict:

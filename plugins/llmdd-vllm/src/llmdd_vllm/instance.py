@@ -10,8 +10,8 @@ command line read on stdin.  Commands (``{"op": ...}``):
   first-token and finish times (seconds after the batch started) and the batch's wall time; with
   ``events`` true it also writes one ``{"event": "finished", "index", "s"}`` line per request as it
   finishes (:meth:`Instance.wait_event`); with ``abort`` (request indices) those requests are aborted
-  (``LLMEngine.abort_request``) as soon as the workers report that many more pulls started
-  (``pulls_started``: their KV transfer is under way), and answer ``{"aborted": true, "aborted_at"}``
+  (``LLMEngine.abort_request``) as soon as the workers report ``abort_after_pulls`` (default: as
+  many as ``abort``) more pulls started (``pulls_started``: the batch's KV transfer is under way), and answer ``{"aborted": true, "aborted_at"}``
   (``time.monotonic()``, comparable across processes of the host);
 * ``metrics``: vLLM's own counters (``llm.get_metrics()``): prompt tokens by source and others, and
   ``kv_cache_usage`` (the gauge as of the last step this process saw);
@@ -86,11 +86,12 @@ def _generate(llm, cmd: dict) -> dict:
     first: dict = {}
     abort = sorted(set(cmd.get("abort") or ()))
     started0 = _pulls_started(llm) if abort else 0
+    after = int(cmd.get("abort_after_pulls", len(abort)))
     deadline = t0 + float(cmd.get("timeout_s", 300))
     while len(res) < len(prompts):
         if time.monotonic() > deadline:
             raise TimeoutError(f"generate: {len(res)} of {len(prompts)} requests done by the deadline")
-        if abort and _pulls_started(llm) - started0 >= len(abort):
+        if abort and _pulls_started(llm) - started0 >= after:
             engine.abort_request([ids[i] for i in abort])
             at = time.monotonic()
             for i in abort:

@@ -41,6 +41,9 @@ RENEW, ABORT = "renew", "abort"
 MAX_LEASE_S = 3600.0
 #: notes per notify_owner request (llmdd's bound)
 MAX_NOTES = 1024
+#: after a renewal that was not delivered (the pull's link is not up yet, or broke), the next round
+#: comes this soon instead of a third of the lease later
+RETRY_S = 1.0
 
 
 def note(kind: str, request_id: str) -> str:
@@ -161,6 +164,7 @@ class Renewer:
         self._fresh: list = []      # pulls registered since the last round: renewed at once
         self._out: dict = {}        # cluster id -> _Outbox
         self._closed = False
+        self._retry: Optional[float] = None     # a renewal failed: the next round by then
         self._thread: Optional[threading.Thread] = None
         self.stats = {"renewals_sent": 0, "aborts_sent": 0, "notes_failed": 0}
 
@@ -228,6 +232,10 @@ class Renewer:
             except Exception as exc:  # noqa: BLE001 - a lost note: the lease decides (never raised)
                 with self._cond:
                     self.stats["notes_failed"] += 1
+                    if kind == RENEW:
+                        soon = time.monotonic() + RETRY_S
+                        self._retry = soon if self._retry is None else min(self._retry, soon)
+                        self._cond.notify_all()
                 _log.info("llmdd_vllm: %d %s note(s) to cluster %d not delivered: %s", len(chunk), kind,
                           cluster, exc)
                 continue
@@ -243,6 +251,10 @@ class Renewer:
                     next_round = None
                 elif next_round is None:
                     next_round = now + min(p.lease_s for p in self._pulling.values()) / 3
+                if self._retry is not None:
+                    if next_round is not None:
+                        next_round = min(next_round, self._retry)
+                    self._retry = None
                 if next_round is not None and now >= next_round:
                     due = list(self._pulling.values())
                     next_round = now + min(p.lease_s for p in self._pulling.values()) / 3
