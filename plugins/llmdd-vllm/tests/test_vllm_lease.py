@@ -75,7 +75,7 @@ def _fired(path: str) -> list:
         return [json.loads(line)["fault"]["name"] for line in f]
 
 
-def test_abort_storm_returns_the_prefill_blocks_within_2_s_and_leaks_nothing(lease_pd):
+def test_abort_storm_returns_the_prefill_blocks_within_2_s_and_leaks_nothing(lease_pd, record_property):
     p, d = lease_pd["p"], lease_pd["d"]
     idle_p, idle_d = E.kv_usage(p), E.kv_usage(d)
     ps = E.prompts(21, [E.LENGTHS[i % len(E.LENGTHS)] for i in range(STORM)])
@@ -95,6 +95,7 @@ def test_abort_storm_returns_the_prefill_blocks_within_2_s_and_leaks_nothing(lea
                      "the aborted requests' blocks given back", timeout=60, every=0.05)
     assert cp1["freed_by_abort"] - cp0["freed_by_abort"] == STORM, cp1
     assert cp1["freed_by_tag"] == cp0["freed_by_tag"] and cp1["freed_by_lease"] == cp0["freed_by_lease"], cp1
+    record_property("abort_to_give_back_s", round(cp1["given_back_at"] - aborted_at, 3))
     assert cp1["given_back_at"] - aborted_at < RETURN_S, (cp1["given_back_at"], aborted_at)
     assert E.kv_usage(p) == idle_p
     # the decoder: its delayed reads end after the blocks were fenced: each fails its check (none
