@@ -30,6 +30,8 @@ from llmdd._base.types import LayerSynchronizer as LayerSynchronizer
 from llmdd._base.types import MemInfo as MemInfo
 from llmdd._base.types import TransferConfig as TransferConfig
 from llmdd._base.types import TransferWithCacheKeyConfig as TransferWithCacheKeyConfig
+# llmdd extension (not upstream's: outside __all__): what a fenced pull expects (docs/fencing.md)
+from llmdd._data.fence import BlockFence as BlockFence
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from llmdd._base.enums import Memtype, Placement
-from llmdd._api.cache_manager_remote import RemoteOperations
+from llmdd._api.cache_manager_remote import RemoteOperations, _check_blocks
+from llmdd._data.fence import BlockFence, FenceTable
 from llmdd._base.log import get_logger
 from llmdd._base.profiles import PROFILES, ChipProfile, check_registration
 from llmdd._memory.copy import Bounds, as_index_array, block_copy_ops, copy_block_lists, copy_slot, execute
@@ -333,6 +334,26 @@ class CacheManager(RemoteOperations):
         execute(ops, src_bounds=s_bounds, dst_bounds=d_bounds)
 
     # ------------------------------------------------------------------ remap
+    # ------------------------------------------------------------------ fences (llmdd extension, docs/fencing.md)
+    def block_fence(self, cache: Cache, blocks: Union[Tuple[int, ...], List[int]]) -> BlockFence:
+        """llmdd extension, owner side: the :class:`BlockFence` a fenced pull of ``blocks`` (in this
+        order) of this engine's registered blocks cache ``cache`` must find (docs/fencing.md)."""
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        return self._fences().expect(self._record(cache), _check_blocks("blocks", blocks))
+
+    def _fences(self) -> FenceTable:
+        self._check_is_inited()
+        if self._transfers is None:
+            raise LLMException("the data plane is not available", status_code=LLMStatusCode.LLM_FAILED)
+        return self._transfers.owner.fences
+
+    def fence_blocks(self, cache: Cache, blocks: Union[Tuple[int, ...], List[int]]) -> None:
+        """llmdd extension, owner side: bump the generations of ``blocks`` of ``cache`` before they are
+        reused: from now on every fenced pull that expects an older generation of any of them fails
+        with ``LLM_KV_CACHE_NOT_EXIST`` at its check, whether its copy ran before or after."""
+        check_isinstance("cache", cache, Cache, allow_none=False)
+        self._fences().fence(self._record(cache), _check_blocks("blocks", blocks))
+
     def remap_registered_memory(self, mem_infos: Union[MemInfo, List[MemInfo]]) -> None:
         """Re-map registered device memory after a memory fault; transports re-register it."""
         self._check_is_inited()

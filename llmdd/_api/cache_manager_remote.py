@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Callable, List, Optional, Tuple, TypeGuard, Union
 
 from llmdd._base.enums import Placement
+from llmdd._data.fence import BlockFence
+from llmdd._data.owner import MAX_NOTES
 from llmdd._protocol.messages import MAX_TAG_BYTES
 from llmdd._base.status import LLMException, LLMStatusCode, raise_if_false, raise_if_true
 from llmdd._base.types import (BlocksCacheKey, Cache, CacheKey, CacheKeyByIdAndIndex, CacheTask, LayerSynchronizer,
@@ -179,12 +181,15 @@ class RemoteOperations:
     def pull_blocks(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                     dst_cache: Cache, src_blocks: Optional[Union[Tuple[int, ...], List[int]]] = (),
                     dst_blocks: Union[Tuple[int, ...], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
-                    **kwargs) -> None:
+                    fence: Optional[BlockFence] = None, **kwargs) -> None:
         """Pull remote blocks (or a contiguous remote batch slot) into blocks of a local blocks cache.
 
         ``tag`` (llmdd extension, keyword only): delivered to the owner with this pull's "peer
-        finished reading" event (acknowledged before the call returns)."""
-        if tag is None and len(kwargs) <= 3:
+        finished reading" event (acknowledged before the call returns).  ``fence`` (llmdd
+        extension, keyword only; a :class:`BlockFence` from the owner's :meth:`block_fence`): the
+        pull succeeds only if the owner has not fenced those blocks before its check after the
+        copy, else it fails with ``LLM_KV_CACHE_NOT_EXIST`` (docs/fencing.md)."""
+        if tag is None and fence is None and len(kwargs) <= 3:
             # the small-transfer path: arguments that pass every check below as they are
             engine = _quick_engine(self, src_cache_key, dst_cache)
             if engine is not None and _plain_blocks(src_blocks, dst_blocks):
@@ -197,20 +202,42 @@ class RemoteOperations:
                     engine.pull(src_cache_key, dst_cache, kind="pull_blocks", src_blocks=src_blocks,
                                 dst_blocks=dst_blocks, src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl)
                     return
-        self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)[1]()
+        self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs, fence)[1]()
 
     def pull_blocks_async(self, src_cache_key: Union[CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey],
                           dst_cache: Cache, src_blocks: Optional[Union[Tuple[int, ...], List[int]]] = (),
                           dst_blocks: Union[Tuple[int, ...], List[int]] = (), *, tag: Optional[Union[bytes, str]] = None,
-                          callback: Optional[Callable[[LLMStatusCode], None]] = None, **kwargs) -> CacheTask:
+                          callback: Optional[Callable[[LLMStatusCode], None]] = None,
+                          fence: Optional[BlockFence] = None, **kwargs) -> CacheTask:
         """llmdd extension: :meth:`pull_blocks` without blocking the caller; returns a ``CacheTask``
         (``synchronize`` / ``get_results``; one result) and calls ``callback(status)`` once when done.
         Many may be in flight per link; arguments are checked at once (a bad one raises here)."""
         _check_callback(callback)
-        engine, run = self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs)
+        engine, run = self._prepare_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs, fence)
         return CacheTask(engine.submit_pull(src_cache_key.cluster_id, run, callback, kind="pull_blocks_async"))
 
-    def _prepare_pull_blocks(self, src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs) -> tuple:
+    # ------------------------------------------------------------------ fences and notes (llmdd extensions)
+    def notify_owner(self, cache_key: BlocksCacheKey, notes: Union[Tuple[Union[bytes, str], ...],
+                                                                 List[Union[bytes, str]]]) -> None:
+        """llmdd extension, reader side: deliver ``notes`` (1 to 1024 texts or byte strings of at most
+        256 bytes each) to the owner of ``cache_key`` (a linked cluster), where they fire one
+        ``peer_note`` cache event on that cache (``info["notes"]``, ``info["peer"]``); returns when the
+        owner handled them (sync_kv_timeout: ``LLM_TIMEOUT``).  ``LLM_KV_CACHE_NOT_EXIST`` when the
+        owner's cache is gone."""
+        engine = _transfers(self)
+        check_isinstance("cache_key", cache_key, BlocksCacheKey, allow_none=False)
+        check_isinstance("notes", notes, (list, tuple), allow_none=False)
+        raise_if_false(0 < len(notes) <= MAX_NOTES, "notes must hold 1 to {} notes, but got {}.", MAX_NOTES,
+                       len(notes))
+        wire = []
+        for note in notes:
+            data = _check_tag(note)
+            raise_if_true(data is None, "a note must be bytes or str")
+            wire.append(note if isinstance(note, str) else bytes(note))
+        engine.notify_owner(cache_key, wire)
+
+    def _prepare_pull_blocks(self, src_cache_key, dst_cache, src_blocks, dst_blocks, tag, kwargs,
+                             fence: Optional[BlockFence] = None) -> tuple:
         engine = _transfers(self)
         check_isinstance("src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey),
                          allow_none=False)
@@ -230,11 +257,16 @@ class RemoteOperations:
         wire_tag = _check_tag(tag)
         if isinstance(src_cache_key, CacheKey):
             check_cache_key(src_cache_key)
+        check_isinstance("fence", fence, BlockFence)
+        if fence is not None:
+            raise_if_false(len(fence.generations) == len(src_list),
+                           "fence must name one generation per source block, but got {} for {}.",
+                           len(fence.generations), len(src_list))
 
         def run() -> None:
             engine.pull(src_cache_key, dst_cache, kind="pull_blocks", src_blocks=src_list or None,
                         dst_blocks=dst_list, src_layer_range=src_range, dst_layer_range=dst_range, tnpl=tnpl,
-                        tag=wire_tag)
+                        tag=wire_tag, fence=fence)
         return engine, run
 
     def push_cache(self, dst_cache_key: CacheKeyByIdAndIndex, src_cache: Cache,

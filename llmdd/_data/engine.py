@@ -39,6 +39,7 @@ from llmdd._runtime.runtime import Executor, PoolFull, Threads
 from llmdd._runtime.threads import SYSTEM
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.busy import BusyTable
+from llmdd._data.fence import BlockFence, FencedPulls, check_args
 from llmdd._data.layouts import Layouts, RemoteKey
 from llmdd._data.notices import READ, OwnerNotices, block_spans
 from llmdd._data.owner import OwnerSide
@@ -114,6 +115,7 @@ class TransferEngine:
         self._pull_pool: Optional[Executor] = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _pulls_lock)
         self.owner = OwnerSide(port=port, memory=memory, options=options, profile=profile)
+        self.fenced = FencedPulls(port, self.timeout_s)   # fenced pulls' check after the copy (llmdd._data.fence)
 
     # ------------------------------------------------------------------ the DataService side of the port
     # what peers ask of this engine as the owner of its caches is llmdd._data.owner's
@@ -303,8 +305,8 @@ class TransferEngine:
     def pull(self, key: RemoteKey, cache: LocalCache, *, kind: str, batch_index: int = 0, size: int = -1,
              src_blocks: Optional[Sequence[int]] = None, dst_blocks: Optional[Sequence[int]] = None,
              src_layer_range: Optional[range] = None, dst_layer_range: Optional[range] = None,
-             tnpl: int = 2, tag: Optional[Tag] = None) -> None:
-        if (tag is None and src_blocks and dst_blocks and len(dst_blocks) <= PREPARED_MAX_BLOCKS
+             tnpl: int = 2, tag: Optional[Tag] = None, fence: Optional[BlockFence] = None) -> None:
+        if (tag is None and fence is None and src_blocks and dst_blocks and len(dst_blocks) <= PREPARED_MAX_BLOCKS
                 and kind == "pull_blocks" and type(key) is BlocksCacheKey):
             plan = self.prepared.lookup(False, key, cache, src_layer_range, dst_layer_range, tnpl)
             if plan is not None:
@@ -356,13 +358,14 @@ class TransferEngine:
                     ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
                                                     src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
                 spans = block_spans(src_blocks) if src_blocks else ()   # inside the owner's cache: planned
+                check = None if fence is None else self._fence_args(src, cache_id, src_blocks, fence)
             except LLMException as exc:
                 # the owner's cache is known but nothing was read (a refused plan): a tagged pull still
                 # ends with one failure event for its tag (best effort)
                 if tag is not None:
                     self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
                 raise
-            self._read(link, rec, ops, kind, tag=tag, cache_id=cache_id, spans=spans)
+            self._read(link, rec, ops, kind, tag=tag, cache_id=cache_id, spans=spans, fence=check)
             pulled = True
         finally:
             if reserved is not None:
@@ -385,11 +388,12 @@ class TransferEngine:
             self._notices.queue(link, (READ, cache_id, tuple(src_blocks) if src_blocks else None))
 
     def _read(self, link: LinkView, rec: "CacheRecord", ops: np.ndarray, kind: str, *, nbytes: Optional[int] = None,
-              tag: Optional[Tag] = None, cache_id: int = 0, spans: tuple = ()) -> None:
+              tag: Optional[Tag] = None, cache_id: int = 0, spans: tuple = (), fence: Optional[dict] = None) -> None:
         """A pull's ops in the link's turn; its local cache gone meanwhile: ``LLM_KV_CACHE_NOT_EXIST``.
         A tagged pull's one notice (success or failure, with ``cache_id`` and ``spans``) goes to the
         owner in the turn, so tags reach it in the order their transfers completed; acknowledged
-        before this returns (a failure's best effort)."""
+        before this returns (a failure's best effort).  A fenced pull (``fence``: its check's
+        arguments) is checked with the owner after the copy, before its success is reported."""
         turned = False
         try:
             with self._busy.turn(link):
@@ -406,12 +410,36 @@ class TransferEngine:
                     if tag is not None:
                         self._tag_notice(link, "read_done", cache_id, spans, tag, err)
                     raise err
+                if fence is not None:
+                    self._verify_fence(link, fence, tag, cache_id, spans)
                 if tag is not None:
                     self._tag_notice(link, "read_done", cache_id, spans, tag, None)
         except LLMException as exc:
             if not turned and tag is not None:   # no turn (a busy or lost link): nothing was read
                 self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
             raise
+
+    @staticmethod
+    def _fence_args(src: CacheLayout, cache_id: int, src_blocks: Optional[Sequence[int]], fence: BlockFence) -> dict:
+        """The check of a fenced pull (llmdd._data.fence): blocks of a blocks cache only."""
+        if not src.is_blocks or not src_blocks:
+            raise _err("a fenced pull reads blocks of a blocks cache (src_blocks)", S.LLM_PARAM_INVALID)
+        return check_args(cache_id, src_blocks, fence)
+
+    def _verify_fence(self, link: LinkView, fence: dict, tag: Optional[Tag], cache_id: int, spans: tuple) -> None:
+        """The fenced pull's check after its copy; a failed one ends a tagged pull with its failure notice."""
+        try:
+            self.fenced.verify(link, fence)
+        except LLMException as exc:
+            if tag is not None:
+                self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
+            raise
+
+    def notify_owner(self, key: BlocksCacheKey, notes: list) -> None:
+        """Short notes to the owner of ``key``'s cache (its ``peer_note`` event), acknowledged."""
+        link = self.link_for(key.cluster_id)
+        cache_id, _ = self.layouts.resolve_remote(link, key)
+        self.fenced.notify(link, cache_id, notes)
 
     # ------------------------------------------------------------------ pushes
     def push(self, key: RemoteKey, cache: LocalCache, *, kind: str, src_batch_index: int = 0,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from llmdd._base.config import parse_mem_pool_cfg
 from llmdd._base.log import get_logger
 from llmdd._base.options import EngineOptions
+from llmdd._data.fence import FenceTable
 from llmdd._data.peer_input import U64_MAX, PeerInputError, covered, peer_int, peer_key_index, peer_bounds, peer_range, peer_spans
 from llmdd._protocol.port import ControlPort, DataNotice, LinkView, RequestOp
 from llmdd._protocol import messages as m
@@ -26,10 +27,12 @@ if TYPE_CHECKING:
     from llmdd._memory.manager import CacheRecord, MemoryManager
     from llmdd._base.profiles import ChipProfile
 
-__all__ = ["OwnerSide", "device_pool_bytes"]
+__all__ = ["OwnerSide", "device_pool_bytes", "MAX_NOTES"]
 
 _log = get_logger("llmdd.transfer")
 S = LLMStatusCode
+#: the most notes one ``peer_note`` request carries
+MAX_NOTES = 1024
 
 
 def device_pool_bytes(options: EngineOptions) -> int:
@@ -51,8 +54,10 @@ class OwnerSide:
         # id(link) -> {key index a peer reserved and still holds: its cache id}
         self._reservations: dict[int, dict[tuple, int]] = {}
         self._refused: set = set()  # (id(link), message type) already logged
+        self.fences = FenceTable(memory)   # the generations of its blocks (llmdd._data.fence)
         self._servers = {RequestOp.RESERVE_KEY: self._serve_reserve_key, RequestOp.CONSUME_KEY: self._serve_consume_key,
-                         RequestOp.ENGINE_INFO: self._serve_engine_info}
+                         RequestOp.ENGINE_INFO: self._serve_engine_info, RequestOp.FENCE_CHECK: self._serve_fence_check,
+                         RequestOp.PEER_NOTE: self._serve_peer_note}
         self._notices: dict[type, tuple[str, Callable[..., tuple[int, dict]]]] = {
             m.ReadDone: ("read_done", self._serve_read_done),
             m.KeyConsumed: ("key_consumed", self._serve_key_consumed),
@@ -84,6 +89,30 @@ class OwnerSide:
 
     def _serve_engine_info(self, link: LinkView, args: dict) -> tuple[int, dict]:
         return 0, {"device_pool_bytes": device_pool_bytes(self._options), "profile": self._profile.name}
+
+    def _serve_fence_check(self, link: LinkView, args: Any) -> tuple[int, dict]:
+        if not isinstance(args, dict):
+            raise PeerInputError("fence_check arguments must be a map")
+        return self.fences.serve_check(link, args, self._served_record(link, args.get("cache_id"), "fence_check"))
+
+    def _serve_peer_note(self, link: LinkView, args: Any) -> tuple[int, dict]:
+        """A peer's notes about one of this engine's caches (``peer_note`` cache event, one per request):
+        at most MAX_NOTES texts or byte strings of at most MAX_TAG_BYTES bytes each."""
+        if not isinstance(args, dict):
+            raise PeerInputError("peer_note arguments must be a map")
+        notes = args.get("notes")
+        if not isinstance(notes, (list, tuple)) or not 0 < len(notes) <= MAX_NOTES:
+            raise PeerInputError(f"peer_note notes must be a list of 1 to {MAX_NOTES} notes")
+        for note in notes:
+            size = len(note.encode("utf-8", "surrogatepass")) if isinstance(note, str) else (
+                len(note) if isinstance(note, bytes) else -1)
+            if not 0 <= size <= m.MAX_TAG_BYTES:
+                raise PeerInputError(f"a peer_note note must be text or bytes of at most {m.MAX_TAG_BYTES} bytes")
+        rec = self._served_record(link, args.get("cache_id"), "peer_note")
+        if rec is None:
+            return S.LLM_KV_CACHE_NOT_EXIST.value, {"error": "the cache was released"}
+        self._cache_event(rec, "peer_note", peer=link.peer_cluster_id, notes=list(notes))
+        return 0, {}
 
     # ------------------------------------------------------------------ the handlers
     def _refuse_peer(self, link: LinkView, what: str, exc: PeerInputError, *, notice: bool) -> None:

@@ -151,6 +151,7 @@ CACHE_TRANSITIONS = [
     _t("keys_changed", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),
     _t("peer_read", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),     # a peer finished reading
     _t("peer_written", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),  # a peer's push landed (or failed)
+    _t("peer_note", [C.ALLOCATED, C.REGISTERED, C.RELEASE_PENDING], "="),     # a peer's notes about the cache
     _t("remapped", [C.ALLOCATED, C.REGISTERED], "="),
     _t("deallocate", C.ALLOCATED, C.RELEASED),
     _t("defer_release", C.ALLOCATED, C.RELEASE_PENDING),
@@ -255,6 +256,7 @@ ABSORBED = {
         # a peer's notice, a remap or a finalize for a cache released meanwhile (notices are one-way)
         ("peer_read", (C.RELEASED,)),
         ("peer_written", (C.RELEASED,)),
+        ("peer_note", (C.RELEASED,)),
         ("keys_changed", (C.RELEASED,)),
         ("remapped", (C.RELEASE_PENDING, C.RELEASED)),
         ("finalize", (C.NEW, C.RELEASED)),

@@ -40,6 +40,8 @@ class RequestOp(str, enum.Enum):
     RESERVE_KEY = "reserve_key"     # hold a CacheKey for a pull; the reply names its cache and batch slot
     CONSUME_KEY = "consume_key"     # a pull of a reserved key finished (these tensors were read)
     ENGINE_INFO = "engine_info"     # the owner's memory pools and chip profile (the D2H/H2D rules)
+    FENCE_CHECK = "fence_check"     # a fenced pull's copy ended: do its blocks still have these generations?
+    PEER_NOTE = "peer_note"         # short application notes about one of the owner's caches (a "peer_note" event)
 
 
 #: one-way notices of the data plane (``TaggedDone`` is acknowledged: it arrives as a request)

@@ -696,6 +696,23 @@ def test_engine_pull_with_the_second_read_dropped():
                 _stop(proc)
 
 
+def test_an_env_plan_drops_the_control_messages_it_names():
+    """A plan given by LLMDD_FAULTS (how a process that is not the test's own, a vLLM worker, gets
+    one) answers llmdd's control-message hook: the named message is dropped, others pass, and the
+    firing is logged; a process without the plan has no such hook answer."""
+    plan = [{"op": "control", "action": "drop", "message": "TransferRequest:peer_note", "count": None}]
+    code = ("import llmdd_faults as F; print([F.llmdd_control_message(7, m, d) for m, d in "
+            "(('TransferRequest:peer_note', 'received'), ('TransferRequest:pull', 'received'), "
+            "('TransferRequest:peer_note', 'sent'))])")
+    env = {k: v for k, v in os.environ.items() if k != "LLMDD_FAULTS"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, LLMDD_FAULTS=json.dumps(plan)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[True, None, None]", (out.stdout, out.stderr)
+    control = subprocess.run([sys.executable, "-c", "import llmdd_faults as F; print(hasattr(F, 'llmdd_control_message'))"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert control.stdout.strip() == "False", (control.stdout, control.stderr)
+
+
 if __name__ == "__main__":
     _role = sys.argv[1]
     if _role == "tcp-peer":

@@ -79,6 +79,14 @@ def by_source(inst: Instance) -> dict:
     return dict(inst.call(op="metrics").get("prompt_tokens_by_source", {}))
 
 
+def kv_usage(inst: Instance) -> float:
+    """vLLM's KV cache usage of ``inst`` at rest: a one-token local request runs (so the instance
+    steps and reports its gauge) and has ended when the value is read; blocks held by anything
+    else (a leak, a prefill's handed-over requests) show as usage above the idle value."""
+    inst.call(op="generate", prompts=[[7, 8, 9]], max_tokens=1)
+    return float(inst.call(op="metrics")["kv_cache_usage"])
+
+
 def delta(after: dict, before: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
 

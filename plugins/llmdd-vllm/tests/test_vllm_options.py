@@ -31,7 +31,7 @@ def test_defaults_and_a_cluster_id_derived_from_the_engine_id():
 
 @pytest.mark.parametrize("extra, needle", [({"bogus": 1}, "unknown"), ({"transport": "rdma"}, "transport"),
                                            ({"port": -1}, "port"), ({"port": "80"}, "port"),
-                                           ({"free_timeout_s": 0}, "free_timeout_s"),
+                                           ({"lease_s": 0}, "lease_s"), ({"lease_s": 7200}, "lease_s"),
                                            ({"sync_kv_timeout_ms": True}, "sync_kv_timeout_ms")])
 def test_bad_extra_config_is_refused(extra, needle):
     with pytest.raises(ValueError, match=needle):

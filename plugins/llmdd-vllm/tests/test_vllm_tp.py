@@ -76,7 +76,7 @@ def _transfer(p, d, ps: list, d_tp: int, p_tp: int, transport: str) -> None:
 def _freed(p) -> None:
     """Every prefill rank handed the requests' blocks back (each rank's reads acknowledged)."""
     E.wait_for(lambda: all(c["pending_sends"] == 0 for c in _by_rank(p)) or None, "prefill blocks freed", timeout=60)
-    assert sum(c["freed_by_timeout"] for c in _by_rank(p)) == 0
+    assert sum(c["freed_by_lease"] for c in _by_rank(p)) == 0
 
 
 def test_tp2_prefill_to_tp2_decode_rank_to_rank(tp_insts):

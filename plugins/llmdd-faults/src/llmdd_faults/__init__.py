@@ -88,6 +88,10 @@ if _plan is not None:
     @hookimpl(wrapper=True)
     def llmdd_run_transfer(task: Any, run: Callable[[], Any]) -> Any:
         return (yield from _env_injector.llmdd_run_transfer(task, run))
+
+    @hookimpl
+    def llmdd_control_message(peer_cluster_id: int, message: str, direction: str) -> Optional[bool]:
+        return _env_injector.llmdd_control_message(peer_cluster_id, message, direction)
 del _plan
 
 

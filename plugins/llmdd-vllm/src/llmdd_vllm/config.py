@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 from typing import TYPE_CHECKING, Any, Optional
 
+from .lease import MAX_LEASE_S
 from .tp import MAX_TP
 
 if TYPE_CHECKING:
@@ -26,8 +27,8 @@ DEFAULTS: dict = {
     "transport": None,          # force "shm" or "tcp" (default: llmdd's automatic choice)
     "sync_kv_timeout_ms": 5000,  # deadline of one transfer step (llmdd sync_kv_timeout)
     "link_timeout_ms": 30000,   # deadline of linking to a prefill instance (attempts of a third each)
-    "free_timeout_s": 480,      # prefill side: free unread blocks after this (NixlConnector's
-                                # VLLM_NIXL_ABORT_REQUEST_TIMEOUT default)
+    "lease_s": 30,              # prefill side: a handed-over request's blocks are held this long
+                                # unless its decoder renews the lease (lease.py)
     "llmdd_options": {},        # further llmdd engine options, passed to init as given (over ENGINE_DEFAULTS)
 }
 #: llmdd engine options the connector sets unless llmdd_options overrides them: vLLM's workers are
@@ -36,7 +37,7 @@ DEFAULTS: dict = {
 ENGINE_DEFAULTS: dict = {"llmdd.peer_timeout_ms": "30000", "llmdd.keepalive_interval_ms": "2000"}
 #: the parameters a decode request needs from the prefill instance (all set by request_finished)
 REQUIRED = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port", "remote_cluster_id",
-             "llmdd_layout", "llmdd_ranks", "llmdd_compat")
+             "llmdd_layout", "llmdd_ranks", "llmdd_compat", "llmdd_fence", "llmdd_lease_s")
 MODEL_ID = 0
 LINK_ATTEMPTS = 3
 MAX_TAG = 256
@@ -69,8 +70,9 @@ def options(vllm_config: "VllmConfig") -> dict:
     for key in ("port", "sync_kv_timeout_ms", "link_timeout_ms"):
         if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 0:
             raise ValueError(f"LlmddConnector: {key} must be a non-negative integer, not {out[key]!r}")
-    if not isinstance(out["free_timeout_s"], (int, float)) or out["free_timeout_s"] <= 0:
-        raise ValueError(f"LlmddConnector: free_timeout_s must be a positive number, not {out['free_timeout_s']!r}")
+    lease = out["lease_s"]
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 < lease <= MAX_LEASE_S:
+        raise ValueError(f"LlmddConnector: lease_s must be a number of seconds in (0, {MAX_LEASE_S:g}], not {lease!r}")
     if out["cluster_id"] is None:
         digest = hashlib.sha256(str(vllm_config.kv_transfer_config.engine_id).encode()).digest()
         out["cluster_id"] = int.from_bytes(digest[:8], "little") >> 1

@@ -16,8 +16,10 @@ The protocol is the one vLLM's NixlConnector and its P/D proxies use:
   or failure from ``get_transfer_results`` (with ``kv_load_failure_policy="recompute"`` vLLM then
   recomputes the prompt);
 * every pull is tagged with the prefill-side request id: the prefill worker frees the request's
-  blocks when llmdd delivers that tag in "peer finished reading"; a timeout
-  (``free_timeout_s``) frees them only when no decoder ever reads.
+  blocks when llmdd delivers that tag in "peer finished reading", when the decoder aborts the
+  request (an abort note), or when their lease (``lease_s``, renewed by the decoder while its pull
+  is queued or running) expires; it fences them first, and every pull is fenced, so a read that
+  comes too late fails and is recomputed (``lease`` module docstring).
 
 Two objects are built per instance by vLLM: the scheduler-side connector (in the engine-core
 process) and one worker-side connector per worker process, which owns the llmdd engine and the
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["LlmddConnector", "LlmddConnectorMetadata", "LlmddHandshake", "DEFAULTS", "worker_counters"]
@@ -110,6 +113,9 @@ class LlmddConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler_side().update_connector_output(connector_output)
 
     def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
         # the request's own blocks are transferred (not a hash-addressed store): every group

@@ -9,8 +9,12 @@ command line read on stdin.  Commands (``{"op": ...}``):
   the first request produced a token); answers per request its tokens, ``kv_transfer_params``,
   first-token and finish times (seconds after the batch started) and the batch's wall time; with
   ``events`` true it also writes one ``{"event": "finished", "index", "s"}`` line per request as it
-  finishes (:meth:`Instance.wait_event`);
-* ``metrics``: vLLM's own counters (``llm.get_metrics()``): prompt tokens by source and others;
+  finishes (:meth:`Instance.wait_event`); with ``abort`` (request indices) those requests are aborted
+  (``LLMEngine.abort_request``) as soon as the workers report ``abort_after_pulls`` (default: as
+  many as ``abort``) more pulls started (``pulls_started``: the batch's KV transfer is under way), and answer ``{"aborted": true, "aborted_at"}``
+  (``time.monotonic()``, comparable across processes of the host);
+* ``metrics``: vLLM's own counters (``llm.get_metrics()``): prompt tokens by source and others, and
+  ``kv_cache_usage`` (the gauge as of the last step this process saw);
 * ``counters``: the worker-side connector's counters (through ``LLM.collective_rpc``);
 * ``quit``.
 
@@ -42,6 +46,8 @@ def _metrics(llm) -> dict:
             continue
         if name == "vllm:prompt_tokens_by_source":
             out.setdefault("prompt_tokens_by_source", {})[labels.get("source", "?")] = value
+        elif name == "vllm:kv_cache_usage_perc":
+            out["kv_cache_usage"] = value
         elif name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prompt_tokens_cached",
                       "vllm:request_success"):
             out[name.split(":", 1)[1]] = out.get(name.split(":", 1)[1], 0) + value
@@ -78,16 +84,28 @@ def _generate(llm, cmd: dict) -> dict:
             add(i)
     res: dict = {}
     first: dict = {}
+    abort = sorted(set(cmd.get("abort") or ()))
+    started0 = _pulls_started(llm) if abort else 0
+    after = int(cmd.get("abort_after_pulls", len(abort)))
     deadline = t0 + float(cmd.get("timeout_s", 300))
     while len(res) < len(prompts):
         if time.monotonic() > deadline:
             raise TimeoutError(f"generate: {len(res)} of {len(prompts)} requests done by the deadline")
+        if abort and _pulls_started(llm) - started0 >= after:
+            engine.abort_request([ids[i] for i in abort])
+            at = time.monotonic()
+            for i in abort:
+                res.setdefault(i, {"aborted": True, "aborted_at": at, "tokens": []})
+            abort = []
+            continue
         for out in engine.step():
             now = time.monotonic() - t0
             if out.request_id.startswith(base):
                 i = int(out.request_id[len(base):].split("-")[0])
             else:
-                i = next(k for k, rid in enumerate(ids) if out.request_id.startswith(rid))
+                i = next((k for k, rid in enumerate(ids) if out.request_id.startswith(rid)), -1)
+            if i < 0 or res.get(i, {}).get("aborted"):
+                continue        # a request of an earlier batch, or one this batch aborted
             if out.outputs and out.outputs[0].token_ids and i not in first:
                 first[i] = now
                 if pending:
@@ -104,6 +122,12 @@ def _generate(llm, cmd: dict) -> dict:
                 add(k)
             pending = []
     return {"results": [res[i] for i in range(len(prompts))], "wall_s": time.monotonic() - t0}
+
+
+def _pulls_started(llm) -> int:
+    from llmdd_vllm import worker_counters
+
+    return sum(int(c.get("pulls_started", 0)) for c in llm.collective_rpc(worker_counters))
 
 
 def main(argv: Optional[list] = None) -> int:

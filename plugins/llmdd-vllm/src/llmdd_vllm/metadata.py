@@ -19,6 +19,7 @@ class LlmddHandshake(KVConnectorHandshakeMetadata):
     cluster_id: int
     layout: str                 # one unit (one head of one block, all layers): config.layout_of
     tp_rank: int = 0
+    fence_epoch: int = 0        # the epoch of this rank's llmdd registration of the KV cache (lease.py)
 
 
 @dataclasses.dataclass
@@ -32,6 +33,9 @@ class RecvJob:
     src: list
     dst: list
     layout: str
+    fence_epochs: list = dataclasses.field(default_factory=list)   # per prefill rank (lease.py)
+    gens: list = dataclasses.field(default_factory=list)           # per block of src: its generation
+    lease_s: float = 30.0       # the prefill's lease: renewed every third of it while queued or running
 
 
 @dataclasses.dataclass
@@ -39,4 +43,5 @@ class LlmddConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> workers, every step."""
 
     recv: list = dataclasses.field(default_factory=list)            # RecvJob
-    send: dict = dataclasses.field(default_factory=dict)            # req_id -> free timeout (s)
+    send: dict = dataclasses.field(default_factory=dict)            # req_id -> (lease s, vLLM block ids)
+    abort: list = dataclasses.field(default_factory=list)           # decode requests aborted while pulling

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Optional
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from .config import MAX_REQUEST_ID, REQUIRED, ConnectorSettings, compat_mismatch
+from .lease import MAX_LEASE_S, Generations
 from .metadata import LlmddConnectorMetadata, LlmddHandshake, RecvJob
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["SchedulerSide"]
@@ -33,6 +35,10 @@ class SchedulerSide:
         self.recv: list = []
         self.send: dict = {}
         self.refused: set = set()       # compatibility messages already logged
+        self.epochs: list = []          # per tensor-parallel rank: the fence epoch of its registration
+        self.gens = Generations()       # prefill: the fence generation of each block (lease.py)
+        self.pulling: set = set()       # decode: requests whose pull is queued or running
+        self.aborts: list = []          # decode: requests aborted while pulling (told to the workers)
 
     def set_handshake(self, metadata: dict) -> None:
         metas = {int(r): m for r, m in metadata.items() if isinstance(m, LlmddHandshake)}
@@ -42,6 +48,7 @@ class SchedulerSide:
             return
         self.handshake = metas[0]
         self.ranks = [[metas[r].host, metas[r].port, metas[r].cluster_id] for r in range(self.s.tp_size)]
+        self.epochs = [int(metas[r].fence_epoch) for r in range(self.s.tp_size)]
         self.compat["layout"] = metas[0].layout
 
     @staticmethod
@@ -71,6 +78,9 @@ class SchedulerSide:
             return False
         ranks = params["llmdd_ranks"]
         ok = (isinstance(blocks, (list, tuple)) and len(blocks) >= need
+              and _fence_ok(params["llmdd_fence"], len(blocks), params["llmdd_compat"]["tp"])
+              and isinstance(params["llmdd_lease_s"], (int, float)) and not isinstance(params["llmdd_lease_s"], bool)
+              and 0 < params["llmdd_lease_s"] <= MAX_LEASE_S
               and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 2 ** 32 for b in blocks)
               and isinstance(params["remote_port"], int) and 0 < params["remote_port"] < 65536
               and isinstance(params["remote_cluster_id"], int) and 0 <= params["remote_cluster_id"] < 2 ** 64
@@ -106,18 +116,37 @@ class SchedulerSide:
         remote = params["remote_block_ids"]
         if len(remote) == 1 and isinstance(remote[0], (list, tuple)):
             remote = remote[0]
+        fence = params["llmdd_fence"]
         self.recv.append(RecvJob(req_id=request.request_id, remote_request_id=params["remote_request_id"],
                                  ranks=[tuple(r) for r in params["llmdd_ranks"]], src=list(remote[first:need]),
-                                 dst=local[first:need], layout=params["llmdd_layout"]))
+                                 dst=local[first:need], layout=params["llmdd_layout"],
+                                 fence_epochs=list(fence["epochs"]), gens=list(fence["gens"][first:need]),
+                                 lease_s=float(params["llmdd_lease_s"])))
+        self.pulling.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = LlmddConnectorMetadata(recv=self.recv, send=self.send)
-        self.recv, self.send = [], {}
+        meta = LlmddConnectorMetadata(recv=self.recv, send=self.send, abort=self.aborts)
+        self.recv, self.send, self.aborts = [], {}, []
         return meta
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        """vLLM's aggregate of the workers' results, before it frees the blocks of ``finished_sending``:
+        every rank fenced those blocks once (the generations advance), and ``finished_recving`` pulls ended."""
+        self.gens.given_back(output.finished_sending or ())
+        self.pulling.difference_update(output.finished_recving or ())
+
+    def _decode_finished(self, request: "Request") -> None:
+        """A decode request finished: aborted while its pull was queued or running, its prefill
+        instance is told (the workers send an abort note) and gives its blocks back at once."""
+        if request.request_id in self.pulling:
+            self.pulling.discard(request.request_id)
+            self.aborts.append(request.request_id)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         from vllm.v1.request import RequestStatus
 
+        if self.s.consumer:
+            self._decode_finished(request)
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_decode") or not self.s.producer:
             return False, None
@@ -129,14 +158,27 @@ class SchedulerSide:
             _log.warning("llmdd_vllm: request id %r longer than %d bytes: its blocks are not handed over",
                          request.request_id[:40], MAX_REQUEST_ID)
             return False, None
-        self.send[request.request_id] = float(self.s.opts["free_timeout_s"])
+        lease_s = float(self.s.opts["lease_s"])
+        self.send[request.request_id] = (lease_s, list(block_ids))
+        gens = self.gens.handed_over(request.request_id, block_ids)
         hs = self.handshake
         return True, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=list(block_ids),
                           remote_engine_id=self.s.engine_id,
                           remote_request_id=request.request_id, remote_host=hs.host, remote_port=hs.port,
                           remote_cluster_id=hs.cluster_id, remote_num_tokens=request.num_computed_tokens,
                           llmdd_layout=hs.layout, llmdd_ranks=[list(r) for r in self.ranks],
-                          llmdd_compat=dict(self.compat))
+                          llmdd_compat=dict(self.compat),
+                          llmdd_fence={"epochs": list(self.epochs), "gens": gens}, llmdd_lease_s=lease_s)
+
+
+def _fence_ok(fence, blocks: int, p_tp) -> bool:
+    """The prefill's fence record, bounded: one epoch per prefill rank, one generation per block."""
+    def u63(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2 ** 63
+    return (isinstance(fence, dict) and isinstance(fence.get("epochs"), (list, tuple))
+            and isinstance(fence.get("gens"), (list, tuple)) and len(fence["epochs"]) == p_tp
+            and len(fence["gens"]) == blocks and all(u63(e) and e > 0 for e in fence["epochs"])
+            and all(u63(g) for g in fence["gens"]))
 
 
 def _endpoint(r) -> bool:

@@ -16,15 +16,16 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
 
 import llmdd.plugin
-from llmdd import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMException,
-                   LLMRole, LLMStatusCode)
+from llmdd import (BlockFence, BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist,
+                   LLMException, LLMRole, LLMStatusCode)
 
 from .config import ENGINE_DEFAULTS, LINK_ATTEMPTS, MODEL_ID, ConnectorSettings, layout_of, rank_cluster_id
+from .lease import Leases, Renewer, units_of
 from .metadata import LlmddConnectorMetadata, LlmddHandshake, RecvJob
 from .tp import MAX_TP, heads_of, plan, readers, serves
 
 __all__ = ["WorkerSide", "TagFrees", "worker_cpus", "threads_started_on", "link_failure", "cluster_info", "read_tag",
-           "parse_tag"]
+           "parse_tag", "piece_fence"]
 
 _log = logging.getLogger("vllm.llmdd_vllm")
 
@@ -78,7 +79,7 @@ def threads_started_on(cpus: Optional[set]):
 
 class TagFrees:
     """llmdd plugin on the prefill worker: "peer finished reading" events carrying a tag
-    (:func:`read_tag`)."""
+    (:func:`read_tag`), as ``("read", tag, ok)``, and decoders' notes (lease.py), as ``("note", notes)``."""
 
     def __init__(self, sink: "queue.SimpleQueue") -> None:
         self.sink = sink
@@ -88,7 +89,11 @@ class TagFrees:
         if event.trigger == "peer_read":
             tag = event.info.get("tag")
             if isinstance(tag, str):
-                self.sink.put((tag, event.error is None))
+                self.sink.put(("read", tag, event.error is None))
+        elif event.trigger == "peer_note":
+            notes = event.info.get("notes")
+            if isinstance(notes, list):
+                self.sink.put(("note", notes))
 
 
 class _Pull:
@@ -121,15 +126,18 @@ class WorkerSide:
         self.tags: "queue.SimpleQueue" = queue.SimpleQueue()
         self.done: "queue.SimpleQueue" = queue.SimpleQueue()      # (req_id, ok, nbytes, seconds)
         self.jobs: "queue.Queue" = queue.Queue()
-        self.sending: dict = {}         # req_id -> deadline (monotonic)
+        self.leases = Leases()          # prefill: the requests whose blocks this rank holds (lease.py)
         self.read: dict = {}            # req_id -> when its last reader was acknowledged (monotonic)
-        self.unserved: set = set()      # sends of a replica rank no decoder reads (tp.serves)
+        self.unserved: dict = {}        # sends of a replica rank no decoder reads (tp.serves): req_id -> blocks
+        self.renewer: Optional[Renewer] = None   # decode: lease renewals and abort notes (lease.py)
+        self.aborted: set = set()       # decode: requests vLLM aborted before their pull started
         self.linked: dict = {}          # cluster id -> (host, port)
         # counters (int, float seconds), transports (dict), and identity / last-error fields (or None)
         self.stats: dict[str, Any] = {
             "requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
             "pull_seconds": 0.0, "links": 0, "link_failures": 0, "freed_by_tag": 0,
-            "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
+            "failed_reads_seen": 0, "pull_retries": 0, "freed_by_lease": 0, "freed_by_abort": 0, "pending_sends": 0,
+            "fence_failures": 0, "aborted_pulls": 0, "pulls_started": 0, "given_back_at": None,
             "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
             "last_link_error": None, "llmdd_cpus": None, "tp_rank": 0, "units_pulled": 0, "pieces_pulled": 0,
             "freed_unserved": 0}
@@ -201,10 +209,13 @@ class WorkerSide:
             raise
         self.dd = dd
         port = dd.statistics()["listen"][1] if self.s.producer else 0
+        epoch = dd.cache_manager.block_fence(self.cache, [0]).epoch if self.s.producer else 0
         self.handshake = LlmddHandshake(host=opts["host"], port=int(port), cluster_id=self.cluster_id,
-                                        layout=self.layout, tp_rank=self.tp_rank)
+                                        layout=self.layout, tp_rank=self.tp_rank, fence_epoch=epoch)
         self.stats.update(cluster_id=self.cluster_id, listen=[opts["host"], int(port)], tp_rank=self.tp_rank)
         if self.s.consumer:
+            self.renewer = Renewer(self._notify)
+            self.renewer.start()
             self.thread = threading.Thread(target=self._run, name="llmdd-vllm-pulls", daemon=True)
             self.thread.start()
 
@@ -212,14 +223,8 @@ class WorkerSide:
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, LlmddConnectorMetadata):
             return
-        now = time.monotonic()
-        serving = serves(self.tp_rank, self.s.tp_size, self.kv_heads)
-        with self.lock:
-            for req_id, timeout_s in meta.send.items():
-                if serving:
-                    self.sending[req_id] = now + timeout_s
-                else:
-                    self.unserved.add(req_id)   # a replica no decoder reads: nothing to wait for
+        self._hold_sends(meta.send)
+        self._track_pulls(meta.recv, meta.abort)
         for job in meta.recv:
             self.jobs.put(job)
 
@@ -241,44 +246,86 @@ class WorkerSide:
                     self.stats["pull_failures"] += 1
             if not ok:
                 out.failed_recving.add(req_id)
+        out.finished_sending |= self._give_back()
+        return out
+
+    # ------------------------------------------------------------ leases and fences (lease.py)
+    def _hold_sends(self, send: dict) -> None:
+        """Prefill: requests handed over this step are held under their lease (a replica rank no
+        decoder reads gives them back at the next results)."""
+        if not send:
+            return
+        now = time.monotonic()
+        serving = serves(self.tp_rank, self.s.tp_size, self.kv_heads)
+        with self.lock:
+            for req_id, (lease_s, blocks) in send.items():
+                if serving:
+                    self.leases.hold(req_id, blocks, lease_s, now)
+                else:
+                    self.unserved[req_id] = blocks
+
+    def _track_pulls(self, recv: list, abort: list) -> None:
+        """Decode: renew the leases of the pulls queued or running; tell the prefill of an aborted one."""
+        renewer = self.renewer
+        if renewer is None:
+            return
+        for job in recv:
+            renewer.pulling(job.req_id, job.remote_request_id, [int(r[2]) for r in job.ranks], job.lease_s)
+        for req_id in abort:
+            if renewer.abort(req_id):
+                with self.lock:
+                    self.aborted.add(req_id)     # not started yet: the pull thread skips it
+
+    def _notify(self, cluster_id: int, notes: list) -> None:
+        self._engine().cache_manager.notify_owner(BlocksCacheKey(cluster_id, MODEL_ID), notes)
+
+    def _give_back(self) -> set:
+        """Prefill: the requests whose blocks go back to vLLM now (read acknowledged, aborted by the
+        decoder, lease expired; a replica's at once), each fenced first (docs/vllm.md)."""
         now = time.monotonic()
         with self.lock:
+            notes: list = []
             while True:
                 try:
-                    tag, ok = self.tags.get_nowait()
+                    item = self.tags.get_nowait()
                 except queue.Empty:
                     break
-                if ok:
-                    req, reader, n = parse_tag(tag)
+                if item[0] == "note":
+                    notes.extend(item[1])
+                elif item[2]:
+                    req, reader, n = parse_tag(item[1])
                     seen = self.readers.setdefault(req, (now, set()))[1]
                     seen.add(reader)
                     if len(seen) >= n:
                         self.read.setdefault(req, now)
                         del self.readers[req]
                 else:
-                    # a failed read: the decoder may retry it, so the blocks stay (the timeout frees
-                    # them if it never reads them)
+                    # a failed read: the decoder may retry it, so the blocks stay (the lease gives
+                    # them back if it never reads them)
                     self.stats["failed_reads_seen"] += 1
-            out.finished_sending |= self.unserved
-            self.stats["freed_unserved"] += len(self.unserved)
-            self.unserved = set()
-            for req_id in list(self.sending):
-                if self.read.pop(req_id, None) is not None:
-                    self.stats["freed_by_tag"] += 1
-                elif now >= self.sending[req_id]:
-                    self.stats["freed_by_timeout"] += 1
-                else:
-                    continue
-                del self.sending[req_id]
-                out.finished_sending.add(req_id)
-            # a tag of no request of ours (a stale or foreign reader): forget it after the timeout
-            horizon = float(self.s.opts["free_timeout_s"])
+            self.leases.on_notes(notes, now)
+            due = self.leases.due(lambda r: self.read.pop(r, None) is not None, now)
+            unserved, self.unserved = self.unserved, {}
+            # a tag of no request of ours (a stale or foreign reader): forget it after a lease
+            horizon = float(self.s.opts["lease_s"])
             for tag in [t for t, at in self.read.items() if now - at > horizon]:
                 del self.read[tag]
             for req in [r for r, (at, _) in self.readers.items() if now - at > horizon]:
                 del self.readers[req]
-            self.stats["pending_sends"] = len(self.sending)
-        return out
+            self.stats["pending_sends"] = len(self.leases.held)
+        back = [(r, b, "unserved") for r, b in unserved.items()] + due
+        if not back:
+            return set()
+        blocks = sorted({b for _, bs, _ in back for b in bs})
+        try:
+            self._engine().cache_manager.fence_blocks(self.cache, units_of(blocks, self.local_heads))
+        except (LLMException, RuntimeError) as exc:   # the engine is gone: no reader can reach the blocks
+            _log.warning("llmdd_vllm: fencing %d blocks before their return failed: %s", len(blocks), exc)
+        with self.lock:
+            for _, _, why in back:
+                self.stats["freed_unserved" if why == "unserved" else f"freed_by_{why}"] += 1
+            self.stats["given_back_at"] = time.monotonic()     # CLOCK_MONOTONIC: comparable across processes
+        return {r for r, _, _ in back}
 
     # ------------------------------------------------------------ the pull thread
     def _run(self) -> None:
@@ -287,12 +334,24 @@ class WorkerSide:
             if item is None:
                 return
             if isinstance(item, RecvJob):
+                with self.lock:
+                    skip = item.req_id in self.aborted
+                    self.aborted.discard(item.req_id)
+                    if skip:
+                        self.stats["aborted_pulls"] += 1
+                if skip:                            # aborted by vLLM before it started: nothing to read
+                    self.done.put((item.req_id, False, 0, 0, 0.0))
+                    continue
                 try:
                     pieces = self._plan(item)
                 except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
                     _log.warning("llmdd_vllm: pull of %s refused: %s", item.req_id, exc)
+                    if self.renewer is not None:
+                        self.renewer.ended(item.req_id)
                     self.done.put((item.req_id, False, 0, 0, 0.0))
                     continue
+                with self.lock:
+                    self.stats["pulls_started"] += 1
                 state = _Pull(item, len(pieces), time.monotonic())
                 for piece in pieces:
                     self._submit(state, piece, retried=False)
@@ -316,6 +375,9 @@ class WorkerSide:
 
         def done(status) -> None:
             ok = status == LLMStatusCode.LLM_SUCCESS
+            if status == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                with self.lock:
+                    self.stats["fence_failures"] += 1   # the prefill handed the blocks back first (lease.py)
             if not ok and not retried and status in (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK):
                 # the link went down under this pull (queued or running): relink and pull once more
                 _log.info("llmdd_vllm: pull of %s from rank %d ended %s: relinking, one retry", job.req_id,
@@ -333,7 +395,8 @@ class WorkerSide:
         try:
             self._ensure_link(cluster_id, host, port)
             self._engine().cache_manager.pull_blocks_async(BlocksCacheKey(cluster_id, MODEL_ID), self.cache,
-                                                           piece.src, piece.dst, tag=tag, callback=done)
+                                                           piece.src, piece.dst, tag=tag, callback=done,
+                                                           fence=piece_fence(job, piece))
         except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
             if isinstance(exc, LLMException) and exc.status_code in (LLMStatusCode.LLM_NOT_YET_LINK,
                                                                      LLMStatusCode.LLM_LINK_FAILED):
@@ -353,11 +416,14 @@ class WorkerSide:
                 state.units += len(piece.dst)
             last = state.left == 0
             if last:
+                self.aborted.discard(state.job.req_id)
                 self.stats["pieces_pulled"] += state.pieces if state.ok else 0
                 self.stats["units_pulled"] += state.units if state.ok else 0
         if last:
             job = state.job
             nbytes = state.units * self.unit_bytes if state.ok else 0
+            if self.renewer is not None:
+                self.renewer.ended(job.req_id)
             self.done.put((job.req_id, state.ok, nbytes, len(job.dst) if state.ok else 0,
                            time.monotonic() - state.t0))
 
@@ -429,6 +495,8 @@ class WorkerSide:
         if dd is not None:
             links = dd.statistics()["links"]
             out["llmdd_bytes_read"] = sum(int(v.get("bytes_read", 0)) for v in links.values())
+        if self.renewer is not None:
+            out.update(self.renewer.stats)
         out["block_bytes"] = self.block_bytes
         out["pid"] = os.getpid()
         out["layout"] = self.layout
@@ -441,12 +509,22 @@ class WorkerSide:
         if self.thread is not None:
             self.jobs.put(None)
             self.thread.join(10)
+        if self.renewer is not None:
+            self.renewer.close()
         if self.dd is not None:
             try:
                 self.dd.finalize()
             except LLMException as exc:
                 _log.info("llmdd_vllm: finalize: %s", exc)
             self.dd = None
+
+
+def piece_fence(job: RecvJob, piece) -> BlockFence:
+    """What one piece's pull expects of its prefill rank's blocks: the rank's registration epoch and,
+    per source unit (blocks then heads, tp.plan's order), its block's generation."""
+    per_block = len(piece.heads)
+    return BlockFence(epoch=int(job.fence_epochs[piece.rank]),
+                      generations=[int(g) for g in job.gens for _ in range(per_block)])
 
 
 def link_failure(stats: dict, cluster_id: int) -> str:
