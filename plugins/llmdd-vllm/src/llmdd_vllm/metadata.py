@@ -32,6 +32,7 @@ class RecvJob:
     src: list
     dst: list
     layout: str
+    created_s: float = 0.0      # time.monotonic() when the scheduler made the job (the pull's breakdown)
 
 
 @dataclasses.dataclass

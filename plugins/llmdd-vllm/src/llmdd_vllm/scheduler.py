@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -108,7 +109,7 @@ class SchedulerSide:
             remote = remote[0]
         self.recv.append(RecvJob(req_id=request.request_id, remote_request_id=params["remote_request_id"],
                                  ranks=[tuple(r) for r in params["llmdd_ranks"]], src=list(remote[first:need]),
-                                 dst=local[first:need], layout=params["llmdd_layout"]))
+                                 dst=local[first:need], layout=params["llmdd_layout"], created_s=time.monotonic()))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = LlmddConnectorMetadata(recv=self.recv, send=self.send)
