@@ -95,6 +95,10 @@ def main() -> int:
                     help="alternate which instance runs the overhead prompt first (default: the decode instance)")
     ap.add_argument("--transport", default=None, help="force shm or tcp (default: llmdd's choice)")
     ap.add_argument("--nice", type=int, default=0)
+    ap.add_argument("--kv-space-gib", default="2", help="VLLM_CPU_KVCACHE_SPACE of each instance")
+    ap.add_argument("--two-at-a-time", action="store_true",
+                    help="at most two instances at once (memory): the prefill and decode instances for the transfers, "
+                         "then the prefill instance stops and the one without a connector starts for the overhead")
     ap.add_argument("--engine-bench", action="store_true",
                     help="run llmdd bench --quick --transport shm before and after (the engine's own pull GB/s)")
     args = ap.parse_args()
@@ -103,23 +107,29 @@ def main() -> int:
     extra = {"transport": args.transport} if args.transport else {}
     root = tempfile.mkdtemp(prefix="llmdd-vllm-ttft-")
     model = write_tiny_llama(os.path.join(root, "model"), seed=11, **MODEL)
-    common = dict(max_model_len=MAX_LEN, kv_space_gib="2", nice=args.nice, start_timeout_s=900, wait=False)
+    common = dict(max_model_len=MAX_LEN, kv_space_gib=args.kv_space_gib, nice=args.nice, start_timeout_s=900,
+                  wait=False)
     insts = {"p": Instance(model, role="kv_producer", extra=extra, log_path=os.path.join(root, "p.log"), **common),
-             "d": Instance(model, role="kv_consumer", extra=extra, log_path=os.path.join(root, "d.log"), **common),
-             "n": Instance(model, log_path=os.path.join(root, "n.log"), **common)}
+             "d": Instance(model, role="kv_consumer", extra=extra, log_path=os.path.join(root, "d.log"), **common)}
+
+    def plain() -> Instance:
+        return Instance(model, log_path=os.path.join(root, "n.log"), **common)
+    if not args.two_at_a_time:
+        insts["n"] = plain()
     load0 = os.getloadavg()
     rows: list = []
     overhead: list = []
     try:
         for inst in insts.values():
             inst.wait_ready()
-        p, d, n = insts["p"], insts["d"], insts["n"]
+        p, d = insts["p"], insts["d"]
         rng = np.random.default_rng(20)
         # warm-up: one small transfer (links the two instances) and one local request per instance
         w = rng.integers(3, 500, 100).tolist()
         kv = _ttft(p, w, {"do_remote_decode": True})["kv_transfer_params"]
         _ttft(d, w, kv)
-        _ttft(n, w)
+        if "n" in insts:
+            _ttft(insts["n"], w)
         _wait_freed(p)
         for rep in range(args.reps):
             for length in lengths:
@@ -138,6 +148,12 @@ def main() -> int:
                              "bytes_pulled": c1["bytes_pulled"] - c0["bytes_pulled"],
                              "same_first_token": tr["tokens"] == rc["tokens"], "pull_breakdown": pull})
                 print(json.dumps(rows[-1]), flush=True)
+        if args.overhead_reps and "n" not in insts:
+            insts.pop("p").close()
+            insts["n"] = plain()
+            insts["n"].wait_ready()
+            _ttft(insts["n"], w)
+        n = insts.get("n")
         for rep in range(args.overhead_reps):
             prompt = rng.integers(3, 500, args.overhead_len).tolist()
             if args.overhead_alternate and rep % 2:
@@ -147,7 +163,10 @@ def main() -> int:
             overhead.append({"rep": rep, "prompt_tokens": args.overhead_len, "with_connector_ttft_s": a["ttft_s"],
                              "without_connector_ttft_s": b["ttft_s"]})
             print(json.dumps(overhead[-1]), flush=True)
-        transports = _counters(d)["transports"]
+        last = _counters(d)
+        transports = last["transports"]
+        # the worker-side step hooks' cost over the whole run (every step of the decode instance)
+        hooks = {k: last[k] for k in ("step_hook_calls", "step_hook_seconds", "max_step_hook_s") if k in last}
     finally:
         for inst in insts.values():
             inst.close()
@@ -156,7 +175,7 @@ def main() -> int:
     out = {"command": " ".join(["python"] + sys.argv), "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
            "loadavg_start": load0, "loadavg_end": os.getloadavg()},
            "model": dict(MODEL, dtype="float32", block_size=32, max_model_len=MAX_LEN),
-           "transports": transports, "rows": rows, "overhead": overhead, "engine_bench": engine,
+           "transports": transports, "rows": rows, "overhead": overhead, "engine_bench": engine, "step_hooks": hooks,
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 LAYERS, HEADS, BS, HD = 8, 8, 32, 64
-NUM_BLOCKS = 600
+NUM_BLOCKS = 160
 
 
 def _kv(seed: int) -> tuple:
@@ -76,6 +76,20 @@ def main() -> int:
     from llmdd_shm._cma import Cma, iovecs
     from llmdd_vllm.tp import plan
 
+    # where a pull's time goes inside llmdd: the ops (the copy) and the tag's acknowledged notice
+    from llmdd._data import engine as _eng
+    inside: dict = {"run_ops": [], "tag_notice": []}
+
+    def _timed(name: str, fn):
+        def wrapper(*a, **k):
+            t = time.monotonic()
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[name].append(time.monotonic() - t)
+        return wrapper
+    _eng.TransferEngine.run_ops = _timed("run_ops", _eng.TransferEngine.run_ops)          # type: ignore[method-assign]
+    _eng.TransferEngine._tag_notice = _timed("tag_notice", _eng.TransferEngine._tag_notice)  # type: ignore[method-assign]
     ctx = mp.get_context("spawn")
     q_out, q_in = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_prefill, args=(q_out, q_in), daemon=True)
@@ -131,6 +145,8 @@ def main() -> int:
                     Cma().transfer(ppid, iovecs(la, ln), iovecs(ra, ln), write=False)
                     t1 = t2 = time.monotonic()
                 else:
+                    for v in inside.values():
+                        v.clear()
                     dd.cache_manager.pull_blocks_async(BlocksCacheKey(7001, 0), cache, piece.src, piece.dst,
                                                        tag=f"r{rep}" if how == "tagged" else None, callback=cb)
                     t1 = time.monotonic()
@@ -140,6 +156,8 @@ def main() -> int:
                 row[how] = {"submit_s": round(t1 - t0, 5), "done_s": round(t2 - t0, 5),
                             "gbps": round(nbytes / (t2 - t0) / 1e9, 3),
                             "same_bytes": bool(torch.equal(buf[:, dst], src_buf[:, src]))}
+                if how != "raw_cma":
+                    row[how].update({k: round(sum(v), 5) for k, v in inside.items()})
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:

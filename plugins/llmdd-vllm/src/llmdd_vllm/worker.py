@@ -147,7 +147,7 @@ class WorkerSide:
             "failed_reads_seen": 0, "pull_retries": 0, "freed_by_timeout": 0, "pending_sends": 0,
             "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
             "last_link_error": None, "llmdd_cpus": None, "tp_rank": 0, "units_pulled": 0, "pieces_pulled": 0,
-            "freed_unserved": 0}
+            "freed_unserved": 0, "step_hook_calls": 0, "step_hook_seconds": 0.0, "max_step_hook_s": 0.0}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
@@ -224,6 +224,16 @@ class WorkerSide:
             self.thread.start()
 
     # ------------------------------------------------------------ per step (vLLM's model-runner thread)
+    def hook_time(self, t0: float) -> None:
+        """Count one step hook call that started at ``time.perf_counter()`` ``t0`` (the ``step_hook_*``
+        counters: what the connector's worker side costs vLLM's step loop)."""
+        took = time.perf_counter() - t0
+        with self.lock:
+            self.stats["step_hook_calls"] += 1
+            self.stats["step_hook_seconds"] += took
+            if took > self.stats["max_step_hook_s"]:
+                self.stats["max_step_hook_s"] = took
+
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, LlmddConnectorMetadata):
             return
