@@ -119,6 +119,9 @@ def main() -> int:
     load0 = os.getloadavg()
     rows: list = []
     overhead: list = []
+    error = None
+    transports: dict = {}
+    hooks: dict = {}
     try:
         for inst in insts.values():
             inst.wait_ready()
@@ -167,6 +170,8 @@ def main() -> int:
         transports = last["transports"]
         # the worker-side step hooks' cost over the whole run (every step of the decode instance)
         hooks = {k: last[k] for k in ("step_hook_calls", "step_hook_seconds", "max_step_hook_s") if k in last}
+    except Exception as exc:  # noqa: BLE001 - an instance lost mid-run (OOM on a shared host): keep what was measured
+        error = f"{type(exc).__name__}: {exc}"
     finally:
         for inst in insts.values():
             inst.close()
@@ -175,12 +180,12 @@ def main() -> int:
     out = {"command": " ".join(["python"] + sys.argv), "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
            "loadavg_start": load0, "loadavg_end": os.getloadavg()},
            "model": dict(MODEL, dtype="float32", block_size=32, max_model_len=MAX_LEN),
-           "transports": transports, "rows": rows, "overhead": overhead, "engine_bench": engine, "step_hooks": hooks,
+           "transports": transports, "rows": rows, "overhead": overhead, "engine_bench": engine, "step_hooks": hooks, "error": error,
            "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
-    return 0
+    return 1 if error else 0
 
 
 if __name__ == "__main__":
