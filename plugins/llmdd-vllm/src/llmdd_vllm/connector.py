@@ -28,6 +28,7 @@ registration of vLLM's KV tensors.  They talk through vLLM's metadata objects on
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -132,7 +133,11 @@ class LlmddConnector(KVConnectorBase_V1):
         return None if self._worker is None else self._worker.handshake
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        self._worker_side().start_load_kv(self._get_connector_metadata())
+        w, t0 = self._worker_side(), time.perf_counter()
+        try:
+            w.start_load_kv(self._get_connector_metadata())
+        finally:
+            w.hook_time(t0)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None        # whole-request loads, completed before the request is scheduled
@@ -145,10 +150,14 @@ class LlmddConnector(KVConnectorBase_V1):
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._worker_side().transfer_results(finished_req_ids)
+        w, t0 = self._worker_side(), time.perf_counter()
+        try:
+            return w.transfer_results(finished_req_ids)
+        finally:
+            w.hook_time(t0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        res = self._worker_side().transfer_results(finished_req_ids)
+        res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending, res.finished_recving
 
     def shutdown(self) -> None:

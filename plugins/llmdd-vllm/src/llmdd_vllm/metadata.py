@@ -36,6 +36,7 @@ class RecvJob:
     fence_epochs: list = dataclasses.field(default_factory=list)   # per prefill rank (lease.py)
     gens: list = dataclasses.field(default_factory=list)           # per block of src: its generation
     lease_s: float = 30.0       # the prefill's lease: renewed every third of it while queued or running
+    created_s: float = 0.0      # time.monotonic() when the scheduler made the job (the pull's breakdown)
 
 
 @dataclasses.dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Optional
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -121,7 +122,7 @@ class SchedulerSide:
                                  ranks=[tuple(r) for r in params["llmdd_ranks"]], src=list(remote[first:need]),
                                  dst=local[first:need], layout=params["llmdd_layout"],
                                  fence_epochs=list(fence["epochs"]), gens=list(fence["gens"][first:need]),
-                                 lease_s=float(params["llmdd_lease_s"])))
+                                 lease_s=float(params["llmdd_lease_s"]), created_s=time.monotonic()))
         self.pulling.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

@@ -3,6 +3,7 @@ its pull thread and the freeing of handed-over blocks (module docstring of ``con
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -24,8 +25,8 @@ from .lease import Leases, Renewer, units_of
 from .metadata import LlmddConnectorMetadata, LlmddHandshake, RecvJob
 from .tp import MAX_TP, heads_of, plan, readers, serves
 
-__all__ = ["WorkerSide", "TagFrees", "worker_cpus", "threads_started_on", "link_failure", "cluster_info", "read_tag",
-           "parse_tag", "piece_fence"]
+__all__ = ["WorkerSide", "TagFrees", "PHASES", "PULL_LOG", "breakdown", "worker_cpus", "threads_started_on",
+           "link_failure", "cluster_info", "read_tag", "parse_tag", "piece_fence"]
 
 _log = logging.getLogger("vllm.llmdd_vllm")
 
@@ -96,13 +97,25 @@ class TagFrees:
                 self.sink.put(("note", notes))
 
 
+#: the phases of one pull's breakdown (``counters()["pull_log"]``), in order: the scheduler made the
+#: job -> the worker's step hook queued it -> the pull thread took it -> planned -> linked (the
+#: link check, or linking) -> ``pull_blocks_async`` returned -> llmdd's callback (the bytes are here
+#: and the owner acknowledged the read tag) -> vLLM collected it (``get_finished``)
+PHASES = ("to_worker_s", "queue_s", "plan_s", "link_s", "submit_s", "transfer_s", "report_s")
+#: the pulls ``counters()`` keeps the breakdown of (the newest)
+PULL_LOG = 256
+
+
 class _Pull:
     """One request's pull on one decode rank: its pieces still running and their outcome."""
 
-    def __init__(self, job: RecvJob, pieces: int, t0: float) -> None:
+    def __init__(self, job: RecvJob, pieces: int, t0: float, queued: float, planned: float) -> None:
         self.job, self.pieces, self.left, self.t0 = job, pieces, pieces, t0
         self.ok = True
         self.units = 0
+        # the breakdown's timestamps (time.monotonic(), one clock for every process on a host);
+        # with several pieces: the first piece's link and submit, the last callback
+        self.at = {"created": job.created_s or queued, "queued": queued, "taken": t0, "planned": planned}
 
 
 class WorkerSide:
@@ -124,9 +137,11 @@ class WorkerSide:
         self.handshake: Optional[LlmddHandshake] = None
         self.lock = threading.Lock()
         self.tags: "queue.SimpleQueue" = queue.SimpleQueue()
-        self.done: "queue.SimpleQueue" = queue.SimpleQueue()      # (req_id, ok, nbytes, seconds)
+        self.done: "queue.SimpleQueue" = queue.SimpleQueue()      # (req_id, ok, nbytes, blocks, seconds, timestamps)
         self.jobs: "queue.Queue" = queue.Queue()
         self.leases = Leases()          # prefill: the requests whose blocks this rank holds (lease.py)
+        self.queued: dict = {}          # req_id -> when start_load_kv queued its job (monotonic)
+        self.pull_log: "collections.deque" = collections.deque(maxlen=PULL_LOG)
         self.read: dict = {}            # req_id -> when its last reader was acknowledged (monotonic)
         self.unserved: dict = {}        # sends of a replica rank no decoder reads (tp.serves): req_id -> blocks
         self.renewer: Optional[Renewer] = None   # decode: lease renewals and abort notes (lease.py)
@@ -140,7 +155,7 @@ class WorkerSide:
             "fence_failures": 0, "aborted_pulls": 0, "pulls_started": 0, "given_back_at": None,
             "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
             "last_link_error": None, "llmdd_cpus": None, "tp_rank": 0, "units_pulled": 0, "pieces_pulled": 0,
-            "freed_unserved": 0}
+            "freed_unserved": 0, "step_hook_calls": 0, "step_hook_seconds": 0.0, "max_step_hook_s": 0.0}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
@@ -220,22 +235,35 @@ class WorkerSide:
             self.thread.start()
 
     # ------------------------------------------------------------ per step (vLLM's model-runner thread)
+    def hook_time(self, t0: float) -> None:
+        """Count one step hook call that started at ``time.perf_counter()`` ``t0`` (the ``step_hook_*``
+        counters: what the connector's worker side costs vLLM's step loop)."""
+        took = time.perf_counter() - t0
+        with self.lock:
+            self.stats["step_hook_calls"] += 1
+            self.stats["step_hook_seconds"] += took
+            if took > self.stats["max_step_hook_s"]:
+                self.stats["max_step_hook_s"] = took
+
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         if not isinstance(meta, LlmddConnectorMetadata):
             return
         self._hold_sends(meta.send)
         self._track_pulls(meta.recv, meta.abort)
+        now = time.monotonic()
         for job in meta.recv:
+            self.queued[job.req_id] = now
             self.jobs.put(job)
 
     def transfer_results(self, finished_req_ids: set) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         while True:
             try:
-                req_id, ok, nbytes, nblocks, took = self.done.get_nowait()
+                req_id, ok, nbytes, nblocks, took, at = self.done.get_nowait()
             except queue.Empty:
                 break
             out.finished_recving.add(req_id)
+            at["reported"] = time.monotonic()
             with self.lock:
                 if ok:
                     self.stats["requests_pulled"] += 1
@@ -244,6 +272,7 @@ class WorkerSide:
                     self.stats["pull_seconds"] += took
                 else:
                     self.stats["pull_failures"] += 1
+                self.pull_log.append(breakdown(req_id, ok, nbytes, at))
             if not ok:
                 out.failed_recving.add(req_id)
         out.finished_sending |= self._give_back()
@@ -334,13 +363,15 @@ class WorkerSide:
             if item is None:
                 return
             if isinstance(item, RecvJob):
+                taken = time.monotonic()
+                queued = self.queued.pop(item.req_id, taken)
                 with self.lock:
                     skip = item.req_id in self.aborted
                     self.aborted.discard(item.req_id)
                     if skip:
                         self.stats["aborted_pulls"] += 1
                 if skip:                            # aborted by vLLM before it started: nothing to read
-                    self.done.put((item.req_id, False, 0, 0, 0.0))
+                    self.done.put((item.req_id, False, 0, 0, 0.0, {"queued": queued, "taken": taken}))
                     continue
                 try:
                     pieces = self._plan(item)
@@ -348,11 +379,11 @@ class WorkerSide:
                     _log.warning("llmdd_vllm: pull of %s refused: %s", item.req_id, exc)
                     if self.renewer is not None:
                         self.renewer.ended(item.req_id)
-                    self.done.put((item.req_id, False, 0, 0, 0.0))
+                    self.done.put((item.req_id, False, 0, 0, 0.0, {"queued": queued, "taken": taken}))
                     continue
                 with self.lock:
                     self.stats["pulls_started"] += 1
-                state = _Pull(item, len(pieces), time.monotonic())
+                state = _Pull(item, len(pieces), taken, queued, time.monotonic())
                 for piece in pieces:
                     self._submit(state, piece, retried=False)
             else:
@@ -394,9 +425,11 @@ class WorkerSide:
         t0 = time.monotonic()
         try:
             self._ensure_link(cluster_id, host, port)
+            state.at.setdefault("linked", time.monotonic())
             self._engine().cache_manager.pull_blocks_async(BlocksCacheKey(cluster_id, MODEL_ID), self.cache,
                                                            piece.src, piece.dst, tag=tag, callback=done,
                                                            fence=piece_fence(job, piece))
+            state.at.setdefault("submitted", time.monotonic())
         except Exception as exc:  # noqa: BLE001 - any failure of one request is reported, never raised
             if isinstance(exc, LLMException) and exc.status_code in (LLMStatusCode.LLM_NOT_YET_LINK,
                                                                      LLMStatusCode.LLM_LINK_FAILED):
@@ -409,6 +442,7 @@ class WorkerSide:
             self.stats["max_submit_s"] = max(self.stats["max_submit_s"], took)
 
     def _piece_done(self, state: "_Pull", piece, ok: bool) -> None:
+        now = time.monotonic()
         with self.lock:
             state.left -= 1
             state.ok = state.ok and ok
@@ -424,8 +458,9 @@ class WorkerSide:
             nbytes = state.units * self.unit_bytes if state.ok else 0
             if self.renewer is not None:
                 self.renewer.ended(job.req_id)
-            self.done.put((job.req_id, state.ok, nbytes, len(job.dst) if state.ok else 0,
-                           time.monotonic() - state.t0))
+            state.at["called_back"] = now
+            self.done.put((job.req_id, state.ok, nbytes, len(job.dst) if state.ok else 0, now - state.t0,
+                           state.at))
 
     def _engine(self) -> LLMDataDist:
         """The running engine (the pull thread starts after register_kv_caches set it)."""
@@ -497,6 +532,8 @@ class WorkerSide:
             out["llmdd_bytes_read"] = sum(int(v.get("bytes_read", 0)) for v in links.values())
         if self.renewer is not None:
             out.update(self.renewer.stats)
+        with self.lock:
+            out["pull_log"] = list(self.pull_log)
         out["block_bytes"] = self.block_bytes
         out["pid"] = os.getpid()
         out["layout"] = self.layout
@@ -525,6 +562,17 @@ def piece_fence(job: RecvJob, piece) -> BlockFence:
     per_block = len(piece.heads)
     return BlockFence(epoch=int(job.fence_epochs[piece.rank]),
                       generations=[int(g) for g in job.gens for _ in range(per_block)])
+
+
+def breakdown(req_id: str, ok: bool, nbytes: int, at: dict) -> dict:
+    """One pull's phases (:data:`PHASES`, seconds; None where a phase did not happen) from its timestamps."""
+    order = ("created", "queued", "taken", "planned", "linked", "submitted", "called_back", "reported")
+    out: dict = {"req_id": req_id, "ok": ok, "bytes": nbytes}
+    for name, (a, b) in zip(PHASES, zip(order, order[1:])):
+        out[name] = round(at[b] - at[a], 6) if a in at and b in at else None
+    first = next((at[k] for k in order if k in at), None)
+    out["total_s"] = round(at["reported"] - first, 6) if first is not None and "reported" in at else None
+    return out
 
 
 def link_failure(stats: dict, cluster_id: int) -> str:
