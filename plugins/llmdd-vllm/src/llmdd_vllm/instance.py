@@ -111,6 +111,10 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--role", choices=["kv_producer", "kv_consumer", "kv_both"], default=None)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    ap.add_argument("--connector", default="LlmddConnector",
+                    help="the KV connector with --role: LlmddConnector (this package) or one of vLLM's own "
+                         "(NixlConnector: scripts/bench_vllm_ttft.py --compare-nixl)")
+    ap.add_argument("--kv-buffer-device", default=None, help="kv_buffer_device of the KV transfer config")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-space-gib", default="1")
@@ -135,9 +139,14 @@ def main(argv: Optional[list] = None) -> int:
     if args.role:
         from vllm.config import KVTransferConfig
 
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LlmddConnector", kv_connector_module_path="llmdd_vllm", kv_role=args.role,
-            kv_load_failure_policy="recompute", kv_connector_extra_config=json.loads(args.extra))
+        own = args.connector == "LlmddConnector"
+        tkw: dict[str, Any] = dict(kv_connector=args.connector, kv_role=args.role, kv_load_failure_policy="recompute",
+                                   kv_connector_extra_config=json.loads(args.extra))
+        if own:
+            tkw["kv_connector_module_path"] = "llmdd_vllm"
+        if args.kv_buffer_device:
+            tkw["kv_buffer_device"] = args.kv_buffer_device
+        kw["kv_transfer_config"] = KVTransferConfig(**tkw)
         kw["disable_hybrid_kv_cache_manager"] = True
     t0 = time.monotonic()
     llm = LLM(**kw)
@@ -177,9 +186,13 @@ class Instance:
     def __init__(self, model: str, *, role: Optional[str] = None, extra: Optional[dict] = None,
                  env: Optional[dict] = None, log_path: Optional[str] = None, python: str = sys.executable,
                  start_timeout_s: float = 300, nice: int = 0, max_model_len: int = 1024,
-                 kv_space_gib: str = "1", wait: bool = True, tp: int = 1) -> None:
+                 kv_space_gib: str = "1", wait: bool = True, tp: int = 1, connector: str = "LlmddConnector",
+                 kv_buffer_device: Optional[str] = None) -> None:
         cmd = [python, "-m", "llmdd_vllm.instance", "--model", model, "--extra", json.dumps(extra or {}),
-               "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp)]
+               "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp),
+               "--connector", connector]
+        if kv_buffer_device:
+            cmd += ["--kv-buffer-device", kv_buffer_device]
         if role:
             cmd += ["--role", role]
         if nice:
