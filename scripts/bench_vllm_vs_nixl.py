@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--local-reps", type=int, default=16)
     ap.add_argument("--local-len", type=int, default=100)
     ap.add_argument("--kv-space-gib", default="1", help="VLLM_CPU_KVCACHE_SPACE of each instance (whole GiB)")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks per instance (num_gpu_blocks_override; 32 tokens, 1 MiB each): less memory than "
+                         "--kv-space-gib's whole GiB; at least one 4096-token prompt (128) and the mixed load")
     ap.add_argument("--nice", type=int, default=0)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -84,7 +87,7 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="llmdd-vllm-nixl-")
     model = write_tiny_llama(os.path.join(root, "model"), seed=11, **MODEL)
     common = dict(max_model_len=MAX_LEN, kv_space_gib=args.kv_space_gib, nice=args.nice, start_timeout_s=1200,
-                  wait=False)
+                  wait=False, num_blocks=args.num_blocks)
     nixl = dict(connector="NixlConnector", kv_buffer_device="cpu", extra={"backends": ["UCX"]})
     ports = {k: str(_free_port()) for k in ("xp", "xd")}
     insts = {"lp": Instance(model, role="kv_producer", log_path=os.path.join(root, "lp.log"), **common),
@@ -140,6 +143,7 @@ def main() -> int:
                 row: dict = {"rep": rep, "prompt_tokens": args.local_len, "order": [k for k, _ in order]}
                 for k, inst in order:
                     row[k + "_ttft_s"] = _ttft(inst, prompt)["ttft_s"]
+                row["loadavg"] = _load()
                 out["local"].append(row)
                 print(json.dumps(row), flush=True)
 
@@ -158,6 +162,7 @@ def main() -> int:
                     row["loadavg"] = _load()
                     out["rows"].append(row)
                     print(json.dumps(row), flush=True)
+                    _save(args.out, out)
 
         def phase_mixed() -> None:
             mrng = np.random.default_rng(3939)
@@ -189,6 +194,7 @@ def main() -> int:
                 row["same_tokens"] = sum(a == b for a, b in zip(toks["llmdd"], toks["nixl"]))
                 row["loadavg"] = _load()
                 out["mixed"].append(row)
+                _save(args.out, out)
                 print(json.dumps({k: v for k, v in row.items() if k not in CONNECTORS}
                                  | {c: {k: v for k, v in row[c].items() if k != "decode_ttft_s"} for c in CONNECTORS}),
                       flush=True)

@@ -84,23 +84,29 @@ def _verdict(ok: bool, n: int) -> str:
     return v if n >= MIN_REPS else f"{v} (indicative: {n} < {MIN_REPS} repetitions)"
 
 
-def _load(ph: dict) -> str:
-    return f"{ph['loadavg_start'][0]:.1f} -> {ph['loadavg_end'][0]:.1f}"
+def _load(ph: dict, rows: list) -> str:
+    """the phase's 1-minute load average at its start and end; of its first and last row in a run cut short"""
+    if ph:
+        return f"{ph['loadavg_start'][0]:.1f} -> {ph['loadavg_end'][0]:.1f}"
+    return f"{rows[0]['loadavg'][0]:.1f} -> {rows[-1]['loadavg'][0]:.1f} (first -> last row: the run stopped in this phase)"
 
 
 def _nixl_run(path: str, run: dict) -> list:
     med = statistics.median
     m, ph = run["model"], run["phases"]
+    end = f"{run['machine']['loadavg_end'][0]:.1f}" if "loadavg_end" in run["machine"] else "not recorded"
     out = [f"`{path}`: `{run['command']}`; {m['layers']} layers, hidden {m['hidden']}, {m['kv_heads']} KV heads x "
            f"{m['hidden'] // m['heads']}, {m['dtype']}, block {m['block_size']}; llmdd transport "
            f"{', '.join(sorted(set(run.get('transports', {}).values()))) or '?'}; NixlConnector: "
            f"{run['connectors']['nixl']}; {run['machine']['cpus']} CPUs, load (1 min) "
-           f"{run['machine']['loadavg_start'][0]:.1f} at the start, {run['machine']['loadavg_end'][0]:.1f} at the end; "
+           f"{run['machine']['loadavg_start'][0]:.1f} at the start, {end} at the end; "
            "ratios are LlmddConnector's median over NixlConnector's, from this one run (the two alternate)."]
+    if run.get("cut_short"):
+        out[0] += f" This run was cut short: {run['cut_short']}."
     rows = run["rows"]
     if rows:
         n = len({r["rep"] for r in rows})
-        out += ["", f"Decode time to first token, ms, median (min) of {n} interleaved repetitions (load {_load(ph['ttft'])}):",
+        out += ["", f"Decode time to first token, ms, median (min) of {n} interleaved repetitions (load {_load(ph.get('ttft'), rows)}):",
                 "", "| prompt tokens | LlmddConnector | NixlConnector | ratio | target | verdict | llmdd pull (connector) "
                 "| first token equal | prefill instance TTFT, Llmdd / Nixl |", "|---:|---:|---:|---:|---:|---|---:|---|---:|"]
         for length in sorted({r["prompt_tokens"] for r in rows}):
@@ -117,7 +123,7 @@ def _nixl_run(path: str, run: dict) -> list:
         r0 = mixed[0]
         out += ["", f"Mixed load: {r0['requests']} concurrent requests through the P/D proxy ({r0['prompt_tokens']} prompt "
                 f"and {r0['output_tokens']} output tokens in all), {len(mixed)} repetitions, median (min) "
-                f"(load {_load(ph['mixed'])}):", "",
+                f"(load {_load(ph.get('mixed'), mixed)}):", "",
                 "| connector | output tokens/s, prefill + decode | output tokens/s, decode phase | decode TTFT median, ms "
                 "| prefill phase wall, s | outputs equal across connectors |", "|---|---:|---:|---:|---:|---|"]
         for c, label in (("llmdd", "LlmddConnector"), ("nixl", "NixlConnector")):
@@ -139,7 +145,7 @@ def _nixl_run(path: str, run: dict) -> list:
         b = [r["none_ttft_s"] for r in local]
         ratio, xratio = med(a) / med(b), med(x) / med(b)
         out += ["", f"A {local[0]['prompt_tokens']}-token prompt computed locally, {len(local)} repetitions (order rotated), "
-                f"TTFT ms median (min) (load {_load(ph['local'])}): LlmddConnector's decode instance {_mm(a)}, "
+                f"TTFT ms median (min) (load {_load(ph.get('local'), local)}): LlmddConnector's decode instance {_mm(a)}, "
                 f"NixlConnector's {_mm(x)}, no connector {_mm(b)}; with LlmddConnector / without: {ratio:.2f}x, "
                 f"target <= {LOCAL_MAX:.2f}x: {_verdict(ratio <= LOCAL_MAX, len(local))} "
                 f"(NixlConnector / without: {xratio:.2f}x)."]

@@ -115,6 +115,8 @@ def main(argv: Optional[list] = None) -> int:
                     help="the KV connector with --role: LlmddConnector (this package) or one of vLLM's own "
                          "(NixlConnector: scripts/bench_vllm_ttft.py --compare-nixl)")
     ap.add_argument("--kv-buffer-device", default=None, help="kv_buffer_device of the KV transfer config")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="num_gpu_blocks_override: this many KV blocks instead of what --kv-space-gib holds (memory)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-space-gib", default="1")
@@ -134,6 +136,8 @@ def main(argv: Optional[list] = None) -> int:
     kw: dict[str, Any] = dict(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                               block_size=args.block_size, max_model_len=args.max_model_len, seed=0,
                               enable_prefix_caching=False, disable_log_stats=False)
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
     if args.tp > 1:
         kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.role:
@@ -187,12 +191,14 @@ class Instance:
                  env: Optional[dict] = None, log_path: Optional[str] = None, python: str = sys.executable,
                  start_timeout_s: float = 300, nice: int = 0, max_model_len: int = 1024,
                  kv_space_gib: str = "1", wait: bool = True, tp: int = 1, connector: str = "LlmddConnector",
-                 kv_buffer_device: Optional[str] = None) -> None:
+                 kv_buffer_device: Optional[str] = None, num_blocks: Optional[int] = None) -> None:
         cmd = [python, "-m", "llmdd_vllm.instance", "--model", model, "--extra", json.dumps(extra or {}),
                "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp),
                "--connector", connector]
         if kv_buffer_device:
             cmd += ["--kv-buffer-device", kv_buffer_device]
+        if num_blocks:
+            cmd += ["--num-blocks", str(num_blocks)]
         if role:
             cmd += ["--role", role]
         if nice:
