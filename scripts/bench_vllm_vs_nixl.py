@@ -79,9 +79,11 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks per instance (num_gpu_blocks_override; 32 tokens, 1 MiB each): less memory than "
                          "--kv-space-gib's whole GiB; at least one 4096-token prompt (128) and the mixed load")
+    ap.add_argument("--first", choices=CONNECTORS, default="llmdd", help="the connector that goes first in repetition 0")
     ap.add_argument("--nice", type=int, default=0)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    first = (args.first,) + tuple(c for c in CONNECTORS if c != args.first)
     mlo, mhi = (int(x) for x in args.mixed_lengths.split(","))
     olo, ohi = (int(x) for x in args.mixed_out.split(","))
     root = tempfile.mkdtemp(prefix="llmdd-vllm-nixl-")
@@ -149,7 +151,7 @@ def main() -> int:
 
         def phase_ttft() -> None:
             for rep in range(args.reps):
-                order = CONNECTORS if rep % 2 == 0 else CONNECTORS[::-1]
+                order = first if rep % 2 == 0 else first[::-1]
                 for length in lengths:
                     prompt = rng.integers(3, 500, length).tolist()
                     row: dict = {"rep": rep, "prompt_tokens": length, "order": list(order)}
@@ -170,7 +172,7 @@ def main() -> int:
                 lens = mrng.integers(mlo, mhi + 1, args.mixed_n)
                 outs = mrng.integers(olo, ohi + 1, args.mixed_n).tolist()
                 prompts = [mrng.integers(3, 500, int(n)).tolist() for n in lens]
-                order = CONNECTORS if rep % 2 == 0 else CONNECTORS[::-1]
+                order = first if rep % 2 == 0 else first[::-1]
                 row: dict = {"rep": rep, "requests": args.mixed_n, "prompt_tokens": int(lens.sum()),
                              "output_tokens": int(sum(outs)), "order": list(order)}
                 toks = {}
@@ -185,7 +187,7 @@ def main() -> int:
                     if got != sum(outs):
                         raise RuntimeError(f"{name}: {got} output tokens, {sum(outs)} asked for")
                     toks[name] = [r["tokens"] for r in dec["results"]]
-                    row[name] = {"prefill_wall_s": pre["wall_s"], "decode_wall_s": dec["wall_s"],
+                    row[name] = {"loadavg_end": _load(), "prefill_wall_s": pre["wall_s"], "decode_wall_s": dec["wall_s"],
                                  "decode_ttft_s": [r["first_token_s"] for r in dec["results"]],
                                  "tokens_per_s": got / (pre["wall_s"] + dec["wall_s"]),
                                  "decode_tokens_per_s": got / dec["wall_s"]}

@@ -77,11 +77,18 @@ LONG = 2048
 MIXED_MIN = 1.1         # output tokens/s of the mixed load through the P/D proxy
 LOCAL_MAX = 1.05        # a local request's TTFT with the connector loaded / without
 MIN_REPS = 16           # the repetitions for a verdict
+NOISY = 2.0             # a 1-minute load average above this many per CPU: every process mostly waits for a core
 
 
-def _verdict(ok: bool, n: int) -> str:
+def _verdict(ok: bool, n: int, noisy: bool = False) -> str:
     v = "met" if ok else "**NOT met**"
-    return v if n >= MIN_REPS else f"{v} (indicative: {n} < {MIN_REPS} repetitions)"
+    why = ([f"{n} < {MIN_REPS} repetitions"] if n < MIN_REPS else []) + (["load above 2 per CPU"] if noisy else [])
+    return f"{v} (indicative: {'; '.join(why)})" if why else v
+
+
+def _noisy(run: dict, ph: dict, rows: list) -> bool:
+    loads = [ph["loadavg_start"][0], ph["loadavg_end"][0]] if ph else [r["loadavg"][0] for r in rows]
+    return max(loads) > NOISY * run["machine"]["cpus"]
 
 
 def _load(ph: dict, rows: list) -> str:
@@ -115,7 +122,7 @@ def _nixl_run(path: str, run: dict) -> list:
             ratio = med(a) / med(b)
             target = TTFT_MAX_LONG if length >= LONG else TTFT_MAX
             out.append(f"| {length} | {_mm(a)} | {_mm(b)} | {ratio:.2f}x | <= {target:.1f}x "
-                       f"| {_verdict(ratio <= target, len(rs))} | {_mm([r['llmdd_pull_s'] for r in rs])} "
+                       f"| {_verdict(ratio <= target, len(rs), _noisy(run, ph.get('ttft'), rows))} | {_mm([r['llmdd_pull_s'] for r in rs])} "
                        f"| {sum(r['same_first_token'] for r in rs)}/{len(rs)} "
                        f"| {_ms([r['llmdd_prefill_ttft_s'] for r in rs])} / {_ms([r['nixl_prefill_ttft_s'] for r in rs])} |")
     mixed = run["mixed"]
@@ -137,7 +144,7 @@ def _nixl_run(path: str, run: dict) -> list:
         dratio = (med(r["llmdd"]["decode_tokens_per_s"] for r in mixed)
                   / med(r["nixl"]["decode_tokens_per_s"] for r in mixed))
         out += ["", f"Throughput ratio (prefill + decode): {ratio:.2f}x, target >= {MIXED_MIN:.1f}x: "
-                f"{_verdict(ratio >= MIXED_MIN, len(mixed))}; decode phase alone: {dratio:.2f}x."]
+                f"{_verdict(ratio >= MIXED_MIN, len(mixed), _noisy(run, ph.get('mixed'), mixed))}; decode phase alone: {dratio:.2f}x."]
     local = run["local"]
     if local:
         a = [r["llmdd_ttft_s"] for r in local]
@@ -147,7 +154,7 @@ def _nixl_run(path: str, run: dict) -> list:
         out += ["", f"A {local[0]['prompt_tokens']}-token prompt computed locally, {len(local)} repetitions (order rotated), "
                 f"TTFT ms median (min) (load {_load(ph.get('local'), local)}): LlmddConnector's decode instance {_mm(a)}, "
                 f"NixlConnector's {_mm(x)}, no connector {_mm(b)}; with LlmddConnector / without: {ratio:.2f}x, "
-                f"target <= {LOCAL_MAX:.2f}x: {_verdict(ratio <= LOCAL_MAX, len(local))} "
+                f"target <= {LOCAL_MAX:.2f}x: {_verdict(ratio <= LOCAL_MAX, len(local), _noisy(run, ph.get('local'), local))} "
                 f"(NixlConnector / without: {xratio:.2f}x)."]
     return out
 

@@ -97,3 +97,11 @@ def test_the_nixl_verdicts_follow_the_figures(tmp_path):
     rows = {ln.split("|")[1].strip(): ln for ln in b.split("\n") if ln.startswith("| 4096 ") or ln.startswith("| 2048 ")}
     assert "**NOT met**" in rows["4096"] and "| 1.50x |" in rows["4096"] and "| met |" in rows["2048"]
     assert "target >= 1.1x: **NOT met**" in b and "target <= 1.05x: **NOT met**" in b
+    # a run at a load above 2 per CPU: the same figures, each verdict marked as standing on a noisy machine
+    noisy = _nixl_run(rng, slow_at=0, local_factor=1.0, mixed_factor=1.2)
+    for ph in noisy["phases"].values():
+        ph["loadavg_end"] = [4.5, 4.5, 4.5]
+    path = tmp_path / "noisy.json"
+    path.write_text(json.dumps(noisy))
+    n = run(path)
+    assert n.count("met (indicative: load above 2 per CPU)") == 5 and "NOT met" not in n
