@@ -170,8 +170,8 @@ run_all
 step "pip install --find-links $wheels \"llmdd[all]\""
 pipi "llmdd[all]"
 "$V/python" "$work/check_install.py" "$repo" "$wheels" llmdd llmdd-transport-shm llmdd-transport-tcp \
-  llmdd-transport-ucx llmdd-metrics llmdd-faults
-"$V/python" -c "import matplotlib, llmdd_metrics, llmdd_faults, llmdd_ucx; print('matplotlib', matplotlib.__version__)"
+  llmdd-transport-ucx llmdd-metrics llmdd-faults llmdd-transport-sim
+"$V/python" -c "import matplotlib, llmdd_metrics, llmdd_faults, llmdd_ucx, llmdd_sim; print('matplotlib', matplotlib.__version__)"
 run_all
 # llmdd[all] has the ucx plugin but not NIXL (an extra cannot say --no-deps): info and doctor name the fix
 "$V/llmdd" info | grep -F "fix: pip install --no-deps nixl-cu12"

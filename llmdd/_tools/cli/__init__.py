@@ -1,4 +1,4 @@
-"""The ``llmdd`` command line: ``demo``, ``doctor``, ``info``, ``bench``.
+"""The ``llmdd`` command line: ``demo``, ``doctor``, ``info``, ``bench``, ``sim``.
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and
 ``run(args) -> int``.  The global options (``-v``, ``--version``) are accepted before or after
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "doctor": ("llmdd._tools.cli.doctor", "check this machine: transports, limits, misconfiguration"),
     "info": ("llmdd._tools.cli.doctor", "versions, transports and the chip-family profile"),
     "bench": ("llmdd._tools.cli.bench", "measure transfers against this machine's limits"),
+    "sim": ("llmdd._tools.cli.sim", "run the deterministic cluster simulator: many engines, faults, invariants"),
 }
 
 
