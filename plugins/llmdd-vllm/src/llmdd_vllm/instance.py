@@ -135,6 +135,12 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--role", choices=["kv_producer", "kv_consumer", "kv_both"], default=None)
     ap.add_argument("--extra", default="{}", help="kv_connector_extra_config as JSON")
+    ap.add_argument("--connector", default="LlmddConnector",
+                    help="the KV connector with --role: LlmddConnector (this package) or one of vLLM's own "
+                         "(NixlConnector: scripts/bench_vllm_ttft.py --compare-nixl)")
+    ap.add_argument("--kv-buffer-device", default=None, help="kv_buffer_device of the KV transfer config")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="num_gpu_blocks_override: this many KV blocks instead of what --kv-space-gib holds (memory)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-space-gib", default="1")
@@ -154,14 +160,21 @@ def main(argv: Optional[list] = None) -> int:
     kw: dict[str, Any] = dict(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
                               block_size=args.block_size, max_model_len=args.max_model_len, seed=0,
                               enable_prefix_caching=False, disable_log_stats=False)
+    if args.num_blocks:
+        kw["num_gpu_blocks_override"] = args.num_blocks
     if args.tp > 1:
         kw.update(tensor_parallel_size=args.tp, distributed_executor_backend="mp")
     if args.role:
         from vllm.config import KVTransferConfig
 
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="LlmddConnector", kv_connector_module_path="llmdd_vllm", kv_role=args.role,
-            kv_load_failure_policy="recompute", kv_connector_extra_config=json.loads(args.extra))
+        own = args.connector == "LlmddConnector"
+        tkw: dict[str, Any] = dict(kv_connector=args.connector, kv_role=args.role, kv_load_failure_policy="recompute",
+                                   kv_connector_extra_config=json.loads(args.extra))
+        if own:
+            tkw["kv_connector_module_path"] = "llmdd_vllm"
+        if args.kv_buffer_device:
+            tkw["kv_buffer_device"] = args.kv_buffer_device
+        kw["kv_transfer_config"] = KVTransferConfig(**tkw)
         kw["disable_hybrid_kv_cache_manager"] = True
     t0 = time.monotonic()
     llm = LLM(**kw)
@@ -201,9 +214,15 @@ class Instance:
     def __init__(self, model: str, *, role: Optional[str] = None, extra: Optional[dict] = None,
                  env: Optional[dict] = None, log_path: Optional[str] = None, python: str = sys.executable,
                  start_timeout_s: float = 300, nice: int = 0, max_model_len: int = 1024,
-                 kv_space_gib: str = "1", wait: bool = True, tp: int = 1) -> None:
+                 kv_space_gib: str = "1", wait: bool = True, tp: int = 1, connector: str = "LlmddConnector",
+                 kv_buffer_device: Optional[str] = None, num_blocks: Optional[int] = None) -> None:
         cmd = [python, "-m", "llmdd_vllm.instance", "--model", model, "--extra", json.dumps(extra or {}),
-               "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp)]
+               "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp),
+               "--connector", connector]
+        if kv_buffer_device:
+            cmd += ["--kv-buffer-device", kv_buffer_device]
+        if num_blocks:
+            cmd += ["--num-blocks", str(num_blocks)]
         if role:
             cmd += ["--role", role]
         if nice:
