@@ -75,9 +75,13 @@ S = LLMStatusCode
 
 def _own(link: LinkView) -> Link:
     """The record behind a link the data plane hands back through its port (one of this manager's)."""
-    if not isinstance(link, Link):
-        raise TypeError(f"not a link of this engine: {link!r}")
+    if type(link) is not Link:
+        raise _not_ours(link)
     return link
+
+
+def _not_ours(link: LinkView) -> TypeError:
+    return TypeError(f"not a link of this engine: {link!r}")
 
 
 class LinkManager:
@@ -340,13 +344,14 @@ class LinkManager:
 
     def record_transfer(self, link: LinkView, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
         """Count one transfer on the link's statistics: bytes read or written, or a failure."""
-        own = _own(link)
+        if type(link) is not Link:   # _own inline: once per transfer, on the one-block path's clock
+            raise _not_ours(link)
         if failed:
-            own.failures += 1
+            link.failures += 1
             return
-        own.bytes_read += read
-        own.bytes_written += written
-        own.transfers += 1
+        link.bytes_read += read
+        link.bytes_written += written
+        link.transfers += 1
 
     def fail(self, link: Link, error: BaseException, *, trigger: str,
              status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:

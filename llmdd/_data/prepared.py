@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 from llmdd._base.lazy import np, when_numpy_loaded
 from llmdd._base.status import LLMException
 from llmdd._base.types import BlocksCacheKey
+from llmdd._data.busy import BusyTable, Turn
 from llmdd._data.layouts import Layouts
 from llmdd._data.planner import CacheLayout, plan_blocks, tensor_range
 from llmdd._protocol.port import ControlPort, LinkView
@@ -60,15 +61,17 @@ def _numpy_loaded(numpy: Any) -> None:
 class PreparedPlan:
     """What a small pull_blocks / push_blocks of one shape needs besides its block lists: the peer's
     cache id, the two layouts, the tensor ranges, the (local, remote) region of each tensor pair, the
-    tables, record and regions it was made on (see :meth:`PreparedPlans.current`), and the channel's
-    prepared transfer for the shape (``prepared``, None when the channel has none for it)."""
+    tables, record and regions it was made on (see :meth:`PreparedPlans.current`), the link's busy
+    turn (``turn``, made once: ``with plan.turn:`` is the transfer's turn on its link), and the
+    channel's prepared transfer for the shape (``prepared``, None when the channel has none for it)."""
 
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
-                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "prepared", "chan")
+                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "prepared", "chan", "turn")
 
     def __init__(self, link: LinkView, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
-                 src_tensors: range, dst_tensors: range, push: bool) -> None:
+                 src_tensors: range, dst_tensors: range, push: bool, *, turn: Turn) -> None:
         self.link, self.tables, self.rec, self.regions = link, tables, rec, rec.regions
+        self.turn = turn
         self.cv, self.rv = tables.cache_table_version, tables.regions_version
         self.cache_id, self.src, self.dst, self.push = cache_id, src, dst, push
         self.src_tensors, self.dst_tensors = src_tensors, dst_tensors
@@ -151,8 +154,10 @@ class PreparedPlans:
     :meth:`current` holds.  Lookups need no lock: the table only grows (cleared past 4096 shapes) and
     the memo is one tuple replaced whole."""
 
-    def __init__(self, *, port: ControlPort, memory: "MemoryManager", layouts: Layouts, timeout_s: float) -> None:
+    def __init__(self, *, port: ControlPort, memory: "MemoryManager", layouts: Layouts, busy: BusyTable,
+                 timeout_s: float) -> None:
         self._lm = port
+        self._busy = busy
         self._memory = memory
         self._layouts = layouts
         self._timeout_s = timeout_s
@@ -243,7 +248,8 @@ class PreparedPlans:
         # the planner's checks of the two layouts (block 0 exists in any cache)
         plan_blocks(src=src, dst=dst, src_blocks=[0], dst_blocks=[0], src_tensors=src_tensors,
                     dst_tensors=dst_tensors, local="src" if push else "dst")
-        plan = PreparedPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push)
+        plan = PreparedPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push,
+                            turn=self._busy.turn(link))
         plan.cv, plan.rv = cv, rv
         self.prepare(plan)
         return plan
