@@ -7,7 +7,7 @@ read.  Nothing in this module decides a state.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import attrs
 
@@ -44,7 +44,7 @@ class Pending:
 
     def __init__(self, event: Waiter) -> None:
         self.event = event              # from the link manager's loop (its clock and its way of waiting)
-        self.reply: Any = None
+        self.reply: Optional[Union[m.UnlinkAck, m.TransferReply]] = None   # the peer's answer
 
 
 @attrs.define(eq=False)

@@ -27,6 +27,7 @@ and become one op, and the ``tensors x runs`` op grid is filled by broadcasting.
 from __future__ import annotations
 
 import operator
+from types import ModuleType
 from typing import Any, Sequence, Union
 
 import attrs
@@ -55,7 +56,7 @@ OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.la
 
 
 @when_numpy_loaded
-def _numpy_loaded(numpy: Any) -> None:
+def _numpy_loaded(numpy: ModuleType) -> None:
     global OP_DTYPE
     OP_DTYPE = _ops.OP_DTYPE
 
@@ -389,7 +390,7 @@ _FEW_BLOCKS = 16
 _FEW_OPS = 64
 
 
-def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: Any, dst_blocks: Any, st: range, dt: range,
+def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: BlockList, dst_blocks: BlockList, st: range, dt: range,
                      local: str) -> Union[np.ndarray, None]:
     """:func:`plan_blocks` for a few blocks given as lists of in-range Python ints (the latency
     path: numpy's fixed per-call costs dominate there). Returns None for anything else (other

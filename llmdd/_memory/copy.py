@@ -17,6 +17,7 @@ sequence (a merged run whose destination starts inside its own source, i.e.
 from __future__ import annotations
 
 import ctypes
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
@@ -43,7 +44,7 @@ COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._b
 
 
 @when_numpy_loaded
-def _define_dtypes(numpy: Any) -> None:
+def _define_dtypes(numpy: ModuleType) -> None:
     global COPY_OP_DTYPE
     COPY_OP_DTYPE = numpy.dtype([("src", "<u8"), ("dst", "<u8"), ("length", "<u8")])
 

@@ -25,16 +25,31 @@ from __future__ import annotations
 
 import ssl
 import threading
-from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar, Union
+from typing import Any, Callable, Generic, Iterable, Iterator, Optional, Protocol, TypeVar, Union
 
 from llmdd._base.lazy import np  # numpy at its first use: an idle engine needs none
 
 from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, Refused, TransportTimeout
 
+from llmdd._seam.abc import MemRegion
 from llmdd._seam.ops import RegionTable, check_ops
 from llmdd._base.status import LLMStatusCode, TransportError
 
 __all__ = ["RegisteredRegion", "RegionRegistry", "Batch", "BatchSet", "map_os_error"]
+
+
+class Failable(Protocol):
+    """What is failed when its endpoint closes or deregisters memory it uses: a batch's
+    ``completion`` (a :class:`~llmdd._seam.completions.Completion`, a transport's own)."""
+
+    def fail(self, why: TransportError) -> None: ...
+
+
+class TrackedBatch(Failable, Protocol):
+    """What a :class:`RegionRegistry` tracks (:meth:`RegionRegistry.track`): a :class:`Batch`, or a
+    transport's completion that says which regions it touches."""
+
+    def touches(self, region_id: int) -> bool: ...
 
 
 class RegisteredRegion:
@@ -44,7 +59,7 @@ class RegisteredRegion:
 
     __slots__ = ("region", "busy")
 
-    def __init__(self, region: Any) -> None:
+    def __init__(self, region: MemRegion) -> None:
         self.region = region
         self.busy = 0
 
@@ -72,7 +87,7 @@ class Batch:
         self.pinned: list[RegisteredRegion] = []
         self.aborted = False
         self.why: Optional[TransportError] = None
-        self.completion: Any = None
+        self.completion: Optional[Failable] = None
 
     def abort(self, why: Optional[TransportError] = None) -> None:
         """Mark the batch aborted (the first reason wins) and stop its I/O (:meth:`on_abort`)."""
@@ -185,7 +200,7 @@ class RegionRegistry(Generic[_E]):
                  on_rebuild: Optional[Callable[["RegionRegistry[_E]"], None]] = None) -> None:
         self.cond = cond if cond is not None else threading.Condition(threading.Lock())
         self.entries: dict[int, _E] = {}
-        self.batches: set[Batch] = set()
+        self.batches: set[TrackedBatch] = set()
         self.closed = False
         #: calls waiting on :attr:`cond`: :meth:`deregister` / :meth:`close`, and a transport's own
         #: waits on it, which count themselves here (:meth:`unpin_locked` and a transport whose other
@@ -289,14 +304,14 @@ class RegionRegistry(Generic[_E]):
         if self.waiting:
             self.cond.notify_all()
 
-    def track(self, batch: Any) -> None:
+    def track(self, batch: TrackedBatch) -> None:
         """Track a batch that pins nothing (lock held), so that deregistration and close fail it;
         it needs ``touches(region_id)`` and ``fail(error)``."""
         if self.closed:
             raise Cancelled("endpoint is closed")
         self.batches.add(batch)
 
-    def untrack(self, batch: Any) -> None:
+    def untrack(self, batch: TrackedBatch) -> None:
         with self.cond:
             self.batches.discard(batch)
             self.cond.notify_all()

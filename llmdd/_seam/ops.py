@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
@@ -19,7 +20,7 @@ OP_DTYPE: Any
 
 
 @when_numpy_loaded
-def _define_dtypes(numpy: Any) -> None:
+def _define_dtypes(numpy: ModuleType) -> None:
     global OP_DTYPE
     OP_DTYPE = numpy.dtype([
         ("local_region", "<u4"),

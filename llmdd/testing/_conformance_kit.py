@@ -10,7 +10,7 @@ from typing import Any, Callable, ContextManager, Iterator, Union
 
 import numpy as np
 
-from llmdd._seam.abc import Completion, MemRegion, RegionDescriptor
+from llmdd._seam.abc import Channel, Completion, Endpoint, MemRegion, RegionDescriptor
 from llmdd._seam.errors import Refused
 from llmdd._seam.ops import OP_DTYPE, make_ops
 from llmdd._base.enums import Placement
@@ -29,7 +29,7 @@ _TIMEOUT = 20.0
 class _Side:
     """One endpoint with a few numpy-backed regions."""
 
-    def __init__(self, ep: Any, seed: int) -> None:
+    def __init__(self, ep: Endpoint, seed: int) -> None:
         self.ep = ep
         self.rng = np.random.default_rng(seed)
         self.bufs: dict[int, np.ndarray] = {}
@@ -63,7 +63,7 @@ def _pair(make_pair: MakePair, *, connect: bool = True) -> Iterator[tuple[_Side,
         b.close()
 
 
-def _learn(ch: Any, side: _Side, rid: int, size: Union[int, None] = None) -> None:
+def _learn(ch: Channel, side: _Side, rid: int, size: Union[int, None] = None) -> None:
     ch.add_remote_region(rid, len(side.bufs[rid]) if size is None else size, side.descs[rid])
 
 
