@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import operator
 from types import ModuleType
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+if TYPE_CHECKING:
+    import numpy
 
 import attrs
 
@@ -52,7 +55,7 @@ __all__ = [
 #: A block list as the API accepts it: a list/tuple of ``int`` or a 1-d numpy integer array.
 BlockList = Union[Sequence[int], "np.ndarray"]
 
-OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: numpy.dtype   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded

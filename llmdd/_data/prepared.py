@@ -32,6 +32,7 @@ from llmdd._seam import ops as _ops
 from llmdd._seam.abc import Channel, PreparedTransfer
 
 if TYPE_CHECKING:
+    import numpy
     from llmdd._memory.manager import CacheRecord, MemoryManager
 
 __all__ = ["PreparedPlan", "PreparedPlans", "PREPARED_MAX_BLOCKS"]
@@ -50,7 +51,7 @@ def _op_rows(n: int) -> struct.Struct:
     return packer
 
 
-OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: numpy.dtype   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded

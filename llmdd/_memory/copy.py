@@ -24,6 +24,7 @@ from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._base.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
+    import numpy
     from llmdd._memory.manager import CacheRecord
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
     "copy_block_lists",
 ]
 
-COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
+COPY_OP_DTYPE: numpy.dtype   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
 
 
 @when_numpy_loaded

@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import ssl
 import threading
-from typing import Any, Callable, Generic, Iterable, Iterator, Optional, Protocol, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Iterator, Optional, Protocol, TypeVar, Union
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 from llmdd._base.lazy import np  # numpy at its first use: an idle engine needs none
 
@@ -265,7 +268,7 @@ class RegionRegistry(Generic[_E]):
 
     # ------------------------------------------------------------------ batches and pins
 
-    def pin(self, ops: Any, remote: Union[RegionTable, dict], batch: Batch) -> np.ndarray:
+    def pin(self, ops: ArrayLike, remote: Union[RegionTable, dict], batch: Batch) -> np.ndarray:
         """Check ``ops`` (local side against :attr:`table`, remote side against ``remote``), then pin
         ``batch``'s local regions and track it (lock held).  Returns the ops as an ``OP_DTYPE`` array;
         :class:`Refused` (nothing pinned) when an op is out of bounds, :class:`Cancelled` when closed.

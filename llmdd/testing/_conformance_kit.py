@@ -12,7 +12,7 @@ import numpy as np
 
 from llmdd._seam.abc import Channel, Completion, Endpoint, MemRegion, RegionDescriptor
 from llmdd._seam.errors import Refused
-from llmdd._seam.ops import OP_DTYPE, make_ops
+from llmdd._seam.ops import OP_FIELDS, make_ops
 from llmdd._base.enums import Placement
 from llmdd._base.status import TransportError
 
@@ -103,7 +103,7 @@ def _disjoint_ops(rng: np.random.Generator, n: int, block: int, lr: int, rr: int
 
 def _expect_copied(ops: np.ndarray, dst: dict, src: dict, *, read: bool) -> None:
     for op in ops:  # checks are not the hot path
-        lr, lo, rr, ro, ln = (int(op[n]) for n in OP_DTYPE.names)
+        lr, lo, rr, ro, ln = (int(op[n]) for n in OP_FIELDS)
         d, s = (dst[lr][lo:lo + ln], src[rr][ro:ro + ln]) if read else (dst[rr][ro:ro + ln], src[lr][lo:lo + ln])
         assert np.array_equal(d, s), f"op {op} moved wrong bytes"
 
