@@ -31,6 +31,9 @@ from llmdd._lifecycle.events import TransitionEvent
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import LINK_TRANSITIONS, LinkState, Machine
 from llmdd._memory.manager import MemoryManager
+from llmdd._protocol import messages as m
+from llmdd._protocol.port import RequestOp
+from llmdd._base.status import LLMException
 
 from llmdd.testing._linksim import SimLoop, World
 
@@ -636,3 +639,21 @@ def server_cluster(server: Engine, client: Engine) -> LLMClusterInfo:
     info = LLMClusterInfo()
     info.remote_cluster_id = client.cluster_id
     return info
+
+
+def test_a_request_answered_with_an_unlink_ack_fails_with_the_contracts_status(world, monkeypatch):
+    """A peer that answers a data-plane request with an ``UnlinkAck`` (its request id, the wrong
+    message) gets the contract's LLM_LINK_FAILED, never an AttributeError from the reply's fields;
+    the control: the same request answered properly succeeds."""
+    client, server = linked_pair(world)
+    link = client.lm.get(2)
+    status, result = client.lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=world.now + 2.0)
+    assert status == S.LLM_SUCCESS.value and result   # the control: a proper TransferReply
+
+    def reply_with_unlink_ack(lk, request_id, op, serve, *args):
+        server.lm.exchange.notify(lk, m.UnlinkAck(request_id=request_id, status_code=S.LLM_SUCCESS.value))
+
+    monkeypatch.setattr(server.lm.exchange, "_reply", reply_with_unlink_ack)
+    with pytest.raises(LLMException) as caught:
+        client.lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=world.now + 2.0)
+    assert caught.value.status_code is S.LLM_LINK_FAILED and "UnlinkAck" in str(caught.value)
