@@ -81,7 +81,7 @@ def run(tls: str, runs: int) -> list:
         peer, desc = here.recv()
         ch = ep.connect(peer, timeout=30)
         ch.add_remote_region(10, GiB, desc)
-        agent, remote = ep._agent, ch._peer_name
+        agent, remote = ep.agent, ch.peer_name
         raddr = region_fields(desc).addr
         rng = np.random.default_rng(0)
         for nt, nb, blk in WORKLOADS:

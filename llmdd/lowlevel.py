@@ -21,6 +21,8 @@ transport's own fields into a descriptor's opaque payload and back, refusing a f
 malformed descriptor.  docs/writing-a-transport.md shows them at work.
 """
 
+from typing import Any, Callable, Sequence
+
 from llmdd._seam.errors import Cancelled as Cancelled
 from llmdd._seam.abc import Completion as Completion
 from llmdd._seam.errors import Corrupt as Corrupt
@@ -30,7 +32,9 @@ from llmdd._base.backing import SharedSegment as SharedSegment
 from llmdd._seam.errors import PeerGone as PeerGone
 from llmdd._seam.ops import RegionTable as RegionTable
 from llmdd._seam.errors import Refused as Refused
-from llmdd._seam.completions import ThreadCompletion as ThreadCompletion
+from llmdd._seam.completions import ThreadCompletion as _SeamThreadCompletion
+from llmdd._seam.completions import CompletionThreads as _CompletionThreads
+from llmdd._runtime.threads import SYSTEM as _SYSTEM
 from llmdd._seam.completions import submitted as submitted
 from llmdd._seam.errors import TransportTimeout as TransportTimeout
 from llmdd._seam.ops import as_ops as as_ops
@@ -107,3 +111,11 @@ def __getattr__(name: str):   # OP_DTYPE is a numpy dtype: defined when numpy is
 
         return _ops.OP_DTYPE
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class ThreadCompletion(_SeamThreadCompletion):
+    __doc__ = _SeamThreadCompletion.__doc__
+
+    def __init__(self, workers: Sequence[Callable[[], None]], *, threads: _CompletionThreads = _SYSTEM,
+                 **kwargs: Any) -> None:
+        super().__init__(workers, threads=threads, **kwargs)

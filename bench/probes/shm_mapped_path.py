@@ -45,7 +45,7 @@ def worker(cprofile: str = "") -> dict:
     from llmdd._memory.backend import HostBackend
     from llmdd.lowlevel import MemRegion, make_ops
 
-    assert _hotpath._native is None, "run with LLMDD_SHM_NATIVE=0"
+    assert _hotpath.native is None, "run with LLMDD_SHM_NATIVE=0"
     t = llmdd_shm.ShmTransport({llmdd_shm.OPT_NATIVE: "off"})
     a, b = t.open_endpoint(), t.open_endpoint()
     be = HostBackend()

@@ -5,6 +5,11 @@ sendmsg/recvmsg (new).  Median microseconds per move over REPS, three rounds, an
     python bench/probes/tcp_move_micro.py OLD_TREE NEW_TREE     # e.g. a `git archive` of the older commit, .
 """
 import importlib.util, os, socket, sys, threading, time, numpy as np
+
+def pick(mod, name):
+    """``mod.name``, or ``mod._name`` in a version of the module from before issue 37 made it public."""
+    return getattr(mod, name, None) or getattr(mod, "_" + name)
+
 def load(path, name):
     # the tree's llmdd_tcp as package `name`; the module that holds _move: the package itself, or its _io module
     # once issue 16 (5) split the transport into modules
@@ -17,14 +22,14 @@ def run(mod, nops, blk, reps):
     for s in (a,b): s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4<<20); s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4<<20)
     reg = np.zeros(nops, np.uint32); off = (np.arange(nops, dtype=np.uint64) * blk); ln = np.full(nops, blk, np.uint64)
     if mod is new:
-        ws = new._Where(np.array([0], np.int64), np.array([src.ctypes.data], np.uint64))
-        wd = new._Where(np.array([0], np.int64), np.array([dst.ctypes.data], np.uint64))
+        ws = pick(new, "Where")(np.array([0], np.int64), np.array([src.ctypes.data], np.uint64))
+        wd = pick(new, "Where")(np.array([0], np.int64), np.array([dst.ctypes.data], np.uint64))
     else:
-        ws = {0: old._region_view(src.ctypes.data, src.nbytes)}; wd = {0: old._region_view(dst.ctypes.data, dst.nbytes)}
+        ws = {0: pick(old, "region_view")(src.ctypes.data, src.nbytes)}; wd = {0: pick(old, "region_view")(dst.ctypes.data, dst.nbytes)}
     t = []
     for _ in range(reps):
-        th = threading.Thread(target=mod._move, args=(a, ws, reg, off, ln, None, True)); 
-        t0 = time.perf_counter(); th.start(); mod._move(b, wd, reg, off, ln, None, False); th.join(); t.append(time.perf_counter() - t0)
+        th = threading.Thread(target=pick(mod, "move"), args=(a, ws, reg, off, ln, None, True)); 
+        t0 = time.perf_counter(); th.start(); pick(mod, "move")(b, wd, reg, off, ln, None, False); th.join(); t.append(time.perf_counter() - t0)
     a.close(); b.close(); assert np.array_equal(dst[:nops*blk], src[:nops*blk]); dst[:] = 0
     return np.median(t) * 1e6
 for nops, blk, reps in ((1, 65536, 400), (8, 16384, 300), (128, 16384, 100), (2048, 1024, 100), (20000, 64, 30)):

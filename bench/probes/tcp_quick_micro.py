@@ -36,7 +36,7 @@ def _owner(conn, nbytes: int, profile: bool) -> None:
         threading.setprofile(None)
         prof = cProfile.Profile()
         from llmdd_tcp import _endpoint
-        orig = _endpoint.TcpEndpoint._serve_ready
+        orig = _endpoint.TcpEndpoint.serve_ready
 
         def wrapped(self, c):   # the worker's whole serving of a stream, profiled
             prof.enable()
@@ -44,7 +44,7 @@ def _owner(conn, nbytes: int, profile: bool) -> None:
                 orig(self, c)
             finally:
                 prof.disable()
-        _endpoint.TcpEndpoint._serve_ready = wrapped
+        _endpoint.TcpEndpoint.serve_ready = wrapped
     buf = np.random.default_rng(11).integers(0, 256, nbytes, dtype=np.uint8)
     ep = TcpTransport({}).open_endpoint(host="127.0.0.1")
     d = ep.register(MemRegion(region_id=5, addr=buf.ctypes.data, size=nbytes, remote_accessible=True, placement=0))

@@ -19,6 +19,11 @@ import numpy as np
 import trustme
 
 
+
+def pick(mod, name):
+    """``mod.name``, or ``mod._name`` in a version of the module from before issue 37 made it public."""
+    return getattr(mod, name, None) or getattr(mod, "_" + name)
+
 def load(tree, name):
     """The tree's llmdd_tcp as package ``name``; the module that holds ``_move``: the package itself, or its
     ``_io`` module once issue 16 (5) split the transport into modules."""
@@ -46,9 +51,9 @@ dst = np.zeros_like(src)
 def where(mod, arr):
     ids, addrs = np.array([0], np.int64), np.array([arr.ctypes.data], np.uint64)
     try:
-        return mod._Where(ids, addrs, {0: mod._region_view(arr.ctypes.data, arr.nbytes)})   # the old signature
+        return pick(mod, "Where")(ids, addrs, {0: pick(mod, "region_view")(arr.ctypes.data, arr.nbytes)})   # the old signature
     except (TypeError, AttributeError):   # AttributeError: the split package's _io, with no _region_view
-        return mod._Where(ids, addrs)
+        return pick(mod, "Where")(ids, addrs)
 
 
 def pair():
@@ -75,7 +80,7 @@ def run(mod, nops, blk, reps, rng):
 
     def sender():   # one persistent thread, as the owner's worker threads are
         while (job := todo.get()) is not None:
-            mod._move(s, ws, *job, None, True)
+            pick(mod, "move")(s, ws, *job, None, True)
             done.put(1)
 
     th = threading.Thread(target=sender)
@@ -88,7 +93,7 @@ def run(mod, nops, blk, reps, rng):
         ln = np.full(nops, blk, np.uint64)
         t0 = time.perf_counter()
         todo.put((reg, so, ln))
-        mod._move(c, wd, reg, do, ln, None, False)
+        pick(mod, "move")(c, wd, reg, do, ln, None, False)
         done.get()
         t.append(time.perf_counter() - t0)
     todo.put(None)

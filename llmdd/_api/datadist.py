@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from llmdd._api.cache_manager import CacheManager
@@ -27,8 +28,9 @@ from llmdd._api.v1.datadist import not_in_v1, not_in_v2, v1_check_link_status, v
 from llmdd._api.v1.options import V1Settings, prepare_v1_options
 from llmdd._base.validation import check_int32, check_isinstance, check_uint32, check_uint64
 from llmdd.plugin import EngineConfig
+from llmdd._runtime.runtime import Runtime
 
-__all__ = ["LLMDataDist", "engine_core"]
+__all__ = ["LLMDataDist", "engine_core", "use_runtime"]
 
 _log = get_logger("llmdd.datadist")
 
@@ -60,6 +62,7 @@ class LLMDataDist:
         self._engine_fsm: Optional[Tracked] = None
         self._lock = threading.RLock()
         self._v1: Optional[V1Settings] = None  # the legacy v1 mode's settings when init selected it (llmdd/_v1)
+        self._runtime: Optional[Runtime] = None   # None: the process's own (see use_runtime)
 
     # -- properties ---------------------------------------------------------------
     @property
@@ -135,7 +138,7 @@ class LLMDataDist:
         with LLMDataDist._instance_lock, self._lock:
             if self._initialized():
                 return
-            live = LLMDataDist.llm_engine_instance
+            live = LLMDataDist.llm_engine_instance if self._runtime is None else _runtime_engines.get(self._runtime)
             if live is not None and live is not self:
                 raise LLMException("Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED)
             check_isinstance("options", options, dict, allow_none=False)
@@ -147,7 +150,7 @@ class LLMDataDist:
             _pm, hooks, engine_fsm = self._ensure_plugins()
             hooks.configure(EngineConfig(cluster_id=self._cluster_id, role=self._role, options=engine_options))
             core = EngineCore(cluster_id=self._cluster_id, role=self._current_role, options=parsed, hooks=hooks,
-                              engine=engine_fsm)
+                              engine=engine_fsm, runtime=self._runtime)
             try:
                 cache_manager = CacheManager(core.memory, parsed.raw, profile=core.profile, transfers=core.transfers)
                 kv_cache_manager = KvCacheManager(core, cache_manager) if v1 is not None else None
@@ -158,11 +161,14 @@ class LLMDataDist:
             self._cache_manager, self._kv_cache_manager = cache_manager, kv_cache_manager
             self._v1 = v1
             self._engine_options = engine_options
-            LLMDataDist.llm_engine_instance = self
-            # atexit is LIFO: modules imported while building the engine (memory backend, transport
-            # plugins) registered exit handlers that unlink their segments; finalize must run before them
-            atexit.unregister(_shutdown_handler)
-            atexit.register(_shutdown_handler)
+            if self._runtime is not None:   # the one engine of its runtime's (simulated) process
+                _runtime_engines[self._runtime] = self
+            else:
+                LLMDataDist.llm_engine_instance = self
+                # atexit is LIFO: modules imported while building the engine (memory backend, transport
+                # plugins) registered exit handlers that unlink their segments; finalize must run before them
+                atexit.unregister(_shutdown_handler)
+                atexit.register(_shutdown_handler)
             engine_fsm.fire("init", role=self._role.name, defer=deliver.append)
             _log.info("llmdd.engine.init", cluster_id=self._cluster_id, role=self._role.name)
         for emit in deliver:
@@ -187,6 +193,8 @@ class LLMDataDist:
                 finally:
                     if LLMDataDist.llm_engine_instance is self:
                         LLMDataDist.llm_engine_instance = None
+                    if self._runtime is not None and _runtime_engines.get(self._runtime) is self:
+                        del _runtime_engines[self._runtime]
         finally:
             for emit in deliver:
                 emit()
@@ -350,6 +358,20 @@ def _shutdown_handler() -> None:
 
 
 atexit.register(_shutdown_handler)
+
+
+#: the engine of each runtime handed to :func:`use_runtime` (the one engine of a simulated process)
+_runtime_engines: "weakref.WeakKeyDictionary[Any, LLMDataDist]" = weakref.WeakKeyDictionary()
+
+
+def use_runtime(dd: LLMDataDist, runtime: Runtime) -> None:
+    """Build ``dd``'s engine on ``runtime`` at its next ``init`` instead of the process's own I/O loop
+    (:class:`llmdd.testing.sim.SimRuntime`: many engines, each the one engine of its simulated
+    process, in one real process).  Such an engine is not ``LLMDataDist.llm_engine_instance`` and
+    registers no exit handler: its runtime's owner finalizes it."""
+    if dd._initialized():
+        raise RuntimeError("use_runtime: the engine is initialized already")
+    dd._runtime = runtime
 
 
 def engine_core(dd: LLMDataDist) -> Optional[EngineCore]:

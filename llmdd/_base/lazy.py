@@ -25,7 +25,7 @@ __all__ = ["np", "when_numpy_loaded", "numpy_constants"]
 
 _hooks: list[Callable[[Any], None]] = []
 _hooks_lock = threading.RLock()   # hooks use their argument, never np (no re-entry)
-_loaded = threading.Event()   # set once numpy is imported and every hook registered so far has run
+_loaded = [False]   # True once numpy is imported and every hook registered so far has run (set under the lock)
 
 
 class _LazyNumpy:
@@ -37,28 +37,28 @@ class _LazyNumpy:
         return value
 
     def __repr__(self) -> str:
-        return "<numpy, imported at first use>" if not _loaded.is_set() else repr(_load())
+        return "<numpy, imported at first use>" if not _loaded[0] else repr(_load())
 
 
 def _load() -> Any:
     numpy = importlib.import_module("numpy")
-    if not _loaded.is_set():
+    if not _loaded[0]:
         with _hooks_lock:
-            if not _loaded.is_set():
+            if not _loaded[0]:
                 for hook in _hooks:
                     hook(numpy)
-                _loaded.set()
+                _loaded[0] = True
     return numpy
 
 
 def when_numpy_loaded(hook: Callable[[Any], None]) -> Callable[[Any], None]:
     """Run ``hook(numpy)`` when numpy is first used through :data:`np` (now, if it already was)."""
     with _hooks_lock:
-        if not _loaded.is_set():
+        if not _loaded[0]:
             _hooks.append(hook)
             if "numpy" not in sys.modules:
                 return hook
-    if "numpy" in sys.modules and not _loaded.is_set():
+    if "numpy" in sys.modules and not _loaded[0]:
         _load()   # numpy came in some other way: define the constants now
         return hook
     hook(importlib.import_module("numpy"))

@@ -31,8 +31,6 @@ import os
 import secrets
 import socket
 import tempfile
-import threading
-import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from llmdd._base.enums import RegisterMemStatus
@@ -41,6 +39,8 @@ from llmdd._base.log import get_logger
 from llmdd._base.options import is_local_address
 from llmdd._base.ranktable import RankMember, RankTable
 from llmdd._base.status import LLMException, LLMStatusCode
+from llmdd._runtime.runtime import Threads, Waiter, Worker
+from llmdd._runtime.threads import SYSTEM
 
 if TYPE_CHECKING:
     from llmdd._control.link import Link
@@ -118,7 +118,8 @@ def _base_port() -> int:
 
 
 class _Group:
-    def __init__(self, comm_id: int, name: str, table: RankTable, ranks: dict, my_rank: int, fsm: "Tracked") -> None:
+    def __init__(self, comm_id: int, name: str, table: RankTable, ranks: dict, my_rank: int, fsm: "Tracked",
+                 stop: Waiter) -> None:
         self.comm_id = comm_id
         self.name = name
         self.table = table
@@ -131,21 +132,23 @@ class _Group:
         self.peers = {cid: r for cid, r in ranks.items() if r != my_rank}
         self.linked: set[int] = set()
         self.error: Optional[str] = None
-        self.stop = threading.Event()
-        self.thread: Optional[threading.Thread] = None
+        self.stop = stop                        # set by unlink / finalize: the setup worker ends
+        self.thread: Optional[Worker] = None
 
 
 class CommGroups:
     """The comm groups of one engine (comm ids from 1)."""
 
-    def __init__(self, *, cluster_id: int, links: "LinkManager", lifecycle: "Lifecycle") -> None:
+    def __init__(self, *, cluster_id: int, links: "LinkManager", lifecycle: "Lifecycle",
+                 runtime: Threads = SYSTEM) -> None:
+        self._rt = runtime
         self._cluster_id = cluster_id
         self._lm = links
         self._lc = lifecycle
         self._ids = itertools.count(1)
         self._groups: dict[int, _Group] = {}
-        self._lock = threading.Lock()
-        self._connecting: dict[int, threading.Event] = {}   # peer cluster id -> its connect in progress
+        self._lock = runtime.lock()
+        self._connecting: dict[int, Waiter] = {}   # peer cluster id -> its connect in progress
 
     def link(self, comm_name: str, cluster_rank_info: dict, table: RankTable) -> int:
         my_id = self._cluster_id
@@ -156,15 +159,14 @@ class CommGroups:
             table.member(rank)  # every rank must be in the table (LLM_PARAM_INVALID otherwise)
         comm_id = next(self._ids)
         fsm = self._lc.create(comm_id, comm_id=comm_id, comm_name=comm_name, members=len(cluster_rank_info))
-        group = _Group(comm_id, comm_name, table, dict(cluster_rank_info), cluster_rank_info[my_id], fsm)
+        group = _Group(comm_id, comm_name, table, dict(cluster_rank_info), cluster_rank_info[my_id], fsm,
+                       self._rt.event())
         total = self._lm.settings.total_time_s or DEFAULT_TOTAL_TIME_S
-        deadline = time.monotonic() + total
+        deadline = self._rt.monotonic() + total
         self._listen(group)
         with self._lock:
             self._groups[comm_id] = group
-        group.thread = threading.Thread(target=self._run, args=(group, deadline), name=f"llmdd-comm-{comm_id}",
-                                        daemon=True)
-        group.thread.start()
+        group.thread = self._rt.start_worker(f"llmdd-comm-{comm_id}", self._run, group, deadline)
         return comm_id
 
     # ------------------------------------------------------------------ addressing
@@ -194,13 +196,13 @@ class CommGroups:
             return member.device_ip, _base_port() + member.device_id
         path = os.path.join(rendezvous_dir(), f"{group.tag}-{member.rank_id}")
         stale: Optional[str] = None
-        while time.monotonic() < deadline and not group.stop.is_set():
+        while self._rt.monotonic() < deadline and not group.stop.is_set():
             try:
                 with open(path) as fh:
                     text = fh.read(256)
                 host, port, pid, start = _parse_entry(text)
             except (OSError, ValueError):   # not there yet, or being replaced
-                time.sleep(0.02)
+                group.stop.wait(0.02)
                 continue
             if _entry_alive(pid, start):
                 return host, port
@@ -208,7 +210,7 @@ class CommGroups:
                 stale = text
                 _log.warning("llmdd.comm_group.stale_entry", comm_id=group.comm_id, rank=member.rank_id,
                              pid=pid, path=path)
-            time.sleep(0.02)
+            group.stop.wait(0.02)
         raise TimeoutError(f"member of rank {member.rank_id} did not publish its address"
                            + (" (its entry names a process that is gone)" if stale is not None else ""))
 
@@ -223,7 +225,7 @@ class CommGroups:
                                            status_code=S.LLM_LINK_FAILED)
                     self._lm.hold(link, group.comm_id)
                     group.linked.add(cid)
-            while time.monotonic() < deadline and not group.stop.is_set():
+            while self._rt.monotonic() < deadline and not group.stop.is_set():
                 missing = [cid for cid in group.peers if cid not in group.linked]
                 for cid in missing:
                     found = self._lm.get(cid)
@@ -234,7 +236,7 @@ class CommGroups:
                         group.linked.add(cid)
                 if len(group.linked) == len(group.peers):
                     break
-                time.sleep(0.01)
+                group.stop.wait(0.01)
             if group.stop.is_set():
                 return
             if len(group.linked) != len(group.peers):
@@ -254,16 +256,16 @@ class CommGroups:
             with self._lock:
                 busy = self._connecting.get(cid)
                 if busy is None:
-                    mine = self._connecting[cid] = threading.Event()
+                    mine = self._connecting[cid] = self._rt.event()
             if busy is not None:
-                if not busy.wait(max(0.0, deadline - time.monotonic())):
+                if not busy.wait(max(0.0, deadline - self._rt.monotonic())):
                     raise TimeoutError(f"comm group {group.name!r}: the link to cluster {cid} being made for "
                                        f"another group did not come up in time")
                 continue
             try:
                 existing = self._lm.get(cid)
                 if existing is not None and not existing.linked and existing.fsm.in_(LINK_SETTING_UP):
-                    existing.settled.wait(max(0.0, deadline - time.monotonic()))
+                    existing.settled.wait(max(0.0, deadline - self._rt.monotonic()))
                 if existing is not None and existing.linked:
                     return existing
                 host, port = self._address(group, group.table.member(rank), deadline)
@@ -299,7 +301,7 @@ class CommGroups:
         group.stop.set()
         if group.thread is not None:
             group.thread.join(timeout=5.0)
-        deadline = time.monotonic() + 3.0
+        deadline = self._rt.monotonic() + 3.0
         failed = []
         for cid in group.peers:
             link = self._lm.get(cid)

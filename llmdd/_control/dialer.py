@@ -12,8 +12,6 @@ channel; the connection moves to the I/O loop once authenticated.
 
 from __future__ import annotations
 
-import concurrent.futures
-import random
 import socket
 import ssl
 from typing import Any, Optional
@@ -31,6 +29,7 @@ from llmdd._control.linking import (
 from llmdd._protocol import messages as m
 from llmdd._protocol.codec import PEER_CLOSED, ProtocolError
 from llmdd._protocol.handshake import ClientHandshake, HandshakeRefused
+from llmdd._runtime.runtime import run_concurrently
 from llmdd._control.settings import MAX_CLUSTERS_PER_CALL
 from llmdd._control.table import LinkTable
 from llmdd._extension.manager import LazyCandidates
@@ -67,9 +66,8 @@ class Dialer:
         if len(clusters) == 1:
             codes = [self._link_one_safe(clusters[0], deadline)]
         else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(clusters)),
-                                                       thread_name_prefix="llmdd-link") as pool:
-                codes = list(pool.map(lambda c: self._link_one_safe(c, deadline), clusters))
+            codes = run_concurrently(self.host.loop, lambda c: self._link_one_safe(c, deadline), clusters,
+                                     width=16, name="llmdd-link")
         overall = S.LLM_SUCCESS
         for code in codes:
             if code is not S.LLM_SUCCESS:
@@ -309,7 +307,7 @@ class Dialer:
         return client_tls.wrap_socket(sock)
 
     def _busy_pause(self, attempt: int, deadline: float) -> None:
-        pause = min(0.5, 0.01 * (2 ** min(attempt, 6))) * (0.5 + random.random())
+        pause = min(0.5, 0.01 * (2 ** min(attempt, 6))) * (0.5 + self.host.loop.random())
         self.host.loop.sleep(max(0.0, min(pause, deadline - self.host.loop.monotonic())))
 
 

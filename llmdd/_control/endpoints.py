@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import itertools
 import secrets
-import threading
 import types
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
@@ -105,7 +104,7 @@ class Registrar:
         self._runtime = runtime
         self._pool = runtime.make_pool(1, name)
         self._strand = Strand(self._pool)
-        self._local = threading.local()
+        self._local = runtime.local()
 
     def _run_marked(self, fn: Callable, *args: Any) -> Any:
         self._local.active = True

@@ -6,8 +6,9 @@ read.  Nothing in this module decides a state.
 
 from __future__ import annotations
 
-import threading
 from typing import Optional, Protocol, Union
+
+import threading
 
 import attrs
 
@@ -19,7 +20,7 @@ from llmdd._protocol.handshake import PeerInfo
 from llmdd._protocol.tables import DescriptorTables, TableAnnouncer
 from llmdd._base.status import LLMStatusCode
 from llmdd._control.connection import ControlConnection
-from llmdd._runtime.runtime import Timer, Waiter
+from llmdd._runtime.runtime import Lock, Timer, Waiter
 from llmdd._runtime.ioloop import Strand
 from llmdd._control.liveness import Liveness
 
@@ -61,7 +62,8 @@ class Link:
     transport_reason: str = ""
     channel: Optional[Channel] = None
     tables_ready: Waiter = attrs.field(kw_only=True)   # the peer's first tables are in (from the loop)
-    transfer_lock: threading.Lock = attrs.field(factory=threading.Lock)   # the data plane's (one transfer at a time)
+    # the data plane's (one transfer at a time); the link manager makes it with its runtime's lock()
+    transfer_lock: Lock = attrs.field(factory=threading.Lock, kw_only=True)
     pending: dict = attrs.field(factory=dict)
     remote_regions: set = attrs.field(factory=set)
     comm_id: Optional[int] = None

@@ -121,7 +121,7 @@ class LinkManager:
                                    lifecycle=listeners if listeners is not None else Lifecycle(Machine.LISTENER),
                                    engine=engine, admit=self.admission.admit)
         self.loop.on_dead(self._on_loop_dead)
-        self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
+        self._keepalive = self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
         memory.regions.add_listener(self.endpoints.on_regions_changed)
         memory.add_change_listener(self.announcements.announce_all)
         if options.listen is not None:
@@ -267,6 +267,7 @@ class LinkManager:
         fsm = self._lc.create(peer.cluster_id, peer=peer.cluster_id)
         link = Link(peer_cluster_id=peer.cluster_id, fsm=fsm, control=conn, peer=peer, is_client=is_client,
                     transport=transport, transport_reason=reason, strand=Strand(self.loop.pool),
+                    transfer_lock=self.loop.lock(),
                     tables_ready=self.loop.event(), settled=self.loop.event(), created_at=self.loop.monotonic(),
                     liveness=Liveness(peer=peer.cluster_id, timeout_s=self.settings.peer_timeout_s,
                                       last_rx=self.loop.monotonic()))
@@ -504,7 +505,7 @@ class LinkManager:
                 self.submit(link, self._check_liveness, link)   # failing a link is blocking work
                 continue
             self.notify(link, m.Keepalive(seq=action.seq, sent_at_ns=self.loop.monotonic_ns()))
-        self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
+        self._keepalive = self.loop.call_later(self.settings.keepalive_s, self._keepalive_tick)
 
     def _check_liveness(self, link: Link) -> None:
         """On the link's strand: still lost now (a message may have arrived meanwhile)? Fail it."""
@@ -518,6 +519,7 @@ class LinkManager:
         if self._closed:
             return
         self._closed = True
+        self._keepalive.cancel()   # no timer of the engine outlives it
         self.listeners.close()
         for link in self.links():
             self.close_link(link, trigger="finalize", reason="finalize")

@@ -22,10 +22,8 @@ this engine as the owner of its caches (:mod:`~llmdd._data.owner`) and the async
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 import itertools
 import threading
-import time
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from llmdd._base.status import TransportError
@@ -37,6 +35,8 @@ from llmdd._base.options import EngineOptions
 from llmdd._extension.manager import Hooks
 from llmdd._protocol.port import ControlPort, DataNotice, LinkView, RequestOp
 from llmdd._protocol import messages as m
+from llmdd._runtime.runtime import Executor, PoolFull, Threads
+from llmdd._runtime.threads import SYSTEM
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._data.busy import BusyTable
 from llmdd._data.layouts import Layouts, RemoteKey
@@ -92,8 +92,10 @@ class TransferEngine:
     """Pulls and pushes of one engine."""
 
     def __init__(self, *, port: ControlPort, memory: "MemoryManager", tasks: "Lifecycle", hooks: Hooks,
-                 options: EngineOptions, profile: "ChipProfile") -> None:
+                 options: EngineOptions, profile: "ChipProfile", runtime: Threads = SYSTEM) -> None:
         self._lm = port
+        self.runtime = runtime
+        self._clock = runtime.monotonic   # every deadline's clock
         self._memory = memory
         self._tasks = tasks
         self._hooks = hooks
@@ -101,15 +103,16 @@ class TransferEngine:
         self._profile = profile
         self.timeout_s = options.sync_kv_timeout_ms / 1000.0
         self._ids = itertools.count(1)
-        self.layouts = Layouts(port=port, memory=memory, options=options, timeout_s=self.timeout_s)
+        self.layouts = Layouts(port=port, memory=memory, options=options, timeout_s=self.timeout_s,
+                               clock=runtime.monotonic)
         self._busy = BusyTable(port=port, timeout_s=self.timeout_s)
-        self._notices = OwnerNotices(port=port, timeout_s=self.timeout_s)
+        self._notices = OwnerNotices(port=port, timeout_s=self.timeout_s, runtime=runtime)
         self.prepared = PreparedPlans(port=port, memory=memory, layouts=self.layouts, busy=self._busy,
                                       timeout_s=self.timeout_s)
         self._async: set = set()
         self._pulls_lock = threading.Lock()   # the non-blocking pulls' accounting (a leaf)
         self._closed = False
-        self._pull_pool: Optional[ThreadPoolExecutor] = None   # the workers of non-blocking pulls, started on first use
+        self._pull_pool: Optional[Executor] = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _pulls_lock)
         self.owner = OwnerSide(port=port, memory=memory, options=options, profile=profile)
 
@@ -227,7 +230,7 @@ class TransferEngine:
 
     def _move(self, link: LinkView, ops: np.ndarray, write: bool) -> None:
         """One step's bytes over ``link``'s data channel, by the sync_kv_timeout deadline."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self._clock() + self.timeout_s
         channel = link.channel
         if channel is None:
             raise PeerGone("the link has no data channel any more")
@@ -315,7 +318,7 @@ class TransferEngine:
             try:
                 status, result = self._lm.request(link, RequestOp.RESERVE_KEY,
                                                   {"id": int(index[0]), "model_id": int(index[1])},
-                                                  deadline=time.monotonic() + self.timeout_s)
+                                                  deadline=self._clock() + self.timeout_s)
             except LLMException as exc:
                 # the owner may still reserve the key after we gave up: tell it to put the key back
                 self._lm.notify(link, m.ReleaseKey(id=int(index[0]), model_id=int(index[1])))
@@ -372,7 +375,7 @@ class TransferEngine:
                         self._lm.request(link, RequestOp.CONSUME_KEY, {
                             "id": int(reserved[0]), "model_id": int(reserved[1]), "cache_id": int(cache_id),
                             "tensors": [src_tensors.start, src_tensors.stop]},
-                            deadline=time.monotonic() + self.timeout_s)
+                            deadline=self._clock() + self.timeout_s)
                     except LLMException as exc:  # the bytes are here; the owner will learn on relink
                         _log.warning("llmdd.transfer.consume_key_failed", peer=link.peer_cluster_id,
                                      error=str(exc))
@@ -530,7 +533,7 @@ class TransferEngine:
         except LLMException as exc:
             if exc.status_code is not S.LLM_KV_CACHE_NOT_EXIST:
                 raise
-        self._lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=time.monotonic() + self.timeout_s)
+        self._lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=self._clock() + self.timeout_s)
         return self.remote_layout(link, cache_id)
 
     @staticmethod
@@ -563,7 +566,7 @@ class TransferEngine:
                                tag=tag[0], tag_str=tag[1])
         try:
             status, result = self._lm.ask(link, m.TaggedDone(request_id=0, push=op == "push_done", entry=entry),
-                                          deadline=time.monotonic() + self.timeout_s)
+                                          deadline=self._clock() + self.timeout_s)
         except LLMException as exc:
             if error is not None:
                 return
@@ -650,13 +653,16 @@ class TransferEngine:
             if pending >= MAX_ASYNC_PULLS:
                 raise _err(f"{pending} non-blocking pulls are in flight (at most {MAX_ASYNC_PULLS})", S.LLM_LINK_BUSY)
             if self._pull_pool is None:
-                self._pull_pool = ThreadPoolExecutor(max_workers=ASYNC_PULL_WORKERS, thread_name_prefix="llmdd-pull")
+                self._pull_pool = self.runtime.make_pool(ASYNC_PULL_WORKERS, "llmdd-pull")
             task = AsyncPull(self, link, run, callback,
                              task=self._tasks.create(next(self._ids), kind=kind, peer=link.peer_cluster_id))
             self._async.add(task)
             self._async_pulls += 1
             pool = self._pull_pool
-        pool.submit(task)
+        try:
+            pool.submit(task)
+        except PoolFull as exc:   # no worker could be started (a pids limit) or finalize closed the pool
+            task.refuse(S.LLM_FAILED, f"no worker for the non-blocking pull: {exc}")
         return task
 
     def task_ended(self, task: Union[AsyncPull, AsyncTransfer]) -> None:
@@ -672,7 +678,7 @@ class TransferEngine:
             task.cancel()
         pool, self._pull_pool = self._pull_pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=False)
+            pool.close(timeout=None)   # the queued pulls run (each ends at once: cancelled above)
         with self._pulls_lock:
             self._closed = True
         self._notices.close()

@@ -9,9 +9,8 @@ its memory pools once per link).
 
 from __future__ import annotations
 
-import time
 import weakref
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 from llmdd._base.enums import Placement
 from llmdd._base.options import EngineOptions
@@ -41,8 +40,9 @@ class Layouts:
     """The layouts of local and remote caches, and the placement rules, for one engine."""
 
     def __init__(self, *, port: ControlPort, memory: "MemoryManager", options: EngineOptions,
-                 timeout_s: float) -> None:
+                 timeout_s: float, clock: Callable[[], float]) -> None:
         self._lm = port
+        self._clock = clock   # the runtime's monotonic clock (deadlines)
         self._memory = memory
         self._options = options
         self.timeout_s = timeout_s
@@ -122,7 +122,7 @@ class Layouts:
         info = self._peer_info.get(link)
         if info is None:
             status, info = self._lm.request(link, RequestOp.ENGINE_INFO, {},
-                                            deadline=time.monotonic() + self.timeout_s)
+                                            deadline=self._clock() + self.timeout_s)
             if status != 0:
                 raise _err(f"cluster {link.peer_cluster_id} did not describe its memory pools", S.LLM_FAILED)
             self._peer_info[link] = info

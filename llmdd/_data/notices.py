@@ -13,14 +13,13 @@ is sent while it is held.  It is a leaf of the data plane (docs/architecture.md,
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Optional, Sequence
 
 from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
 from llmdd._protocol import messages as m
 from llmdd._protocol.port import ControlPort, LinkView
+from llmdd._runtime.runtime import Threads
 
 __all__ = ["OwnerNotices", "READ", "PUSH", "block_spans"]
 
@@ -76,18 +75,18 @@ def _push_done(cache_id: int, dst_blocks: Optional[Sequence[int]], start: int, s
 class OwnerNotices:
     """The queued read-done and push-done notices of one engine, per link, and their flusher."""
 
-    def __init__(self, *, port: ControlPort, timeout_s: float) -> None:
+    def __init__(self, *, port: ControlPort, timeout_s: float, runtime: Threads) -> None:
         self._lm = port
+        self._clock = runtime.monotonic
         self.timeout_s = timeout_s
         self._read_done: dict[int, list] = {}   # id(link) -> [link, queued notice, ...]
         self._sending: dict[int, int] = {}       # id(link) -> batches of its notices the flusher is sending
         # the condition's lock, named so the per-call queue enters it without the
         # Condition's Python-level __enter__/__exit__ (two interpreter calls per small transfer)
-        self._read_done_mutex = threading.RLock()
-        self._read_done_lock = threading.Condition(self._read_done_mutex)
+        self._read_done_mutex = runtime.rlock()
+        self._read_done_lock = runtime.condition(self._read_done_mutex)
         self._closed = False
-        self._flusher = threading.Thread(target=self._flush_loop, name="llmdd-readdone", daemon=True)
-        self._flusher.start()
+        self._flusher = runtime.start_worker("llmdd-readdone", self._flush_loop)
 
     def push_done(self, link: LinkView, cache_id: int, dst_blocks: Optional[Sequence[int]], dst_tensors: range, *,
                   failed: bool) -> None:
@@ -140,11 +139,11 @@ class OwnerNotices:
         what follows on the link (a tagged transfer's acknowledged notice) reaches the owner after
         them.  Waits at most sync_kv_timeout for the flusher; holds no lock while sending."""
         lid = id(link)
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self._clock() + self.timeout_s
         with self._read_done_lock:
             items = self._read_done.pop(lid, None)
             while self._sending.get(lid):
-                left = deadline - time.monotonic()
+                left = deadline - self._clock()
                 if left <= 0:
                     break
                 self._read_done_lock.wait(left)

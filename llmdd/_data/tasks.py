@@ -8,14 +8,13 @@ links only through the engine, never the control plane directly: what it asks of
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, Union
 
 from llmdd._base.lazy import np
 from llmdd._base.log import get_logger
 from llmdd._base.status import LLMException, LLMStatusCode
 from llmdd._protocol.port import LinkView
+from llmdd._runtime.runtime import Threads
 
 if TYPE_CHECKING:
     from llmdd._lifecycle.machines import Tracked
@@ -40,6 +39,9 @@ def _err(msg: str, code: LLMStatusCode) -> LLMException:
 
 class TaskHost(Protocol):
     """What a task asks of its engine (``llmdd._data.engine.TransferEngine``)."""
+
+    #: where a task takes its worker, its clock and its waiting
+    runtime: Threads
 
     def link_for(self, cluster_id: int) -> LinkView:
         """The LINKED link to ``cluster_id`` with its data channel, or the contract's error."""
@@ -90,7 +92,7 @@ class AsyncPull:
         self._run = run
         self._callback = callback
         self.task = task
-        self._done = threading.Event()
+        self._done = engine.runtime.event()
         self._link_went = False  # its link was unlinked or failed (while queued or running)
         self._status: Optional[LLMStatusCode] = None
 
@@ -153,6 +155,10 @@ class AsyncPull:
     def cancel(self) -> None:
         self._cancel_queued(S.LLM_ENGINE_FINALIZED, "the engine is finalized")
 
+    def refuse(self, status: LLMStatusCode, why: str) -> None:
+        """Never started (its worker could not be had): it ends with ``status``."""
+        self._cancel_queued(status, why)
+
     def __repr__(self) -> str:
         return f"<AsyncPull peer={getattr(self._link, 'peer_cluster_id', None)} status={self._status}>"
 
@@ -173,13 +179,14 @@ class AsyncTransfer:
         self._dst_blocks = dst_blocks
         self._dst_block_size = dst_block_size
         self._results: list[Optional[LLMStatusCode]] = [None] * len(configs)
-        self._done = threading.Event()
-        self._cancelled = threading.Event()
-        self._lock = threading.Lock()
+        runtime = engine.runtime
+        self._clock = runtime.monotonic
+        self._done = runtime.event()
+        self._cancelled = runtime.event()
+        self._lock = runtime.lock()
         self._links: list = []
         self.layer_times: list[tuple[int, float, float]] = []  # (layer, released_at, transferred_at)
         self.task = task
-        self._thread = threading.Thread(target=self._run, name="llmdd-async", daemon=True)
 
     def _distinct_links(self) -> list:
         """Each link once, however many configs target it (Link objects compare by identity)."""
@@ -193,7 +200,7 @@ class AsyncTransfer:
         except LLMException:
             self._engine.task_ended(self)
             raise
-        self._thread.start()
+        self._engine.runtime.start_worker("llmdd-async", self._run)
 
     # -- the CacheTask protocol -------------------------------------------------------
     def wait(self, timeout_s: Optional[float]) -> bool:
@@ -238,7 +245,7 @@ class AsyncTransfer:
                     raise LLMException("the async transfer was cancelled (link down or finalize)",
                                        status_code=S.LLM_LINK_FAILED)
                 task.fire("wait_layer", layer=layer)
-                released_at = time.monotonic()
+                released_at = self._clock()
                 ok = bool(self._sync.synchronize_layer(layer, None))
                 if not ok:
                     # the configs that transfer this layer fail; configs whose layers never started keep None
@@ -271,7 +278,7 @@ class AsyncTransfer:
                         failed[i] = True
                         self._set(i, exc.status_code)
                         final_error = exc
-                self.layer_times.append((layer, released_at, time.monotonic()))
+                self.layer_times.append((layer, released_at, self._clock()))
                 task.fire("layer_transferred", layer=layer)
             if final_error is not None:
                 task.fire("deadline_expired" if timed_out else "transfer_failed", error=final_error)

@@ -18,6 +18,7 @@ from llmdd._base.options import EngineOptions
 from llmdd._base.profiles import check_pool_options, profile_from_options
 from llmdd._control.comm_group import CommGroups
 from llmdd._runtime.ioloop import IoLoop
+from llmdd._runtime.runtime import Runtime
 from llmdd._control.manager import LinkManager
 from llmdd._control.settings import LinkSettings
 from llmdd._data.engine import TransferEngine
@@ -43,10 +44,15 @@ class EngineCore:
     control plane (:class:`LinkManager`), data plane (:class:`TransferEngine`, given the control plane
     as its :class:`~llmdd._protocol.port.ControlPort`; the control plane is then bound to it as its
     :class:`~llmdd._protocol.port.DataService`) and rank-table comm groups.  The facade
-    (:mod:`llmdd._api`) builds its managers over these parts; nothing here imports the facade."""
+    (:mod:`llmdd._api`) builds its managers over these parts; nothing here imports the facade.
+
+    ``runtime``: where every part takes its time, timers, waiting, workers and sockets (the seam
+    :class:`~llmdd._runtime.runtime.Runtime`); ``None`` (production) builds the engine's own
+    :class:`~llmdd._runtime.ioloop.IoLoop`.  A test hands a simulated one
+    (:class:`llmdd.testing.sim.SimRuntime`).  Either way the control plane closes it last."""
 
     def __init__(self, *, cluster_id: int, role: Callable[[], LLMRole], options: EngineOptions, hooks: Hooks,
-                 engine: Tracked) -> None:
+                 engine: Tracked, runtime: Optional[Runtime] = None) -> None:
         self.options = options
         self.cluster_id = cluster_id
         self._role = role   # the engine's (the facade's) role, read-only here
@@ -61,23 +67,28 @@ class EngineCore:
         self.links = self._lifecycle(Machine.LINK)
         self.comm_groups = self._lifecycle(Machine.COMM_GROUP)
         self.listeners = self._lifecycle(Machine.LISTENER)
-        self.memory = MemoryManager.from_options(options.raw, caches=self.caches)
+        # the runtime goes to the control plane, which closes it last (after its links and listeners)
+        loop: Runtime = runtime if runtime is not None else IoLoop(
+            f"{self.cluster_id & 0xffff:x}", workers=LinkSettings.from_options(options).io_workers)
+        self.runtime = loop
+        try:
+            self.memory = MemoryManager.from_options(options.raw, caches=self.caches, threads=loop)
+        except BaseException:
+            loop.close()
+            raise
         link_manager: Optional[LinkManager] = None
         transfers: Optional[TransferEngine] = None
         comm_group_set: Optional[CommGroups] = None
-        loop: Optional[IoLoop] = None
         try:
-            # the I/O loop goes to the control plane, which closes it last (after its links and listeners)
-            loop = IoLoop(f"{self.cluster_id & 0xffff:x}", workers=LinkSettings.from_options(options).io_workers)
             link_manager = LinkManager(cluster_id=self.cluster_id, role=self._role, options=options,
                                        hooks=self.hooks, links=self.links, memory=self.memory,
                                        profile=self.profile, loop=loop, engine=engine,
                                        listeners=self.listeners)
             transfers = TransferEngine(port=link_manager, memory=self.memory, tasks=self.tasks,
-                                       hooks=self.hooks, options=options, profile=self.profile)
+                                       hooks=self.hooks, options=options, profile=self.profile, runtime=loop)
             link_manager.bind_data_service(transfers)
             comm_group_set = CommGroups(cluster_id=self.cluster_id, links=link_manager,
-                                        lifecycle=self.comm_groups)
+                                        lifecycle=self.comm_groups, runtime=loop)
         except BaseException:
             _close_parts((comm_group_set, transfers, link_manager, loop, self.memory))   # the ones built
             raise

@@ -57,6 +57,7 @@ from llmdd._base.validation import INVALID_ID
 from llmdd._memory.backend import MemoryBackend, backend_for
 from llmdd._memory.copy import Bounds
 from llmdd._memory.outbox import Outbox
+from llmdd._runtime.runtime import Threads
 from llmdd._memory.pool import PagePool
 from llmdd._memory.regions import Region, RegionSpec, RegionTable
 from llmdd._memory.segments import reclaim_leftovers
@@ -142,7 +143,8 @@ class MemoryManager:
     def __init__(self, *, caches: Lifecycle,
                  device_pool: Optional[tuple[int, int]] = None,
                  host_pool: Optional[tuple[int, int]] = None,
-                 backends: Optional[Mapping[Placement, MemoryBackend]] = None) -> None:
+                 backends: Optional[Mapping[Placement, MemoryBackend]] = None,
+                 threads: Optional[Threads] = None) -> None:
         self._caches_lc = caches
         self._pool_cfg: dict[Placement, Optional[tuple[int, int]]] = {
             Placement.DEVICE: device_pool, Placement.HOST: host_pool}
@@ -158,12 +160,13 @@ class MemoryManager:
         self._coverage: dict[KeyIndex, set] = {}
         self.regions = RegionTable()
         self._closed = False
-        self._outbox = Outbox("memory")
+        self._outbox = Outbox("memory", threads)
         self._defer = self._outbox.record
 
     @classmethod
     def from_options(cls, options: Mapping[str, str], *, caches: Lifecycle,
-                     backends: Optional[Mapping[Placement, MemoryBackend]] = None) -> "MemoryManager":
+                     backends: Optional[Mapping[Placement, MemoryBackend]] = None,
+                     threads: Optional[Threads] = None) -> "MemoryManager":
         """Pools from ``llm.MemPoolConfig`` (DEVICE) and ``llm.HostMemPoolConfig`` (HOST); empty = none.
 
         An engine's memory starts by reclaiming the shared-memory segments crashed llmdd processes
@@ -179,7 +182,7 @@ class MemoryManager:
         return cls(caches=caches,
                    device_pool=parse_mem_pool_cfg(dev, "mem_pool_cfg") if dev else None,
                    host_pool=parse_mem_pool_cfg(host, "host_mem_pool_cfg") if host else None,
-                   backends=backends)
+                   backends=backends, threads=threads)
 
     # ------------------------------------------------------------------ pools
     def has_pool(self, placement: Placement) -> bool:

@@ -25,10 +25,11 @@ under ``Outbox._lock``.
 from __future__ import annotations
 
 import collections
-import threading
-from typing import Callable
+from typing import Callable, Optional
 
 from llmdd._base.log import get_logger
+from llmdd._runtime.runtime import Threads
+from llmdd._runtime.threads import SYSTEM
 
 __all__ = ["Outbox"]
 
@@ -40,14 +41,16 @@ Record = Callable[[], None]
 class Outbox:
     """A sequence of records delivered in order, outside the recorder's locks."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: Optional[Threads] = None) -> None:
         self.name = name
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
+        threads = SYSTEM if threads is None else threads
+        self._lock = threads.lock()
+        self._idle = threads.condition(self._lock)
+        self._me = threads.local()   # .draining: this worker is the drainer
         self._queue: collections.deque[tuple[int, Record]] = collections.deque()
         self._recorded = 0       # sequence number of the last record
         self._delivered = 0      # sequence number of the last record delivered
-        self._drainer: int | None = None
+        self._drainer = False    # a worker is delivering
 
     @property
     def recorded(self) -> int:
@@ -73,16 +76,16 @@ class Outbox:
     def flush(self, upto: int | None = None) -> None:
         """Deliver queued records; return once the record numbered ``upto`` (default: every record
         queued so far) has been delivered.  Call with none of the recorder's locks held."""
-        me = threading.get_ident()
         with self._lock:
             target = self._recorded if upto is None else upto
             while True:
                 if self._delivered >= target:
                     return
-                if self._drainer is None:
-                    self._drainer = me
+                if not self._drainer:
+                    self._drainer = True
+                    self._me.draining = True
                     break
-                if self._drainer == me:
+                if getattr(self._me, "draining", False):
                     return  # called from a record being delivered: the running drain delivers it
                 self._idle.wait()
         try:
@@ -100,5 +103,6 @@ class Outbox:
                     self._idle.notify_all()
         finally:
             with self._lock:
-                self._drainer = None
+                self._drainer = False
+                self._me.draining = False
                 self._idle.notify_all()

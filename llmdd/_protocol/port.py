@@ -24,7 +24,6 @@ layer's fields.
 from __future__ import annotations
 
 import enum
-import threading
 from typing import Callable, Optional, Protocol, Union
 
 from llmdd._base.status import LLMStatusCode
@@ -45,6 +44,14 @@ class RequestOp(str, enum.Enum):
 
 #: one-way notices of the data plane (``TaggedDone`` is acknowledged: it arrives as a request)
 DataNotice = Union[m.ReadDone, m.KeyConsumed, m.ReleaseKey, m.PushDone]
+
+
+class TurnLock(Protocol):
+    """A link's transfer lock (made by the engine's runtime: ``threading.Lock``'s ``acquire`` / ``release``)."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class LinkView(Protocol):
@@ -82,7 +89,7 @@ class LinkView(Protocol):
         ...
 
     @property
-    def transfer_lock(self) -> threading.Lock:
+    def transfer_lock(self) -> "TurnLock":
         """Held by the one transfer that runs on the link (the data plane's busy turn)."""
         ...
 

@@ -39,7 +39,9 @@ docs/writing-a-transport.md refer here):
   more: the transport drains or kills its I/O first (sockets shut down and worker threads joined for
   the tcp transport).
 
-Deadlines are absolute ``time.monotonic()`` values. Errors are typed, subclasses of
+Deadlines are absolute values of the engine's runtime clock: ``time.monotonic()`` in a real
+process, the simulated clock under ``llmdd.testing.sim`` (where only a transport of the
+simulation runs). Errors are typed, subclasses of
 :class:`llmdd._base.status.TransportError` carrying upstream status codes.
 """
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Protocol, Sequence, Union
 
 from llmdd._base.log import get_logger
 from llmdd._base.status import TransportError
 from llmdd._seam.abc import Completion
 from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, TransportTimeout
 
-__all__ = ["DoneCompletion", "ThreadCompletion", "submitted"]
+__all__ = ["DoneCompletion", "ThreadCompletion", "CompletionThreads", "submitted"]
 
 _log = get_logger("llmdd.abc")
 
@@ -63,6 +62,32 @@ def _wrap_error(exc: BaseException) -> TransportError:
     return Corrupt(f"transport worker failed: {exc!r}")
 
 
+class _Flag(Protocol):
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+
+
+class _Joinable(Protocol):
+    def join(self, timeout: Optional[float] = None) -> None: ...
+
+
+class CompletionThreads(Protocol):
+    """What a :class:`ThreadCompletion` needs of the runtime it runs on (the engine's
+    ``llmdd._runtime.runtime.Threads`` is one; ``llmdd.lowlevel.ThreadCompletion`` hands it the real
+    threads by default): its clock, its waiting, its workers."""
+
+    def monotonic(self) -> float: ...
+
+    def event(self) -> _Flag: ...
+
+    def local(self) -> Any: ...
+
+    def start_worker(self, name: str, fn: Callable, *args: Any) -> _Joinable: ...
+
+
 class ThreadCompletion(Completion):
     """A batch run by one or more workers; reusable by any transport.
 
@@ -79,7 +104,9 @@ class ThreadCompletion(Completion):
     :class:`TransportTimeout`, anything else :class:`Corrupt`); an interrupt (``KeyboardInterrupt``)
     fails the batch :class:`Cancelled` and, in the caller's own part, goes on.  With ``start=False``
     nothing runs before :meth:`start` (publish the completion first, e.g. where a concurrent
-    deregistration finds it).
+    deregistration finds it).  ``threads`` is where its workers, clock and waits come from
+    (:class:`CompletionThreads`; the public ``llmdd.lowlevel.ThreadCompletion`` defaults it to the
+    real threads).
     """
 
     def __init__(self, workers: Sequence[Callable[[], None]], *, deadline: Union[float, None] = None,
@@ -88,22 +115,23 @@ class ThreadCompletion(Completion):
                  name: str = "llmdd-io",
                  pool: Union[Callable[[Callable[[], None]], Any], None] = None,
                  map_error: Union[Callable[[BaseException], TransportError], None] = None,
-                 start: bool = True) -> None:
+                 start: bool = True, threads: CompletionThreads) -> None:
+        self._rt = threads
         self._deadline = deadline
         self._abort = abort
         self._on_done = on_done
         self._name = name
         self._pool = pool
         self._map_error = map_error if map_error is not None else _wrap_error
-        self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._lock = threading.Lock()   # a short critical section, never held across a wait
+        self._done = threads.event()
         self._error: Union[TransportError, None] = None
         self._forced: Union[TransportError, None] = None
         self._aborted = False
         self._pending = len(workers)
         self._workers: list = list(workers)
-        self._threads: list[threading.Thread] = []
-        self._runners: set[int] = set()   # pool mode: idents of the threads running a part now
+        self._threads: list[_Joinable] = []
+        self._part = threads.local()   # .index: the part the current worker runs now (-1: none)
         if start:
             self.start()
 
@@ -115,10 +143,8 @@ class ThreadCompletion(Completion):
                 self._finish()
             return self
         if self._pool is None:
-            self._threads = [threading.Thread(target=self._run, args=(w,), name=f"{self._name}-{i}", daemon=True)
+            self._threads = [self._rt.start_worker(f"{self._name}-{i}", self._run, w, False, i)
                              for i, w in enumerate(workers)]
-            for t in self._threads:
-                t.start()
             return self
         for w in workers[1:]:
             self._pool(functools.partial(self._run, w))
@@ -131,11 +157,8 @@ class ThreadCompletion(Completion):
         return self._error
 
     # worker side
-    def _run(self, work: Callable[[], None], inline: bool = False) -> None:
-        me = threading.get_ident()
-        if self._pool is not None:
-            with self._lock:
-                self._runners.add(me)
+    def _run(self, work: Callable[[], None], inline: bool = False, index: int = 0) -> None:
+        self._part.index = index
         try:
             work()
         except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
@@ -146,8 +169,8 @@ class ThreadCompletion(Completion):
                 if inline:
                     raise
         finally:
+            self._part.index = -1
             with self._lock:
-                self._runners.discard(me)
                 self._pending -= 1
                 last = self._pending == 0
             if last:
@@ -193,24 +216,21 @@ class ThreadCompletion(Completion):
         self._join()
 
     def _join(self) -> None:
-        me = threading.current_thread()
-        for t in self._threads:
-            if t is not me:
+        mine = getattr(self._part, "index", -1)   # the part this worker runs now, if it runs one
+        for i, t in enumerate(self._threads):
+            if i != mine:
                 t.join()
-        if me in self._threads:
-            return
-        with self._lock:
-            if me.ident in self._runners:
-                return   # a part failing its own batch: the others drain, it returns
+        if mine >= 0:
+            return   # a part failing its own batch: the others drain (or are joined), it returns
         self._done.wait()
 
     def done(self) -> bool:
         return self._done.is_set()
 
     def wait(self, timeout: Union[float, None] = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
+        end = None if timeout is None else self._rt.monotonic() + timeout
         while not self._done.is_set():
-            now = time.monotonic()
+            now = self._rt.monotonic()
             limits = [t for t in (end, self._deadline) if t is not None]
             until = min(limits) if limits else None
             if until is not None and now >= until:

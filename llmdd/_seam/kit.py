@@ -123,8 +123,8 @@ class BatchSet(Generic[_B]):
     draining :meth:`close`.  ``busy`` counts batches that are not tracked as objects (short native
     calls); :meth:`enter` / :meth:`leave` maintain it.  Items need ``fail(error)``."""
 
-    def __init__(self, cond: Optional[threading.Condition] = None, *, what: str = "channel") -> None:
-        self.cond = cond if cond is not None else threading.Condition(threading.Lock())
+    def __init__(self, cond: threading.Condition, *, what: str = "channel") -> None:
+        self.cond = cond   # the transport's own (its runtime's), over the lock its channel's state uses
         self.active: set[_B] = set()
         self.busy = 0
         self.closed = False
@@ -199,9 +199,9 @@ class RegionRegistry(Generic[_E]):
     "is not remote-accessible"), :attr:`ids` / :attr:`addrs` (sorted numpy arrays, for turning op
     region ids into addresses with ``np.searchsorted``) and then calls ``on_rebuild(registry)``."""
 
-    def __init__(self, cond: Optional[threading.Condition] = None, *,
+    def __init__(self, cond: threading.Condition, *,
                  on_rebuild: Optional[Callable[["RegionRegistry[_E]"], None]] = None) -> None:
-        self.cond = cond if cond is not None else threading.Condition(threading.Lock())
+        self.cond = cond   # the transport's own (its runtime's), over the lock its endpoint's state uses
         self.entries: dict[int, _E] = {}
         self.batches: set[TrackedBatch] = set()
         self.closed = False

@@ -31,7 +31,9 @@ import errno
 import heapq
 import itertools
 import math
+import random
 import socket
+import threading
 from typing import Any, Callable, Optional
 
 from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE, PoolFull, Timer
@@ -67,6 +69,18 @@ class SimEvent:
     def wait(self, timeout: Optional[float] = None) -> bool:
         until = math.inf if timeout is None else self._world.now + max(0.0, timeout)
         return self._world.run_until(self.is_set, until)
+
+
+class _SimWorker:
+    def __init__(self, name: str, done: "SimEvent") -> None:
+        self.name = name
+        self._done = done
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        self._done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
 
 
 class SimPool:
@@ -256,6 +270,7 @@ class World:
 
     def __init__(self, start: float = 1000.0) -> None:
         self.now = start
+        self.random = random.Random(0)
         self.ready: collections.deque = collections.deque()     # (label, fn, args)
         self._timers: list = []
         self._tseq = itertools.count()
@@ -392,6 +407,38 @@ class SimLoop:
 
     def event(self) -> SimEvent:
         return SimEvent(self.world)
+
+    def random(self) -> float:
+        return self.world.random.random()
+
+    @staticmethod
+    def lock() -> Any:
+        return threading.Lock()   # one thread: a lock is never contended across a wait here
+
+    @staticmethod
+    def rlock() -> Any:
+        return threading.RLock()
+
+    @staticmethod
+    def condition(lock: Any = None) -> Any:
+        return threading.Condition(lock)
+
+    @staticmethod
+    def local() -> Any:
+        return threading.local()
+
+    def start_worker(self, name: str, fn: Callable, *args: Any) -> Any:
+        """A worker as one scheduler step (a wait inside it runs the scheduler, nested)."""
+        done = SimEvent(self.world)
+
+        def run() -> None:
+            try:
+                fn(*args)
+            finally:
+                done.set()
+
+        self.world.ready.append((f"{self.name}:{name}", run, ()))
+        return _SimWorker(name, done)
 
     def make_pool(self, size: int, name: str) -> SimPool:
         return SimPool(self.world, name)

@@ -52,7 +52,7 @@ def test_region_table_names_a_private_region_as_not_remote_accessible():
 def test_registry_tables_follow_registrations():
     rng = np.random.default_rng(7)
     bufs = {rid: rng.integers(0, 255, size=int(rng.integers(16, 256)), dtype=np.uint8) for rid in (5, 3, 9)}
-    reg: RegionRegistry = RegionRegistry()
+    reg: RegionRegistry = RegionRegistry(threading.Condition(threading.Lock()))
     with reg.cond:
         for rid, buf in bufs.items():
             reg.add(RegisteredRegion(_region(rid, buf, accessible=rid != 9)))
@@ -74,7 +74,7 @@ def test_deregister_cancels_then_drains_the_batches_touching_the_region():
     src = rng.integers(0, 255, size=1 << 16, dtype=np.uint8)
     dst = np.zeros_like(src)
     other = np.zeros(64, np.uint8)
-    reg: RegionRegistry = RegionRegistry()
+    reg: RegionRegistry = RegionRegistry(threading.Condition(threading.Lock()))
     with reg.cond:
         reg.add(RegisteredRegion(_region(1, dst)))
         reg.add(RegisteredRegion(_region(2, other)))
@@ -118,7 +118,7 @@ def test_deregister_cancels_then_drains_the_batches_touching_the_region():
 
 
 def test_batch_set_close_refuses_new_batches_and_waits_for_those_in_flight():
-    bs: BatchSet = BatchSet()
+    bs: BatchSet = BatchSet(threading.Condition(threading.Lock()))
     left = []
 
     class Slow:

@@ -32,7 +32,7 @@ def attacker(conn):
     dst = np.zeros(SIZE, np.uint8)
     ep.register(MemRegion(region_id=9, addr=dst.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
     ch = ep.connect(info["desc"], timeout=10)
-    agent, peer = ep._agent, ch._peer_name
+    agent, peer = ep.agent, ch.peer_name
     # everything a linked peer is sent: the description above and both regions' descriptors, whose
     # remote keys (where present) are loaded into NIXL as the channel would
     from llmdd_ucx import region_fields

@@ -13,7 +13,6 @@ Behaviour learnt from upstream's v1 engine (``hicann/ge`` ffdcbc9f7496, ``dflow/
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 from llmdd._base.enums import LLMRole
@@ -82,7 +81,7 @@ def v1_check_link_status(core: EngineCore, role: LLMRole, remote_cluster_id: int
     raise_if_false(role == LLMRole.DECODER, "[check_link_status] is not supported by {0}", role)
     lm = core.link_manager
     link = lm.require(remote_cluster_id)  # LLM_NOT_YET_LINK / LLM_LINK_FAILED / LLM_PROCESSING_LINK
-    deadline = time.monotonic() + core.options.sync_kv_timeout_ms / 1000.0
+    deadline = core.runtime.monotonic() + core.options.sync_kv_timeout_ms / 1000.0
     status, _ = lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=deadline)  # LLM_TIMEOUT / LLM_LINK_FAILED
     if status != 0:
         raise LLMException(f"[check_link_status] cluster {remote_cluster_id} answered status {status}",

@@ -144,13 +144,13 @@ class _QuickEndpoint:
 @pytest.fixture(params=["python", "native", "quick"])
 def user_pair(request):
     """``make_pair`` on one data path; every endpoint it makes is checked to be on that path."""
-    if request.param != "python" and _hotpath._native is None:
+    if request.param != "python" and _hotpath.native is None:
         pytest.skip(f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
     mode = "off" if request.param == "python" else "on"
 
     def make():
         a, b = make_pair(mode)
-        assert (a._native is not None) is (mode == "on") and (b._native is not None) is (mode == "on")
+        assert (a.native is not None) is (mode == "on") and (b.native is not None) is (mode == "on")
         if request.param == "quick":
             return _QuickEndpoint(a), _QuickEndpoint(b)
         return a, b

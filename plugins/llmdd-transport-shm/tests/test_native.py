@@ -32,7 +32,7 @@ from llmdd_shm import OPT_GIL, OPT_NATIVE, ShmTransport, _format, _hotpath, data
 
 pytestmark = pytest.mark.timeout(120)
 
-needs_native = pytest.mark.skipif(_hotpath._native is None, reason=f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
+needs_native = pytest.mark.skipif(_hotpath.native is None, reason=f"C hot path not active: {llmdd_shm.NATIVE_REASON}")
 
 MiB = 1 << 20
 
@@ -52,11 +52,11 @@ def test_native_extension_is_built_when_expected():
                     or os.environ.get("LLMDD_SHM_BUILD_NATIVE") == "0")
     if not required and (switched_off or not _toolchain()):
         pytest.skip("the C hot path is not expected here (no toolchain, or switched off)")
-    assert _hotpath._native is not None, f"the shm C hot path is not active: {llmdd_shm.NATIVE_REASON}"
+    assert _hotpath.native is not None, f"the shm C hot path is not active: {llmdd_shm.NATIVE_REASON}"
     assert data_path()["native"] is True
     ep = ShmTransport({}).open_endpoint()
     try:
-        assert ep._native is _hotpath._native  # "auto" picks it
+        assert ep.native is _hotpath.native  # "auto" picks it
     finally:
         ep.close()
 
@@ -66,9 +66,9 @@ def test_native_layout_constants_match_the_python_side():
     """The C side hard-codes the control segment's layout and OP_DTYPE: they must agree."""
     from llmdd.lowlevel import OP_DTYPE
 
-    nat = _hotpath._native
+    nat = _hotpath.native
     assert nat.MAX_SLOTS == llmdd_shm.MAX_SLOTS and nat.SLOTS_OFF == _format._SLOTS_OFF
-    assert nat.CTL_OPEN == _format._OPEN and nat.SLOT_LIVE == _format._LIVE
+    assert nat.CTL_OPEN == _format.CTL_OPEN and nat.SLOT_LIVE == _format.SLOT_LIVE
     assert nat.OP_SIZE == OP_DTYPE.itemsize == 32
     assert [OP_DTYPE.fields[n][1] for n in OP_DTYPE.names] == [0, 4, 12, 16, 24]  # packed, as op_t in _shmfast.c
     assert _format._HDR_WORDS > 2  # the C side reads header word 2 (state)
@@ -88,10 +88,10 @@ def test_native_option_is_checked():
     t = ShmTransport({OPT_NATIVE: "off"})
     ep = t.open_endpoint()
     try:
-        assert ep._native is None
+        assert ep.native is None
     finally:
         ep.close()
-    if _hotpath._native is None:
+    if _hotpath.native is None:
         with pytest.raises(Refused, match="unavailable"):
             ShmTransport({OPT_NATIVE: "on"})
 
@@ -278,7 +278,7 @@ def test_native_dead_peer_is_peer_gone():
 def test_native_copy_stops_at_a_fault_and_reports_the_bytes_moved():
     """A real short transfer: the remote iovec runs into an unmapped page. The C loop resumes at the
     exact byte the kernel stopped at, that call faults, and it reports EFAULT with the bytes moved."""
-    nat = _hotpath._native
+    nat = _hotpath.native
     page = mmap.PAGESIZE
     m = mmap.mmap(-1, 2 * page)
     base = ctypes.addressof(ctypes.c_char.from_buffer(m))
@@ -293,7 +293,7 @@ def test_native_copy_stops_at_a_fault_and_reports_the_bytes_moved():
     liov = np.array([[dst.ctypes.data, half], [dst.ctypes.data + page, half + 100]], np.uint64)
     riov = np.array([[base, half], [base + half, half + 100]], np.uint64)
     st, err, moved = nat.copy(0, os.getpid(), 1, liov.ctypes.data, riov.ctypes.data, 2)
-    assert st == _hotpath._ST_CMA and err == errno.EFAULT, (st, err, moved)
+    assert st == _hotpath.ST_CMA and err == errno.EFAULT, (st, err, moved)
     assert moved == page
     assert np.array_equal(dst[:half], src[:half]) and np.array_equal(dst[page:page + half], src[half:])
     assert not dst[half:page].any() and not dst[page + half:].any()

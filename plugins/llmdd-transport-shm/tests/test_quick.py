@@ -25,7 +25,7 @@ from llmdd.lowlevel import MemRegion, make_ops
 from llmdd_shm import MAX_SLOTS, OPT_NATIVE, ShmTransport, _hotpath, _seg
 
 pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(_hotpath._native is None,
+              pytest.mark.skipif(_hotpath.native is None,
                                  reason=f"C hot path not active: {llmdd_shm.NATIVE_REASON}")]
 
 KiB = 1 << 10

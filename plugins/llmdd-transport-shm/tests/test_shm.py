@@ -126,7 +126,7 @@ def test_python_path_copies_short_pool_runs_in_gathers_and_long_ones_in_place(ow
     monkeypatch.setattr(runs, "_gather", lambda d, s, n: (gathers.append((len(d), n)), real_gather(d, s, n)))
     monkeypatch.setattr(ctypes, "memmove", lambda d, s, n: (moves.append(n), real_mm(d, s, n)))
     try:
-        assert ep._native is None and ch._native is None
+        assert ep.native is None and ch.native is None
         ch.add_remote_region(POOL_RID, SIZE, descs[POOL_RID])
         dst = np.zeros(SIZE, dtype=np.uint8)
         ep.register(MemRegion(region_id=1, addr=dst.ctypes.data, size=SIZE, remote_accessible=False, placement=0))
@@ -257,14 +257,14 @@ def test_batch_larger_than_iov_max_two_processes(owner):
         n = 3 * _cma.IOV_MAX + 17  # 512-byte ops at 1 KiB strides: nothing coalesces
         rng = np.random.default_rng(5)
         lslots, rslots = rng.permutation(SIZE // 1024)[:n], rng.permutation(SIZE // 1024)[:n]
-        before = ch._cma.calls
+        before = ch.cma.calls
         for rid in (USER_RID, POOL_RID):
             dst[:] = 0
             _ok(ch.read(make_ops(1, lslots * 1024, rid, rslots * 1024, 512), deadline=time.monotonic() + 20))
             src = _content(2 if rid == USER_RID else 1)
             got = dst.reshape(-1, 1024)[lslots, :512]
             assert np.array_equal(got, src.reshape(-1, 1024)[rslots, :512]), rid
-        assert ch._cma.calls - before >= 4  # the CMA batch took ceil(n / IOV_MAX) calls
+        assert ch.cma.calls - before >= 4  # the CMA batch took ceil(n / IOV_MAX) calls
     finally:
         ch.close()
         ep.close()

@@ -50,7 +50,7 @@ def owner():
 
 @pytest.fixture(params=["auto", "off"], ids=["native", "python"])
 def channel(request, owner):
-    if request.param == "auto" and _hotpath._native is None:
+    if request.param == "auto" and _hotpath.native is None:
         if os.environ.get(llmdd_shm.ENV_NATIVE, "").strip().lower() in ("0", "off", "no", "false"):
             # the suite's fallback run (.ci/run): "auto" is the pure-Python path there, the other param
             pytest.skip(f"the C hot path is switched off in this run: {llmdd_shm.NATIVE_REASON}")
@@ -103,7 +103,7 @@ def test_a_split_read_runs_in_the_caller_and_one_pool_thread_and_moves_every_byt
         untouched = np.ones(SIZE // BLOCK, bool)
         untouched[lb] = False
         assert not local.reshape(-1, BLOCK)[untouched].any()
-        counts.append(_copypool._pool.threads())
+        counts.append(_copypool.copy_pool.threads())
     me = threading.current_thread().name
     assert len(seen) == 8  # two parts per batch
     for i in range(0, 8, 2):
@@ -253,15 +253,15 @@ def test_a_forked_child_gets_a_fresh_copy_pool(channel):
     lb, rb = _tables(17, 160)
     c = ch.read(make_ops(1, lb * BLOCK, USER_RID, rb * BLOCK, BLOCK), deadline=time.monotonic() + 30)
     assert c.wait(30) and c.error is None
-    assert _copypool._pool.threads() >= 1
+    assert _copypool.copy_pool.threads() >= 1
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no inherited copy thread, and the pool's lock is usable
         try:
-            ok = _copypool._pool.threads() == 0
+            ok = _copypool.copy_pool.threads() == 0
             done = threading.Event()
-            _copypool._pool.submit(done.set)
-            ok = ok and done.wait(10) and _copypool._pool.threads() == 1
+            _copypool.copy_pool.submit(done.set)
+            ok = ok and done.wait(10) and _copypool.copy_pool.threads() == 1
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)

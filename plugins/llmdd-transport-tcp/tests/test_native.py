@@ -58,8 +58,8 @@ def test_native_extension_is_built_when_expected():
 @needs_native
 def test_native_wire_constants_match_the_python_side():
     nat = _native.native
-    assert nat.REQ_SIZE == _wire._REQ.size == 20
-    assert nat.RSP_SIZE == _wire._RSP.size == 12
+    assert nat.REQ_SIZE == _wire.REQ.size == 20
+    assert nat.RSP_SIZE == _wire.RSP.size == 12
     assert nat.OP_SIZE == 20   # (region u4, offset u8, length u8), packed
     assert nat.FEW == _few.FEW_OPS
     # a quick call's rows: runs of at most QUICK_MAX_BLOCKS blocks per pair, merged when they continue each
@@ -190,15 +190,15 @@ def test_deregister_while_the_c_path_sends_the_region_returns_and_stops_it(held)
     ends short of the request, and the request is not counted."""
     owner, client, ch, src, dst, _ = held
     base = owner.statistics()["requests_native"]
-    s = ch._open_stream(time.monotonic() + 5)
+    s = ch.open_stream(time.monotonic() + 5)
     try:
         s.settimeout(10)
-        s.sendall(_wire._REQ.pack(b"LDRQ", 1, 1, 0, 1, SIZE) + np.array(
+        s.sendall(_wire.REQ.pack(b"LDRQ", 1, 1, 0, 1, SIZE) + np.array(
             [(10, 0, SIZE)], dtype=[("r", "<u4"), ("o", "<u8"), ("n", "<u8")]).tobytes())
         got = b""
         while len(got) < 16 + 4096:
             got += s.recv(16 + 4096 - len(got))
-        assert got[:16] == _wire._OK_PADDED and got[16:] == src[10][:4096].tobytes()
+        assert got[:16] == _wire.OK_PADDED and got[16:] == src[10][:4096].tobytes()
         _in_c(owner)
         done = threading.Event()
         t = threading.Thread(target=lambda: (owner.deregister(10), done.set()), daemon=True)
@@ -243,10 +243,10 @@ def test_hostile_headers_to_the_c_path_end_or_refuse_their_request_only(held, co
     owner, client, ch, src, dst, _ = held
     assert _read(ch, 10) is None   # a stream the C path serves
     _in_c(owner)
-    s = ch._open_stream(time.monotonic() + 5)
+    s = ch.open_stream(time.monotonic() + 5)
     try:
         s.settimeout(10)
-        s.sendall(_wire._REQ.pack(b"LDRQ", 1, flags, 0, count, 4096) + b"A" * 8192)
+        s.sendall(_wire.REQ.pack(b"LDRQ", 1, flags, 0, count, 4096) + b"A" * 8192)
         if count > _wire.MAX_OPS_PER_REQUEST or count == 0:   # (no ops for 4096 bytes: Corrupt)
             try:
                 s.shutdown(socket.SHUT_WR)
@@ -254,8 +254,8 @@ def test_hostile_headers_to_the_c_path_end_or_refuse_their_request_only(held, co
                 assert exc.errno in (errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE), exc
             assert _drain(s) == b"", "the owner answered a request it cannot check"
         else:
-            head = s.recv(_wire._RSP.size)
-            magic, status, _, _, n = _wire._RSP.unpack(head)
+            head = s.recv(_wire.RSP.size)
+            magic, status, _, _, n = _wire.RSP.unpack(head)
             reason = s.recv(n).rstrip(b"\0").decode()
             assert (magic, status) == (b"LDRS", _wire.ST_REFUSED), (head, reason)
             assert "not registered" in reason or "not granted" in reason, reason
@@ -269,10 +269,10 @@ def test_close_while_the_c_path_sends_returns(held):
     """The owner closes while the C path is blocked sending a whole region to a client that stopped
     reading: close shuts the stream down, waits for the pin and returns."""
     owner, client, ch, src, dst, _ = held
-    s = ch._open_stream(time.monotonic() + 5)
+    s = ch.open_stream(time.monotonic() + 5)
     try:
         s.settimeout(10)
-        s.sendall(_wire._REQ.pack(b"LDRQ", 1, 1, 0, 1, SIZE) + np.array(
+        s.sendall(_wire.REQ.pack(b"LDRQ", 1, 1, 0, 1, SIZE) + np.array(
             [(11, 0, SIZE)], dtype=[("r", "<u4"), ("o", "<u8"), ("n", "<u8")]).tobytes())
         assert len(s.recv(16)) > 0   # the answer started: the region is pinned while the send blocks
         _in_c(owner)

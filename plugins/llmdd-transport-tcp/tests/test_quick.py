@@ -352,9 +352,9 @@ def test_quick_calls_reuse_their_stream_timeouts_and_the_deadline_still_holds(ow
 
 # ---------------------------------------------------------------------------- the owner's two paths
 
-_REQ = struct.Struct("<4sBBHIQ")
+REQ = struct.Struct("<4sBBHIQ")
 _OP = struct.Struct("<IQQ")
-_RSP = struct.Struct("<4sBBHI")
+RSP = struct.Struct("<4sBBHI")
 
 
 def _recv(s: socket.socket, n: int) -> bytes:
@@ -376,15 +376,15 @@ F_PAD, F_EAGER = 1, 2
 def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, payload: bytes) -> tuple:
     """One raw request; (status or None when the stream ended, message, payload bytes read, or for a
     write its last answer header)."""
-    req = _REQ.pack(b"LDRQ", kind, flags, 0, len(ops), total) + b"".join(_OP.pack(*op) for op in ops)
+    req = REQ.pack(b"LDRQ", kind, flags, 0, len(ops), total) + b"".join(_OP.pack(*op) for op in ops)
     if kind == 2 and flags & F_PAD:
         req += bytes(-len(req) % 16)
     eager = kind == 2 and flags & F_EAGER
     s.sendall(req + payload if eager else req)
-    head = _recv(s, _RSP.size)
-    if len(head) < _RSP.size:
+    head = _recv(s, RSP.size)
+    if len(head) < RSP.size:
         return (None, "", b"")
-    _, status, _, _, n = _RSP.unpack(head)
+    _, status, _, _, n = RSP.unpack(head)
     msg = _recv(s, n)
     if status != 0:
         return (status, msg, b"")
@@ -393,9 +393,9 @@ def _exchange(s: socket.socket, kind: int, flags: int, ops: list, total: int, pa
     if eager:
         return (status, msg, b"")
     s.sendall(payload)
-    tail = _recv(s, _RSP.size)
-    if len(tail) == _RSP.size:
-        tail += _recv(s, _RSP.unpack(tail)[4])
+    tail = _recv(s, RSP.size)
+    if len(tail) == RSP.size:
+        tail += _recv(s, RSP.unpack(tail)[4])
     return (status, msg, tail)
 
 
@@ -435,7 +435,7 @@ def test_few_ops_path_decides_and_answers_as_the_numpy_path():
         def stream(ep):
             s = socks.get(ep)
             if s is None:
-                s = socks[ep] = chans[ep]._open_stream(time.monotonic() + 5)
+                s = socks[ep] = chans[ep].open_stream(time.monotonic() + 5)
                 s.settimeout(5)
             return s
 
@@ -516,7 +516,7 @@ def test_quick_pull_in_flight_is_cancelled_by_deregistration_and_lands_nothing_a
             assert not caller.is_alive()
             assert isinstance(box["err"], Cancelled), box
             try:   # the answer comes too late: nothing of it may land
-                conn.sendall(_RSP.pack(b"LDRS", 0, 0, 0, 4) + bytes(4) + bytes(range(256)) * (BS // 256))
+                conn.sendall(RSP.pack(b"LDRS", 0, 0, 0, 4) + bytes(4) + bytes(range(256)) * (BS // 256))
             except OSError:
                 pass
     assert (local[1] == 0x5A).all()

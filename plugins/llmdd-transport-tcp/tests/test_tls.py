@@ -272,7 +272,7 @@ def test_blocks_over_tls_move_in_staged_gathers(certs, monkeypatch):
         untouched[lb] = False
         np.testing.assert_array_equal(dst.reshape(nb, blk)[untouched], before.reshape(nb, blk)[untouched])
         # this side scattered 200 blocks, 128 (256 KiB) at most per call; the owner gathered 199: the
-        # last block (2 KiB, within llmdd_tcp._io._TAIL) left from the copy it sends after the release
+        # last block (2 KiB, within llmdd_tcp._io.TAIL) left from the copy it sends after the release
         assert sorted(calls) == [71, 72, 128, 128], calls
 
 

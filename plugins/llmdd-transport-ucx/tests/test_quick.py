@@ -190,7 +190,7 @@ def test_blocks_it_does_not_take_are_declined_with_nothing_moved(pair, src, dst)
 
 def test_a_call_larger_than_one_chunk_is_declined(pair):
     p = pair()
-    p.ep._cfg["llmdd.ucx.chunk_bytes"] = 2 * BS   # read by prepare
+    p.ep.cfg["llmdd.ucx.chunk_bytes"] = 2 * BS   # read by prepare
     fast = p.ch.prepare([(1, 10)], BS, UNITS, UNITS, False, timeout_s=10.0)
     before, stats = {1: p.local(1)}, p.ch.statistics()
     assert fast([1, 2, 3], [4, 5, 6]) == LARGE

@@ -26,7 +26,7 @@ import pytest
 
 from llmdd.lowlevel import Cancelled, MemRegion, coalesce_ops, make_ops
 from llmdd_ucx import UcxTransport
-from llmdd_ucx._lanes import _PostThreads, split_bounds
+from llmdd_ucx._lanes import PostThreads, split_bounds
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _llmdd_ucx_owner import content, owner_main  # noqa: E402
@@ -190,14 +190,14 @@ class _Recorder:
 
 def _wrap_parts(monkeypatch, wrap) -> None:
     """Give the i-th part queued from now on the agent ``wrap(i, agent)`` (set before it is posted)."""
-    real = _PostThreads.submit
+    real = PostThreads.submit
     count = [0]
 
     def submit(self, part):
         part._agent = wrap(count[0], part._agent)
         count[0] += 1
         real(self, part)
-    monkeypatch.setattr(_PostThreads, "submit", submit)
+    monkeypatch.setattr(PostThreads, "submit", submit)
 
 
 def test_a_failure_in_one_part_fails_the_batch_and_drains_the_other(monkeypatch):
@@ -222,7 +222,7 @@ def test_a_failure_in_one_part_fails_the_batch_and_drains_the_other(monkeypatch)
         assert c.wait(60)
         assert c.error is not None and "injected failure" in str(c.error), c.error
         assert len(c.parts) == 8   # 4 parts per posting thread
-        assert all(part._finished for part in c.parts)
+        assert all(part.finished for part in c.parts)
         assert all(not part._posted for part in c.parts), "a request was left in flight"
         assert made[1].released > 0, "part 1 posted nothing"
         for r in made:
@@ -254,7 +254,7 @@ def test_deregistering_the_local_region_fails_a_split_pull_and_drains_it(monkeyp
         assert made[0].posted.wait(30)   # a request of the batch is posted (16 requests of 1 MiB each part, over tcp)
         p.ep.deregister(1)
         # deregister returned: every part is over and nothing of it is in flight
-        assert all(part._finished and not part._posted for part in c.parts)
+        assert all(part.finished and not part._posted for part in c.parts)
         for r in made:
             assert r.released_in_flight == []
         assert c.wait(5)

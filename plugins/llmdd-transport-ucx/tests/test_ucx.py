@@ -18,7 +18,7 @@ from llmdd.lowlevel import MemRegion, TransportTimeout
 from llmdd._seam.ops import make_ops
 import llmdd_ucx
 from llmdd_ucx import UcxTransport, _nixl
-from llmdd_ucx._options import _ucx_env
+from llmdd_ucx._options import ucx_env
 
 _INFO = UcxTransport.probe()
 needs_nixl = pytest.mark.skipif(not _INFO.available, reason=f"ucx transport unavailable: {_INFO.reason}")
@@ -77,7 +77,7 @@ def test_plugin_registers_through_entry_point():
 
 
 def test_option_mapping_and_user_env_wins(monkeypatch):
-    env = _ucx_env({"llmdd.ucx.tls": "tcp", "llm.RdmaTrafficClass": 132, "llm.RdmaServiceLevel": 3})
+    env = ucx_env({"llmdd.ucx.tls": "tcp", "llm.RdmaTrafficClass": 132, "llm.RdmaServiceLevel": 3})
     assert env == {"UCX_TLS": "tcp", "UCX_IB_TRAFFIC_CLASS": "132", "UCX_IB_SL": "3"}
     monkeypatch.setenv("UCX_IB_SL", "5")
     monkeypatch.delenv("UCX_IB_TRAFFIC_CLASS", raising=False)
@@ -91,7 +91,7 @@ def test_chunking_bounds_bytes_and_descriptors():
     ld = np.array([[0, 10, 0], [100, 3, 0], [200, 25, 0]], dtype=np.uint64)
     rd = ld.copy()
     rd[:, 0] += 1000
-    chunks = llmdd_ucx._xfer._chunk(ld, rd, 8, 2)
+    chunks = llmdd_ucx._xfer.chunk(ld, rd, 8, 2)
     lens = np.concatenate([c[0][:, 1] for c in chunks])
     assert int(lens.sum()) == 38 and lens.max() <= 8
     assert all(len(c[0]) <= 2 and int(c[0][:, 1].sum()) <= 8 for c in chunks)
@@ -144,9 +144,9 @@ def test_a_broadcast_to_many_clients_starts_no_thread_per_client():
     from llmdd_ucx import OPT_CONTROL_TIMEOUT, UcxEndpoint, _proto
 
     ep = object.__new__(UcxEndpoint)   # the bookkeeping of an endpoint, without NIXL
-    ep._lock = threading.RLock()
+    ep.lock = threading.RLock()
     ep._clients = {f"peer-{i}": 1 for i in range(200)}
-    ep._cfg = {OPT_CONTROL_TIMEOUT: 0.2}
+    ep.cfg = {OPT_CONTROL_TIMEOUT: 0.2}
     ep._waiters = {}
     ep._kick = threading.Event()
     ep._stats = {"control_timeouts": 0}

@@ -16,6 +16,7 @@ from llmdd._data.tasks import AsyncPull
 from llmdd._lifecycle.events import TransitionEvent
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import Machine, TaskState
+from llmdd._runtime.threads import SYSTEM
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,6 +26,8 @@ T = TaskState
 
 class _Engine:
     """The engine's side of a pull's end: the pulls it still counts."""
+
+    runtime = SYSTEM   # where a task takes its waiting (llmdd._data.tasks.TaskHost)
 
     def __init__(self) -> None:
         self.ended: list[AsyncPull] = []

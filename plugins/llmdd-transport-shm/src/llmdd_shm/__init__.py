@@ -70,12 +70,12 @@ from llmdd.plugin import hookimpl
 from . import _cma, _quick, _seg
 from ._channel import ShmChannel
 from ._cma import probe_cma
-from ._config import OPT_CHUNK, OPT_GIL, OPT_NATIVE, OPT_SPLIT, OPT_THREADS, _DEFAULTS
+from ._config import OPT_CHUNK, OPT_GIL, OPT_NATIVE, OPT_SPLIT, OPT_THREADS, DEFAULTS
 from ._endpoint import ShmEndpoint
 from ._format import KIND_CMA, KIND_SHM, MAX_SLOTS, VERSION, EndpointFields, RegionFields, endpoint_fields
 from ._format import region_fields
-from ._host import _allow_same_user_tracers, _dev_shm_usable, host_identity
-from ._hotpath import ENV_NATIVE, NATIVE_ABI, NATIVE_REASON, _native, data_path
+from ._host import allow_same_user_tracers, dev_shm_usable, host_identity
+from ._hotpath import ENV_NATIVE, NATIVE_ABI, NATIVE_REASON, native, data_path
 
 __all__ = ["ShmTransport", "ShmEndpoint", "ShmChannel", "hookimpl", "llmdd_register_transports",
            "host_identity", "data_path",
@@ -100,7 +100,7 @@ class ShmTransport(Transport):
         try:
             if not sys.platform.startswith("linux"):
                 return TransportInfo(name=cls.name, available=False, reason="shm needs Linux (OFD locks, CMA, pidfd)")
-            ok, why = _dev_shm_usable()
+            ok, why = dev_shm_usable()
             cma = probe_cma()
             details = dict(cma, pidfd=hasattr(os, "pidfd_open"), dev_shm=ok, version=VERSION,
                            user_memory="process_vm_readv" if cma["cma"] else "not served (pool memory only)",
@@ -114,16 +114,16 @@ class ShmTransport(Transport):
 
     def __init__(self, options: TMapping[str, str]) -> None:
         super().__init__(options)
-        self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+        self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in DEFAULTS.items()}
         mode = str(self._cfg[OPT_NATIVE]).strip().lower()
         if mode not in ("auto", "on", "off"):
             raise Refused(f"{OPT_NATIVE} must be auto, on or off, got {self._cfg[OPT_NATIVE]!r}")
-        if mode == "on" and _native is None:
+        if mode == "on" and native is None:
             raise Refused(f"{OPT_NATIVE}=on but the C hot path is unavailable: {NATIVE_REASON}")
         self._cfg[OPT_NATIVE] = mode
 
     def open_endpoint(self, *, host: str = "127.0.0.1", secret: Union[bytes, None] = None) -> "ShmEndpoint":
-        _allow_same_user_tracers()
+        allow_same_user_tracers()
         return ShmEndpoint(cfg=self._cfg)
 
 

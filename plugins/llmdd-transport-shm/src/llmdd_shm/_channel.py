@@ -9,10 +9,11 @@ native submit, the Python submit with its between-chunk peer checks) share its l
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 from llmdd.abc import Channel, Completion, PreparedTransfer, RegionDescriptor
 from llmdd.lowlevel import BatchSet, Cancelled, Corrupt, DoneCompletion, PeerGone, RegionTable, Refused
@@ -21,19 +22,41 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from llmdd.status import LLMStatusCode
 
 from . import _quick, _seg
+from ._batch import PinnedBatch
 from ._cma import Cma, CmaError, iovecs, probe_cma
 from ._config import OPT_CHUNK, OPT_GIL, OPT_SPLIT, OPT_THREADS
-from ._copypool import _pool
-from ._format import (_CTL_SIZE, _LIVE, _MAGIC, _OPEN, _PROBE_MAGIC, KIND_CMA, KIND_SHM, MAX_SLOTS, VERSION,
-                      EndpointFields, RegionFields, _Ctl, _id_words, region_fields)
-from ._host import _Liveness, host_identity
-from ._hotpath import _ST_BUSY, _ST_CLOSED, _ST_CMA, _ST_DEAD, _ST_FALLBACK, _ST_LOCKERR, _ST_NOPROGRESS, _ST_OK
-from ._hotpath import _ST_STALE
-from ._plans import _AnyPlan, _FewPlan, _Part, _Plan
+from ._copypool import copy_pool
+from ._format import (CTL_SIZE, SLOT_LIVE, CTL_MAGIC, CTL_OPEN, PROBE_MAGIC, KIND_CMA, KIND_SHM, MAX_SLOTS, VERSION,
+                      EndpointFields, RegionFields, CtlView, id_words, region_fields)
+from ._host import Liveness, host_identity
+from ._hotpath import ST_BUSY, ST_CLOSED, ST_CMA, ST_DEAD, ST_FALLBACK, ST_LOCKERR, ST_NOPROGRESS, ST_OK
+from ._hotpath import ST_STALE
+from ._plans import AnyPlan, FewPlan, Part, Plan
 
 
-if TYPE_CHECKING:  # annotations only: the endpoint opens its channels
-    from ._endpoint import ShmEndpoint, _Batch
+class ChannelOwner(Protocol):
+    """What a channel uses of the endpoint that opened it (:class:`~llmdd_shm._endpoint.ShmEndpoint`): its
+    configuration and C hot path, a batch's pins (``begin_batch`` / ``end_batch``), a native batch's
+    snapshot of its table (``begin_native`` / ``end_native``), a prepared transfer's view of its table
+    (``quick_locals``), and the channel's close (``forget_channel``)."""
+
+    @property
+    def cfg(self) -> Mapping[str, Any]: ...
+
+    @property
+    def native(self) -> Any: ...
+
+    def begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, PinnedBatch, np.ndarray]: ...
+
+    def end_batch(self, batch: PinnedBatch) -> None: ...
+
+    def begin_native(self) -> tuple[tuple, int]: ...
+
+    def end_native(self, epoch: int, counted: bool) -> None: ...
+
+    def quick_locals(self, region_ids: Sequence[int]) -> Optional[_quick.QuickTables]: ...
+
+    def forget_channel(self, ch: ShmChannel) -> None: ...
 
 
 _DONE_OK = DoneCompletion(None)  # immutable: one shared instance for every successful native batch
@@ -59,11 +82,11 @@ class _Remote:
 class ShmChannel(Channel):
     """A same-host peer: its control segment and pool segments mapped, its pid attached."""
 
-    def __init__(self, endpoint: ShmEndpoint, peer: EndpointFields, deadline: float) -> None:
+    def __init__(self, endpoint: ChannelOwner, peer: EndpointFields, deadline: float) -> None:
         self._ep = endpoint
-        self._cfg = endpoint._cfg
+        self._cfg = endpoint.cfg
         self._peer_id = peer.endpoint_id
-        self._pid = peer.pid
+        self.pid = peer.pid
         mine = host_identity()
         for key in ("boot_id", "machine_id", "pidns", "ipcns"):
             if str(getattr(peer, key)) != str(mine[key]):
@@ -77,10 +100,10 @@ class ShmChannel(Channel):
         self._remote: dict[int, _Remote] = {}
         self._maps: dict[str, _seg.Mapping] = {}
         self._fds: list[int] = []
-        self._batches: BatchSet[_Batch] = BatchSet(self._cond)   # py batches tracked, native ones counted
+        self._batches: BatchSet[PinnedBatch] = BatchSet(self._cond)   # py batches tracked, native ones counted
         self._nbusy = 0                      # native batches running (they use table snapshots)
         self._deferred: list = []            # mappings released while a native batch ran
-        self._native = endpoint._native
+        self.native = endpoint.native
         self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
         self._qfd = -1                # the quick path's lock fd (used under the GIL only)
         self._nrtab: tuple = (np.zeros((0, 6), np.uint64), 0, 0)
@@ -97,50 +120,52 @@ class ShmChannel(Channel):
             raise PeerGone(f"cannot map the peer's control segment: {exc}") from None
         self._ctl_map = ctl_map
         try:
-            if ctl_map.size < _CTL_SIZE:
+            if ctl_map.size < CTL_SIZE:
                 raise Corrupt("peer control segment is too small")
-            self._ctl = _Ctl(ctl_map)
+            self._ctl = CtlView(ctl_map)
             hdr = self._ctl.hdr
-            if int(hdr[0]) != _MAGIC or int(hdr[1]) != VERSION:
+            if int(hdr[0]) != CTL_MAGIC or int(hdr[1]) != VERSION:
                 raise Corrupt(f"peer does not speak llmdd-shm v{VERSION}")
-            if (int(hdr[4]), int(hdr[5])) != _id_words(self._peer_id) or int(hdr[3]) != self._pid:
+            if (int(hdr[4]), int(hdr[5])) != id_words(self._peer_id) or int(hdr[3]) != self.pid:
                 raise PeerGone("the control segment belongs to another endpoint incarnation")
-            if int(hdr[2]) != _OPEN:
+            if int(hdr[2]) != CTL_OPEN:
                 raise PeerGone("peer endpoint is closed")
-            self._live = _Liveness(self._pid)
+            self._live = Liveness(self.pid)
         except BaseException:
             ctl_map.close()
             raise
-        self._pidfd = self._live._fd if self._live._fd is not None else -1
+        self._pidfd = self._live.fd if self._live.fd is not None else -1
         self._ctl_addr = ctl_map.addr
         # the native single call covers one chunk of an unsplit batch (the Python path does the rest)
-        limit = int(self._cfg[OPT_CHUNK])
+        #: the most bytes of one chunk (the copy plans check the peer between chunks)
+        self.chunk_bytes = int(self._cfg[OPT_CHUNK])
+        limit = self.chunk_bytes
         if int(self._cfg[OPT_THREADS]) > 1:
             limit = min(limit, int(self._cfg[OPT_SPLIT]) - 1)
         self._nlimit = max(0, limit)
         self._ngil = int(self._cfg[OPT_GIL])
-        self._cma = Cma()
-        self._iov_max = self._cma.iov_max
+        self.cma = Cma()
+        self._iov_max = self.cma.iov_max
         self._cma_ok, self._cma_reason = self._check_cma(peer)
         if not self._cma_ok and peer.user_regions > 0:
             self._teardown()
-            raise Refused(f"peer {self._pid} has user-memory regions but cross-memory attach to it does not "
+            raise Refused(f"peer {self.pid} has user-memory regions but cross-memory attach to it does not "
                           f"work: {self._cma_reason}", status_code=LLMStatusCode.LLM_LINK_FAILED)
         self._rebuild()
 
     def _check_cma(self, peer: EndpointFields) -> tuple[bool, str]:
-        if not self._cma.available:
+        if not self.cma.available:
             return False, "process_vm_readv is not available"
         out = np.zeros(1, np.uint64)
         liov = iovecs(np.array([out.ctypes.data], np.uint64), np.array([8], np.uint64))
         riov = iovecs(np.array([peer.probe_addr], np.uint64), np.array([8], np.uint64))
         try:
-            self._cma.transfer(self._pid, liov, riov, write=False)
+            self.cma.transfer(self.pid, liov, riov, write=False)
         except CmaError as exc:
             scope = probe_cma()["ptrace_scope"]
             extra = f" (kernel.yama.ptrace_scope={scope})" if scope else ""
             return False, f"{exc.strerror or exc}{extra}"
-        if int(out[0]) != _PROBE_MAGIC ^ _id_words(self._peer_id)[0]:
+        if int(out[0]) != PROBE_MAGIC ^ id_words(self._peer_id)[0]:
             return False, "cross-memory attach reached a process that is not the peer endpoint"
         return True, "ok"
 
@@ -181,7 +206,7 @@ class ShmChannel(Channel):
                     m = _seg.attach(name)
                 except (OSError, ValueError) as exc:
                     if not self._live.alive():
-                        raise PeerGone(f"peer process {self._pid} is gone") from None
+                        raise PeerGone(f"peer process {self.pid} is gone") from None
                     raise Refused(f"cannot map segment {name} of region {region_id}: {exc}") from None
                 with self._lock:
                     other = self._maps.get(name)
@@ -196,10 +221,10 @@ class ShmChannel(Channel):
                 raise Refused(f"region {region_id} ({off}+{size}) exceeds segment {name} ({m.size} bytes)")
             return _Remote(size, KIND_SHM, m.addr + off, slot, gen, m, True)
         if desc.kind == "cma":
-            if desc.pid != self._pid:
-                raise Refused(f"descriptor of region {region_id} names pid {desc.pid}, peer is {self._pid}")
+            if desc.pid != self.pid:
+                raise Refused(f"descriptor of region {region_id} names pid {desc.pid}, peer is {self.pid}")
             if not self._cma_ok:
-                raise Refused(f"user-memory region {region_id} needs cross-memory attach to pid {self._pid}, "
+                raise Refused(f"user-memory region {region_id} needs cross-memory attach to pid {self.pid}, "
                               f"which does not work: {self._cma_reason}")
             return _Remote(size, KIND_CMA, desc.addr, slot, gen, None, True)
         raise Refused(f"descriptor of region {region_id} has unknown kind {desc.kind!r}")
@@ -225,21 +250,54 @@ class ShmChannel(Channel):
         if not self._batches.close(Cancelled("channel closed")):
             return
         self._teardown()
-        self._ep._forget_channel(self)
+        self._ep.forget_channel(self)
 
     def statistics(self) -> dict:
         with self._lock:
             # cma_calls: every process_vm_* call of this channel (the connect-time probe included)
             return _quick.merged(dict(self._stats, remote_regions=len(self._remote), mapped_segments=len(self._maps),
                                       closed=self._batches.closed, cma=self._cma_ok, cma_reason=self._cma_reason,
-                                      peer_pid=self._pid, cma_calls=self._cma.calls), self._qc, channel=True)
+                                      peer_pid=self.pid, cma_calls=self.cma.calls), self._qc, channel=True)
 
     def prepare(self, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
                 push: bool, *, timeout_s: Optional[float] = None) -> Optional[PreparedTransfer]:
-        """The seam's prepared path (``Channel.prepare``): the C path of one small-transfer shape
-        (``llmdd_shm._quick.prepare``), or None.  ``timeout_s`` is not used: a call never waits (the
-        owner's lock held, it declines and the engine's batch path waits)."""
-        return _quick.prepare(self, pairs, block_bytes, src_units, dst_units, push)
+        """The seam's prepared path (``Channel.prepare``): ``_shmfast.quick`` bound to the plan of one
+        small-transfer shape (:func:`llmdd_shm._quick.pack_plan`), or None when the C path cannot take it (no
+        extension, no pidfd, a region not in the tables now, too many pairs, a block larger than the
+        single-call limit).  The endpoint resolves the local regions under its lock
+        (:meth:`ShmEndpoint.quick_locals`), this channel the remote ones under its own.  ``timeout_s`` is
+        not used: a call never waits (the owner's lock held, it declines and the engine's batch path waits)."""
+        nat = self.native
+        quick = getattr(nat, "quick", None)
+        if nat is None or quick is None or self._pidfd < 0 or not 0 < len(pairs) <= nat.QUICK_MAX_PAIRS:
+            return None
+        bs, su, du = int(block_bytes), int(src_units), int(dst_units)
+        max_bytes = min(self._nlimit, self._ngil)
+        if bs <= 0 or su <= 0 or du <= 0 or bs > max_bytes:
+            return None
+        local = self._ep.quick_locals([lid for lid, _ in pairs])
+        if local is None:
+            return None
+        with self._lock:   # the remote table, its version and the channel's lock fd together
+            if self._batches.closed:
+                return None
+            remote = {}
+            for _, rid in pairs:
+                rem = self._remote.get(int(rid))
+                if rem is None or not rem.accessible or rem.slot < 0 or (rem.kind == KIND_CMA and not self._cma_ok):
+                    return None
+                remote[rid] = (int(rem.base), int(rem.size), int(rem.kind), int(rem.slot), int(rem.gen))
+            remote_tables = _quick.QuickTables(self._qc.ctypes.data, int(self._qc[_quick.QC_VERSION]), remote)
+            if self._qfd < 0:
+                try:
+                    self._qfd = _seg.open_fd(self._ctl_name)
+                except OSError:
+                    return None
+            fd = self._qfd
+        plan = _quick.pack_plan(pairs, local, remote_tables, ctl_addr=self._ctl_addr, push=push, pid=self.pid,
+                                pidfd=self._pidfd, lock_fd=fd, block_bytes=bs, src_units=su, dst_units=du,
+                                iov_max=self._iov_max, max_bytes=max_bytes)
+        return functools.partial(quick, plan)
 
     # ------------------------------------------------------------------ mappings and tables
 
@@ -306,7 +364,7 @@ class ShmChannel(Channel):
     # ------------------------------------------------------------------ batches
 
     def _submit(self, write: bool, ops: np.ndarray, deadline: float) -> Completion:
-        nat = self._native
+        nat = self.native
         if nat is not None:
             ops = as_ops(ops)
             if 0 < len(ops) <= _NATIVE_MAX_OPS:
@@ -331,7 +389,7 @@ class ShmChannel(Channel):
         res: tuple = (-1, 0, 0)  # -1: the C side was not called
         err: Optional[TransportError] = None
         try:
-            ltab, epoch = ep._nbegin()  # Cancelled when the endpoint is closed, as the Python path
+            ltab, epoch = ep.begin_native()  # Cancelled when the endpoint is closed, as the Python path
             if fd < 0:
                 try:
                     fd = self._take_fd()
@@ -342,13 +400,13 @@ class ShmChannel(Channel):
             elif time.monotonic() >= deadline:
                 err = TransportTimeout("deadline passed before the batch started")
             elif self._pidfd < 0 and not self._live.alive():
-                err = PeerGone(f"peer process {self._pid} is gone")
+                err = PeerGone(f"peer process {self.pid} is gone")
             else:
-                res = nat.batch(write, self._pid, self._pidfd, fd, self._ctl_addr, ops, ltab[1], ltab[2], rtab[1],
+                res = nat.batch(write, self.pid, self._pidfd, fd, self._ctl_addr, ops, ltab[1], ltab[2], rtab[1],
                                 rtab[2], self._iov_max, self._nlimit, self._ngil)
         finally:
             if epoch >= 0:
-                ep._nend(epoch, res[0] != _ST_FALLBACK and res[0] != _ST_BUSY)
+                ep.end_native(epoch, res[0] != ST_FALLBACK and res[0] != ST_BUSY)
             deferred = None
             with self._lock:
                 if fd >= 0 and not self._batches.closed and len(self._fds) < 8:
@@ -358,9 +416,9 @@ class ShmChannel(Channel):
                 self._nbusy -= 1
                 if not self._nbusy and self._deferred:
                     deferred, self._deferred = self._deferred, []
-                if res[0] == _ST_FALLBACK or res[0] == _ST_BUSY:
+                if res[0] == ST_FALLBACK or res[0] == ST_BUSY:
                     self._stats["native_fallbacks"] += 1
-                elif res[0] == _ST_OK and err is None:
+                elif res[0] == ST_OK and err is None:
                     st = self._stats
                     st["batches"] += 1
                     st["native_batches"] += 1
@@ -371,17 +429,17 @@ class ShmChannel(Channel):
                         st["bytes_read"] += res[1]
                         st["ops_read"] += len(ops)
                     if res[2]:
-                        self._cma.calls += res[2]
-                        st["cma_calls"] = self._cma.calls
+                        self.cma.calls += res[2]
+                        st["cma_calls"] = self.cma.calls
             if fd >= 0:
                 os.close(fd)
             for m in deferred or ():
                 m.close()
         st = res[0]
         if err is None:
-            if st == _ST_OK:
+            if st == ST_OK:
                 return _DONE_OK
-            if st == _ST_FALLBACK or st == _ST_BUSY:
+            if st == ST_FALLBACK or st == ST_BUSY:
                 return None
             err = self._native_error(write, res)
         with self._lock:
@@ -393,18 +451,18 @@ class ShmChannel(Channel):
 
     def _native_error(self, write: bool, res: tuple) -> TransportError:
         st, a, b = res
-        call = f"process_vm_{'writev' if write else 'readv'}(pid={self._pid})"
-        if st == _ST_DEAD:
-            return PeerGone(f"peer process {self._pid} is gone")
-        if st == _ST_CLOSED:
+        call = f"process_vm_{'writev' if write else 'readv'}(pid={self.pid})"
+        if st == ST_DEAD:
+            return PeerGone(f"peer process {self.pid} is gone")
+        if st == ST_CLOSED:
             return PeerGone("peer endpoint closed")
-        if st == _ST_STALE:
+        if st == ST_STALE:
             return Refused(f"remote region {a} is not registered by its owner any more")
-        if st == _ST_CMA:
+        if st == ST_CMA:
             return self._map_exc(CmaError(a, f"{call}: {os.strerror(a)} ({b} bytes moved before)"))
-        if st == _ST_NOPROGRESS:
+        if st == ST_NOPROGRESS:
             return self._map_exc(CmaError(errno.EFAULT, f"{call} made no progress ({a} bytes left)"))
-        if st == _ST_LOCKERR:
+        if st == ST_LOCKERR:
             return self._map_exc(OSError(a, f"locking the peer's slots: {os.strerror(a)}"))
         return Corrupt(f"native shm path returned status {st}")
 
@@ -415,7 +473,7 @@ class ShmChannel(Channel):
             table, rids, rbase = self._table, self._rids, self._rbase
             rkind, rslot, rgen, rmaps = self._rkind, self._rslot, self._rgen, self._rmaps
             rinfo = self._rinfo
-        ops, batch, laddr = self._ep._begin(ops, table)  # Refused before a byte moves
+        ops, batch, laddr = self._ep.begin_batch(ops, table)  # Refused before a byte moves
         small = type(laddr) is list
         try:
             if small:
@@ -434,15 +492,15 @@ class ShmChannel(Channel):
                 batch.maps = maps
                 self._batches.add(batch)
         except BaseException:
-            self._ep._end(batch)
+            self._ep.end_batch(batch)
             raise
-        plan: Union[_Plan, _FewPlan]
+        plan: Union[Plan, FewPlan]
         if small:
-            plan = _FewPlan(ops, laddr, rl, rinfo, used_ids)
+            plan = FewPlan(ops, laddr, rl, rinfo, used_ids)
             if plan.total >= int(self._cfg[OPT_SPLIT]) and int(self._cfg[OPT_THREADS]) > 1:
                 plan = plan.full()  # big enough to split across the copy threads
         else:
-            plan = _Plan(ops, laddr, rbase[pos], rkind[pos], rslot[used], rgen[used], rids[used])
+            plan = Plan(ops, laddr, rbase[pos], rkind[pos], rslot[used], rgen[used], rids[used])
         total = plan.total
         if time.monotonic() >= deadline:
             return self._done(batch, write, plan, TransportTimeout("deadline passed before the batch started"))
@@ -453,35 +511,35 @@ class ShmChannel(Channel):
             except BaseException as exc:  # noqa: BLE001 - every failure becomes the batch's error
                 err = self._map_exc(exc)
             return self._done(batch, write, plan, err)
-        parts = plan.share(int(self._cfg[OPT_THREADS]), int(self._cfg[OPT_CHUNK]), self._cma.iov_max)
+        parts = plan.share(int(self._cfg[OPT_THREADS]), self.chunk_bytes, self.cma.iov_max)
         workers = [(lambda p=p: self._run_mapped(batch, write, p, deadline)) for p in parts]
         # part 0 in this thread, the others on the copy pool (no thread start per batch)
         completion = ThreadCompletion(
             workers, deadline=deadline, abort=lambda: batch.abort(Cancelled("batch aborted")),
             on_done=lambda c: self._done(batch, write, plan,
                                          self._map_exc(c.recorded_error) if c.recorded_error else None),
-            pool=_pool.submit, start=False)
+            pool=copy_pool.submit, start=False)
         batch.completion = completion  # set before any part runs: close() and deregister() fail it
         return completion.start()
 
     def _map_exc(self, exc: BaseException) -> TransportError:
         if isinstance(exc, CmaError):
             if exc.errno == errno.ESRCH or not self._live.alive():
-                return PeerGone(f"peer process {self._pid} is gone")
+                return PeerGone(f"peer process {self.pid} is gone")
             if exc.errno == errno.EPERM:
-                return Refused(f"cross-memory attach to pid {self._pid} not permitted: {exc}")
+                return Refused(f"cross-memory attach to pid {self.pid} not permitted: {exc}")
             return Corrupt(f"cross-memory attach failed: {exc}")
         return map_os_error(exc, what="peer endpoint unreachable", peer_alive=self._live.alive)
 
-    def _done(self, batch: _Batch, write: bool, plan: Union[_Plan, _FewPlan], err: Optional[TransportError]) -> Completion:
-        self._ep._end(batch)
+    def _done(self, batch: PinnedBatch, write: bool, plan: Union[Plan, FewPlan], err: Optional[TransportError]) -> Completion:
+        self._ep.end_batch(batch)
         for m in batch.maps:
             self._release_map(m, pin=True)
         batch.maps = []
         with self._cond:
             self._batches.discard_locked(batch)
             self._stats["batches"] += 1
-            self._stats["cma_calls"] = self._cma.calls
+            self._stats["cma_calls"] = self.cma.calls
             if err is None:
                 key = "written" if write else "read"
                 self._stats[f"bytes_{key}"] += plan.total
@@ -508,40 +566,40 @@ class ShmChannel(Channel):
                 return
         os.close(fd)
 
-    def _check_peer(self, plan: "_AnyPlan", batch: _Batch, deadline: float, *, first: bool) -> None:
+    def check_peer(self, plan: "AnyPlan", batch: PinnedBatch, deadline: float, *, first: bool) -> None:
         """Between chunks: abort, deadline, peer endpoint closed, regions deregistered."""
         if batch.aborted:
             raise batch.why or Cancelled("batch aborted")
         if time.monotonic() >= deadline:
             raise TransportTimeout("batch missed its deadline")
-        if int(self._ctl.hdr[2]) != _OPEN:
+        if int(self._ctl.hdr[2]) != CTL_OPEN:
             raise PeerGone("peer endpoint closed")
-        if type(plan.slots) is list:  # a _FewPlan: a few slots, Python ints
+        if type(plan.slots) is list:  # a FewPlan: a few slots, Python ints
             slots = self._ctl.slots
             for slot, gen, rid in zip(plan.slots, plan.gens, plan.rids):
-                if int(slots[slot, 0]) != _LIVE or int(slots[slot, 1]) != gen:
+                if int(slots[slot, 0]) != SLOT_LIVE or int(slots[slot, 1]) != gen:
                     if first:
                         raise Refused(f"remote region {rid} is not registered by its owner any more")
                     raise Cancelled(f"remote region {rid} was deregistered by its owner")
         elif len(plan.slots):
             st = self._ctl.slots[plan.slots]
-            ok = (st[:, 0] == _LIVE) & (st[:, 1] == plan.gens)
+            ok = (st[:, 0] == SLOT_LIVE) & (st[:, 1] == plan.gens)
             if not ok.all():
                 rid = int(plan.rids[int(np.argmin(ok))])
                 if first:
                     raise Refused(f"remote region {rid} is not registered by its owner any more")
                 raise Cancelled(f"remote region {rid} was deregistered by its owner")
 
-    def _run_mapped(self, batch: _Batch, write: bool, plan: "_Part", deadline: float) -> None:
+    def _run_mapped(self, batch: PinnedBatch, write: bool, plan: "Part", deadline: float) -> None:
         try:
             self._run(batch, write, plan, deadline)
         except BaseException as exc:  # noqa: BLE001 - typed errors reach the completion
             raise self._map_exc(exc) from None
 
-    def _run(self, batch: _Batch, write: bool, plan: "_AnyPlan", deadline: float) -> None:
+    def _run(self, batch: PinnedBatch, write: bool, plan: "AnyPlan", deadline: float) -> None:
         if not self._live.alive():
-            raise PeerGone(f"peer process {self._pid} is gone")
-        if int(self._ctl.hdr[2]) != _OPEN:
+            raise PeerGone(f"peer process {self.pid} is gone")
+        if int(self._ctl.hdr[2]) != CTL_OPEN:
             raise PeerGone("peer endpoint closed")
         if plan.n == 0:
             return
@@ -557,11 +615,11 @@ class ShmChannel(Channel):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportTimeout("batch missed its deadline waiting for the peer's regions")
-                self._check_peer(plan, batch, deadline, first=True)
+                self.check_peer(plan, batch, deadline, first=True)
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 2e-3)
             locked = True
-            self._check_peer(plan, batch, deadline, first=True)
+            self.check_peer(plan, batch, deadline, first=True)
             plan.execute(self, batch, write, deadline)
         finally:
             if locked:

@@ -11,5 +11,5 @@ OPT_CHUNK = "llmdd.shm.chunk_bytes"
 OPT_NATIVE = "llmdd.shm.native"
 #: native batches of at most this many bytes keep the GIL for the copy (no thread hand-off after it)
 OPT_GIL = "llmdd.shm.native_gil_bytes"
-_DEFAULTS: dict[str, Union[int, str]] = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024,
+DEFAULTS: dict[str, Union[int, str]] = {OPT_THREADS: 2, OPT_SPLIT: 8 * 1024 * 1024, OPT_CHUNK: 8 * 1024 * 1024,
                                          OPT_NATIVE: "auto", OPT_GIL: 256 * 1024}

@@ -63,6 +63,6 @@ class _CopyPool:
 
 
 _POOL_MAX = 16
-_pool = _CopyPool()
+copy_pool = _CopyPool()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_pool.after_fork)
+    os.register_at_fork(after_in_child=copy_pool.after_fork)

@@ -1,6 +1,6 @@
 """The shm endpoint (:class:`ShmEndpoint`): owns a control segment, registers regions (one slot each when
 remote-accessible), opens channels to same-host peers and drains readers before a region or the endpoint
-goes; with :class:`_Batch` (one running batch's pins) and the exit handler that unlinks the control
+goes; with the exit handler that unlinks the control
 segments of endpoints never closed."""
 
 from __future__ import annotations
@@ -10,23 +10,24 @@ import ctypes
 import os
 import threading
 import time
-from typing import Any, Mapping as TMapping
+from typing import Any, Mapping as TMapping, Optional, Sequence
 
 import msgspec
 
 from llmdd.abc import Endpoint, EndpointDescriptor, RegionDescriptor
-from llmdd.lowlevel import Batch, Cancelled, MemRegion, RegionRegistry, RegionTable, RegisteredRegion, Refused
+from llmdd.lowlevel import Cancelled, MemRegion, RegionRegistry, RegionTable, RegisteredRegion, Refused
 from llmdd.lowlevel import encode_payload, get_logger, segment_name
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
 from . import _quick, _seg
+from ._batch import PinnedBatch
 from ._channel import ShmChannel
 from ._cma import FEW, Cma, probe_cma
 from ._config import OPT_NATIVE
-from ._format import (_CLOSED, _CTL_SIZE, _DYING, _FREE, _LIVE, _MAGIC, _OPEN, _PROBE_MAGIC, MAX_SLOTS, VERSION,
-                      EndpointFields, RegionFields, _Ctl, _id_words, endpoint_fields)
+from ._format import (CTL_CLOSED, CTL_MAGIC, CTL_OPEN, CTL_SIZE, MAX_SLOTS, PROBE_MAGIC, SLOT_DYING, SLOT_FREE, SLOT_LIVE,
+                      VERSION, CtlView, EndpointFields, RegionFields, endpoint_fields, id_words)
 from ._host import host_identity
-from ._hotpath import _native
+from ._hotpath import native
 
 
 _log = get_logger("llmdd.transport.shm")
@@ -57,22 +58,11 @@ class _LocalReg(RegisteredRegion):
         self.gen = gen
 
 
-class _Batch(Batch):
-    """One running batch: what it pins (local regions, the peer's mapped segments), its abort flag and
-    (split batch) completion; parts check ``aborted`` between chunks."""
-
-    __slots__ = ("maps",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maps: list = []
-
-
 class ShmEndpoint(Endpoint):
     """Owns a control segment; registers regions; opens channels to same-host peers."""
 
     def __init__(self, *, cfg: TMapping[str, Any]) -> None:
-        self._cfg = dict(cfg)
+        self.cfg = dict(cfg)
         self._id = os.urandom(16)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -85,21 +75,21 @@ class ShmEndpoint(Endpoint):
         self._closed = False
         self._cma = Cma()
         self._cma_info = probe_cma()
-        self._native = None if self._cfg.get(OPT_NATIVE) == "off" else _native
+        self.native = None if self.cfg.get(OPT_NATIVE) == "off" else native
         self._nb_count: dict[int, int] = {}  # epoch -> native batches running on that snapshot
         self._qc = _quick.counters()  # the quick path's table version and counters (llmdd_shm._quick)
         self._rebuild(self._regs)
         # int counters, and last_error (str or None)
         self._stats: dict[str, Any] = {"regions": 0, "channels": 0, "batches": 0, "refused": 0, "last_error": None}
         self._ctl_name = segment_name("shmctl", self._id.hex()[:12])
-        self._ctl_map = _seg.create(self._ctl_name, _CTL_SIZE)
+        self._ctl_map = _seg.create(self._ctl_name, CTL_SIZE)
         with _owned_lock:
             _owned_ctl.add(self._ctl_name)
-        self._ctl = _Ctl(self._ctl_map)
-        lo, hi = _id_words(self._id)
-        self._ctl.hdr[:] = [0, VERSION, _OPEN, os.getpid(), lo, hi, MAX_SLOTS, 0]
-        self._ctl.hdr[0] = _MAGIC  # written last: a reader seeing the magic sees the rest
-        self._probe = ctypes.c_uint64(_PROBE_MAGIC ^ lo)
+        self._ctl = CtlView(self._ctl_map)
+        lo, hi = id_words(self._id)
+        self._ctl.hdr[:] = [0, VERSION, CTL_OPEN, os.getpid(), lo, hi, MAX_SLOTS, 0]
+        self._ctl.hdr[0] = CTL_MAGIC  # written last: a reader seeing the magic sees the rest
+        self._probe = ctypes.c_uint64(PROBE_MAGIC ^ lo)
         self._log = _log.bind(endpoint=self._id.hex()[:8])
 
     # ------------------------------------------------------------------ public API
@@ -125,7 +115,7 @@ class ShmEndpoint(Endpoint):
                 s = self._ctl.slots[slot]
                 s[1] = gen
                 s[2] = region.region_id
-                s[0] = _LIVE
+                s[0] = SLOT_LIVE
             if region.remote_accessible and region.backing is None:
                 self._user_regions += 1
             self._regs.add(_LocalReg(region, slot, gen))
@@ -144,7 +134,7 @@ class ShmEndpoint(Endpoint):
 
         def dying(reg: _LocalReg) -> None:   # under the lock, the region already out of the tables
             if reg.slot >= 0:
-                self._ctl.slots[reg.slot][0] = _DYING
+                self._ctl.slots[reg.slot][0] = SLOT_DYING
                 if reg.region.backing is None:
                     self._user_regions -= 1
             self._stats["regions"] = len(self._regs)
@@ -159,7 +149,7 @@ class ShmEndpoint(Endpoint):
         if reg.slot >= 0:
             self._drain_slots(reg.slot, 1)
             with self._lock:
-                self._ctl.slots[reg.slot][0] = _FREE
+                self._ctl.slots[reg.slot][0] = SLOT_FREE
                 self._free_slots.append(reg.slot)
 
     def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "ShmChannel":
@@ -184,7 +174,7 @@ class ShmEndpoint(Endpoint):
                 return
             self._closed = True
             _quick.bump(self._qc)
-            self._ctl.hdr[2] = _CLOSED
+            self._ctl.hdr[2] = CTL_CLOSED
             channels = list(self._channels)
         for ch in channels:
             ch.close()
@@ -217,7 +207,7 @@ class ShmEndpoint(Endpoint):
         self._nb_epoch += 1
         _quick.bump(self._qc)
 
-    def _nbegin(self) -> tuple[tuple, int]:
+    def begin_native(self) -> tuple[tuple, int]:
         """A native batch starts: the local snapshot it uses, and its epoch (see :meth:`deregister`)."""
         with self._lock:
             if self._closed:
@@ -227,7 +217,7 @@ class ShmEndpoint(Endpoint):
             c[e] = c.get(e, 0) + 1
             return self._ntab, e
 
-    def _nend(self, epoch: int, counted: bool) -> None:
+    def end_native(self, epoch: int, counted: bool) -> None:
         """A native batch ended (``counted``: it was not handed to the Python path, which counts it)."""
         with self._cond:
             if counted:
@@ -241,6 +231,21 @@ class ShmEndpoint(Endpoint):
                 if self._regs.waiting:
                     self._cond.notify_all()
 
+    def quick_locals(self, region_ids: Sequence[int]) -> Optional[_quick.QuickTables]:
+        """What a prepared transfer (:meth:`ShmChannel.prepare`) needs of this endpoint, read together under
+        its lock: its counters' address, its table's version and ``(address, size)`` of each of
+        ``region_ids``; None when it is closed, has no C path or one of them is not registered."""
+        with self._lock:
+            if self._closed or self.native is None:
+                return None
+            local = {}
+            for lid in region_ids:
+                reg = self._regs.get(int(lid))
+                if reg is None:
+                    return None
+                local[lid] = (int(reg.region.addr), int(reg.region.size))
+            return _quick.QuickTables(self._qc.ctypes.data, int(self._qc[_quick.QC_VERSION]), local)
+
     def _drain_slots(self, start: int, count: int) -> None:
         """Wait until no reader (any process) holds a shared lock on these slots."""
         try:
@@ -253,10 +258,10 @@ class ShmEndpoint(Endpoint):
         finally:
             os.close(fd)
 
-    def _begin(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, _Batch, np.ndarray]:
+    def begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[np.ndarray, PinnedBatch, np.ndarray]:
         """Validate ``ops`` (both sides) and pin the local regions; return ops, batch, local addrs
         (a list of ints for at most ``FEW`` ops, else a numpy array)."""
-        batch = _Batch()
+        batch = PinnedBatch()
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
@@ -276,9 +281,9 @@ class ShmEndpoint(Endpoint):
             self._stats["batches"] += 1
         return ops, batch, laddr
 
-    def _end(self, batch: _Batch) -> None:
+    def end_batch(self, batch: PinnedBatch) -> None:
         self._regs.unpin(batch)
 
-    def _forget_channel(self, ch: "ShmChannel") -> None:
+    def forget_channel(self, ch: "ShmChannel") -> None:
         with self._lock:
             self._channels.discard(ch)

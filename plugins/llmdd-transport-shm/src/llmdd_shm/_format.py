@@ -15,14 +15,14 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 from . import _seg
 
 VERSION = 1
-_MAGIC = 0x314D48534444_4C4C  # "LLDDSHM1"-ish tag in the header's first word
-_PROBE_MAGIC = 0x6C6C6D6464534850
+CTL_MAGIC = 0x314D48534444_4C4C  # "LLDDSHM1"-ish tag in the header's first word
+PROBE_MAGIC = 0x6C6C6D6464534850
 MAX_SLOTS = 1 << 14
 _HDR_WORDS = 8                      # magic, version, state, pid, id_lo, id_hi, nslots, reserved
 _SLOTS_OFF = 4096
-_CTL_SIZE = _SLOTS_OFF + MAX_SLOTS * 16
-_OPEN, _CLOSED = 1, 2
-_FREE, _LIVE, _DYING = 0, 1, 2
+CTL_SIZE = _SLOTS_OFF + MAX_SLOTS * 16
+CTL_OPEN, CTL_CLOSED = 1, 2
+SLOT_FREE, SLOT_LIVE, SLOT_DYING = 0, 1, 2
 KIND_SHM, KIND_CMA = 0, 1
 
 
@@ -68,7 +68,7 @@ def region_fields(desc: RegionDescriptor) -> RegionFields:
     return decode_payload(desc, transport="shm", version=VERSION, type=RegionFields)
 
 
-class _Ctl:
+class CtlView:
     """numpy views of a mapped control segment (owner's or a peer's mapping)."""
 
     __slots__ = ("mapping", "hdr", "slots")
@@ -80,5 +80,5 @@ class _Ctl:
             (ctypes.c_uint32 * (MAX_SLOTS * 4)).from_address(mapping.addr + _SLOTS_OFF)).reshape(MAX_SLOTS, 4)
 
 
-def _id_words(endpoint_id: bytes) -> tuple[int, int]:
+def id_words(endpoint_id: bytes) -> tuple[int, int]:
     return int.from_bytes(endpoint_id[:8], "little"), int.from_bytes(endpoint_id[8:16], "little")

@@ -1,6 +1,6 @@
 """Facts about this host and its processes: what makes two endpoints "the same host", whether POSIX
-shared memory works, whether a peer process still runs (:class:`_Liveness`), and the ptrace permission
-that cross-memory attach needs (:func:`_allow_same_user_tracers`)."""
+shared memory works, whether a peer process still runs (:class:`Liveness`), and the ptrace permission
+that cross-memory attach needs (:func:`allow_same_user_tracers`)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def host_identity() -> dict:
             "pidns": int(pidns), "ipcns": int(ipcns)}
 
 
-def _dev_shm_usable() -> tuple[bool, str]:
+def dev_shm_usable() -> tuple[bool, str]:
     name = segment_name("shmprobe")
     try:
         m = _seg.create(name, 4096)
@@ -52,25 +52,25 @@ def _dev_shm_usable() -> tuple[bool, str]:
         _seg.unlink(name)
 
 
-class _Liveness:
+class Liveness:
     """Is the peer process still running? pidfd where the kernel has it, else kill(0) + /proc state."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._fd: Optional[int] = None
+        self.fd: Optional[int] = None
         opener = getattr(os, "pidfd_open", None)
         if opener is not None:
             try:
-                self._fd = opener(pid)
+                self.fd = opener(pid)
             except ProcessLookupError:
                 raise PeerGone(f"peer process {pid} does not exist") from None
             except OSError:
-                self._fd = None
+                self.fd = None
         if not self.alive():
             raise PeerGone(f"peer process {pid} is not running")
 
     def alive(self) -> bool:
-        fd = self._fd
+        fd = self.fd
         if fd is not None:
             try:
                 r, _, _ = select.select([fd], [], [], 0)
@@ -90,7 +90,7 @@ class _Liveness:
         return True
 
     def close(self) -> None:
-        fd, self._fd = self._fd, None
+        fd, self.fd = self.fd, None
         if fd is not None:
             os.close(fd)
 
@@ -99,7 +99,7 @@ _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = (1 << 64) - 1
 
 
-def _allow_same_user_tracers() -> None:
+def allow_same_user_tracers() -> None:
     """With Yama ``ptrace_scope=1`` only ancestors may attach to a process, so two engines started
     separately could not use cross-memory attach on each other.  An engine that opens an shm
     endpoint declares, with ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``, that processes of the

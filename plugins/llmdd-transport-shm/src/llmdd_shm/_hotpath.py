@@ -26,15 +26,15 @@ def _load_native() -> tuple[Any, str]:
     return _shmfast, ""
 
 
-_native, NATIVE_REASON = _load_native()
+native, NATIVE_REASON = _load_native()
 
 # statuses of _shmfast.batch / copy (see _shmfast.c)
-_ST_OK, _ST_FALLBACK, _ST_BUSY, _ST_CLOSED, _ST_STALE, _ST_CMA, _ST_NOPROGRESS, _ST_DEAD, _ST_LOCKERR = range(9)
+ST_OK, ST_FALLBACK, ST_BUSY, ST_CLOSED, ST_STALE, ST_CMA, ST_NOPROGRESS, ST_DEAD, ST_LOCKERR = range(9)
 
 
 def data_path() -> dict:
     """Which data path this process's shm batches take: ``{"native": bool, "path": str, "reason": str}``."""
-    if _native is not None:
+    if native is not None:
         return {"native": True, "path": f"C extension (llmdd_shm._shmfast, ABI {NATIVE_ABI}): small blocks "
                                         f"transfers in one call, other batches in one call per chunk",
                 "reason": ""}

@@ -1,6 +1,6 @@
-"""A validated shm batch as a copy plan: :class:`_Plan` (numpy address arrays: coalesced, capped),
-:class:`_Shared` (its chunks, which one or more copy threads take in turn; :class:`_Part` is one
-thread's view) and :class:`_FewPlan` (a few ops as Python ints, the latency path), with the array
+"""A validated shm batch as a copy plan: :class:`Plan` (numpy address arrays: coalesced, capped),
+:class:`_Shared` (its chunks, which one or more copy threads take in turn; :class:`Part` is one
+thread's view) and :class:`FewPlan` (a few ops as Python ints, the latency path), with the array
 helpers :func:`_cap` and :func:`_bounds`."""
 
 from __future__ import annotations
@@ -9,23 +9,38 @@ import ctypes
 import errno
 import itertools
 import os
-from typing import TYPE_CHECKING, Union
+from typing import Any, Protocol, Union
 
 from llmdd.lowlevel import copy_runs
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from ._cma import IOV_MAX, CmaError, iovecs
-from ._config import OPT_CHUNK
+from ._batch import PinnedBatch
+from ._cma import IOV_MAX, Cma, CmaError, iovecs
 from ._format import KIND_CMA, KIND_SHM
-from ._hotpath import _ST_CMA, _ST_NOPROGRESS
+from ._hotpath import ST_CMA, ST_NOPROGRESS
 
 
-if TYPE_CHECKING:  # annotations only: the channel runs the plans
-    from ._channel import ShmChannel
-    from ._endpoint import _Batch
+class PlanChannel(Protocol):
+    """What a plan uses of the channel that runs it (:class:`~llmdd_shm._channel.ShmChannel`): the peer's
+    pid, the cross-memory-attach caller, the C hot path (or None), the chunk size, and the peer check a
+    plan runs between chunks."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def cma(self) -> Cma: ...
+
+    @property
+    def native(self) -> Any: ...
+
+    @property
+    def chunk_bytes(self) -> int: ...
+
+    def check_peer(self, plan: "AnyPlan", batch: PinnedBatch, deadline: float, *, first: bool) -> None: ...
 
 
-class _Plan:
+class Plan:
     """A validated batch as address arrays: mapped-segment runs and CMA iovecs, chunked."""
 
     __slots__ = ("n", "total", "slots", "gens", "rids", "slot_range", "mlocal", "mremote", "mlen",
@@ -68,15 +83,15 @@ class _Plan:
         self.n = len(self.mlen) + len(self.clen)
         self.total = int(self.mlen.sum(dtype=np.uint64)) + int(self.clen.sum(dtype=np.uint64))
 
-    def share(self, parts: int, chunk: int, iov_max: int) -> list["_Part"]:
+    def share(self, parts: int, chunk: int, iov_max: int) -> list["Part"]:
         """``parts`` workers' views of one :class:`_Shared` list of this plan's chunks (each worker
         takes the next chunk not yet taken, so the threads finish together however fast each runs)."""
         sh = _Shared(self, chunk, iov_max, parts)
-        return [_Part(sh) for _ in range(max(1, min(parts, len(sh.tasks))))]
+        return [Part(sh) for _ in range(max(1, min(parts, len(sh.tasks))))]
 
-    def execute(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
+    def execute(self, ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         """Every chunk in this thread, the peer checked between chunks."""
-        _Part(_Shared(self, int(ch._cfg[OPT_CHUNK]), ch._cma.iov_max, 1)).execute(ch, batch, write, deadline)
+        Part(_Shared(self, ch.chunk_bytes, ch.cma.iov_max, 1)).execute(ch, batch, write, deadline)
 
 
 class _Shared:
@@ -92,7 +107,7 @@ class _Shared:
 
     __slots__ = ("plan", "tasks", "take", "m", "c", "exhausted")
 
-    def __init__(self, plan: _Plan, chunk: int, iov_max: int, parts: int) -> None:
+    def __init__(self, plan: Plan, chunk: int, iov_max: int, parts: int) -> None:
         self.plan = plan
         m = _cap(plan.mlocal, plan.mremote, plan.mlen, chunk)
         c = _cap(plan.clocal, plan.cremote, plan.clen, chunk)
@@ -106,9 +121,9 @@ class _Shared:
         self.take = itertools.count().__next__
         self.exhausted = False  # a worker found every chunk taken (a later one returns without locking)
 
-    def run(self, part: "_Part", ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
+    def run(self, part: "Part", ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         tasks, n = self.tasks, len(self.tasks)
-        nat = ch._native
+        nat = ch.native
         first = True
         while True:
             k = self.take()
@@ -116,7 +131,7 @@ class _Shared:
                 self.exhausted = True
                 return
             if not first:
-                ch._check_peer(part, batch, deadline, first=False)
+                ch.check_peer(part, batch, deadline, first=False)
             first = False
             kind, s, e, nbytes = tasks[k]
             if kind == 0:
@@ -131,26 +146,26 @@ class _Shared:
                 self._cma(part, ch, batch, write, deadline, s, e)
             part.moved += nbytes
 
-    def _cma(self, part: "_Part", ch: ShmChannel, batch: _Batch, write: bool, deadline: float, s: int, e: int) -> None:
+    def _cma(self, part: "Part", ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float, s: int, e: int) -> None:
         liov, riov = self.c
-        nat = ch._native
+        nat = ch.native
         if nat is None:
-            ch._cma.transfer(ch._pid, liov[s:e], riov[s:e], write=write,
-                             between=lambda: ch._check_peer(part, batch, deadline, first=False))
+            ch.cma.transfer(ch.pid, liov[s:e], riov[s:e], write=write,
+                             between=lambda: ch.check_peer(part, batch, deadline, first=False))
             return
         # one C call per chunk (short transfers resumed inside it)
-        st, a, b = nat.copy(int(write), ch._pid, KIND_CMA, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
-        call = f"process_vm_{'writev' if write else 'readv'}(pid={ch._pid})"
-        if st == _ST_CMA:
-            ch._cma.calls += 1
+        st, a, b = nat.copy(int(write), ch.pid, KIND_CMA, liov[s:e].ctypes.data, riov[s:e].ctypes.data, e - s)
+        call = f"process_vm_{'writev' if write else 'readv'}(pid={ch.pid})"
+        if st == ST_CMA:
+            ch.cma.calls += 1
             raise CmaError(a, f"{call}: {os.strerror(a)}")
-        if st == _ST_NOPROGRESS:
-            ch._cma.calls += 1
+        if st == ST_NOPROGRESS:
+            ch.cma.calls += 1
             raise CmaError(errno.EFAULT, f"{call} made no progress ({a} bytes left)")
-        ch._cma.calls += b
+        ch.cma.calls += b
 
 
-class _Part:
+class Part:
     """One worker's view of a :class:`_Shared` plan: the plan's slots for the peer checks, ``n`` the
     chunks not yet taken by anyone (0: the worker returns without locking), ``moved`` its bytes (the
     batch's totals stay the plan's)."""
@@ -167,14 +182,14 @@ class _Part:
     def n(self) -> int:
         return 0 if self.sh.exhausted else len(self.sh.tasks)
 
-    def execute(self, ch: ShmChannel, batch: _Batch, write: bool, deadline: float) -> None:
+    def execute(self, ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
         self.sh.run(self, ch, batch, write, deadline)
 
 
-class _FewPlan:
+class FewPlan:
     """A validated batch of at most ``FEW`` ops as Python ints (the latency path).
 
-    Same contract as :class:`_Plan` (``n``, ``total``, ``slots`` / ``gens`` / ``rids`` of the remote
+    Same contract as :class:`Plan` (``n``, ``total``, ``slots`` / ``gens`` / ``rids`` of the remote
     regions, ``slot_range``, ``execute``), without numpy's fixed per-call costs: mapped-segment ops
     are ``memmove``d, CMA ops go into one ``process_vm_readv`` / ``writev`` with reused ctypes
     iovecs. Ops larger than the chunk size, or a split across threads, go through :meth:`full`.
@@ -202,12 +217,12 @@ class _FewPlan:
         self.slot_range = (min(self.slots), max(self.slots) + 1) if self.slots else (0, 1)
         self._args = (ops, laddr, rl, rinfo)
 
-    def full(self) -> "_Plan":
-        """The same batch as a numpy :class:`_Plan` (chunking, splitting)."""
+    def full(self) -> "Plan":
+        """The same batch as a numpy :class:`Plan` (chunking, splitting)."""
         ops, laddr, rl, rinfo = self._args
         info = [rinfo[r] for r in rl]
         ids = self.rids
-        return _Plan(ops, np.asarray(laddr, np.uint64), np.asarray([i[0] for i in info], np.uint64),
+        return Plan(ops, np.asarray(laddr, np.uint64), np.asarray([i[0] for i in info], np.uint64),
                      np.asarray([i[1] for i in info], np.uint8),
                      np.asarray([rinfo[r][2] for r in ids], np.int64),
                      np.asarray([rinfo[r][3] for r in ids], np.uint32), np.asarray(ids, np.int64))
@@ -215,8 +230,8 @@ class _FewPlan:
     def share(self, parts: int, chunk: int, iov_max: int) -> list:
         return self.full().share(parts, chunk, iov_max)
 
-    def execute(self, ch: "ShmChannel", batch: _Batch, write: bool, deadline: float) -> None:
-        chunk = int(ch._cfg[OPT_CHUNK])
+    def execute(self, ch: PlanChannel, batch: PinnedBatch, write: bool, deadline: float) -> None:
+        chunk = ch.chunk_bytes
         if any(n > chunk for _, _, n in self.mm) or any(n > chunk for _, _, n in self.cm) \
                 or sum(n for _, _, n in self.mm) > chunk or sum(n for _, _, n in self.cm) > chunk:
             self.full().execute(ch, batch, write, deadline)  # checks between chunks
@@ -230,15 +245,15 @@ class _FewPlan:
                     mm(la, ra, n)
         if self.cm:
             if self.mm:
-                ch._check_peer(self, batch, deadline, first=False)
+                ch.check_peer(self, batch, deadline, first=False)
             cm = self.cm
-            ch._cma.transfer_few(ch._pid, [c[0] for c in cm], [c[1] for c in cm], [c[2] for c in cm], write=write,
-                                 between=lambda: ch._check_peer(self, batch, deadline, first=False))
+            ch.cma.transfer_few(ch.pid, [c[0] for c in cm], [c[1] for c in cm], [c[2] for c in cm], write=write,
+                                 between=lambda: ch.check_peer(self, batch, deadline, first=False))
 
 
 #: a batch's plan, or one copy thread's part of a shared one (what a copy thread uses: n, slots / gens /
 #: rids, slot_range, execute; a whole plan also has total)
-_AnyPlan = Union[_Plan, _FewPlan, _Part]
+AnyPlan = Union[Plan, FewPlan, Part]
 
 
 def _cap(la: np.ndarray, ra: np.ndarray, ln: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,8 +2,10 @@
 
 The engine plans a call shape once (which local and remote region each tensor pair uses, the block
 size, the two caches' block counts, the direction) and asks the channel for a *prepared transfer* (the seam's ``Channel.prepare``):
-:func:`prepare` resolves the regions against the endpoint's and the channel's current tables and
-packs what ``_shmfast.quick`` needs (bases, sizes, the peer's slots and generations, the lock range,
+:meth:`ShmChannel.prepare <llmdd_shm._channel.ShmChannel.prepare>` resolves the regions against the
+endpoint's table (:meth:`ShmEndpoint.quick_locals <llmdd_shm._endpoint.ShmEndpoint.quick_locals>`, under the
+endpoint's lock) and its own (under its lock), each as a :class:`QuickTables`, and :func:`pack_plan` packs
+what ``_shmfast.quick`` needs (bases, sizes, the peer's slots and generations, the lock range,
 the pidfd, a lock fd, the two tables' versions and the addresses of the counters it bumps) into one
 ``bytes``.  A call then hands the C function that plan and the two block lists; it returns the bytes
 moved, or a negative status when it did not do the transfer (a block out of range, a table changed
@@ -21,14 +23,10 @@ GIL by this path (OFD locks belong to the open file description: no other batch 
 
 from __future__ import annotations
 
-import functools
 import struct
-from typing import Any, Callable, Optional, Sequence
+from typing import NamedTuple, Sequence
 
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
-
-from . import _seg
-from ._format import KIND_CMA
 
 #: the C side's header: magic, ep_ctr, ep_ver, ch_ctr, ch_ver, ctl_addr, write, pid, pidfd, lock_fd,
 #: bs, su, du, npairs, nslots, iov_max, max_bytes, slot_lo, slot_hi (see _shmfast.c, qhdr_t)
@@ -67,56 +65,29 @@ def merged(stats: dict, qc: np.ndarray, *, channel: bool) -> dict:
     return stats
 
 
-def prepare(ch: Any, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int, dst_units: int,
-               push: bool) -> Optional[Callable[[Any, Any], int]]:
-    """``f(src_blocks, dst_blocks) -> bytes moved, or < 0: not done, take the ops path`` for this shape
-    on channel ``ch``, or None when the C path cannot take it (no extension, no pidfd, a region not in
-    the tables now, too many pairs, a block larger than the single-call limit)."""
-    nat = ch._native
-    quick = getattr(nat, "quick", None)
-    if quick is None or ch._pidfd < 0 or not 0 < len(pairs) <= nat.QUICK_MAX_PAIRS:
-        return None
-    bs, su, du = int(block_bytes), int(src_units), int(dst_units)
-    max_bytes = min(int(ch._nlimit), int(ch._ngil))
-    if bs <= 0 or su <= 0 or du <= 0 or bs > max_bytes:
-        return None
-    ep = ch._ep
-    with ep._lock:   # the local table and its version together
-        if ep._closed or ep._native is None:
-            return None
-        ep_ver = int(ep._qc[QC_VERSION])
-        local = {}
-        for lid, _ in pairs:
-            reg = ep._regs.get(int(lid))
-            if reg is None:
-                return None
-            local[lid] = (int(reg.region.addr), int(reg.region.size))
-    with ch._lock:   # the remote table, its version and the channel's lock fd together
-        if ch._batches.closed:
-            return None
-        remote = {}
-        for _, rid in pairs:
-            rem = ch._remote.get(int(rid))
-            if rem is None or not rem.accessible or rem.slot < 0 or (rem.kind == KIND_CMA and not ch._cma_ok):
-                return None
-            remote[rid] = (int(rem.base), int(rem.size), int(rem.kind), int(rem.slot), int(rem.gen))
-        ch_ver = int(ch._qc[QC_VERSION])
-        if ch._qfd < 0:
-            try:
-                ch._qfd = _seg.open_fd(ch._ctl_name)
-            except OSError:
-                return None
-        fd = ch._qfd
+class QuickTables(NamedTuple):
+    """One side's part of a plan, read under its owner's lock: the address of its counters (word
+    :data:`QC_VERSION` the version the C call compares), that version now, and its regions as
+    ``region id -> tuple`` (local: ``(address, size)``; remote: ``(base, size, kind, slot, generation)``)."""
+
+    counters_addr: int
+    version: int
+    regions: dict
+
+
+def pack_plan(pairs: Sequence[tuple[int, int]], local: QuickTables, remote: QuickTables, *, ctl_addr: int,
+              push: bool, pid: int, pidfd: int, lock_fd: int, block_bytes: int, src_units: int, dst_units: int,
+              iov_max: int, max_bytes: int) -> bytes:
+    """The plan ``_shmfast.quick`` takes for one shape (header, one row per pair, the peer's slots)."""
     body = []
     slots: dict[int, int] = {}
     for lid, rid in pairs:
-        laddr, lsize = local[lid]
-        raddr, rsize, kind, slot, gen = remote[rid]
+        laddr, lsize = local.regions[lid]
+        raddr, rsize, kind, slot, gen = remote.regions[rid]
         body.append(_PAIR.pack(laddr, lsize, raddr, rsize, kind))
         slots.setdefault(slot, gen)
     slot_lo, slot_hi = min(slots), max(slots) + 1
-    head = _HDR.pack(QUICK_MAGIC, ep._qc.ctypes.data, ep_ver, ch._qc.ctypes.data, ch_ver, int(ch._ctl_addr),
-                     int(bool(push)), int(ch._pid), int(ch._pidfd), int(fd), bs, su, du, len(pairs), len(slots),
-                     int(ch._iov_max), max_bytes, slot_lo, slot_hi)
-    plan = head + b"".join(body) + b"".join(_SLOT.pack(s, g) for s, g in sorted(slots.items()))
-    return functools.partial(quick, plan)
+    head = _HDR.pack(QUICK_MAGIC, local.counters_addr, local.version, remote.counters_addr, remote.version,
+                     int(ctl_addr), int(bool(push)), int(pid), int(pidfd), int(lock_fd), block_bytes, src_units,
+                     dst_units, len(pairs), len(slots), int(iov_max), max_bytes, slot_lo, slot_hi)
+    return head + b"".join(body) + b"".join(_SLOT.pack(s, g) for s, g in sorted(slots.items()))

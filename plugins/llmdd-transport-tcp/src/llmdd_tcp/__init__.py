@@ -95,9 +95,9 @@ from llmdd.plugin import hookimpl
 from ._channel import TcpChannel
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields, region_fields
 from ._endpoint import TcpEndpoint
-from ._io import _WINDOW
+from ._io import WINDOW
 from ._native import ENV_NATIVE, NATIVE_ABI, NATIVE_REASON, data_path, native
-from ._options import _DEFAULTS, OPT_NATIVE
+from ._options import DEFAULTS, OPT_NATIVE
 from ._wire import VERSION
 
 __all__ = ["TcpTransport", "TcpEndpoint", "TcpChannel", "EndpointFields", "RegionFields", "endpoint_fields",
@@ -123,11 +123,11 @@ class TcpTransport(Transport):
         if not hasattr(socket.socket, "recvmsg_into"):
             return TransportInfo(name=cls.name, available=False, reason="socket.recvmsg_into is not available")
         return TransportInfo(name=cls.name, available=True, reason="",
-                             details={"version": VERSION, "window": _WINDOW, "data_path": data_path()})
+                             details={"version": VERSION, "window": WINDOW, "data_path": data_path()})
 
     def __init__(self, options: Mapping[str, str]) -> None:
         super().__init__(options)
-        self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+        self._cfg = {k: type(v)(self.options.get(k, v)) for k, v in DEFAULTS.items()}
         mode = str(self._cfg[OPT_NATIVE]).strip().lower()
         if mode not in ("auto", "on", "off"):
             raise Refused(f"{OPT_NATIVE} must be auto, on or off, got {self._cfg[OPT_NATIVE]!r}")

@@ -12,7 +12,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from llmdd.abc import CAPABILITY_BYTES, Endpoint, EndpointDescriptor, RegionDescriptor
 from llmdd.lowlevel import EVENT_READ, Batch, Cancelled, Corrupt, IoLoop, MemRegion, PeerGone, Refused, RegionRegistry
@@ -20,19 +20,19 @@ from llmdd.lowlevel import TransportTimeout
 from llmdd.lowlevel import RegionTable, RegisteredRegion, TlsConfig, encode_payload, get_logger
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from ._channel import TcpChannel, _Batch
+from ._channel import TcpChannel
 from ._descriptors import EndpointFields, RegionFields, endpoint_fields
-from ._few import FEW_OPS, discard_payload, serve_few
-from ._grants import _Grant, _handle, _mac
-from ._io import _OK_HEAD, _OK_HEAD_PADDED, _cut_tail, _move, _sendmsg_all, _Where
+from ._few import FEW_OPS, discard_payload, refusal, serve_few
+from ._grants import Grant, grant_handle, mac
+from ._io import OK_HEAD, OK_HEAD_PADDED, cut_tail, move, sendmsg_all, Where
 from ._native import native
 from ._options import OPT_LINGER, OPT_MAX_PENDING, OPT_MAX_PENDING_PER_ADDRESS, OPT_PENDING_TIMEOUT, OPT_SEGMENT
 from ._options import OPT_NATIVE, OPT_SERVER_SEND_TIMEOUT, OPT_SERVER_WORKERS, OPT_SPIN
 from ._request import read_request
-from ._server import _ServerConn
-from ._sock import SPIN_SKIP_MAX, _close, _map_exc, _region_view, _set_timeouts, _shutdown, _tune, _wait_readable
-from ._sock import _waitall
-from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, _send_rsp
+from ._server import PendingStreams, ServerConn
+from ._sock import SPIN_SKIP_MAX, StreamBatch, close_sock, map_exc, region_view, set_timeouts, shutdown_sock, tune
+from ._sock import wait_readable, waitall
+from ._wire import F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, VERSION, send_rsp
 
 _log = get_logger("llmdd.transport.tcp")
 
@@ -53,7 +53,7 @@ class _Reg(RegisteredRegion):
 
     def __init__(self, region: MemRegion) -> None:
         super().__init__(region)
-        self.view = _region_view(int(region.addr), int(region.size))
+        self.view = region_view(int(region.addr), int(region.size))
 
 
 class TcpEndpoint(Endpoint):
@@ -64,10 +64,10 @@ class TcpEndpoint(Endpoint):
     def __init__(self, *, host: str, secret: Union[bytes, None], cfg: Mapping[str, Any],
                  tls: Union[TlsConfig, None] = None) -> None:
         self._host = host
-        self._secret = secret
-        self._tls = tls
-        self._cfg = dict(cfg)
-        self._id = os.urandom(16)
+        self.secret = secret
+        self.tls = tls
+        self.cfg = dict(cfg)
+        self.endpoint_id = os.urandom(16)
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._regs: RegionRegistry[_Reg] = RegionRegistry(self._cond)
@@ -77,14 +77,13 @@ class TcpEndpoint(Endpoint):
         # the C path's mirror of the served regions, their pins and its counters (llmdd_tcp._tcpfast): small
         # requests on plain streams are served there, without Python per request; None: the Python path
         self._fast = native.Table() if native is not None and tls is None and cfg.get(OPT_NATIVE) != "off" else None
-        self._eager_max = int(self._cfg[OPT_SEGMENT])   # the most a refused eager write's payload is read to drop
-        self._server_conns: dict[socket.socket, _ServerConn] = {}
-        self._pending: dict[_ServerConn, None] = {}
-        self._pending_by_ip: dict[str, int] = {}
+        self.eager_max = int(self.cfg[OPT_SEGMENT])   # the most a refused eager write's payload is read to drop
+        self._server_conns: dict[socket.socket, ServerConn] = {}
+        self._pending = PendingStreams()
         self._serving: dict[int, tuple[socket.socket, frozenset]] = {}
         self._channels: set[TcpChannel] = set()
-        self._grants: dict[int, _Grant] = {}
-        self._by_handle: dict[bytes, _Grant] = {}
+        self._grants: dict[int, Grant] = {}
+        self._by_handle: dict[bytes, Grant] = {}
         self._revoked: set[int] = set()
         self._direct = secrets.token_bytes(CAPABILITY_BYTES)
         self._links_only = False
@@ -100,21 +99,21 @@ class TcpEndpoint(Endpoint):
         self._lsock.listen(128)
         self._lsock.setblocking(False)
         self._port = self._lsock.getsockname()[1]
-        self._log = _log.bind(endpoint=self._id.hex()[:8], port=self._port)
-        self._linger = max(0.0, float(self._cfg[OPT_LINGER]) / 1000.0)
-        self._spin = max(0.0, float(self._cfg[OPT_SPIN]) / 1e6)
-        self._pending_s = max(1, int(self._cfg[OPT_PENDING_TIMEOUT])) / 1000.0
+        self.log = _log.bind(endpoint=self.endpoint_id.hex()[:8], port=self._port)
+        self._linger = max(0.0, float(self.cfg[OPT_LINGER]) / 1000.0)
+        self.spin_s = max(0.0, float(self.cfg[OPT_SPIN]) / 1e6)
+        self.pending_s = max(1, int(self.cfg[OPT_PENDING_TIMEOUT])) / 1000.0
         self._last_accept_warning = 0.0
         self._on_listener_failed: list = []
-        self._io = IoLoop(f"tcp-{self._port}", workers=max(1, int(self._cfg[OPT_SERVER_WORKERS])))
-        self._io.on_dead(lambda exc: self._listener_dead(f"the endpoint's I/O loop stopped: {exc!r}"))
-        self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
+        self.loop = IoLoop(f"tcp-{self._port}", workers=max(1, int(self.cfg[OPT_SERVER_WORKERS])))
+        self.loop.on_dead(lambda exc: self._listener_dead(f"the endpoint's I/O loop stopped: {exc!r}"))
+        self.loop.set_events(self._lsock, EVENT_READ, self._on_accept)
 
     # ------------------------------------------------------------------ public API
 
     def describe(self) -> EndpointDescriptor:
-        fields = EndpointFields(host=self._host, port=self._port, endpoint_id=self._id,
-                                auth=self._secret is not None, tls=self._tls is not None, pid=os.getpid(),
+        fields = EndpointFields(host=self._host, port=self._port, endpoint_id=self.endpoint_id,
+                                auth=self.secret is not None, tls=self.tls is not None, pid=os.getpid(),
                                 hostname=socket.gethostname())
         with self._lock:
             # not serving links only: the description itself opens the port
@@ -127,7 +126,7 @@ class TcpEndpoint(Endpoint):
     # ------------------------------------------------------------------ grants
 
     def _install(self, link_id: int, cap: bytes, regions: Union[frozenset, None]) -> None:
-        grant = _Grant(link_id, cap, self._secret, regions)
+        grant = Grant(link_id, cap, self.secret, regions)
         self._grants[link_id] = grant
         self._by_handle[grant.handle] = grant
 
@@ -146,7 +145,7 @@ class TcpEndpoint(Endpoint):
             if self._closed or link_id in self._revoked:
                 return
             old = self._grants.get(link_id)
-            if old is not None and hmac.compare_digest(old.handle, _handle(capability)):
+            if old is not None and hmac.compare_digest(old.handle, grant_handle(capability)):
                 old.set_regions(ids)
                 self._bump_fast()   # the C path serves no stream of it on the old regions from now on
                 return
@@ -171,7 +170,7 @@ class TcpEndpoint(Endpoint):
             self._stats["grants_revoked"] += 1
             conns = list(grant.conns)
         for conn in conns:      # idle ones see the end of stream on the loop, served ones fail in the worker
-            _shutdown(conn.sock)
+            shutdown_sock(conn.sock)
         with self._cond:
             self._regs.waiting += 1   # (counted: a request ending notifies the condition only then)
             try:
@@ -188,7 +187,7 @@ class TcpEndpoint(Endpoint):
             self._qver += 1
             if self._fast is not None and region.remote_accessible:
                 self._fast.add(region.region_id, int(region.addr), int(region.size))
-        fields = RegionFields(endpoint_id=self._id, region_id=region.region_id, size=region.size,
+        fields = RegionFields(endpoint_id=self.endpoint_id, region_id=region.region_id, size=region.size,
                               remote_accessible=region.remote_accessible)
         return RegionDescriptor(transport="tcp", version=VERSION, payload=encode_payload(fields))
 
@@ -197,7 +196,7 @@ class TcpEndpoint(Endpoint):
             self._qver += 1   # and the quick plans naming it are void
             for sock, regions in list(self._serving.values()):
                 if region_id in regions:
-                    _shutdown(sock)
+                    shutdown_sock(sock)
             if self._fast is not None:
                 self._fast.remove(region_id)   # the C path's too (the streams it serves it on shut down)
         # cancel the batches touching it, then drain: wait until no batch or request pins it
@@ -213,8 +212,8 @@ class TcpEndpoint(Endpoint):
             ch = TcpChannel(self, fields, peer.capability)
         except (KeyError, TypeError, ValueError) as exc:
             raise Refused(f"bad tcp endpoint description: {exc!r}") from None
-        sock = ch._open_stream(time.monotonic() + timeout)
-        ch._release(sock)
+        sock = ch.open_stream(time.monotonic() + timeout)
+        ch.release(sock)
         with self._lock:
             if self._closed:
                 ch.close()
@@ -234,21 +233,21 @@ class TcpEndpoint(Endpoint):
                 grant.alive = False
             self._grants.clear()
             self._by_handle.clear()
-        _shutdown(self._lsock)
+        shutdown_sock(self._lsock)
         lsock = self._lsock
 
         def forget_and_close() -> None:
-            self._io.forget(lsock)
-            _close(lsock)
-        self._io.call_soon(forget_and_close)
+            self.loop.forget(lsock)
+            close_sock(lsock)
+        self.loop.call_soon(forget_and_close)
         for ch in channels:
             ch.close()
         for sock, conn in conns:
-            _shutdown(sock)
-            self._io.call_soon(conn.release)
+            shutdown_sock(sock)
+            self.loop.call_soon(conn.release)
         if self._fast is not None:
             self._fast.close()   # the streams the C path serves shut down, its pins drained
-        self._io.close()   # joins the loop and the workers (each ends its stream: shut down above)
+        self.loop.close()   # joins the loop and the workers (each ends its stream: shut down above)
         self._regs.close()   # what is left: cancel, then drain
 
     def statistics(self) -> dict:
@@ -263,24 +262,57 @@ class TcpEndpoint(Endpoint):
                 stats["requests_native"] = requests
             return dict(stats, regions=len(self._regs), port=self._port, closed=self._closed,
                         native=self._fast is not None,
-                        tls=self._tls is not None,
+                        tls=self.tls is not None,
                         open_connections=len(self._server_conns), pending_connections=len(self._pending),
-                        threads=self._io.threads())
+                        threads=self.loop.threads())
 
     # ------------------------------------------------------------------ shared with channels
 
-    def _begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[_Batch, _Where]:
+    def begin_batch(self, ops: np.ndarray, remote: RegionTable) -> tuple[StreamBatch, Where]:
         """Validate ops and pin their local regions (deregister waits for the pin)."""
-        batch = _Batch()
+        batch = StreamBatch()
         with self._lock:
             if self._closed:
                 raise Cancelled("endpoint is closed")
             self._regs.pin(ops, remote, batch)
             regs = self._regs
-            where = _Where(regs.ids, regs.addrs)   # the snapshot holds the pinned regions
+            where = Where(regs.ids, regs.addrs)   # the snapshot holds the pinned regions
         return batch, where
 
-    def _end_batch(self, batch: _Batch) -> None:
+    def pin_prepared(self, batch: StreamBatch, version: int) -> bool:
+        """Pin ``batch.regions`` for a one-call transfer (:mod:`llmdd_tcp._quick`) as :meth:`begin_batch` pins
+        a batch's, when the region table is still at ``version`` (its plan's); False (nothing pinned) when it
+        changed or the endpoint closed."""
+        with self._lock:
+            regs = self._regs
+            if self._qver != version or self._closed or regs.closed:
+                return False
+            regs.pin_entries(batch, batch.regions)
+            regs.batches.add(batch)
+            return True
+
+    def prepared_locals(self, region_ids: Sequence[int], min_size: int) -> Optional[tuple[int, dict, dict]]:
+        """``(table version, {region id: writable view}, {region id: address})`` of ``region_ids`` now, read
+        together under the lock, when each is registered and at least ``min_size`` bytes (a plan of
+        :func:`llmdd_tcp._quick.prepare`); None otherwise or once closed."""
+        views, bases = {}, {}
+        with self._lock:   # the local table and its version together
+            if self._closed:
+                return None
+            for lid in region_ids:
+                entry = self._regs.get(lid)
+                if entry is None or entry.region.size < min_size:
+                    return None
+                views[lid] = entry.view
+                bases[lid] = int(entry.region.addr)
+            return self._qver, views, bases
+
+    @property
+    def native(self) -> bool:
+        """Whether this endpoint uses the C path (``llmdd_tcp._tcpfast``): loaded, enabled, no TLS."""
+        return self._fast is not None
+
+    def end_batch(self, batch: StreamBatch) -> None:
         with self._lock:   # (the lock of the registry's condition: a plain lock is cheaper to enter)
             self._regs.unpin_locked(batch)   # a deregistered _Reg is still counted down: its drain waits on it
 
@@ -289,7 +321,7 @@ class TcpEndpoint(Endpoint):
         if self._fast is not None:
             self._fast.bump()
 
-    def _forget_channel(self, ch: "TcpChannel") -> None:
+    def forget_channel(self, ch: "TcpChannel") -> None:
         with self._lock:
             self._channels.discard(ch)
 
@@ -307,7 +339,7 @@ class TcpEndpoint(Endpoint):
                     return
                 if exc.errno in (errno.EBADF, errno.EINVAL, errno.ENOTSOCK):
                     # the listening socket itself is gone: logged once, counted, never silent
-                    self._io.forget(self._lsock)
+                    self.loop.forget(self._lsock)
                     self._listener_dead(str(exc))
                     return
                 self._accept_trouble(exc)
@@ -333,12 +365,12 @@ class TcpEndpoint(Endpoint):
                 return
             self._stats["listener_failed"] = error
             callbacks, self._on_listener_failed = self._on_listener_failed, []
-        self._log.error("llmdd.transport.tcp.listener_failed", error=error)
+        self.log.error("llmdd.transport.tcp.listener_failed", error=error)
         for cb in callbacks:
             try:
                 cb(error)
             except Exception as exc:  # noqa: BLE001 - the owner's bug never hides the failure
-                self._log.error("llmdd.transport.tcp.listener_failed_callback", error=repr(exc))
+                self.log.error("llmdd.transport.tcp.listener_failed_callback", error=repr(exc))
 
     def _accept_trouble(self, exc: BaseException) -> None:
         with self._lock:
@@ -347,80 +379,78 @@ class TcpEndpoint(Endpoint):
         now = time.monotonic()
         if now - self._last_accept_warning > 5.0:
             self._last_accept_warning = now
-            self._log.warning("llmdd.transport.tcp.accept_failed", error=repr(exc))
+            self.log.warning("llmdd.transport.tcp.accept_failed", error=repr(exc))
         # out of descriptors: the connection stays in the backlog; pause instead of spinning
-        self._io.set_events(self._lsock, 0, self._on_accept)
-        self._io.call_later(_ACCEPT_PAUSE_S, self._resume_accept)
+        self.loop.set_events(self._lsock, 0, self._on_accept)
+        self.loop.call_later(_ACCEPT_PAUSE_S, self._resume_accept)
 
     def _resume_accept(self) -> None:
         if not self._closed:
-            self._io.set_events(self._lsock, EVENT_READ, self._on_accept)
+            self.loop.set_events(self._lsock, EVENT_READ, self._on_accept)
 
     def _admit(self, sock: socket.socket, addr) -> None:
         ip = addr[0]
         try:
             if self._closed:
                 raise Refused("endpoint is closed")
-            if self._pending_by_ip.get(ip, 0) >= int(self._cfg[OPT_MAX_PENDING_PER_ADDRESS]):
-                raise Refused(f"{ip} has too many connections that did not prove themselves yet")
-            if len(self._pending) >= int(self._cfg[OPT_MAX_PENDING]):
-                victim = self._eviction_victim(ip)
-                if victim is None:
-                    raise Refused("too many connections that did not prove themselves yet")
+            victim = self._pending.admit(ip, int(self.cfg[OPT_MAX_PENDING]), int(self.cfg[OPT_MAX_PENDING_PER_ADDRESS]))
+            if victim is not None:
                 with self._lock:
                     self._stats["evicted"] += 1
-                self._proven(victim)   # its slot is the newcomer's from now on
+                self.mark_proven(victim)   # its slot is the newcomer's from now on
                 victim.finish(None)
             sock.setblocking(False)
-            _tune(sock)
-            if self._tls is not None:
-                # the handshake runs on the loop (_ServerConn.start), under the pending timer and caps
-                sock = self._tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-            conn = _ServerConn(self, sock, ip)
+            tune(sock)
+            if self.tls is not None:
+                # the handshake runs on the loop (ServerConn.start), under the pending timer and caps
+                sock = self.tls.server.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            conn = ServerConn(self, sock, ip)
         except Exception as exc:  # noqa: BLE001 - over a cap, or no memory: this one is closed at once
             with self._lock:
                 self._stats["refused_connections"] += 1
-            self._log.debug("llmdd.transport.tcp.connection_refused", peer=ip, reason=str(exc))
-            _close(sock)
+            self.log.debug("llmdd.transport.tcp.connection_refused", peer=ip, reason=str(exc))
+            close_sock(sock)
             return
         with self._lock:
             self._server_conns[sock] = conn
             self._stats["connections"] += 1
-        self._pending[conn] = None
-        self._pending_by_ip[ip] = self._pending_by_ip.get(ip, 0) + 1
+        self._pending.add(conn)
         conn.start()
 
-    def _eviction_victim(self, ip: str) -> Union["_ServerConn", None]:
-        """With every pending slot taken (loop thread): the oldest pending stream of the address holding
-        the most slots makes room, unless ``ip`` already holds as many (as on the control port: a flood
-        from some addresses never locks another address's links out of the data port)."""
-        busiest, count = None, self._pending_by_ip.get(ip, 0)
-        for addr, n in self._pending_by_ip.items():
-            if n > count:
-                busiest, count = addr, n
-        if busiest is None:
-            return None
-        for conn in self._pending:   # insertion order: the oldest first
-            if conn.ip == busiest:
-                return conn
-        return None
-
-    def _proven(self, conn: "_ServerConn") -> None:
+    def mark_proven(self, conn: "ServerConn") -> None:
         """``conn`` authenticated (or served its first request): it no longer counts as pending."""
-        if self._pending.pop(conn, 0) is None:
-            n = self._pending_by_ip.get(conn.ip, 1) - 1
-            if n > 0:
-                self._pending_by_ip[conn.ip] = n
-            else:
-                self._pending_by_ip.pop(conn.ip, None)
+        self._pending.discard(conn)
         conn.timer.cancel()
 
-    def _open_grant(self, conn: "_ServerConn", nonce_c: bytes, handle: bytes, mac_c: bytes) -> Union[_Grant, None]:
+    def count_tls_failure(self, ip: str, exc: BaseException) -> None:
+        """A stream's TLS handshake failed (plaintext, a certificate the CA did not sign): counted, logged."""
+        with self._lock:
+            self._stats["tls_failures"] += 1
+            self._stats["last_error"] = f"TLS handshake failed: {exc}"
+        self.log.warning("llmdd.transport.tcp.tls_refused", peer=ip, error=str(exc))
+
+    def count_pending_expired(self, ip: str) -> None:
+        """A stream did not prove a grant within the pending timeout: counted, logged."""
+        with self._lock:
+            self._stats["pending_expired"] += 1
+        self.log.debug("llmdd.transport.tcp.pending_expired", peer=ip, seconds=self.pending_s)
+
+    def release_conn(self, conn: "ServerConn") -> None:
+        """``conn`` ended (loop thread): no longer pending, watched or kept, and its grant forgets it (the
+        stream closes its socket after)."""
+        self.mark_proven(conn) if conn in self._pending else conn.timer.cancel()
+        self.loop.forget(conn.sock)
+        with self._lock:
+            self._server_conns.pop(conn.sock, None)
+            if conn.grant is not None:
+                conn.grant.conns.discard(conn)
+
+    def open_grant(self, conn: "ServerConn", nonce_c: bytes, handle: bytes, mac_c: bytes) -> Union[Grant, None]:
         """The live grant an OPEN proves it holds, bound to ``conn``; ``None`` (counted, logged) if none."""
         with self._lock:
             grant = self._by_handle.get(handle)
             if grant is not None and grant.alive and not self._closed:
-                if hmac.compare_digest(mac_c, _mac(grant.key, b"c", self._id, conn.nonce_s, nonce_c)):
+                if hmac.compare_digest(mac_c, mac(grant.key, b"c", self.endpoint_id, conn.nonce_s, nonce_c)):
                     grant.conns.add(conn)
                     conn.grant = grant
                     return grant
@@ -430,10 +460,10 @@ class TcpEndpoint(Endpoint):
             self._stats[key] += 1
             self._stats["refused"] += 1
             self._stats["last_error"] = what
-        self._log.warning("llmdd.transport.tcp.open_refused", peer=conn.ip, reason=what)
+        self.log.warning("llmdd.transport.tcp.open_refused", peer=conn.ip, reason=what)
         return None
 
-    def _serve_ready(self, conn: "_ServerConn") -> None:
+    def serve_ready(self, conn: "ServerConn") -> None:
         """A worker serves ``conn`` while requests keep coming, then hands it back to the loop.  On a plain
         stream with the C path, it serves the small requests (:meth:`_serve_native`) and gives this loop
         the others, read as far as it read them."""
@@ -441,8 +471,8 @@ class TcpEndpoint(Endpoint):
         fast = self._fast if conn.tls is None else None
         try:
             sock.setblocking(True)
-            _set_timeouts(sock, float(self._cfg[OPT_SERVER_SEND_TIMEOUT]))
-            flags = _waitall(sock)
+            set_timeouts(sock, float(self.cfg[OPT_SERVER_SEND_TIMEOUT]))
+            flags = waitall(sock)
             spinner = conn.spinner
             wait_next = False   # (the C path) wait for the next request first (not at first: the loop saw one)
             while True:
@@ -476,24 +506,24 @@ class TcpEndpoint(Endpoint):
                 if spinner.wait(sock, self._linger):
                     with self._lock:
                         self._stats["requests_spun"] += 1   # the next request came while this thread polled
-                elif not _wait_readable(sock, self._linger):
+                elif not wait_readable(sock, self._linger):
                     break
         except Exception as exc:  # noqa: BLE001 - a broken client must never break the endpoint
-            err = _map_exc(exc)
+            err = map_exc(exc)
             if not self._closed:
                 with self._lock:
                     self._stats["last_error"] = str(err)
-                self._log.info("llmdd.transport.tcp.conn_closed", error=str(err))
+                self.log.info("llmdd.transport.tcp.conn_closed", error=str(err))
             conn.finish(err)
             return
         try:
             sock.setblocking(False)
         except OSError as exc:
-            conn.finish(_map_exc(exc))
+            conn.finish(map_exc(exc))
             return
-        self._io.call_soon(conn.watch)
+        self.loop.call_soon(conn.watch)
 
-    def _serve_native(self, conn: "_ServerConn", fast: Any, wait_next: bool) -> Any:
+    def _serve_native(self, conn: "ServerConn", fast: Any, wait_next: bool) -> Any:
         """Serve ``conn``'s small requests in C (``Table.serve``, the GIL released) for the stream's live
         grant, as seen now (any change of the regions or grants since makes the C path hand the next
         request back).  Returns :data:`_IDLE`, :data:`_ENDED` (finished here), :data:`_PYTHON` (no live
@@ -527,15 +557,37 @@ class TcpEndpoint(Endpoint):
             return value
         errno_, writing = value
         if writing is not None:
-            self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(writing), bytes=None)
+            self.log.warning("llmdd.transport.tcp.partial_write", regions=sorted(writing), bytes=None)
         if res == native.S_GONE:
             raise PeerGone("peer closed the stream in the middle of a request")
         if res == native.S_TIMEOUT:
             raise TransportTimeout("the stream's peer neither sent nor took bytes within the send timeout")
         raise OSError(errno_, os.strerror(errno_))
 
+    def admit_few(self, token: int, sock: socket.socket, grant: Grant, regions: tuple, offsets: tuple, lengths: tuple,
+                  total: int) -> Union[str, tuple[Batch, list]]:
+        """The few-ops path's check and pins (:func:`llmdd_tcp._few.serve_few`), under the lock: the reason
+        when refused (counted), else ``(pins, views of the ops' bytes)``, the request recorded as serving on
+        ``sock`` (a deregistration cuts it) and its grant busy until :meth:`end_request`."""
+        with self._lock:
+            if not grant.alive:
+                raise PeerGone("the link of this stream ended (its capability was revoked)")
+            refused = refusal(self._regs.served, grant, regions, offsets, lengths, total)
+            if refused is not None:
+                self._stats["refused"] += 1
+                self._stats["last_error"] = refused
+                return refused
+            ids = frozenset(regions)
+            served = Batch(ids)   # the request's pins: a deregistration drains them
+            self._regs.pin_entries(served, ids)
+            grant.busy += 1
+            entries = self._regs.entries
+            views = [entries[r].view[o:o + n] for r, o, n in zip(regions, offsets, lengths)]
+            self._serving[token] = (sock, ids)
+        return served, views
+
     def _serve_request(self, sock: socket.socket, kind: int, wire: Union[np.ndarray, tuple], total: int,
-                       grant: _Grant, flags: int = 0) -> None:
+                       grant: Grant, flags: int = 0) -> None:
         """Check, then serve, one request's ops: a few (a flat tuple of (region, offset, length) triples) in
         plain Python (:func:`llmdd_tcp._few.serve_few`, the same decisions), more as numpy rows."""
         if isinstance(wire, tuple):
@@ -563,46 +615,46 @@ class TcpEndpoint(Endpoint):
                 served = Batch(ids)   # the request's pins: a deregistration drains them
                 self._regs.pin_entries(served, ids)
                 grant.busy += 1
-                where = _Where(self._regs.ids, self._regs.addrs)
+                where = Where(self._regs.ids, self._regs.addrs)
                 self._serving[token] = (sock, ids)
         if refused is not None:
-            self._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
+            self.log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write",
                               reason=refused)
-            _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
+            send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
             if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
-                discard_payload(sock, total, self._eager_max, refused)
+                discard_payload(sock, total, self.eager_max, refused)
             return
         released = False
         try:
             if kind == READ:
                 # the OK header and the first window of bytes leave in one sendmsg; the last bytes leave
-                # from a copy, after the request let go of its regions (_cut_tail says why)
-                head = _OK_HEAD_PADDED if flags & F_PAD else _OK_HEAD
-                reg, off, ln, tail = _cut_tail(where, wire["region"], wire["offset"], wire["length"])
+                # from a copy, after the request let go of its regions (cut_tail says why)
+                head = OK_HEAD_PADDED if flags & F_PAD else OK_HEAD
+                reg, off, ln, tail = cut_tail(where, wire["region"], wire["offset"], wire["length"])
                 if len(tail) == total:   # all of it in the copy: the header and the bytes in one sendmsg
                     last = [head[0].raw, tail]
                 else:
-                    _move(sock, where, reg, off, ln, None, send=True, head=head, total=total - len(tail))
+                    move(sock, where, reg, off, ln, None, send=True, head=head, total=total - len(tail))
                     last = [tail]
-                self._end_request(token, grant, served, total, len(wire))
+                self.end_request(token, grant, served, total, len(wire))
                 released = True
-                _sendmsg_all(sock, last)
+                sendmsg_all(sock, last)
             else:
                 if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
-                    _send_rsp(sock, ST_OK, "", flags & F_PAD)
+                    send_rsp(sock, ST_OK, "", flags & F_PAD)
                 try:
-                    _move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
+                    move(sock, where, wire["region"], wire["offset"], wire["length"], None, send=False, total=total)
                 except Exception:
-                    self._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
+                    self.log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
                     raise
-                self._end_request(token, grant, served, total, len(wire))   # before the answer (as a read's tail)
+                self.end_request(token, grant, served, total, len(wire))   # before the answer (as a read's tail)
                 released = True
-                _send_rsp(sock, ST_OK, "", flags & F_PAD)
+                send_rsp(sock, ST_OK, "", flags & F_PAD)
         finally:
             if not released:
-                self._end_request(token, grant, served)
+                self.end_request(token, grant, served)
 
-    def _end_request(self, token: int, grant: _Grant, served: Batch, nbytes: int = 0, nops: int = -1) -> None:
+    def end_request(self, token: int, grant: Grant, served: Batch, nbytes: int = 0, nops: int = -1) -> None:
         """A request lets go of its regions: out of the streams a deregistration cuts, its pins and its
         grant's busy count given back (``unpin_locked`` notifies the waiters of ``_cond``: a deregistration
         draining, a revocation waiting on ``grant.busy``), and, when it moved its bytes (``nops`` >= 0),

@@ -7,7 +7,7 @@ the first op out of bounds), every region in the grant, the announced total equa
 all before a byte moves.  The rows come in with one ``recv_into`` (``MSG_WAITALL``) and are unpacked
 with ``struct``; the regions are pinned and their streams recorded as the numpy path does; a READ of at
 most 16 KiB is answered with one ``sendmsg`` of a copy of the OK header and the bytes (the entries'
-views, sliced), a larger one from the views but its last bytes (``llmdd_tcp._io._cut_tail`` says why);
+views, sliced), a larger one from the views but its last bytes (``llmdd_tcp._io.cut_tail`` says why);
 a WRITE's bytes come in with ``recvmsg_into`` straight into them.  Plain sockets only: a TLS
 stream takes the numpy path (its staging).
 """
@@ -16,25 +16,43 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol, Union
 
 from llmdd.lowlevel import Batch, Corrupt, PeerGone, Refused
 
-from ._grants import _Grant
-from ._io import _COPY_ALL, _TAIL, _advance
-from ._wire import _M_RSP, _OK_PADDED, _RSP, F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, _send_rsp
+from ._grants import Grant
+from ._io import COPY_ALL, TAIL, advance
+from ._wire import M_RSP, OK_PADDED, RSP, F_EAGER, F_PAD, READ, ST_OK, ST_REFUSED, send_rsp
 
-if TYPE_CHECKING:
-    from ._endpoint import TcpEndpoint
+
+class _Warns(Protocol):
+    def warning(self, event: str, **kw: Any) -> object: ...
+
+
+class FewOwner(Protocol):
+    """What the few-ops path uses of the endpoint that serves the request
+    (:class:`~llmdd_tcp._endpoint.TcpEndpoint`): its logger, the most of a refused write's payload it reads
+    to drop, and a request's regions taken and let go (``admit_few`` / ``end_request``)."""
+
+    @property
+    def log(self) -> _Warns: ...
+
+    @property
+    def eager_max(self) -> int: ...
+
+    def admit_few(self, token: int, sock: socket.socket, grant: Grant, regions: tuple, offsets: tuple, lengths: tuple,
+                  total: int) -> Union[str, tuple[Batch, list]]: ...
+
+    def end_request(self, token: int, grant: Grant, served: Batch, nbytes: int = 0, nops: int = -1) -> None: ...
 
 #: requests of at most this many ops take the few-ops path (the count is bounded before any work)
 FEW_OPS = 8
 
 _ROWS = [struct.Struct("<" + "IQQ" * n) for n in range(FEW_OPS + 1)]
-_OK = _RSP.pack(_M_RSP, ST_OK, 0, 0, 0)
+_OK = RSP.pack(M_RSP, ST_OK, 0, 0, 0)
 
 
-def _refusal(served: Any, grant: _Grant, regions: tuple, offsets: tuple, lengths: tuple, total: int) -> Optional[str]:
+def refusal(served: Any, grant: Grant, regions: tuple, offsets: tuple, lengths: tuple, total: int) -> Optional[str]:
     """Why the numpy path would refuse these ops (None: served); :class:`Corrupt` for a wrong total."""
     by_id = served.by_id
     for i, (rid, off, ln) in enumerate(zip(regions, offsets, lengths)):
@@ -69,63 +87,51 @@ def recv_rows(sock: socket.socket, count: int, flags: int, pad: int = 0) -> tupl
     return _ROWS[count].unpack_from(buf)
 
 
-def serve_few(ep: "TcpEndpoint", sock: socket.socket, kind: int, flat: tuple, total: int, grant: _Grant,
+def serve_few(ep: FewOwner, sock: socket.socket, kind: int, flat: tuple, total: int, grant: Grant,
               flags: int = 0) -> None:
     """Check, then serve, the ops ``flat`` (region, offset, length triples) of one request."""
     regions, offsets, lengths = flat[0::3], flat[1::3], flat[2::3]
     token = id(flat)
-    with ep._lock:
-        if not grant.alive:
-            raise PeerGone("the link of this stream ended (its capability was revoked)")
-        refused = _refusal(ep._regs.served, grant, regions, offsets, lengths, total)
-        if refused is not None:
-            ep._stats["refused"] += 1
-            ep._stats["last_error"] = refused
-        else:
-            ids = frozenset(regions)
-            served = Batch(ids)   # the request's pins: a deregistration drains them
-            ep._regs.pin_entries(served, ids)
-            grant.busy += 1
-            entries = ep._regs.entries
-            views = [entries[r].view[o:o + n] for r, o, n in zip(regions, offsets, lengths)]
-            ep._serving[token] = (sock, ids)
-    if refused is not None:
-        ep._log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write", reason=refused)
-        _send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
+    admitted = ep.admit_few(token, sock, grant, regions, offsets, lengths, total)
+    if isinstance(admitted, str):
+        refused = admitted
+        ep.log.warning("llmdd.transport.tcp.refused", kind="read" if kind == READ else "write", reason=refused)
+        send_rsp(sock, ST_REFUSED, refused, flags & F_PAD)
         if kind != READ and flags & F_EAGER:   # its payload follows: dropped (the stream stays in step)
-            discard_payload(sock, total, ep._eager_max, refused)
+            discard_payload(sock, total, ep.eager_max, refused)
         return
+    served, views = admitted
     released = False
     try:
         if kind == READ:
             # the answer's last bytes leave from a copy, after the request let go of its regions (as the
-            # numpy path: llmdd_tcp._io._cut_tail says why)
-            ok = _OK_PADDED if flags & F_PAD else _OK
-            if total <= _COPY_ALL:   # the OK header and a copy of the bytes in one sendmsg
+            # numpy path: llmdd_tcp._io.cut_tail says why)
+            ok = OK_PADDED if flags & F_PAD else _OK
+            if total <= COPY_ALL:   # the OK header and a copy of the bytes in one sendmsg
                 tail = b"".join([ok, *views])
             else:
                 j = max(i for i, v in enumerate(views) if len(v))
                 view = views[j]
-                k = min(len(view), _TAIL)
+                k = min(len(view), TAIL)
                 _send(sock, [ok, *views[:j], view[:len(view) - k]], total - k + len(ok))
                 tail = bytes(view[len(view) - k:])
-            ep._end_request(token, grant, served, total, len(regions))
+            ep.end_request(token, grant, served, total, len(regions))
             released = True
             _send(sock, [tail], len(tail))
         else:
             if not flags & F_EAGER:   # an eager write's payload follows its request: no "go"
-                _send_rsp(sock, ST_OK, "", flags & F_PAD)
+                send_rsp(sock, ST_OK, "", flags & F_PAD)
             try:
                 _recv(sock, views, total)
             except Exception:
-                ep._log.warning("llmdd.transport.tcp.partial_write", regions=sorted(ids), bytes=total)
+                ep.log.warning("llmdd.transport.tcp.partial_write", regions=sorted(served.regions), bytes=total)
                 raise
-            ep._end_request(token, grant, served, total, len(regions))   # before the answer (as a read's tail)
+            ep.end_request(token, grant, served, total, len(regions))   # before the answer (as a read's tail)
             released = True
-            _send_rsp(sock, ST_OK, "", flags & F_PAD)
+            send_rsp(sock, ST_OK, "", flags & F_PAD)
     finally:
         if not released:
-            ep._end_request(token, grant, served)
+            ep.end_request(token, grant, served)
 
 
 def discard_payload(sock: socket.socket, total: int, limit: int, reason: str) -> None:
@@ -150,7 +156,7 @@ def _send(sock: socket.socket, bufs: list, total: int) -> None:
         sent += k
         if sent >= total:
             return
-        bufs = _advance(bufs, k)
+        bufs = advance(bufs, k)
 
 
 def _recv(sock: socket.socket, views: list, total: int) -> None:
@@ -162,4 +168,4 @@ def _recv(sock: socket.socket, views: list, total: int) -> None:
             raise PeerGone("peer closed the stream in the middle of a batch")
         got += k
         if got < total:
-            views = _advance(views, k)
+            views = advance(views, k)

@@ -11,21 +11,21 @@ from llmdd.lowlevel import Refused
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
 
-def _mac(secret: bytes, *parts: bytes) -> bytes:
+def mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
 
 
-def _handle(cap: bytes) -> bytes:
+def grant_handle(cap: bytes) -> bytes:
     """The public name of a grant: it tells the owner which grant a stream claims, not the capability."""
     return hashlib.sha256(b"llmdd-tcp-handle" + cap).digest()[:16]
 
 
-def _cap_key(cap: bytes, secret: Union[bytes, None]) -> bytes:
+def cap_key(cap: bytes, secret: Union[bytes, None]) -> bytes:
     """The MAC key of a data connection: the capability, bound to the shared secret when there is one."""
-    return cap if secret is None else _mac(secret, b"llmdd-tcp-key", cap)
+    return cap if secret is None else mac(secret, b"llmdd-tcp-key", cap)
 
 
-class _Grant:
+class Grant:
     """What one link (``link_id``) may do on this endpoint's data port, while ``alive``."""
 
     __slots__ = ("link_id", "handle", "key", "regions", "region_ids", "sorted_ids", "alive", "busy", "conns")
@@ -33,8 +33,8 @@ class _Grant:
     def __init__(self, link_id: int, cap: bytes, secret: Union[bytes, None],
                  regions: Union[frozenset, None]) -> None:
         self.link_id = link_id
-        self.handle = _handle(cap)
-        self.key = _cap_key(cap, secret)
+        self.handle = grant_handle(cap)
+        self.key = cap_key(cap, secret)
         self.alive = True
         self.busy = 0
         self.conns: set = set()

@@ -1,7 +1,7 @@
 """The bytes of a request on a plain socket: one ``struct iovec`` array built with numpy from the op arrays
 (region base addresses by ``np.searchsorted``, plus offsets), moved by libc ``sendmsg`` /
-``recvmsg(MSG_WAITALL)`` through ctypes (the GIL released) ``_WINDOW`` (IOV_MAX) entries at a time, and
-resumed with numpy after a short transfer.  :func:`_move` hands a TLS socket to :mod:`._tls_io`."""
+``recvmsg(MSG_WAITALL)`` through ctypes (the GIL released) ``WINDOW`` (IOV_MAX) entries at a time, and
+resumed with numpy after a short transfer.  :func:`move` hands a TLS socket to :mod:`._tls_io`."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from typing import Any, Callable, Union
 from llmdd.lowlevel import Cancelled, PeerGone
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from ._sock import _arm, _is_tls
-from ._tls_io import _move_tls, _send_tls, _tls_put
-from ._wire import _M_RSP, _OK_PADDED, _RSP, ST_OK
+from ._sock import arm_deadline, is_tls
+from ._tls_io import move_tls, send_tls, tls_put
+from ._wire import M_RSP, OK_PADDED, RSP, ST_OK
 
-_WINDOW = 1024                             # iovec entries per sendmsg / recvmsg call (Linux IOV_MAX)
+WINDOW = 1024                             # iovec entries per sendmsg / recvmsg call (Linux IOV_MAX)
 
 
-def _advance(views: list, k: int) -> list:
+def advance(views: list, k: int) -> list:
     i = 0
     while k >= len(views[i]):
         k -= len(views[i])
@@ -31,7 +31,7 @@ def _advance(views: list, k: int) -> list:
     return views
 
 
-class _Where:
+class Where:
     """Where the regions of a batch (or a served request) live: sorted region ids and their base
     addresses (the registry's snapshot taken when their pins were taken: it holds them)."""
 
@@ -66,8 +66,8 @@ def _static_buffer(data: bytes) -> tuple[Any, int, int]:
 
 
 #: the READ answer's OK header: the first iovec of the answer's first sendmsg
-_OK_HEAD = _static_buffer(_RSP.pack(_M_RSP, ST_OK, 0, 0, 0))
-_OK_HEAD_PADDED = _static_buffer(_OK_PADDED)   # the same, for a request with F_PAD
+OK_HEAD = _static_buffer(RSP.pack(M_RSP, ST_OK, 0, 0, 0))
+OK_HEAD_PADDED = _static_buffer(OK_PADDED)   # the same, for a request with F_PAD
 
 
 def _vectored(sock: socket.socket, iov: np.ndarray, start: int, stop: int, total: int,
@@ -83,7 +83,7 @@ def _vectored(sock: socket.socket, iov: np.ndarray, start: int, stop: int, total
     while moved < total:
         if abort_check is not None and abort_check():
             raise Cancelled("stream aborted")
-        _arm(sock, deadline)
+        arm_deadline(sock, deadline)
         msg.msg_iov = base + first * 16
         msg.msg_iovlen = stop - first
         k = call(fd, ref, flags)
@@ -105,22 +105,22 @@ def _vectored(sock: socket.socket, iov: np.ndarray, start: int, stop: int, total
                 iov[first, 1] -= np.uint64(part)
 
 
-def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray,
+def move(sock: socket.socket, where: Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray,
           deadline: Union[float, None], send: bool, abort_check: Union[Callable[[], bool], None] = None,
           head: Union[tuple, None] = None, total: Union[int, None] = None) -> int:
     """Send or receive the bytes of ops (``reg``, ``off``, ``ln``; ``total`` of them when the caller
     knows it), ``head`` (a :func:`_static_buffer`) first in the same call; return the payload bytes.
     The ops' addresses come from numpy (``np.searchsorted`` over the regions).  Plain sockets: one iovec
     array for the whole request, sent or received window by window (IOV_MAX entries a call).  TLS (an SSL
-    socket takes Python buffers only): :func:`_move_tls`.  No per-op Python object either way."""
+    socket takes Python buffers only): :func:`move_tls`.  No per-op Python object either way."""
     n = len(ln)
-    if _is_tls(sock):
+    if is_tls(sock):
         if head is not None:
-            _tls_put(sock, head[0].raw, deadline, abort_check)
+            tls_put(sock, head[0].raw, deadline, abort_check)
         if not n:
             return 0
         addrs = where.addrs[np.searchsorted(where.ids, reg)] + off.astype(np.uint64, copy=False)
-        return _move_tls(sock, addrs, ln.astype(np.uint64, copy=False), deadline, send, abort_check)
+        return move_tls(sock, addrs, ln.astype(np.uint64, copy=False), deadline, send, abort_check)
     h = 0 if head is None else 1
     rows = n + h
     iov = np.empty((rows, 2), dtype=np.uint64)
@@ -129,27 +129,27 @@ def _move(sock: socket.socket, where: _Where, reg: np.ndarray, off: np.ndarray, 
     if n:
         np.add(where.addrs[np.searchsorted(where.ids, reg)], off, out=iov[h:, 0], casting="unsafe")
         iov[h:, 1] = ln
-    if rows <= _WINDOW:
+    if rows <= WINDOW:
         payload = int(ln.sum(dtype=np.uint64)) if total is None else total
         _vectored(sock, iov, 0, rows, payload + (head[2] if head is not None else 0), deadline, send, abort_check)
         return payload
     ends = np.cumsum(iov[:, 1], dtype=np.uint64)
-    for s in range(0, rows, _WINDOW):
-        e = min(s + _WINDOW, rows)
+    for s in range(0, rows, WINDOW):
+        e = min(s + WINDOW, rows)
         _vectored(sock, iov, s, e, int(ends[e - 1]) - (int(ends[s - 1]) if s else 0), deadline, send, abort_check)
     return int(ends[-1]) - (head[2] if head is not None else 0)
 
 
-#: a read's last bytes leave from a copy of at most this many (see :func:`_cut_tail`; the C owner's
+#: a read's last bytes leave from a copy of at most this many (see :func:`cut_tail`; the C owner's
 #: TAIL and COPY_ALL in _tcpfast.c are the same two sizes)
-_TAIL = 4096
+TAIL = 4096
 #: the few-ops path answers a read of at most this many bytes from one copy of the header and the
 #: bytes, sent after the release (past about there a second send costs less than the copy)
-_COPY_ALL = 1 << 14
+COPY_ALL = 1 << 14
 
 
-def _cut_tail(where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray) -> tuple:
-    """``(reg, off, ln, tail)``: the ops without the last (at most :data:`_TAIL`) bytes of their last
+def cut_tail(where: Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray) -> tuple:
+    """``(reg, off, ln, tail)``: the ops without the last (at most :data:`TAIL`) bytes of their last
     non-empty op, and a copy of those bytes.  An owner sends the ops, copies the tail while the request
     still pins its regions, releases them, then sends the copy: the client has its whole answer only
     after the owner let go of the regions, so a deregistration the client asks for next never finds the
@@ -159,7 +159,7 @@ def _cut_tail(where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray) -
         return reg, off, ln, b""
     j = int(nz[-1])
     n = int(ln[j])
-    k = min(n, _TAIL)
+    k = min(n, TAIL)
     addr = int(where.addrs[np.searchsorted(where.ids, reg[j])]) + int(off[j]) + n - k
     tail = ctypes.string_at(addr, k)
     if n == k:   # the whole op is in the tail
@@ -169,12 +169,12 @@ def _cut_tail(where: _Where, reg: np.ndarray, off: np.ndarray, ln: np.ndarray) -
     return reg[:j + 1], off[:j + 1], body, tail
 
 
-def _sendmsg_all(sock: socket.socket, bufs: list) -> None:
-    if _is_tls(sock):
-        _send_tls(sock, bufs)
+def sendmsg_all(sock: socket.socket, bufs: list) -> None:
+    if is_tls(sock):
+        send_tls(sock, bufs)
         return
     total = sum(len(b) for b in bufs)
     k = sock.sendmsg(bufs)
     if k < total:
-        for b in _advance(bufs, k):
+        for b in advance(bufs, k):
             sock.sendall(b)

@@ -17,6 +17,6 @@ OPT_NATIVE = "llmdd.tcp.native"   # auto | on | off: the C hot path (llmdd_tcp._
 OPT_SPIN = "llmdd.tcp.spin_us"   # polled without sleeping before a wait expected to be short (both sides)
 OPT_MAX_PENDING = "llmdd.max_pending_connections"            # the engine's keys: one policy for every port
 OPT_MAX_PENDING_PER_ADDRESS = "llmdd.max_pending_per_address"
-_DEFAULTS: dict[str, Any] = {OPT_STREAMS: 2, OPT_INLINE: 256 * 1024, OPT_SPLIT: 4 * 1024 * 1024,
+DEFAULTS: dict[str, Any] = {OPT_STREAMS: 2, OPT_INLINE: 256 * 1024, OPT_SPLIT: 4 * 1024 * 1024,
              OPT_SEGMENT: 64 * 1024 * 1024, OPT_SERVER_SEND_TIMEOUT: 60.0, OPT_PENDING_TIMEOUT: 10000,
              OPT_SERVER_WORKERS: 8, OPT_LINGER: 50, OPT_SPIN: 150, OPT_NATIVE: "auto", OPT_MAX_PENDING: 64, OPT_MAX_PENDING_PER_ADDRESS: 8}

@@ -8,7 +8,7 @@ remote regions checked against the channel's table (known, remote-accessible, la
 every block of the shape), and the versions of both tables.  A call of the plan
 (:meth:`QuickCall.__call__`) then checks the blocks (exact ints in range, no destination twice, a
 few of them), that both versions are still current, pins the local regions as a batch of the ops
-path does (:meth:`TcpEndpoint._begin_batch`: a deregistration or a close fails it and waits for the
+path does (:meth:`TcpEndpoint.pin_prepared`: a deregistration or a close fails it and waits for the
 pin), builds the request's rows as the ops path would send them (runs of consecutive blocks merged
 as ``PreparedPlan.ops`` merges them, then sorted and coalesced as ``coalesce_ops`` does: the same bytes
 on the wire), takes an idle stream, sends the request in one call, receives the answer header and
@@ -29,17 +29,67 @@ import os
 import socket
 import struct
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union
 
-from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TransportError, TransportTimeout, block_runs
+from llmdd.lowlevel import Cancelled, Corrupt, PeerGone, Refused, TlsConfig, TransportError, TransportTimeout, block_runs
 
-from ._channel import TcpChannel, _Batch   # (the channel imports this module when it plans)
-from ._io import _advance
+from ._io import advance
 from ._native import native
 from ._options import OPT_INLINE, OPT_SEGMENT
-from ._sock import _close, _map_exc, _StaleStream
+from ._sock import Spinner, StaleStream, StreamBatch, close_sock, map_exc
 from ._request import request_pad
-from ._wire import _M_REQ, _M_RSP, _RSP, F_EAGER, F_PAD, FEAT_QUICK, MAX_MESSAGE, READ, ST_OK, ST_REFUSED, WRITE
+from ._wire import M_REQ, M_RSP, RSP, F_EAGER, F_PAD, FEAT_QUICK, MAX_MESSAGE, READ, ST_OK, ST_REFUSED, WRITE
+
+
+class QuickOwner(Protocol):
+    """What a plan uses of the endpoint (:class:`~llmdd_tcp._endpoint.TcpEndpoint`): its configuration, TLS
+    and C path, and its local table read and pinned at a version (``prepared_locals``, ``pin_prepared``,
+    ``end_batch``)."""
+
+    @property
+    def cfg(self) -> Mapping[str, Any]: ...
+
+    @property
+    def tls(self) -> Union[TlsConfig, None]: ...
+
+    @property
+    def native(self) -> bool: ...
+
+    def prepared_locals(self, region_ids: Sequence[int], min_size: int) -> Optional[tuple[int, dict, dict]]: ...
+
+    def pin_prepared(self, batch: StreamBatch, version: int) -> bool: ...
+
+    def end_batch(self, batch: StreamBatch) -> None: ...
+
+
+class QuickChannel(Protocol):
+    """What a plan uses of the channel (:class:`~llmdd_tcp._channel.TcpChannel`): the owner's features, the
+    spinner of its waits, the remote table read at a version (``prepared_remotes``), a call's start
+    (``begin_prepared``, ``bump_arm_epoch``), its streams (``open_stream``, ``give_back``) and its end
+    (``quick_done``, ``finish``)."""
+
+    @property
+    def features(self) -> int: ...
+
+    @property
+    def spinner(self) -> Spinner: ...
+
+    def prepared_remotes(self, region_ids: Sequence[int], min_size: int) -> Optional[int]: ...
+
+    def begin_prepared(self, batch: StreamBatch, version: int, armed_sock: Optional[socket.socket],
+                       armed_epoch: int) -> Optional[tuple[Optional[socket.socket], bool]]: ...
+
+    def bump_arm_epoch(self) -> int: ...
+
+    def open_stream(self, deadline: float) -> socket.socket: ...
+
+    def give_back(self, batch: StreamBatch, sock: socket.socket) -> None: ...
+
+    def quick_done(self, batch: StreamBatch, sock: socket.socket, kind: int, nops: int, total: int,
+                   native: bool) -> None: ...
+
+    def finish(self, batch: StreamBatch, err: Union[TransportError, None] = None, kind: int = READ,
+               nops: Union[int, None] = None, total: int = 0, *, quick: bool = False, native: bool = False) -> None: ...
 
 #: the most tensor pairs and blocks of one call the quick path takes (the engine's small path: 16 blocks)
 QUICK_MAX_PAIRS = 8
@@ -122,7 +172,7 @@ def _recv_into(sock: socket.socket, views: list, total: int, dl: _Deadline) -> N
         got += k
         if got >= total:
             return
-        views = _advance(list(views), k)
+        views = advance(list(views), k)
         dl.check(sock)
 
 
@@ -134,49 +184,49 @@ def _send_all(sock: socket.socket, bufs: list, total: int, dl: _Deadline) -> Non
         sent += k
         if sent >= total:
             return
-        bufs = _advance(list(bufs), k)
+        bufs = advance(list(bufs), k)
         dl.check(sock)
 
 
 def _recv_exact(sock: socket.socket, buf: bytearray, dl: _Deadline, *, stale_ok: bool = False) -> None:
-    """Fill ``buf``; :class:`_StaleStream` (with ``stale_ok``) when the stream ends before its first byte."""
+    """Fill ``buf``; :class:`StaleStream` (with ``stale_ok``) when the stream ends before its first byte."""
     view = memoryview(buf)
     got = 0
     while got < len(buf):
         k = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if k == 0:
             if stale_ok and got == 0:
-                raise _StaleStream("peer closed the stream before answering")
+                raise StaleStream("peer closed the stream before answering")
             raise PeerGone("peer closed the stream")
         got += k
         if got < len(buf):
             dl.check(sock)
 
 
-def _drop(batch: _Batch, sock: socket.socket) -> None:
+def _drop(batch: StreamBatch, sock: socket.socket) -> None:
     """Take ``sock`` from ``batch`` and close it (an idle stream the owner closed; nothing moved on it)."""
     with batch.lock:
         if sock in batch.socks:
             batch.socks.remove(sock)
-    _close(sock)
+    close_sock(sock)
 
 
 def _answer(sock: socket.socket, head: bytearray, dl: _Deadline) -> tuple[int, str]:
     """The status and message of the answer whose first bytes are in ``head``: its 12-byte header, or 16
     bytes of a padded answer (``F_PAD`` to an owner with ``FEAT_QUICK``: at least 4 bytes of message, a
     multiple of 16 in all).  The rest of the message is read here (a refusal's reason; padding)."""
-    magic, status, _, _, n = _RSP.unpack_from(head)
-    have = len(head) - _RSP.size
-    if magic != _M_RSP or n > MAX_MESSAGE or (have and (n < have or (_RSP.size + n) % 16)):
+    magic, status, _, _, n = RSP.unpack_from(head)
+    have = len(head) - RSP.size
+    if magic != M_RSP or n > MAX_MESSAGE or (have and (n < have or (RSP.size + n) % 16)):
         raise Corrupt("bad response header from peer")
     if n == have:
-        return status, "" if status == ST_OK else bytes(head[_RSP.size:]).rstrip(b"\0").decode(errors="replace")
+        return status, "" if status == ST_OK else bytes(head[RSP.size:]).rstrip(b"\0").decode(errors="replace")
     msg = bytearray(n - have)
     dl.check(sock)
     _recv_exact(sock, msg, dl)
     if status == ST_OK:
         return status, ""
-    return status, (bytes(head[_RSP.size:]) + bytes(msg)).rstrip(b"\0").decode(errors="replace")
+    return status, (bytes(head[RSP.size:]) + bytes(msg)).rstrip(b"\0").decode(errors="replace")
 
 
 class QuickCall:
@@ -185,9 +235,9 @@ class QuickCall:
     __slots__ = ("ch", "ep", "pairs", "bs", "su", "du", "push", "timeout_s", "slack", "ep_ver", "ch_ver",
                  "views", "lids", "max_bytes", "kind", "armed_sock", "armed_epoch", "bases", "native")
 
-    def __init__(self, ch: TcpChannel, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
+    def __init__(self, ch: QuickChannel, ep: QuickOwner, pairs: list, bs: int, su: int, du: int, push: bool, timeout_s: float,
                  ep_ver: int, ch_ver: int, views: dict, max_bytes: int, bases: dict) -> None:
-        self.ch, self.ep = ch, ch._ep
+        self.ch, self.ep = ch, ep
         self.pairs, self.bs, self.su, self.du, self.push = pairs, bs, su, du, push
         self.timeout_s, self.slack = timeout_s, min(_SLACK_S, timeout_s / 4)
         self.ep_ver, self.ch_ver = ep_ver, ch_ver
@@ -195,7 +245,7 @@ class QuickCall:
         self.lids = frozenset(views)
         self.max_bytes = max_bytes
         self.kind = WRITE if push else READ
-        # the stream this plan armed last and the channel's arming epoch then (TcpChannel._arm_epoch): the
+        # the stream this plan armed last and the channel's arming epoch then (TcpChannel.bump_arm_epoch): the
         # same stream popped again with the epoch unchanged still has this plan's timeouts set
         self.armed_sock: Optional[socket.socket] = None
         self.armed_epoch = -1
@@ -203,7 +253,7 @@ class QuickCall:
         # the owner knows padded and eager requests; it needs the local regions' addresses (a call's rows,
         # at most QUICK_MAX_PAIRS x QUICK_MAX_BLOCKS, never exceed its QUICK_ROWS: test_native.py)
         self.bases = bases   # local region id -> its address
-        self.native = native is not None and ch._ep._fast is not None and bool(ch._features & FEAT_QUICK)
+        self.native = native is not None and ep.native and bool(ch.features & FEAT_QUICK)
 
     def rows(self, src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> Optional[list]:
         """The request's rows ``[remote region, remote offset, local region, local offset, length]`` as
@@ -245,38 +295,30 @@ class QuickCall:
         if total > self.max_bytes:
             return -1
         ch, ep = self.ch, self.ep
-        batch = _Batch()
+        batch = StreamBatch()
         batch.regions = self.lids
-        with ep._lock:   # the local regions pinned as _begin_batch pins them
-            regs = ep._regs
-            if ep._qver != self.ep_ver or ep._closed or regs.closed:
-                return -1
-            regs.pin_entries(batch, self.lids)
-            regs.batches.add(batch)
-        with ch._lock:
-            fresh = ch._qver == self.ch_ver and not ch._batches.closed
-            if fresh:
-                ch._batches.add(batch)
-                sock = ch._idle.pop() if ch._idle else None
-                armed = sock is not None and sock is self.armed_sock and ch._arm_epoch == self.armed_epoch
-        if not fresh:
-            ep._end_batch(batch)
+        if not ep.pin_prepared(batch, self.ep_ver):   # the local regions pinned as begin_batch pins them
             return -1
+        taken = ch.begin_prepared(batch, self.ch_ver, self.armed_sock, self.armed_epoch)
+        if taken is None:
+            ep.end_batch(batch)
+            return -1
+        sock, armed = taken
         try:
             if self.native:
                 sock = self._transfer_native(batch, sock, rows, total)
             else:
                 sock = self._transfer(batch, sock, rows, total, armed)
         except BaseException as exc:  # noqa: BLE001 - reported as the ops path reports it
-            err = _map_exc(exc)
+            err = map_exc(exc)
             if batch.aborted and not isinstance(err, Refused):
                 err = Cancelled(f"batch aborted: {err}")
-            ch._finish(batch, err, self.kind, len(rows), total, quick=True, native=self.native)
+            ch.finish(batch, err, self.kind, len(rows), total, quick=True, native=self.native)
             raise err from None
-        ch._quick_done(batch, sock, self.kind, len(rows), total, self.native)
+        ch.quick_done(batch, sock, self.kind, len(rows), total, self.native)
         return total
 
-    def _transfer(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int,
+    def _transfer(self, batch: StreamBatch, sock: Optional[socket.socket], rows: list, total: int,
                   armed: bool = False) -> socket.socket:
         """The call's transfer in Python; the stream it ended on (still the batch's: the caller gives it
         back with the batch's end)."""
@@ -293,18 +335,18 @@ class QuickCall:
             views.append(lviews[lr][lo:lo + ln])
         while True:
             if sock is None:
-                sock = ch._open_stream(dl.deadline)
+                sock = ch.open_stream(dl.deadline)
                 batch.adopt(sock)
             # an owner that knows them (its HELLO said so) takes a push as one padded, eager request, and
             # pads its answers to a pull or such a push to 16 bytes (read at once)
-            quick = ch._features & FEAT_QUICK
+            quick = ch.features & FEAT_QUICK
             eager = self.push and quick
-            head = bytearray(16 if quick else _RSP.size)
+            head = bytearray(16 if quick else RSP.size)
             if eager:
                 flags, pad = F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))
             else:
                 flags, pad = (0 if self.push else F_PAD), 0
-            req = _req(len(rows), pad).pack(_M_REQ, self.kind, flags, 0, len(rows), total, *flat)
+            req = _req(len(rows), pad).pack(M_REQ, self.kind, flags, 0, len(rows), total, *flat)
             if armed and reused:
                 dl.assume(sock)   # armed by this plan's last call, nothing armed it since: no setsockopt
             else:
@@ -314,9 +356,9 @@ class QuickCall:
                     _send_all(sock, [req, *views], len(req) + total, dl)
                 else:
                     sock.sendall(req)
-                ch._spinner.wait(sock, dl.deadline - time.monotonic())   # the answer polled for first
+                ch.spinner.wait(sock, dl.deadline - time.monotonic())   # the answer polled for first
                 _recv_exact(sock, head, dl, stale_ok=True)
-            except (_StaleStream, ConnectionResetError, BrokenPipeError) as exc:
+            except (StaleStream, ConnectionResetError, BrokenPipeError) as exc:
                 if not reused or batch.aborted:
                     raise PeerGone(f"stream closed by the owner: {exc}") from None
                 _drop(batch, sock)   # the owner closed this idle stream just as it was reused: once more, fresh
@@ -326,7 +368,7 @@ class QuickCall:
         status, msg = _answer(sock, head, dl)
         if status == ST_REFUSED:
             # a refusal comes before any payload, or the owner dropped an eager one: the stream is in step
-            ch._give_back(batch, sock)
+            ch.give_back(batch, sock)
             raise Refused(f"peer refused the batch: {msg}")
         if status != ST_OK:
             raise Corrupt(f"peer failed the batch: {msg}")
@@ -347,7 +389,7 @@ class QuickCall:
         self.keep_armed(sock, dl)
         return sock
 
-    def _transfer_native(self, batch: _Batch, sock: Optional[socket.socket], rows: list, total: int) -> socket.socket:
+    def _transfer_native(self, batch: StreamBatch, sock: Optional[socket.socket], rows: list, total: int) -> socket.socket:
         """:meth:`_transfer` in one C call (the GIL released): the request (a push's payload with it) sent,
         the answer polled for and received, a pull's bytes straight into the local regions; the deadline
         bounds every wait there (``ppoll``), no socket option is set.  An answer other than the expected
@@ -368,10 +410,10 @@ class QuickCall:
                 flat += (rr, ro, bases[lr] + lo, ln)
         kind = self.kind
         flags, pad = (F_PAD | F_EAGER, request_pad(WRITE, F_PAD, len(rows))) if self.push else (F_PAD, 0)
-        spinner = ch._spinner
+        spinner = ch.spinner
         while True:
             if sock is None:
-                sock = ch._open_stream(deadline)
+                sock = ch.open_stream(deadline)
                 batch.adopt(sock)
             left = deadline - time.monotonic()
             if left <= 0:
@@ -394,11 +436,10 @@ class QuickCall:
         if res == native.Q_ANSWER:
             dl = _Deadline(max(deadline - time.monotonic(), 1e-6), min(self.slack, self.timeout_s / 4), False)
             dl.arm(sock)
-            with ch._lock:
-                ch._arm_epoch += 1   # (timeouts set on this stream: no plan assumes its own are)
+            ch.bump_arm_epoch()   # (timeouts set on this stream: no plan assumes its own are)
             status, msg = _answer(sock, bytearray(head), dl)
             if status == ST_REFUSED:
-                ch._give_back(batch, sock)
+                ch.give_back(batch, sock)
                 raise Refused(f"peer refused the batch: {msg}")
             raise Corrupt(f"peer failed the batch: {msg}")
         if res == native.Q_STALE:
@@ -418,45 +459,30 @@ class QuickCall:
         forget it); an assumed arming stays remembered."""
         if dl.armings == 0 and sock is self.armed_sock:
             return   # assumed (the epoch was current when the stream was taken, and only this call had it)
-        ch = self.ch
         keep = dl.armings == 1 and dl.sock is sock and dl.rearm_at - dl.slack - dl.start <= dl.slack / 4
-        with ch._lock:
-            ch._arm_epoch += 1
-            self.armed_sock, self.armed_epoch = (sock, ch._arm_epoch) if keep else (None, -1)
+        epoch = self.ch.bump_arm_epoch()   # (a later epoch than this one: the stream's arming is not assumed)
+        self.armed_sock, self.armed_epoch = (sock, epoch) if keep else (None, -1)
 
 
-def prepare(ch: TcpChannel, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
-               dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
-    """The one-call path of this shape on channel ``ch``, or None when it cannot take it: TLS (an SSL
-    socket takes neither ``sendmsg`` nor receive flags: the ops path stages), too many pairs, a block
-    larger than ``llmdd.tcp.inline_max_bytes``, a local region not registered or too small for the
+def prepare(ch: QuickChannel, ep: QuickOwner, pairs: Sequence[tuple[int, int]], block_bytes: int, src_units: int,
+            dst_units: int, push: bool, timeout_s: float) -> Optional[Callable[[Any, Any], int]]:
+    """The one-call path of this shape on channel ``ch`` of endpoint ``ep``, or None when it cannot take it:
+    TLS (an SSL socket takes neither ``sendmsg`` nor receive flags: the ops path stages), too many pairs, a
+    block larger than ``llmdd.tcp.inline_max_bytes``, a local region not registered or too small for the
     shape's blocks, a remote region unknown, not remote-accessible or too small."""
-    ep = ch._ep
-    if ep._tls is not None or not 0 < len(pairs) <= QUICK_MAX_PAIRS:
+    if ep.tls is not None or not 0 < len(pairs) <= QUICK_MAX_PAIRS:
         return None
     bs, su, du, timeout_s = int(block_bytes), int(src_units), int(dst_units), float(timeout_s)
-    max_bytes = min(int(ch._cfg[OPT_INLINE]), int(ch._cfg[OPT_SEGMENT]))
+    max_bytes = min(int(ep.cfg[OPT_INLINE]), int(ep.cfg[OPT_SEGMENT]))
     if bs <= 0 or su <= 0 or du <= 0 or bs * len(pairs) > max_bytes or not timeout_s > 0:
         return None
     local_units, remote_units = (su, du) if push else (du, su)
     plan = [(int(lid), int(rid)) for lid, rid in pairs]
-    views, bases = {}, {}
-    with ep._lock:   # the local table and its version together
-        if ep._closed:
-            return None
-        ep_ver = ep._qver
-        for lid, _ in plan:
-            entry = ep._regs.get(lid)
-            if entry is None or entry.region.size < bs * local_units:
-                return None
-            views[lid] = entry.view
-            bases[lid] = int(entry.region.addr)
-    with ch._lock:   # the remote table and its version together
-        if ch._batches.closed:
-            return None
-        ch_ver = ch._qver
-        for _, rid in plan:
-            size = ch._remote.get(rid)
-            if size is None or rid in ch._private or size < bs * remote_units:
-                return None
-    return QuickCall(ch, plan, bs, su, du, bool(push), timeout_s, ep_ver, ch_ver, views, max_bytes, bases)
+    local = ep.prepared_locals([lid for lid, _ in plan], bs * local_units)
+    if local is None:
+        return None
+    ep_ver, views, bases = local
+    ch_ver = ch.prepared_remotes([rid for _, rid in plan], bs * remote_units)
+    if ch_ver is None:
+        return None
+    return QuickCall(ch, ep, plan, bs, su, du, bool(push), timeout_s, ep_ver, ch_ver, views, max_bytes, bases)

@@ -12,13 +12,13 @@ from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle e
 
 from . import _wire
 from ._few import FEW_OPS, recv_rows
-from ._sock import _recv_exact
-from ._wire import _M_REQ, _REQ, F_PAD, MAX_OPS_PER_REQUEST, READ, WRITE
+from ._sock import recv_exact
+from ._wire import M_REQ, REQ, F_PAD, MAX_OPS_PER_REQUEST, READ, WRITE
 
 
 def request_pad(kind: int, rflags: int, count: int) -> int:
     """The zero bytes after the ops of a request: a padded WRITE's fill up to a multiple of 16."""
-    return (-(_REQ.size + 20 * count)) % 16 if kind == WRITE and rflags & F_PAD else 0
+    return (-(REQ.size + 20 * count)) % 16 if kind == WRITE and rflags & F_PAD else 0
 
 
 def read_request(sock: socket.socket, head: bytes, flags: int, few_ops: int) -> tuple[int, int, Union[tuple, np.ndarray],
@@ -26,9 +26,9 @@ def read_request(sock: socket.socket, head: bytes, flags: int, few_ops: int) -> 
     """``(kind, request flags, ops, total)`` of the next request (``head``: its first bytes, taken already;
     ``flags``: the receive flags; ``few_ops``: 0 on a TLS stream); :class:`PeerGone` when the stream
     ends, :class:`Corrupt` for a bad header."""
-    hdr = head + _recv_exact(sock, _REQ.size - len(head))
-    magic, kind, rflags, _, count, total = _REQ.unpack(hdr)
-    if magic != _M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
+    hdr = head + recv_exact(sock, REQ.size - len(head))
+    magic, kind, rflags, _, count, total = REQ.unpack(hdr)
+    if magic != M_REQ or kind not in (READ, WRITE) or count > MAX_OPS_PER_REQUEST:
         raise Corrupt(f"bad request header (kind={kind}, count={count})")
     pad = request_pad(kind, rflags, count)
     if count <= min(few_ops, FEW_OPS):   # a few ops: plain Python (llmdd_tcp._few)
@@ -42,5 +42,5 @@ def read_request(sock: socket.socket, head: bytes, flags: int, few_ops: int) -> 
                 raise PeerGone("peer closed the stream mid-request")
             got += r
     if pad:
-        _recv_exact(sock, pad)
+        recv_exact(sock, pad)
     return kind, rflags, wire, total

@@ -1,6 +1,8 @@
 """Blocking-socket helpers of the tcp transport: deadlines as socket timeouts (``SO_RCVTIMEO`` /
 ``SO_SNDTIMEO``, Python's own on a TLS socket), exact receives, readiness polls, shutdown and close
-from any thread, ``TCP_NODELAY``, the error mapping, and a writable view of raw memory."""
+from any thread, ``TCP_NODELAY``, the error mapping, a writable view of raw memory, the spinner of a
+stream's waits, and :class:`StreamBatch` (a batch's sockets, so that cancel, deadline and deregistration
+can shut them down)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import select
 import socket
 import ssl
 import struct
+import threading
 import time
 from typing import TypeGuard, Union
 
-from llmdd.lowlevel import PeerGone, TransportTimeout, map_os_error
+from llmdd.lowlevel import Batch, Cancelled, PeerGone, TransportTimeout, map_os_error
 
 _memview = ctypes.pythonapi.PyMemoryView_FromMemory
 _memview.restype = ctypes.py_object
@@ -22,7 +25,7 @@ _PyBUF_WRITE = 0x200
 _yield = getattr(os, "sched_yield", lambda: None)
 
 
-def _region_view(addr: int, size: int) -> memoryview:
+def region_view(addr: int, size: int) -> memoryview:
     """A writable byte view of ``size`` bytes at ``addr`` (PyMemoryView_FromMemory: a ctypes array type per
     length would be created, ~20 us, and cached by ctypes for ever, for every length a batch brings)."""
     if size == 0:
@@ -30,13 +33,13 @@ def _region_view(addr: int, size: int) -> memoryview:
     return _memview(addr, size, _PyBUF_WRITE)
 
 
-def _is_tls(sock: socket.socket) -> TypeGuard[ssl.SSLSocket]:
+def is_tls(sock: socket.socket) -> TypeGuard[ssl.SSLSocket]:
     return isinstance(sock, ssl.SSLSocket)
 
 
-def _set_timeouts(sock: socket.socket, seconds: float) -> None:
+def set_timeouts(sock: socket.socket, seconds: float) -> None:
     seconds = max(seconds, 1e-3)
-    if _is_tls(sock):
+    if is_tls(sock):
         # an SSL socket needs Python's own timeout: under SO_RCVTIMEO a blocking SSL read retries forever
         sock.settimeout(seconds)
         return
@@ -45,45 +48,45 @@ def _set_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def _arm(sock: socket.socket, deadline: Union[float, None]) -> None:
+def arm_deadline(sock: socket.socket, deadline: Union[float, None]) -> None:
     if deadline is None:
         return
     left = deadline - time.monotonic()
     if left <= 0:
         raise TransportTimeout("deadline passed")
-    _set_timeouts(sock, left)
+    set_timeouts(sock, left)
 
 
-class _StaleStream(PeerGone):
+class StaleStream(PeerGone):
     """A reused idle stream turned out closed before any byte of the answer came back."""
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None, *,
+def recv_exact(sock: socket.socket, n: int, deadline: Union[float, None] = None, *,
                 stale_ok: bool = False) -> bytearray:
     buf = bytearray(n)
     mv = memoryview(buf)
     got = 0
-    flags = _waitall(sock)
+    flags = waitall(sock)
     while got < n:
-        _arm(sock, deadline)
+        arm_deadline(sock, deadline)
         r = sock.recv_into(mv[got:], n - got, flags)
         if r == 0:
             if stale_ok and got == 0:
-                raise _StaleStream("peer closed the stream before answering")
+                raise StaleStream("peer closed the stream before answering")
             raise PeerGone("peer closed the stream")
         got += r
     return buf
 
 
-def _waitall(sock: socket.socket) -> int:
+def waitall(sock: socket.socket) -> int:
     """``MSG_WAITALL`` on a plain socket; an SSL socket takes no flags (it returns a record at a time)."""
-    return 0 if _is_tls(sock) else socket.MSG_WAITALL
+    return 0 if is_tls(sock) else socket.MSG_WAITALL
 
 
-_map_exc = map_os_error   # a TLS failure is a typed refusal, EAGAIN under SO_RCVTIMEO a timeout
+map_exc = map_os_error   # a TLS failure is a typed refusal, EAGAIN under SO_RCVTIMEO a timeout
 
 
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_sock(sock: socket.socket) -> None:
     """Shut the descriptor down (from any thread). On an SSL socket the plain socket's call: the SSL
     one also drops the SSL object, under the feet of a thread still reading or writing with it."""
     try:
@@ -92,10 +95,10 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def _readable(sock: socket.socket) -> bool:
+def readable(sock: socket.socket) -> bool:
     """True when ``sock`` has data or EOF pending (a zero-timeout poll; no byte is consumed)."""
     try:
-        if _is_tls(sock) and sock.pending():
+        if is_tls(sock) and sock.pending():
             return True
         ready, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
@@ -103,15 +106,15 @@ def _readable(sock: socket.socket) -> bool:
     return bool(ready)
 
 
-def _close(sock: socket.socket) -> None:
-    _shutdown(sock)
+def close_sock(sock: socket.socket) -> None:
+    shutdown_sock(sock)
     try:
         sock.close()
     except OSError:
         pass
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
@@ -124,7 +127,7 @@ def _spin_readable(sock: socket.socket, seconds: float) -> bool:
     that expects an answer within microseconds spins first, then sleeps.  Every empty poll yields the
     core (``sched_yield``): a peer that runs on the same core (the one that is to answer) runs at once
     instead of waiting until the spin ends."""
-    if seconds <= 0 or _is_tls(sock) or sock.gettimeout() is not None:
+    if seconds <= 0 or is_tls(sock) or sock.gettimeout() is not None:
         return False
     end = time.perf_counter() + seconds
     flags = socket.MSG_PEEK | socket.MSG_DONTWAIT
@@ -193,13 +196,38 @@ class Spinner:
         self.misses += 1
 
 
-def _wait_readable(sock: socket.socket, seconds: float) -> bool:
+def wait_readable(sock: socket.socket, seconds: float) -> bool:
     if seconds <= 0:
         return False
     try:
-        if _is_tls(sock) and sock.pending():
+        if is_tls(sock) and sock.pending():
             return True   # decrypted bytes already buffered: the descriptor may never turn readable
         ready, _, _ = select.select([sock], [], [], seconds)
     except (OSError, ValueError):
         return True   # let the read report it
     return bool(ready)
+
+
+class StreamBatch(Batch):
+    """A batch and its sockets, so that cancel/deadline/deregister can kill them."""
+
+    __slots__ = ("socks", "lock")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.socks: list[socket.socket] = []
+        self.lock = threading.Lock()
+
+    def adopt(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.socks.append(sock)
+            if not self.aborted:
+                return
+        shutdown_sock(sock)
+        raise Cancelled("batch aborted")
+
+    def on_abort(self) -> None:
+        with self.lock:
+            socks = list(self.socks)
+        for s in socks:
+            shutdown_sock(s)

@@ -12,14 +12,14 @@ from typing import Callable, Union
 from llmdd.lowlevel import Cancelled, PeerGone, copy_runs
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 
-from ._sock import _arm, _region_view
+from ._sock import arm_deadline, region_view
 
 _TLS_CHUNK = 256 * 1024                    # TLS: small pieces are staged up to this, large ones sent in slices of it
 _TLS_FEW = 8                               # TLS: batches of at most this many ops go as Python ints (latency path)
 _TLS_INPLACE = 8 * 1024                    # TLS: received ops of this size or more land in place, smaller ones are staged
 
 
-def _move_tls(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, deadline: Union[float, None], send: bool,
+def move_tls(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, deadline: Union[float, None], send: bool,
               abort_check: Union[Callable[[], bool], None]) -> int:
     """The bytes of ops at ``addrs`` (``ln`` each) over TLS, in order: consecutive small ops are staged
     in one buffer of up to ``_TLS_CHUNK`` (gathered with ``llmdd.lowlevel.copy_runs`` before a send,
@@ -41,7 +41,7 @@ def _move_tls(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, deadline: 
     # one view of the address span of the batch's large ops (nothing outside the ops is touched, and
     # they lie inside the pinned regions); a slice of it per large op, runs of them in one call
     lo = int(addrs[big].min())
-    span = _region_view(lo, int((addrs[big] + ln[big]).max()) - lo)
+    span = region_view(lo, int((addrs[big] + ln[big]).max()) - lo)
     at, k = (addrs[big] - np.uint64(lo)).tolist(), ln[big].tolist()
     s = 0
     i = 0
@@ -64,10 +64,10 @@ def _move_tls(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, deadline: 
 
 def _tls_few(sock: ssl.SSLSocket, al: list, ll: list, deadline: Union[float, None], send: bool,
              abort_check: Union[Callable[[], bool], None]) -> int:
-    """:func:`_move_tls` for a few ops: sent through the stage (one write per ``_TLS_CHUNK``), received in place."""
+    """:func:`move_tls` for a few ops: sent through the stage (one write per ``_TLS_CHUNK``), received in place."""
     if not send:
         for a, k in zip(al, ll):
-            _recv_tls(sock, [_region_view(a, k)], deadline, abort_check)
+            _recv_tls(sock, [region_view(a, k)], deadline, abort_check)
         return sum(ll)
     sa = _tls_stage_addr()
     stage = _tls_local.stage
@@ -75,15 +75,15 @@ def _tls_few(sock: ssl.SSLSocket, al: list, ll: list, deadline: Union[float, Non
     mm = ctypes.memmove
     for a, k in zip(al, ll):
         if used and (k >= _TLS_CHUNK or used + k > _TLS_CHUNK):
-            _tls_put(sock, memoryview(stage)[:used], deadline, abort_check)
+            tls_put(sock, memoryview(stage)[:used], deadline, abort_check)
             used = 0
         if k >= _TLS_CHUNK:
-            _tls_one(sock, _region_view(a, k), deadline, True, abort_check)
+            _tls_one(sock, region_view(a, k), deadline, True, abort_check)
             continue
         mm(sa + used, a, k)
         used += k
     if used:
-        _tls_put(sock, memoryview(stage)[:used], deadline, abort_check)
+        tls_put(sock, memoryview(stage)[:used], deadline, abort_check)
     return sum(ll)
 
 
@@ -104,7 +104,7 @@ def _tls_stages(sock: ssl.SSLSocket, addrs: np.ndarray, ln: np.ndarray, ends: np
         buf = memoryview(stage)[:end - base]
         if send:
             copy_runs(at[i:j], a_[i:j], l_[i:j])
-            _tls_put(sock, buf, deadline, abort_check)
+            tls_put(sock, buf, deadline, abort_check)
         else:
             _recv_tls(sock, [buf], deadline, abort_check)
             copy_runs(a_[i:j], at[i:j], l_[i:j])
@@ -117,7 +117,7 @@ def _tls_one(sock: ssl.SSLSocket, view: memoryview, deadline: Union[float, None]
         _recv_tls(sock, [view], deadline, abort_check)
         return
     for at in range(0, len(view), _TLS_CHUNK):
-        _tls_put(sock, view[at:at + _TLS_CHUNK], deadline, abort_check)
+        tls_put(sock, view[at:at + _TLS_CHUNK], deadline, abort_check)
 
 
 _tls_local = threading.local()
@@ -133,22 +133,22 @@ def _tls_stage_addr() -> int:
     return addr
 
 
-def _tls_put(sock: ssl.SSLSocket, buf, deadline: Union[float, None],
+def tls_put(sock: ssl.SSLSocket, buf, deadline: Union[float, None],
              abort_check: Union[Callable[[], bool], None]) -> None:
     if abort_check is not None and abort_check():
         raise Cancelled("stream aborted")
-    _arm(sock, deadline)
+    arm_deadline(sock, deadline)
     sock.sendall(buf)
 
 
-def _send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
+def send_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = None,
               abort_check: Union[Callable[[], bool], None] = None) -> None:
     """Send ``views`` in order over TLS (no sendmsg there): small ones staged into one buffer of up to
     ``_TLS_CHUNK`` bytes (one TLS write instead of one record each), large ones in slices of it."""
     staged = bytearray()
 
     def put(buf) -> None:
-        _tls_put(sock, buf, deadline, abort_check)
+        tls_put(sock, buf, deadline, abort_check)
 
     for v in views:
         n = len(v)
@@ -175,7 +175,7 @@ def _recv_tls(sock: ssl.SSLSocket, views: list, deadline: Union[float, None] = N
         while got < n:
             if abort_check is not None and abort_check():
                 raise Cancelled("stream aborted")
-            _arm(sock, deadline)
+            arm_deadline(sock, deadline)
             r = sock.recv_into(v[got:], n - got)
             if r == 0:
                 raise PeerGone("peer closed the stream in the middle of a batch")

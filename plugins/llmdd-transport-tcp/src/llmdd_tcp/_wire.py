@@ -11,15 +11,15 @@ from typing import Any
 
 from llmdd.lowlevel import Corrupt, when_numpy_loaded
 
-from ._sock import _recv_exact
+from ._sock import recv_exact
 
 VERSION = 2
-_HELLO = struct.Struct("<4sHBB16s16s")   # magic, version, auth, features, endpoint id, server nonce
-_OPEN = struct.Struct("<16s16s32s")       # client nonce, grant handle, client mac
-_AUTH_RSP = struct.Struct("<B32s")        # status, server mac
-_REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, payload bytes
-_RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message length
-_M_HELLO, _M_REQ, _M_RSP = b"LDTH", b"LDRQ", b"LDRS"
+HELLO = struct.Struct("<4sHBB16s16s")   # magic, version, auth, features, endpoint id, server nonce
+OPEN = struct.Struct("<16s16s32s")       # client nonce, grant handle, client mac
+AUTH_RSP = struct.Struct("<B32s")        # status, server mac
+REQ = struct.Struct("<4sBBHIQ")          # magic, kind, flags, pad, op count, payload bytes
+RSP = struct.Struct("<4sBBHI")           # magic, status, pad, pad, message length
+M_HELLO, M_REQ, M_RSP = b"LDTH", b"LDRQ", b"LDRS"
 READ, WRITE = 1, 2
 #: REQ flags: ``F_PAD``: pad a READ's OK answer header to 16 bytes (``RSP`` with a 4-byte message of zeros),
 #: so that the bytes after it keep the sender's 16-byte alignment (a payload copied from a source 12 bytes
@@ -45,26 +45,26 @@ def _define_dtypes(numpy: Any) -> None:
     WIRE_OP = numpy.dtype([("region", "<u4"), ("offset", "<u8"), ("length", "<u8")])
 MAX_OPS_PER_REQUEST = 1 << 18
 MAX_MESSAGE = 4096
-_OK_PADDED = _RSP.pack(_M_RSP, ST_OK, 0, 0, 4) + bytes(4)   # the OK answer header of a READ with F_PAD
+OK_PADDED = RSP.pack(M_RSP, ST_OK, 0, 0, 4) + bytes(4)   # the OK answer header of a READ with F_PAD
 
 
-def _send_rsp(sock: socket.socket, status: int, message: str = "", pad: int = 0) -> None:
+def send_rsp(sock: socket.socket, status: int, message: str = "", pad: int = 0) -> None:
     """An answer; with ``pad`` (the request's ``F_PAD``) its message is NUL-padded to at least 4 bytes and
     header and message to a multiple of 16 (a client that knows it reads 16 bytes at once)."""
     msg = message.encode()[:MAX_MESSAGE - 16]
     if pad:
         msg += bytes((4 - len(msg)) % 16)   # 12 + len(msg) a multiple of 16, len(msg) >= 4
-    sock.sendall(_RSP.pack(_M_RSP, status, 0, 0, len(msg)) + msg)
+    sock.sendall(RSP.pack(M_RSP, status, 0, 0, len(msg)) + msg)
 
 
-def _recv_rsp(sock: socket.socket, deadline: float) -> tuple[int, str]:
-    return _parse_rsp(sock, _recv_exact(sock, _RSP.size, deadline), deadline)
+def recv_rsp(sock: socket.socket, deadline: float) -> tuple[int, str]:
+    return parse_rsp(sock, recv_exact(sock, RSP.size, deadline), deadline)
 
 
-def _parse_rsp(sock: socket.socket, head: bytearray, deadline: float) -> tuple[int, str]:
-    magic, status, _, _, n = _RSP.unpack(head)
-    if magic != _M_RSP or n > MAX_MESSAGE:
+def parse_rsp(sock: socket.socket, head: bytearray, deadline: float) -> tuple[int, str]:
+    magic, status, _, _, n = RSP.unpack(head)
+    if magic != M_RSP or n > MAX_MESSAGE:
         raise Corrupt("bad response header from peer")
     # a padded answer (F_PAD) carries NULs after its message
-    msg = bytes(_recv_exact(sock, n, deadline)).rstrip(b"\0").decode(errors="replace") if n else ""
+    msg = bytes(recv_exact(sock, n, deadline)).rstrip(b"\0").decode(errors="replace") if n else ""
     return status, msg

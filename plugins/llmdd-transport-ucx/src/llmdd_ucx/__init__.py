@@ -83,7 +83,7 @@ from ._options import OPT_SPIN_US as OPT_SPIN_US
 from ._options import OPT_SPLIT_MIN as OPT_SPLIT_MIN
 from ._options import OPT_THREADS as OPT_THREADS
 from ._options import OPT_TLS as OPT_TLS
-from ._options import _DEFAULTS, OPT_SERVICE_LEVEL, OPT_TRAFFIC_CLASS
+from ._options import DEFAULTS, OPT_SERVICE_LEVEL, OPT_TRAFFIC_CLASS
 
 __all__ = ["UcxTransport", "UcxEndpoint", "UcxChannel", "EndpointFields", "RegionFields", "endpoint_fields",
            "region_fields", "hookimpl", "llmdd_register_transports"]
@@ -124,7 +124,7 @@ class UcxTransport(Transport):
 
     def __init__(self, options: Mapping[str, str]) -> None:
         super().__init__(options)
-        cfg = {k: type(v)(self.options.get(k, v)) for k, v in _DEFAULTS.items()}
+        cfg = {k: type(v)(self.options.get(k, v)) for k, v in DEFAULTS.items()}
         for k in (OPT_TRAFFIC_CLASS, OPT_SERVICE_LEVEL):
             if self.options.get(k) not in (None, ""):
                 cfg[k] = int(self.options[k])

@@ -21,10 +21,11 @@ from llmdd.lowlevel import TransportError, encode_payload, get_logger
 from . import _nixl, _proto
 from ._channel import UcxChannel
 from ._fields import VERSION, EndpointFields, RegionFields, endpoint_fields
-from ._nixl import _nixl_error
-from ._lanes import _PostThreads, bind_request
+from ._nixl import nixl_error
+from ._lanes import PostThreads, bind_request
 from ._options import OPT_CONTROL_TIMEOUT, OPT_DEVICES, OPT_NOTIF_IDLE_MS, OPT_PROGRESS_THREAD, OPT_SPLIT_MIN
-from ._options import OPT_THREADS, THREADS_MAX, _ucx_env
+from ._options import OPT_THREADS, THREADS_MAX, ucx_env
+from ._regs import LocalReg
 from ._xfer import xfer_settings
 
 _log = get_logger("llmdd.transport.ucx")
@@ -45,16 +46,7 @@ def _close_open_endpoints() -> None:
         try:
             ep.close()
         except Exception as exc:  # noqa: BLE001 - exit goes on; the others still close
-            _log.warning("llmdd.transport.ucx.exit_close_failed", agent=ep._name, error=repr(exc))
-
-
-class _LocalReg(RegisteredRegion):
-    __slots__ = ("dlist", "gen")
-
-    def __init__(self, region: MemRegion, dlist: Any, gen: int) -> None:
-        super().__init__(region)
-        self.dlist = dlist
-        self.gen = gen
+            _log.warning("llmdd.transport.ucx.exit_close_failed", agent=ep.agent_name, error=repr(exc))
 
 
 class UcxEndpoint(Endpoint):
@@ -62,17 +54,17 @@ class UcxEndpoint(Endpoint):
 
     def __init__(self, *, host: str, cfg: Mapping[str, Any]) -> None:
         api = _nixl.load()
-        self._cfg = dict(cfg)
-        self._xfer_cfg = xfer_settings(self._cfg)   # what each batch needs of the options, read once
+        self.cfg = dict(cfg)
+        self.xfer_settings = xfer_settings(self.cfg)   # what each batch needs of the options, read once
         #: bumped (under the lock) on every change of the local region table and at close: a one-call
         #: plan (llmdd_ucx._quick) made on an older version declines
-        self._qver = 0
+        self.table_version = 0
         self._host = host
         self._name = f"llmdd-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         # a large batch is split across `threads` posting threads, each on a UCX worker of its own
         # (llmdd_ucx._lanes): the agent then lets data-path calls run concurrently (RW); one thread
         # keeps one worker and NIXL's strict serialisation of every call
-        threads = min(THREADS_MAX, max(1, int(self._cfg.get(OPT_THREADS, 1))))
+        threads = min(THREADS_MAX, max(1, int(self.cfg.get(OPT_THREADS, 1))))
         try:
             agent = self._make_agent(api, threads)
         except Exception as exc:  # noqa: BLE001
@@ -85,10 +77,10 @@ class UcxEndpoint(Endpoint):
                 agent = self._make_agent(api, 1)
             except Exception as exc2:  # noqa: BLE001
                 raise Corrupt(f"could not create a NIXL agent with the UCX backend: {exc2!r}") from None
-        self._agent = agent
-        self._lock = threading.RLock()
-        self._closed = False
-        self._regs: RegionRegistry[_LocalReg] = RegionRegistry(threading.Condition(self._lock),
+        self.agent = agent
+        self.lock = threading.RLock()
+        self.closed = False
+        self.regs: RegionRegistry[LocalReg] = RegionRegistry(threading.Condition(self.lock),
                                                                on_rebuild=self._rebuild)
         self._gen = int.from_bytes(os.urandom(6), "little") << 8
         self._channels: set[UcxChannel] = set()
@@ -105,13 +97,13 @@ class UcxEndpoint(Endpoint):
             api.nixlBind.nixlRegDList(agent.nixl_mems["DRAM"], np.empty((0, 3), np.uint64)), True)
         self._log = _log.bind(agent=self._name)
         # the posting threads, bound to their workers before any other thread can use the agent
-        self._posters: "_PostThreads | None" = None
-        self._split_min = max(1, int(self._cfg.get(OPT_SPLIT_MIN, 8 << 20)))
+        self.posters: "PostThreads | None" = None
+        self.split_min = max(1, int(self.cfg.get(OPT_SPLIT_MIN, 8 << 20)))
         if threads > 1:
-            self._posters = self._start_posters(threads)
-            if self._posters is not None:   # an endpoint dropped without close() ends its threads too
-                weakref.finalize(self, self._posters.stop)
-        self._stats["post_threads"] = len(self._posters._threads) if self._posters is not None else 0
+            self.posters = self._start_posters(threads)
+            if self.posters is not None:   # an endpoint dropped without close() ends its threads too
+                weakref.finalize(self, self.posters.stop)
+        self._stats["post_threads"] = len(self.posters.threads) if self.posters is not None else 0
         self._stop = threading.Event()
         self._kick = threading.Event()  # wakes the notification loop early (a request awaits a reply, close)
         # owners' DRAIN/BYE are served off the notification loop by at most _OWNER_WORKERS threads
@@ -135,112 +127,112 @@ class UcxEndpoint(Endpoint):
         return EndpointDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))
 
     def register(self, region: MemRegion) -> RegionDescriptor:
-        with self._lock:
-            if self._closed:
+        with self.lock:
+            if self.closed:
                 raise Cancelled("endpoint is closed")
-            self._regs.check_new(region.region_id)
+            self.regs.check_new(region.region_id)
             dlist = None
             partial = b""
             if region.size:
                 try:
-                    dlist = self._agent.register_memory(
+                    dlist = self.agent.register_memory(
                         np.array([[region.addr, region.size, 0]], dtype=np.uint64), "DRAM")
                     if region.remote_accessible:   # a key for peers only where they may reach it
-                        partial = self._agent.get_partial_agent_metadata(dlist, False)
+                        partial = self.agent.get_partial_agent_metadata(dlist, False)
                 except Exception as exc:  # noqa: BLE001
-                    raise _nixl_error(exc, f"registering region {region.region_id}") from None
+                    raise nixl_error(exc, f"registering region {region.region_id}") from None
             self._gen += 1
-            self._regs.add(_LocalReg(region, dlist, self._gen))
+            self.regs.add(LocalReg(region, dlist, self._gen))
         fields = RegionFields(agent=self._name, region_id=region.region_id, addr=region.addr, size=region.size,
                               gen=self._gen, remote_accessible=region.remote_accessible, metadata=bytes(partial))
         return RegionDescriptor(transport="ucx", version=VERSION, payload=encode_payload(fields))
 
     def deregister(self, region_id: int) -> None:
         # this side: fail the batches touching it and drain them (requests in flight polled out)
-        reg = self._regs.deregister(region_id)
+        reg = self.regs.deregister(region_id)
         if reg is None:
             return
         # the owner side: every client refuses new ops on it and drains what touches it
         if reg.region.remote_accessible:
             self._broadcast(_proto.DRAIN, _proto.pack_region(region_id, reg.gen))
-        with self._lock:
+        with self.lock:
             self._stats["drains"] += 1
-            if reg.dlist is not None and not self._closed:
+            if reg.dlist is not None and not self.closed:
                 try:
-                    self._agent.deregister_memory(reg.dlist)
+                    self.agent.deregister_memory(reg.dlist)
                 except Exception as exc:  # noqa: BLE001
                     self._log.warning("llmdd.transport.ucx.deregister_failed", region=region_id, error=repr(exc))
 
     def connect(self, peer: EndpointDescriptor, *, timeout: float) -> "UcxChannel":
         deadline = time.monotonic() + timeout
-        if self._closed:
+        if self.closed:
             raise Cancelled("endpoint is closed")
         fields = endpoint_fields(peer)
         try:
-            name = self._agent.add_remote_agent(fields.metadata)
+            name = self.agent.add_remote_agent(fields.metadata)
         except Exception as exc:  # noqa: BLE001
-            raise PeerGone(f"cannot load the peer's NIXL metadata: {_nixl_error(exc, 'add_remote_agent')}") from None
+            raise PeerGone(f"cannot load the peer's NIXL metadata: {nixl_error(exc, 'add_remote_agent')}") from None
         name = name.decode() if isinstance(name, bytes) else str(name)
         if name != fields.agent:
             raise Corrupt(f"peer metadata names agent {name!r}, description says {fields.agent!r}")
         ch = UcxChannel(self, name)
-        with self._lock:
+        with self.lock:
             self._channels.add(ch)
             self._by_peer.setdefault(name, set()).add(ch)
         try:
-            ok = self._request(name, _proto.HELLO, self._metadata,
+            ok = self.request(name, _proto.HELLO, self._metadata,
                                max(0.05, deadline - time.monotonic()))
         except TransportError:
             ok = False
         if not ok:
-            ch._mark_gone(PeerGone(f"peer agent {name} did not answer the ucx handshake"), notify=False)
+            ch.mark_gone(PeerGone(f"peer agent {name} did not answer the ucx handshake"), notify=False)
             ch.close()
             raise PeerGone(f"peer agent {name} did not answer the ucx handshake within {timeout:.1f}s")
         return ch
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
+        with self.lock:
+            if self.closed:
                 return
-            self._closed = True
-            self._qver += 1
+            self.closed = True
+            self.table_version += 1
             channels = list(self._channels)
         _open_endpoints.discard(self)
         for ch in channels:
             ch.close()
-        self._regs.close()   # what is left: cancel, then drain
+        self.regs.close()   # what is left: cancel, then drain
         self._broadcast(_proto.BYE, b"")
         self._stop.set()
         self._kick.set()
         if self._notif_thread is not threading.current_thread():
             self._notif_thread.join(5.0)
         self._owner_requests.shutdown(wait=False)
-        if self._posters is not None:   # the channels' batches are over (failed and drained above)
-            self._posters.close()
-        with self._lock:
-            for reg in self._regs.entries.values():
+        if self.posters is not None:   # the channels' batches are over (failed and drained above)
+            self.posters.close()
+        with self.lock:
+            for reg in self.regs.entries.values():
                 if reg.dlist is not None:
                     try:
-                        self._agent.deregister_memory(reg.dlist)
+                        self.agent.deregister_memory(reg.dlist)
                     except Exception as exc:  # noqa: BLE001
                         self._log.warning("llmdd.transport.ucx.deregister_failed", error=repr(exc))
-            self._regs.entries.clear()
-            self._regs.rebuild()
+            self.regs.entries.clear()
+            self.regs.rebuild()
             if not self._stranded:
-                self._agent = None  # the agent (and its UCX worker) goes with its last reference
+                self.agent = None  # the agent (and its UCX worker) goes with its last reference
 
     def statistics(self) -> dict:
-        with self._lock:
+        with self.lock:
             return dict(self._stats, agent=self._name, channels=len(self._channels), clients=len(self._clients),
-                        stranded_requests=len(self._stranded), closed=self._closed)
+                        stranded_requests=len(self._stranded), closed=self.closed)
 
     # ------------------------------------------------------------------ internals
 
     def _make_agent(self, api: Any, threads: int) -> Any:
         """A NIXL agent with the UCX backend: ``threads`` workers in RW mode, or one in strict mode."""
         init = {}
-        if self._cfg.get(OPT_DEVICES):
-            init["ucx_devices"] = str(self._cfg[OPT_DEVICES])
+        if self.cfg.get(OPT_DEVICES):
+            init["ucx_devices"] = str(self.cfg[OPT_DEVICES])
         if threads > 1:
             init["num_workers"] = str(threads)
         # NIXL's progress thread busy-polls the worker when UCX's transports cannot wake it (the
@@ -249,17 +241,17 @@ class UcxEndpoint(Endpoint):
         # notification loop below; cross-host UCX-over-tcp targets may want it (option = 1).
         modes = api.nixl_thread_sync_t
         sync = modes.NIXL_THREAD_SYNC_RW if threads > 1 else modes.NIXL_THREAD_SYNC_STRICT
-        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self._cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
+        conf = api.nixl_agent_config(enable_prog_thread=bool(int(self.cfg.get(OPT_PROGRESS_THREAD, 0))), backends=[],
                                      sync_mode=sync)
-        with _nixl.scoped_env(_ucx_env(self._cfg)):
+        with _nixl.scoped_env(ucx_env(self.cfg)):
             agent = api.nixl_agent(self._name, conf)
             agent.create_backend("UCX", init)
         return agent
 
-    def _start_posters(self, n: int) -> "_PostThreads | None":
+    def _start_posters(self, n: int) -> "PostThreads | None":
         """``n`` posting threads, thread ``i`` bound to UCX worker ``i`` (a loopback request each, one
         after another); None (no split) when binding failed."""
-        agent = self._agent
+        agent = self.agent
         scratch = np.zeros(128, np.uint8)
         try:
             dl = agent.register_memory(np.array([[scratch.ctypes.data, scratch.nbytes, 0]], np.uint64), "DRAM")
@@ -267,7 +259,7 @@ class UcxEndpoint(Endpoint):
             self._log.warning("llmdd.transport.ucx.no_post_threads", error=repr(exc))
             return None
         try:
-            posters = _PostThreads(n, bind_request(agent, self._name, scratch), self._name[-6:])
+            posters = PostThreads(n, bind_request(agent, self._name, scratch), self._name[-6:])
         finally:
             try:
                 agent.deregister_memory(dl)
@@ -280,24 +272,24 @@ class UcxEndpoint(Endpoint):
         return posters
 
     def _rebuild(self, regs: RegionRegistry) -> None:
-        self._qver += 1   # (the registry's lock is this endpoint's)
+        self.table_version += 1   # (the registry's lock is this endpoint's)
         self._stats["regions"] = len(regs)
         self._stats["registered_bytes"] = sum(e.region.size for e in regs.entries.values())
 
     def _send(self, peer: str, kind: int, token: int, payload: bytes = b"") -> bool:
         try:
-            self._agent.send_notif(peer, _proto.pack(kind, token, payload))
+            self.agent.send_notif(peer, _proto.pack(kind, token, payload))
         except Exception as exc:  # noqa: BLE001 - a gone peer cannot be told anything
             self._log.info("llmdd.transport.ucx.notify_failed", peer=peer, error=repr(exc))
             return False
-        with self._lock:
+        with self.lock:
             self._stats["notifs_out"] += 1
         return True
 
-    def _request(self, peer: str, kind: int, payload: bytes, timeout: float) -> bool:
+    def request(self, peer: str, kind: int, payload: bytes, timeout: float) -> bool:
         token = int.from_bytes(os.urandom(8), "little")
         ev = threading.Event()
-        with self._lock:
+        with self.lock:
             self._waiters[token] = ev
         self._kick.set()  # poll fast until the reply is in
         try:
@@ -305,7 +297,7 @@ class UcxEndpoint(Endpoint):
                 return False
             return ev.wait(timeout)
         finally:
-            with self._lock:
+            with self.lock:
                 self._waiters.pop(token, None)
 
     def _broadcast(self, kind: int, payload: bytes) -> None:
@@ -313,13 +305,13 @@ class UcxEndpoint(Endpoint):
 
         Every request leaves first, then one deadline covers every answer (the notification loop
         sets each waiter): no thread per client, however many peers are linked."""
-        with self._lock:
+        with self.lock:
             clients = list(self._clients)
         if not clients:
             return
-        timeout = float(self._cfg[OPT_CONTROL_TIMEOUT])
+        timeout = float(self.cfg[OPT_CONTROL_TIMEOUT])
         waits = {peer: (int.from_bytes(os.urandom(8), "little"), threading.Event()) for peer in clients}
-        with self._lock:
+        with self.lock:
             for token, ev in waits.values():
                 self._waiters[token] = ev
         self._kick.set()  # poll fast until the replies are in
@@ -333,12 +325,12 @@ class UcxEndpoint(Endpoint):
                 if peer not in results:
                     results[peer] = ev.wait(max(0.0, deadline - time.monotonic()))
         finally:
-            with self._lock:
+            with self.lock:
                 for token, _ev in waits.values():
                     self._waiters.pop(token, None)
         silent = [p for p, ok in results.items() if not ok]
         if silent:
-            with self._lock:
+            with self.lock:
                 for p in silent:
                     self._clients.pop(p, None)  # unreachable: it cannot post requests any more either
                 self._stats["control_timeouts"] += len(silent)
@@ -348,11 +340,11 @@ class UcxEndpoint(Endpoint):
         """Poll NIXL's notifications (which also progresses the worker): every 0.5 ms while a reply
         is awaited or messages arrive, backing off to ``notif_idle_ms`` when idle (no busy polling)."""
         idle = 0.0005
-        longest = max(0.0005, float(self._cfg.get(OPT_NOTIF_IDLE_MS, 20.0)) / 1000.0)
+        longest = max(0.0005, float(self.cfg.get(OPT_NOTIF_IDLE_MS, 20.0)) / 1000.0)
         kick = self._kick
         while not self._stop.is_set():
             try:
-                agent = self._agent
+                agent = self.agent
                 notifs = agent.get_new_notifs() if agent is not None else {}
             except Exception as exc:  # noqa: BLE001
                 self._log.warning("llmdd.transport.ucx.notif_failed", error=repr(exc))
@@ -381,27 +373,27 @@ class UcxEndpoint(Endpoint):
         if parsed is None:
             return
         kind, token, payload = parsed
-        with self._lock:
+        with self.lock:
             self._stats["notifs_in"] += 1
         if kind in (_proto.WELCOME, _proto.DRAINED, _proto.BYE_ACK, _proto.GOODBYE_ACK):
-            with self._lock:
+            with self.lock:
                 ev = self._waiters.get(token)
             if ev is not None:
                 ev.set()
         elif kind == _proto.HELLO:
-            if self._closed:
+            if self.closed:
                 return
             try:
-                self._agent.add_remote_agent(payload)
+                self.agent.add_remote_agent(payload)
             except Exception as exc:  # noqa: BLE001
                 self._log.warning("llmdd.transport.ucx.hello_failed", peer=sender, error=repr(exc))
                 return
-            with self._lock:
+            with self.lock:
                 self._clients[sender] = self._clients.get(sender, 0) + 1
                 self._stats["clients"] = len(self._clients)
             self._send(sender, _proto.WELCOME, token)
         elif kind == _proto.GOODBYE:
-            with self._lock:
+            with self.lock:
                 n = self._clients.get(sender, 0) - 1
                 if n > 0:
                     self._clients[sender] = n
@@ -417,26 +409,31 @@ class UcxEndpoint(Endpoint):
                 self._log.warning("llmdd.transport.ucx.owner_request_dropped", peer=sender, error=repr(exc))
 
     def _serve_owner_request(self, sender: str, kind: int, token: int, payload: bytes) -> None:
-        with self._lock:
+        with self.lock:
             channels = list(self._by_peer.get(sender, ()))
         if kind == _proto.DRAIN:
             region = _proto.unpack_region(payload)
             if region is None:
                 return
             for ch in channels:
-                ch._revoke(*region)
+                ch.revoke(*region)
             self._send(sender, _proto.DRAINED, token)
         else:
             for ch in channels:
-                ch._mark_gone(PeerGone(f"peer agent {sender} closed its endpoint"), notify=False)
+                ch.mark_gone(PeerGone(f"peer agent {sender} closed its endpoint"), notify=False)
             self._send(sender, _proto.BYE_ACK, token)
 
-    def _forget_channel(self, ch: "UcxChannel") -> None:
-        with self._lock:
+    def strand(self, requests: list) -> None:
+        """Keep NIXL requests that did not drain alive as long as this endpoint (a request is never released
+        while in flight: ai-dynamo/nixl#2067); ``statistics()`` counts them."""
+        self._stranded.extend(requests)
+
+    def forget_channel(self, ch: "UcxChannel") -> None:
+        with self.lock:
             self._channels.discard(ch)
-            peers = self._by_peer.get(ch._peer_name)
+            peers = self._by_peer.get(ch.peer_name)
             if peers is not None:
                 peers.discard(ch)
                 if not peers:
-                    self._by_peer.pop(ch._peer_name, None)
+                    self._by_peer.pop(ch.peer_name, None)
 

@@ -1,7 +1,7 @@
 """A large ucx batch on several cores: cut into parts by bytes (:data:`PARTS_PER_THREAD` per thread),
-each part one batch of its own (:class:`~llmdd_ucx._xfer._Xfer`) that one of the endpoint's
+each part one batch of its own (:class:`~llmdd_ucx._xfer.Xfer`) that one of the endpoint's
 persistent posting threads takes from their queue, posts and polls, each thread bound to a UCX
-worker of its own; :class:`_Split` is the caller's completion over the parts.
+worker of its own; :class:`Split` is the caller's completion over the parts.
 
 Why threads and workers: over ``cma`` UCX completes every get inside NIXL's post call, one
 ``process_vm_readv`` per descriptor, on the calling thread; one thread is one core.  NIXL's UCX
@@ -9,7 +9,7 @@ backend binds each thread to one of its ``num_workers`` workers at the thread's 
 request (round robin, for the thread's life), and with the agent in ``NIXL_THREAD_SYNC_RW`` mode
 requests on different workers do not serialise.  The endpoint starts its posting threads before any
 other thread uses the agent and has each make one request in turn, so they hold distinct workers
-(:class:`_PostThreads`).  ``bench/results-committed/issue22/ucx-threads/`` has the probe that measured it.
+(:class:`PostThreads`).  ``bench/results-committed/issue22/ucx-threads/`` has the probe that measured it.
 """
 
 from __future__ import annotations
@@ -17,14 +17,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from llmdd.abc import Completion
 from llmdd.lowlevel import lazy_numpy as np
 from llmdd.lowlevel import Cancelled, TransportError, TransportTimeout, get_logger
 
-if TYPE_CHECKING:
-    from ._xfer import _Xfer
+
+class Posted(Protocol):
+    """A part of a split batch as a posting thread sees it (:class:`~llmdd_ucx._xfer.Xfer`): posted and
+    polled to its end by ``run_posted`` (which records its own error)."""
+
+    def run_posted(self) -> None: ...
 
 _log = get_logger("llmdd.transport.ucx")
 
@@ -35,13 +39,13 @@ _log = get_logger("llmdd.transport.ucx")
 PARTS_PER_THREAD = 4
 
 
-class _PostThreads:
+class PostThreads:
     """``n`` persistent daemon threads, thread ``i`` bound to UCX worker ``i`` of the agent, taking
     parts from one queue, one at a time.  Idle threads wait on the queue (no CPU)."""
 
     def __init__(self, n: int, bind: Callable[[], None], name: str) -> None:
         self._q: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._threads: list = []
+        self.threads: list = []
         self.ok = True
         for i in range(n):   # one at a time: thread i makes its binding request before thread i+1 starts
             bound = threading.Event()
@@ -49,7 +53,7 @@ class _PostThreads:
             t = threading.Thread(target=self._loop, args=(self._q, bind, bound, result),
                                  name=f"llmdd-ucx-post-{name}-{i}", daemon=True)
             t.start()
-            self._threads.append(t)
+            self.threads.append(t)
             if not bound.wait(30.0) or result != [True]:
                 self.ok = False
                 break
@@ -73,18 +77,18 @@ class _PostThreads:
                 _log.error("llmdd.transport.ucx.post_thread_failed", error=repr(exc))
             part = None
 
-    def submit(self, part: "_Xfer") -> None:
+    def submit(self, part: Posted) -> None:
         self._q.put(part)
 
     def stop(self) -> None:
         """Tell the threads to end once the parts queued before are run; does not wait."""
-        for _ in self._threads:
+        for _ in self.threads:
             self._q.put(None)
 
     def close(self) -> None:
         """Stop the threads and wait for them (each part ends by its batch's deadline)."""
         self.stop()
-        for t in self._threads:
+        for t in self.threads:
             if t is not threading.current_thread():
                 t.join(5.0)
 
@@ -104,50 +108,50 @@ def split_bounds(lens: "np.ndarray", parts: int) -> list:
     return cuts
 
 
-class _Split(Completion):
+class Split(Completion):
     """The completion of a batch run as parts: done when every part is; its error is the first part's
     error (the others are failed with it and drained)."""
 
     def __init__(self, op: str, nbytes: int, nops: int, deadline: float) -> None:
-        self._op = op
+        self.op = op
         self.nbytes = nbytes
         self.nops = nops
         self.quick = False
         self._deadline = deadline
         self.parts: list = []
-        self._left = 0
-        self._first_err: Optional[TransportError] = None
+        self.left = 0
+        self.first_err: Optional[TransportError] = None
         self._changed = threading.Event()   # set whenever a part finishes
 
     # called by the channel under its lock as each part finishes; True when it was the last one
-    def _note(self, err: Optional[TransportError]) -> bool:
-        if err is not None and self._first_err is None:
-            self._first_err = err
-        self._left -= 1
-        return self._left == 0
+    def note(self, err: Optional[TransportError]) -> bool:
+        if err is not None and self.first_err is None:
+            self.first_err = err
+        self.left -= 1
+        return self.left == 0
 
-    def _part_finished(self) -> None:
+    def part_finished(self) -> None:
         self._changed.set()
 
     def _fail_rest(self) -> None:
-        err = self._first_err
+        err = self.first_err
         if err is not None:
             for p in self.parts:
-                if not p._finished:
+                if not p.finished:
                     p.fail(err)
 
     def done(self) -> bool:
-        if self._first_err is not None:
+        if self.first_err is not None:
             self._fail_rest()
-        return all(p._finished for p in self.parts)
+        return all(p.finished for p in self.parts)
 
     def wait(self, timeout: Union[float, None] = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             self._changed.clear()   # before looking: a part finishing after this sets it again
-            if self._first_err is not None:
+            if self.first_err is not None:
                 self._fail_rest()
-            if all(p._finished for p in self.parts):
+            if all(p.finished for p in self.parts):
                 return True
             now = time.monotonic()
             if now >= self._deadline:
@@ -159,7 +163,7 @@ class _Split(Completion):
 
     @property
     def error(self) -> Union[TransportError, None]:
-        return self._first_err if all(p._finished for p in self.parts) else None
+        return self.first_err if all(p.finished for p in self.parts) else None
 
     def fail(self, err: TransportError) -> None:
         """Fail every part not finished (each drains); returns when no byte of the batch lands any more."""
@@ -170,7 +174,7 @@ class _Split(Completion):
         self.fail(Cancelled("batch cancelled"))
 
     def __repr__(self) -> str:
-        return f"<ucx split batch {self._op} {self.nbytes} B in {len(self.parts)} parts>"
+        return f"<ucx split batch {self.op} {self.nbytes} B in {len(self.parts)} parts>"
 
 
 def bind_request(agent: Any, name: str, scratch: "np.ndarray") -> Callable[[], None]:

@@ -115,7 +115,7 @@ def scoped_env(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
 
 
-def _nixl_error(exc: BaseException, what: str) -> TransportError:
+def nixl_error(exc: BaseException, what: str) -> TransportError:
     """Map an exception of NIXL's bindings (``nixlRemoteDisconnectError``...) to a typed error."""
     if isinstance(exc, TransportError):
         return exc

@@ -18,7 +18,7 @@ OPT_THREADS = "llmdd.ucx.threads"               # posting threads (and UCX worke
 OPT_SPLIT_MIN = "llmdd.ucx.split_min_bytes"     # a batch of at least this many bytes is split across them
 OPT_TRAFFIC_CLASS = "llm.RdmaTrafficClass"      # -> UCX_IB_TRAFFIC_CLASS
 OPT_SERVICE_LEVEL = "llm.RdmaServiceLevel"      # -> UCX_IB_SL
-_DEFAULTS: dict[str, Any] = {
+DEFAULTS: dict[str, Any] = {
     OPT_TLS: "", OPT_DEVICES: "", OPT_CHUNK_BYTES: 256 << 20, OPT_CHUNK_DESCS: 1 << 16,
     OPT_INFLIGHT: 4, OPT_CONTROL_TIMEOUT: 5.0, OPT_DRAIN_TIMEOUT: 60.0, OPT_SPIN_US: 50.0,
     OPT_PROGRESS_THREAD: 0, OPT_NOTIF_IDLE_MS: 20.0, OPT_THREADS: 2, OPT_SPLIT_MIN: 8 << 20,
@@ -28,7 +28,7 @@ _DEFAULTS: dict[str, Any] = {
 THREADS_MAX = 16
 
 
-def _ucx_env(options: Mapping[str, Any]) -> dict:
+def ucx_env(options: Mapping[str, Any]) -> dict:
     env = {}
     if options.get(OPT_TLS):
         env["UCX_TLS"] = str(options[OPT_TLS])

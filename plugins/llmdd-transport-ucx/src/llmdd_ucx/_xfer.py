@@ -6,32 +6,62 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 from llmdd.abc import Completion
 from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine needs none
 from llmdd.lowlevel import Cancelled, PeerGone, TransportError, TransportTimeout, get_logger
 
-from ._nixl import _nixl_error
+from ._nixl import nixl_error
 from ._options import OPT_DRAIN_TIMEOUT, OPT_INFLIGHT, OPT_SPIN_US
 
-if TYPE_CHECKING:  # annotations only: the channel creates batches, a batch reports to its channel
-    from ._channel import UcxChannel
-    from ._lanes import _Split
+from ._lanes import Split
 
 _log = get_logger("llmdd.transport.ucx")
 
 
-class _Xfer(Completion):
+class XferEndpoint(Protocol):
+    """What a batch uses of the endpoint (:class:`~llmdd_ucx._endpoint.UcxEndpoint`): its NIXL agent, the
+    batch settings read from its options (:func:`xfer_settings`), and where requests that did not drain
+    are kept (``strand``)."""
+
+    @property
+    def agent(self) -> Any: ...
+
+    @property
+    def xfer_settings(self) -> tuple[int, float, float]: ...
+
+    def strand(self, requests: list) -> None: ...
+
+
+class XferChannel(Protocol):
+    """What a batch uses of the channel that made it (:class:`~llmdd_ucx._channel.UcxChannel`): its endpoint,
+    the peer agent's name, the error a failed request means (``gone_error``, ``transfer_error``) and
+    the batch's end (``batch_done``)."""
+
+    @property
+    def endpoint(self) -> XferEndpoint: ...
+
+    @property
+    def peer_name(self) -> str: ...
+
+    def gone_error(self) -> Optional[TransportError]: ...
+
+    def transfer_error(self) -> TransportError: ...
+
+    def batch_done(self, batch: Xfer, err: Optional[TransportError]) -> None: ...
+
+
+class Xfer(Completion):
     """One batch: a list of NIXL requests (chunks), at most ``window`` in flight."""
 
-    def __init__(self, ch: "UcxChannel", op: str, chunks: list, deadline: float, nbytes: int, nops: int,
+    def __init__(self, ch: XferChannel, op: str, chunks: list, deadline: float, nbytes: int, nops: int,
                  local_ids: frozenset, remote_ids: frozenset, *, quick: bool = False,
-                 parent: "Optional[_Split]" = None) -> None:
+                 parent: Optional[Split] = None) -> None:
         self._ch = ch
-        ep = ch._ep
-        self._agent = ep._agent
-        self._op = op
+        ep = ch.endpoint
+        self._agent = ep.agent
+        self.op = op
         self._chunks = chunks
         self._next = 0
         self._posted: list = []
@@ -41,16 +71,16 @@ class _Xfer(Completion):
         self.local_ids = local_ids
         self.remote_ids = remote_ids
         self.quick = quick   # posted by the one-call path (llmdd_ucx._quick): counted as quick_batches
-        self._window, self._spin, self._drain_timeout = ep._xfer_cfg
+        self._window, self._spin, self._drain_timeout = ep.xfer_settings
         self._lock = threading.RLock()
-        self._finished = False   # set once, by _finish
+        self.finished = False   # set once, by _finish
         # what a driver thread's waiters sleep on; made only when a driver starts (a batch of one
         # chunk, the one-call path's, is finished by the thread that waits for it: no event to make)
         self._wake: Optional[threading.Event] = None
         self._error: Optional[TransportError] = None
         self._driver: Optional[threading.Thread] = None
         # a part of a split batch: posted and polled by a posting thread (run_posted), never by a waiter
-        self._parent = parent
+        self.parent = parent
         if parent is not None:
             self._wake = threading.Event()
 
@@ -59,7 +89,7 @@ class _Xfer(Completion):
     def start(self) -> None:
         with self._lock:
             self._step()
-        if not self._finished and self._next < len(self._chunks):
+        if not self.finished and self._next < len(self._chunks):
             self._wake = threading.Event()
             self._driver = threading.Thread(target=self._drive, name="llmdd-ucx-xfer", daemon=True)
             self._driver.start()
@@ -67,17 +97,17 @@ class _Xfer(Completion):
     def run_posted(self) -> None:
         """Post and poll this part to its end in the calling (posting) thread.  A part failed before
         (DRAIN, deregistration, cancel, a sibling's error) posts nothing."""
-        parent = self._parent
-        if parent is not None and parent._first_err is not None:
-            self.fail(parent._first_err)   # a sibling failed before this part started: post nothing
+        parent = self.parent
+        if parent is not None and parent.first_err is not None:
+            self.fail(parent.first_err)   # a sibling failed before this part started: post nothing
             return
         with self._lock:
-            if not self._finished:
+            if not self.finished:
                 self._step()
         backoff = _Backoff(self._spin)
-        while not self._finished:
-            if parent is not None and parent._first_err is not None:
-                self.fail(parent._first_err)   # first error wins: stop posting, drain
+        while not self.finished:
+            if parent is not None and parent.first_err is not None:
+                self.fail(parent.first_err)   # first error wins: stop posting, drain
                 return
             if self.poll():
                 return
@@ -85,23 +115,23 @@ class _Xfer(Completion):
 
     def _drive(self) -> None:
         backoff = _Backoff(self._spin)
-        while not self._finished:
+        while not self.finished:
             if self.poll():
                 return
             backoff.pause(self._deadline)
 
     def poll(self) -> bool:
         """One non-blocking step; True once the batch is finished."""
-        if self._finished:
+        if self.finished:
             return True
         if not self._lock.acquire(blocking=False):
-            return self._finished
+            return self.finished
         try:
-            if not self._finished:
+            if not self.finished:
                 self._step()
         finally:
             self._lock.release()
-        return self._finished
+        return self.finished
 
     def _step(self) -> None:
         """Check posted requests, post more; fail on error or deadline (lock held)."""
@@ -122,16 +152,16 @@ class _Xfer(Completion):
                 agent.release_xfer_handle(h)
             else:
                 self._posted = still + posted[i:]
-                self._fail_locked(self._ch._transfer_error())
+                self._fail_locked(self._ch.transfer_error())
                 return
         self._posted = still
         while self._next < len(self._chunks) and len(self._posted) < self._window:
             ldesc, rdesc = self._chunks[self._next]
             try:
-                h = agent.initialize_xfer(self._op, agent.get_xfer_descs(ldesc, "DRAM"),
-                                          agent.get_xfer_descs(rdesc, "DRAM"), self._ch._peer_name)
+                h = agent.initialize_xfer(self.op, agent.get_xfer_descs(ldesc, "DRAM"),
+                                          agent.get_xfer_descs(rdesc, "DRAM"), self._ch.peer_name)
             except Exception as exc:  # noqa: BLE001
-                self._fail_locked(self._ch._gone_error() or _nixl_error(exc, "creating the transfer"))
+                self._fail_locked(self._ch.gone_error() or nixl_error(exc, "creating the transfer"))
                 return
             self._chunks[self._next] = None
             self._next += 1
@@ -139,7 +169,7 @@ class _Xfer(Completion):
                 st = agent.transfer(h)
             except Exception as exc:  # noqa: BLE001
                 self._posted.append(h)
-                self._fail_locked(self._ch._gone_error() or _nixl_error(exc, "posting the transfer"))
+                self._fail_locked(self._ch.gone_error() or nixl_error(exc, "posting the transfer"))
                 return
             if st == "DONE":
                 agent.release_xfer_handle(h)
@@ -147,7 +177,7 @@ class _Xfer(Completion):
                 self._posted.append(h)
             else:
                 self._posted.append(h)
-                self._fail_locked(self._ch._transfer_error())
+                self._fail_locked(self._ch.transfer_error())
                 return
         if self._next >= len(self._chunks) and not self._posted:
             self._finish(None)
@@ -178,7 +208,7 @@ class _Xfer(Completion):
             if pending:
                 if time.monotonic() >= end:
                     # never release a request in flight (nixl#2067): keep it alive with the endpoint
-                    self._ch._ep._stranded.extend(pending)
+                    self._ch.endpoint.strand(pending)
                     _log.error("llmdd.transport.ucx.drain_timeout", requests=len(pending))
                     err = PeerGone(f"{err}; {len(pending)} request(s) did not drain within "
                                    f"{self._drain_timeout:.0f}s")
@@ -188,41 +218,41 @@ class _Xfer(Completion):
         self._finish(err)
 
     def _finish(self, err: Optional[TransportError]) -> None:
-        if self._finished:
+        if self.finished:
             return
         self._error = err
-        self._ch._batch_done(self, err)
-        self._finished = True
+        self._ch.batch_done(self, err)
+        self.finished = True
         if self._wake is not None:
             self._wake.set()
-        if self._parent is not None:
-            self._parent._part_finished()
+        if self.parent is not None:
+            self.parent.part_finished()
 
     # ---------------------------------------------------------------- Completion API
 
     def fail(self, err: TransportError) -> None:
         """Fail (unless done) and drain; returns when no byte of the batch lands any more."""
-        if self._finished:
+        if self.finished:
             return
         with self._lock:
-            if not self._finished:
+            if not self.finished:
                 self._fail_locked(err)
         if self._driver is not None and self._driver is not threading.current_thread():
             self._driver.join()
 
     def done(self) -> bool:
-        if self._driver is None and self._parent is None:
+        if self._driver is None and self.parent is None:
             return self.poll()
-        return self._finished
+        return self.finished
 
     def wait(self, timeout: Union[float, None] = None) -> bool:
         end = None if timeout is None else time.monotonic() + timeout
         backoff = _Backoff(self._spin)
         while True:
-            if self._driver is None and self._parent is None:
+            if self._driver is None and self.parent is None:
                 if self.poll():
                     return True
-            elif self._finished:
+            elif self.finished:
                 return True
             now = time.monotonic()
             if now >= self._deadline:
@@ -238,7 +268,7 @@ class _Xfer(Completion):
 
     @property
     def error(self) -> Union[TransportError, None]:
-        return self._error if self._finished else None
+        return self._error if self.finished else None
 
     def cancel(self) -> None:
         self.fail(Cancelled("batch cancelled"))
@@ -248,7 +278,7 @@ class _Xfer(Completion):
         return region_id in self.local_ids
 
     def __repr__(self) -> str:
-        return f"<ucx batch {self._op} {self.nbytes} B {'done' if self._finished else 'running'}>"
+        return f"<ucx batch {self.op} {self.nbytes} B {'done' if self.finished else 'running'}>"
 
 
 def xfer_settings(cfg: dict) -> tuple[int, float, float]:
@@ -290,7 +320,7 @@ def split_big(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int) -> tuple:
             np.stack([rdesc[idx, 0] + off, piece, rdesc[idx, 2]], axis=1))
 
 
-def _chunk(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int, max_descs: int) -> list:
+def chunk(ldesc: np.ndarray, rdesc: np.ndarray, max_bytes: int, max_descs: int) -> list:
     """Cut descriptor arrays into consecutive pieces of at most ``max_bytes`` / ``max_descs``.
 
     A single descriptor larger than ``max_bytes`` is split too, so that a drain after cancel or
