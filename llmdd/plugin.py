@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping, Optional, final
 import attrs
 import pluggy
 
+from llmdd._base.enums import LLMRole
 from llmdd._base.log import get_logger
 from llmdd._seam.abc import Transport, TransportInfo
 
@@ -65,7 +66,7 @@ class TransferTask:
     :ivar info: everything the task was created with (read-only; ``kind`` and ``peer`` included).
     """
 
-    id: Any
+    id: int
     kind: Optional[str] = None
     peer: Optional[int] = None
     info: Mapping[str, Any] = attrs.field(factory=dict, converter=_readonly)
@@ -81,7 +82,7 @@ class EngineConfig:
     """
 
     cluster_id: int = attrs.field(validator=attrs.validators.instance_of(int))
-    role: Any
+    role: LLMRole
     options: Mapping[str, str] = attrs.field(factory=dict, converter=_readonly)
 
 
@@ -227,7 +228,7 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _check_transport_class(cls: Any) -> None:
+def _check_transport_class(cls: object) -> None:
     if not isinstance(cls, type):
         raise TypeError(f"register() takes a transport class, not {cls!r}")
     name = getattr(cls, "name", None)

@@ -120,7 +120,7 @@ class LLMDataDist:
             raise _not_initialized()
         return fsm
 
-    def add_plugin(self, plugin: Any, name: Optional[str] = None) -> None:
+    def add_plugin(self, plugin: object, name: Optional[str] = None) -> None:
         """Register a pluggy plugin object (hook subscriber, transport, fault injector) on this
         engine's plugin manager.  llmdd extension, not part of upstream's API: call it before
         ``init`` for plugins that contribute transports, at any time for subscribers."""

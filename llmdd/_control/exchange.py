@@ -98,6 +98,9 @@ class LinkExchange:
             if reply is None:
                 raise LLMException(f"link to {link.peer_cluster_id} went down during {op!r}",
                                    status_code=S.LLM_LINK_FAILED)
+            if not isinstance(reply, m.TransferReply):   # the peer answered a request with an unlink's ack
+                raise LLMException(f"peer {link.peer_cluster_id} answered {op!r} with {type(reply).__name__}",
+                                   status_code=S.LLM_LINK_FAILED)
             return reply.status_code, dict(reply.result)
         except ProtocolError as exc:
             # the connection is gone: the link is FAILED by the time the caller hears it

@@ -6,7 +6,7 @@ read.  Nothing in this module decides a state.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import threading
 
@@ -14,7 +14,7 @@ import attrs
 
 from llmdd._seam.abc import Channel
 from llmdd._lifecycle.machines import Tracked
-from llmdd._lifecycle.tables import LINK_IN_USE, LINK_SERVES, LINK_SETTING_UP, LinkState
+from llmdd._lifecycle.tables import LINK_IN_USE, LINK_RELEASED, LINK_SERVES, LINK_SETTING_UP, LINK_UP, LinkState
 from llmdd._protocol import messages as m
 from llmdd._protocol.handshake import PeerInfo
 from llmdd._protocol.tables import DescriptorTables, TableAnnouncer
@@ -45,7 +45,7 @@ class Pending:
 
     def __init__(self, event: Waiter) -> None:
         self.event = event              # from the link manager's loop (its clock and its way of waiting)
-        self.reply: Any = None
+        self.reply: Optional[Union[m.UnlinkAck, m.TransferReply]] = None   # the peer's answer
 
 
 @attrs.define(eq=False)
@@ -89,7 +89,6 @@ class Link:
     # comm ids of the groups using it; an unlink gives back one hold, and the link ends only when
     # neither side holds it any more (docs/links.md, "Unlink").  Changed under the link table's lock.
     holds: set = attrs.field(factory=set)
-    released: bool = False        # this side unlinked it while the peer still holds it (served, not used here)
     unlink_pending: bool = False  # this side's non-force unlink waits for the peer's answer
     unlink_crossed: bool = False  # ... and the peer's own unlink request came meanwhile (both unlink)
 
@@ -112,13 +111,19 @@ class Link:
 
     @property
     def linked(self) -> bool:
-        return self.fsm.in_(LINK_IN_USE)
+        """Up with its peer: LINKED, or RELEASED (this side let it go, the peer keeps it)."""
+        return self.fsm.in_(LINK_UP)
+
+    @property
+    def released(self) -> bool:
+        """This side unlinked it while the peer still holds it (RELEASED: served, not used here)."""
+        return self.fsm.in_(LINK_RELEASED)
 
     @property
     def in_use(self) -> bool:
-        """llmdd._protocol.port.LinkView: this side's transfers may start on it (LINKED, not on its way
+        """llmdd._protocol.port.LinkView: this side's transfers may start on it (LINKED: not on its way
         down, not released)."""
-        return self.fsm.in_(LINK_IN_USE) and not self.released
+        return self.fsm.in_(LINK_IN_USE)
 
     @property
     def serves_peer(self) -> bool:

@@ -61,7 +61,7 @@ from llmdd._protocol.port import DataService, LinkView, RequestOp
 from llmdd._extension.manager import Hooks
 from llmdd._lifecycle.machines import Lifecycle, Tracked
 from llmdd._lifecycle.tables import (
-    LINK_BUSY, LINK_FAILED, LINK_KEEPS_ALIVE, Machine,
+    LINK_BUSY, LINK_FAILED, LINK_KEEPS_ALIVE, LINK_REPORTED, Machine,
 )
 from llmdd._memory.manager import MemoryManager
 from llmdd._seam.abc import Endpoint, EndpointDescriptor, TransportError
@@ -75,9 +75,13 @@ S = LLMStatusCode
 
 def _own(link: LinkView) -> Link:
     """The record behind a link the data plane hands back through its port (one of this manager's)."""
-    if not isinstance(link, Link):
-        raise TypeError(f"not a link of this engine: {link!r}")
+    if type(link) is not Link:
+        raise _not_ours(link)
     return link
+
+
+def _not_ours(link: LinkView) -> TypeError:
+    return TypeError(f"not a link of this engine: {link!r}")
 
 
 class LinkManager:
@@ -341,13 +345,14 @@ class LinkManager:
 
     def record_transfer(self, link: LinkView, *, read: int = 0, written: int = 0, failed: bool = False) -> None:
         """Count one transfer on the link's statistics: bytes read or written, or a failure."""
-        own = _own(link)
+        if type(link) is not Link:   # _own inline: once per transfer, on the one-block path's clock
+            raise _not_ours(link)
         if failed:
-            own.failures += 1
+            link.failures += 1
             return
-        own.bytes_read += read
-        own.bytes_written += written
-        own.transfers += 1
+        link.bytes_read += read
+        link.bytes_written += written
+        link.transfers += 1
 
     def fail(self, link: Link, error: BaseException, *, trigger: str,
              status: LLMStatusCode = S.LLM_LINK_FAILED) -> None:
@@ -465,9 +470,7 @@ class LinkManager:
             link.pending.pop(rid, None)
         reply = pending.reply if answered else None
         outcome = self._table.end_unlink(link, kept=reply is not None and reply.status_code == S.LLM_EXIST_LINK.value)
-        if outcome == "kept":
-            # LINKED again: transfers may start on it (being unlinked was the link table's state only)
-            link.fsm.offer("unlink_kept", reason="the peer keeps the link")
+        if outcome == "kept":   # RELEASED (unlink_kept, fired by the table with the holds it read)
             return S.LLM_SUCCESS
         if outcome == "crossed" or reply is not None:
             self.close_link(link, trigger="unlink_succeeded", reason="unlinked")
@@ -534,7 +537,7 @@ class LinkManager:
         out = {}
         for link in self.links():
             out[link.peer_cluster_id] = {
-                "state": link.state.value, "transport": link.transport, "transport_reason": link.transport_reason,
+                "state": LINK_REPORTED[link.state], "transport": link.transport, "transport_reason": link.transport_reason,
                 "client": link.is_client, "bytes_read": link.bytes_read, "bytes_written": link.bytes_written,
                 "transfers": link.transfers, "failures": link.failures, "last_error": link.last_error,
                 "rtt_s": link.rtt_s, "comm_id": link.comm_id, "released": link.released,

@@ -19,7 +19,7 @@ from llmdd._base.status import LLMStatusCode
 from llmdd._runtime.runtime import Waiter
 from llmdd._control.link import Link
 from llmdd._protocol import messages as m
-from llmdd._lifecycle.tables import LINK_CLAIMABLE, LINK_FAILED, LINK_PROCESSING
+from llmdd._lifecycle.tables import LINK_CLAIMABLE, LINK_FAILED, LINK_PROCESSING, LINK_RELEASED
 
 __all__ = ["LinkTable"]
 
@@ -168,21 +168,29 @@ class LinkTable:
 
     # ------------------------------------------------------------------ holds (who on this side uses a link)
     def hold(self, link: Link, token: object) -> None:
-        """``token`` (``CLUSTERS_HOLD`` or a comm id) holds ``link`` from now on."""
+        """``token`` (``CLUSTERS_HOLD`` or a comm id) holds ``link`` from now on (a released link is
+        LINKED again: ``hold``)."""
+        deliver: list[Callable[[], None]] = []
         with self._lock:
             link.holds.add(token)
-            link.released = False
+            if link.fsm.in_(LINK_RELEASED):
+                link.fsm.offer("hold", defer=deliver.append)
+        for event in deliver:   # after the lock
+            event()
 
     def rehold(self, remote_id: int, token: object) -> Optional[Link]:
         """A ``link_clusters`` to a peer whose link this side released but the peer kept: hold it
-        again (it is LINKED, nothing to set up) and return it; None when that is not the case."""
+        again (RELEASED -> LINKED, nothing to set up) and return it; None when that is not the case."""
+        deliver: list[Callable[[], None]] = []
         with self._lock:
             link = self._links.get(self._aliases.get(remote_id, remote_id))
-            if link is None or not link.released or not link.linked or link.unlink_pending:
+            if link is None or not link.fsm.in_(LINK_RELEASED) or link.unlink_pending:
                 return None
             link.holds.add(token)
-            link.released = False
-            return link
+            link.fsm.offer("hold", defer=deliver.append)
+        for event in deliver:   # after the lock
+            event()
+        return link
 
     def drop_shared_hold(self, link: Link, token: object) -> bool:
         """Drop ``token``'s hold when another hold of this side remains (no message to the peer):
@@ -204,16 +212,24 @@ class LinkTable:
 
     def end_unlink(self, link: Link, *, kept: bool) -> str:
         """This side's unlink got its answer (or none): ``"crossed"`` when the peer unlinked at the
-        same moment (the link ends), ``"kept"`` when the peer keeps the link (this side has
-        released it), else ``"closed"``."""
+        same moment (the link ends), ``"kept"`` when the peer keeps the link (``unlink_kept``: this
+        side has released it, RELEASED; LINKED again at once when a hold of this side came meanwhile),
+        else ``"closed"``."""
+        deliver: list[Callable[[], None]] = []
         with self._lock:
             link.unlink_pending = False
             if link.unlink_crossed:
-                return "crossed"
-            if kept:
-                link.released = not link.holds
-                return "kept"
-            return "closed"
+                outcome = "crossed"
+            elif kept:
+                outcome = "kept"
+                if link.fsm.offer("unlink_kept", reason="the peer keeps the link", defer=deliver.append) \
+                        and link.holds:
+                    link.fsm.offer("hold", defer=deliver.append)
+            else:
+                outcome = "closed"
+        for event in deliver:   # after the lock
+            event()
+        return outcome
 
     def peer_unlinks(self, link: Link, *, force: bool) -> str:
         """The peer's unlink request arrived: ``"crossed"`` when this side is unlinking too (each

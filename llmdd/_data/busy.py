@@ -81,25 +81,32 @@ class BusyTable:
 
 
 class Turn:
-    """A blocking transfer's turn on one link (:meth:`BusyTable.turn`), a context manager."""
+    """A blocking transfer's turn on one link (:meth:`BusyTable.turn`), a context manager.
 
-    __slots__ = ("_busy", "_link")
+    It keeps no state of one use (the turn is the link's ``transfer_lock``), only what entering reads,
+    looked up once: so one made per link (a prepared plan keeps its link's) may be entered by any
+    number of transfers, one after another or from several threads."""
+
+    __slots__ = ("_busy", "_link", "_key", "_lock")
 
     def __init__(self, busy: BusyTable, link: LinkView) -> None:
         self._busy = busy
         self._link = link
+        self._key = id(link)                 # the link's key in the table of async holds
+        self._lock = link.transfer_lock      # fixed for the link's life
 
     def __enter__(self) -> None:
         """Take the link's transfer lock for one blocking transfer, or raise (see :meth:`BusyTable.turn`)."""
-        busy, link = self._busy, self._link
-        if busy._async_busy.get(id(link)):
-            raise _err(f"an async transfer is running on the link to cluster {link.peer_cluster_id}",
+        busy = self._busy
+        if busy._async_busy.get(self._key):
+            raise _err(f"an async transfer is running on the link to cluster {self._link.peer_cluster_id}",
                        S.LLM_LINK_BUSY)
-        if not link.transfer_lock.acquire(timeout=busy.timeout_s):
-            raise _err(f"the link to cluster {link.peer_cluster_id} stayed busy for {busy.timeout_s:.3f} s",
+        if not self._lock.acquire(timeout=busy.timeout_s):
+            raise _err(f"the link to cluster {self._link.peer_cluster_id} stayed busy for {busy.timeout_s:.3f} s",
                        S.LLM_LINK_BUSY)
+        link = self._link
         if not link.in_use:
-            link.transfer_lock.release()
+            self._lock.release()
             if busy._lm.get(link.peer_cluster_id) in (link, None):
                 # failed or unlinking: its status; unlinked: LLM_NOT_YET_LINK, as a call made now
                 busy._lm.require(link.peer_cluster_id)
@@ -110,4 +117,4 @@ class Turn:
 
     def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
-        self._link.transfer_lock.release()
+        self._lock.release()

@@ -108,7 +108,8 @@ class TransferEngine:
                                clock=runtime.monotonic)
         self._busy = BusyTable(port=port, timeout_s=self.timeout_s)
         self._notices = OwnerNotices(port=port, timeout_s=self.timeout_s, runtime=runtime)
-        self.prepared = PreparedPlans(port=port, memory=memory, layouts=self.layouts, timeout_s=self.timeout_s)
+        self.prepared = PreparedPlans(port=port, memory=memory, layouts=self.layouts, busy=self._busy,
+                                      timeout_s=self.timeout_s)
         self._async: set = set()
         self._pulls_lock = threading.Lock()   # the non-blocking pulls' accounting (a leaf)
         self._closed = False
@@ -247,20 +248,21 @@ class TransferEngine:
     def _run_prepared(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                       kind: str) -> bool:
         """The planned shape's bytes in one call of the channel's prepared transfer (the seam's
-        ``Channel.prepare``), in the link's turn as :meth:`run_ops`; True when done.  A transfer the
-        channel started and that failed raises the contract's error, as the ops path would (its task
-        made and ended then).
+        ``Channel.prepare``), in the link's turn as :meth:`run_ops`, then the owner's notice (a pull's
+        queued read-done, a push's push-done); True when done.  A transfer the channel started and
+        that failed raises the contract's error, as the ops path would (its task made and ended then).
 
         Taken only while nobody listens to task events and no hook wraps transfers (the task's
         create / start / succeeded are then counted at once, as ``run_ops`` leaves them).  False,
         with nothing counted, when there is no prepared transfer or it did not do the transfer (a
         table changed since it was made, a block the planner decides, the owner holding its lock):
-        the caller then runs the plan's ops, which do the transfer or report the error as they would."""
+        the caller then runs the plan's ops (:meth:`_run_plan_ops`), which do the transfer or report
+        the error as they would."""
         prepared = plan.prepared   # another thread may replace it (below)
         if prepared is None or not self._hooks.runs_transfers_directly() or not self._tasks.quiet():
             return False
         link, rec = plan.link, plan.rec
-        with self._busy.turn(link):
+        with plan.turn:
             try:
                 moved = prepared(src_blocks, dst_blocks)
             except TransportError as exc:
@@ -282,24 +284,21 @@ class TransferEngine:
         if moved < 0:
             self.prepared.prepare(plan)   # on the tables of now (None: not this shape); no lock held
             return False
+        if plan.push:
+            self._notices.push_done(link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
+        else:
+            self._notices.queue(link, (READ, plan.cache_id, tuple(src_blocks)))
         return True
 
-    def _pull_planned(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+    def _run_plan_ops(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
                       kind: str) -> None:
-        """A small pull by its plan: the prepared transfer, else the plan's ops; then the owner's notice."""
-        if not self._run_prepared(plan, src_blocks, dst_blocks, kind):
-            ops, nbytes = plan.ops(src_blocks, dst_blocks)
-            self._read(plan.link, plan.rec, ops, kind, nbytes=nbytes)
-        self._notices.queue(plan.link, (READ, plan.cache_id, tuple(src_blocks)))
-
-    def _push_planned(self, plan: PreparedPlan, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-                      kind: str) -> None:
-        """A small push by its plan: the prepared transfer, else the plan's ops; then the owner's notice."""
-        if self._run_prepared(plan, src_blocks, dst_blocks, kind):
-            self._notices.push_done(plan.link, plan.cache_id, dst_blocks, plan.dst_tensors, failed=False)
-        else:
-            ops, nbytes = plan.ops(src_blocks, dst_blocks)
+        """A small pull or push by its plan's ops (no prepared transfer did it), then the owner's notice."""
+        ops, nbytes = plan.ops(src_blocks, dst_blocks)
+        if plan.push:
             self._write(plan.link, plan.rec, ops, kind, plan.cache_id, dst_blocks, plan.dst_tensors, nbytes=nbytes)
+        else:
+            self._read(plan.link, plan.rec, ops, kind, nbytes=nbytes)
+            self._notices.queue(plan.link, (READ, plan.cache_id, tuple(src_blocks)))
 
     # ------------------------------------------------------------------ pulls
     def pull(self, key: RemoteKey, cache: LocalCache, *, kind: str, batch_index: int = 0, size: int = -1,
@@ -310,7 +309,8 @@ class TransferEngine:
                 and kind == "pull_blocks" and type(key) is BlocksCacheKey):
             plan = self.prepared.lookup(False, key, cache, src_layer_range, dst_layer_range, tnpl)
             if plan is not None:
-                self._pull_planned(plan, src_blocks, dst_blocks, kind)
+                if not self._run_prepared(plan, src_blocks, dst_blocks, kind):
+                    self._run_plan_ops(plan, src_blocks, dst_blocks, kind)
                 return
         rec, dst = self.local_layout(cache.cache_id)
         link = self.link_for(key.cluster_id)
@@ -450,7 +450,8 @@ class TransferEngine:
                 and kind == "push_blocks" and type(key) is BlocksCacheKey):
             plan = self.prepared.lookup(True, key, cache, src_layer_range, dst_layer_range, tnpl)
             if plan is not None:
-                self._push_planned(plan, src_blocks, dst_blocks, kind)
+                if not self._run_prepared(plan, src_blocks, dst_blocks, kind):
+                    self._run_plan_ops(plan, src_blocks, dst_blocks, kind)
                 return
         rec, src = self.local_layout(cache.cache_id)
         link = self.link_for(key.cluster_id)
@@ -524,7 +525,8 @@ class TransferEngine:
             plan = self.prepared.lookup_by_id(write, cluster_id, local_id, remote_id, src_layer_range,
                                               dst_layer_range, tnpl)
             if plan is not None:
-                (self._push_planned if write else self._pull_planned)(plan, sb, db, kind)
+                if not self._run_prepared(plan, sb, db, kind):
+                    self._run_plan_ops(plan, sb, db, kind)
                 return
         rec, local = self.local_layout(local_id)
         link = self.link_for(cluster_id)

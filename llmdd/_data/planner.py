@@ -27,7 +27,11 @@ and become one op, and the ``tensors x runs`` op grid is filled by broadcasting.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence, Union
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Sequence, Union
+
+if TYPE_CHECKING:
+    import numpy
 
 import attrs
 
@@ -51,11 +55,11 @@ __all__ = [
 #: A block list as the API accepts it: a list/tuple of ``int`` or a 1-d numpy integer array.
 BlockList = Union[Sequence[int], "np.ndarray"]
 
-OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: numpy.dtype   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded
-def _numpy_loaded(numpy: Any) -> None:
+def _numpy_loaded(numpy: ModuleType) -> None:
     global OP_DTYPE
     OP_DTYPE = _ops.OP_DTYPE
 
@@ -389,7 +393,7 @@ _FEW_BLOCKS = 16
 _FEW_OPS = 64
 
 
-def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: Any, dst_blocks: Any, st: range, dt: range,
+def _plan_blocks_few(src: CacheLayout, dst: CacheLayout, src_blocks: BlockList, dst_blocks: BlockList, st: range, dt: range,
                      local: str) -> Union[np.ndarray, None]:
     """:func:`plan_blocks` for a few blocks given as lists of in-range Python ints (the latency
     path: numpy's fixed per-call costs dominate there). Returns None for anything else (other

@@ -17,18 +17,22 @@ the general steps, which raise what the contract says.
 from __future__ import annotations
 
 import struct
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence, Union
 
 from llmdd._base.lazy import np, when_numpy_loaded
 from llmdd._base.status import LLMException
-from llmdd._base.types import BlocksCacheKey
+from llmdd._base.types import BlocksCacheKey, Cache, KvCache
+from llmdd._data.busy import BusyTable, Turn
 from llmdd._data.layouts import Layouts
-from llmdd._data.planner import CacheLayout, plan_blocks, tensor_range
+from llmdd._data.planner import BlockList, CacheLayout, plan_blocks, tensor_range
 from llmdd._protocol.port import ControlPort, LinkView
+from llmdd._protocol.tables import DescriptorTables
 from llmdd._seam import ops as _ops
-from llmdd._seam.abc import PreparedTransfer
+from llmdd._seam.abc import Channel, PreparedTransfer
 
 if TYPE_CHECKING:
+    import numpy
     from llmdd._memory.manager import CacheRecord, MemoryManager
 
 __all__ = ["PreparedPlan", "PreparedPlans", "PREPARED_MAX_BLOCKS"]
@@ -47,11 +51,11 @@ def _op_rows(n: int) -> struct.Struct:
     return packer
 
 
-OP_DTYPE: Any   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
+OP_DTYPE: numpy.dtype   # llmdd._seam.ops.OP_DTYPE, once numpy is in use (llmdd._base.lazy)
 
 
 @when_numpy_loaded
-def _numpy_loaded(numpy: Any) -> None:
+def _numpy_loaded(numpy: ModuleType) -> None:
     global OP_DTYPE
     OP_DTYPE = _ops.OP_DTYPE
     assert _op_rows(1).size == OP_DTYPE.itemsize, "OP_DTYPE is no longer five packed fields"
@@ -60,15 +64,17 @@ def _numpy_loaded(numpy: Any) -> None:
 class PreparedPlan:
     """What a small pull_blocks / push_blocks of one shape needs besides its block lists: the peer's
     cache id, the two layouts, the tensor ranges, the (local, remote) region of each tensor pair, the
-    tables, record and regions it was made on (see :meth:`PreparedPlans.current`), and the channel's
-    prepared transfer for the shape (``prepared``, None when the channel has none for it)."""
+    tables, record and regions it was made on (see :meth:`PreparedPlans.current`), the link's busy
+    turn (``turn``, made once: ``with plan.turn:`` is the transfer's turn on its link), and the
+    channel's prepared transfer for the shape (``prepared``, None when the channel has none for it)."""
 
     __slots__ = ("link", "tables", "cv", "rv", "rec", "regions", "cache_id", "src", "dst", "src_tensors",
-                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "prepared", "chan")
+                 "dst_tensors", "push", "pairs", "bs", "su", "du", "per_block", "prepared", "chan", "turn")
 
-    def __init__(self, link: LinkView, tables: Any, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
-                 src_tensors: range, dst_tensors: range, push: bool) -> None:
+    def __init__(self, link: LinkView, tables: DescriptorTables, rec: CacheRecord, cache_id: int, src: CacheLayout, dst: CacheLayout,
+                 src_tensors: range, dst_tensors: range, push: bool, *, turn: Turn) -> None:
         self.link, self.tables, self.rec, self.regions = link, tables, rec, rec.regions
+        self.turn = turn
         self.cv, self.rv = tables.cache_table_version, tables.regions_version
         self.cache_id, self.src, self.dst, self.push = cache_id, src, dst, push
         self.src_tensors, self.dst_tensors = src_tensors, dst_tensors
@@ -79,9 +85,9 @@ class PreparedPlan:
         self.bs, self.su, self.du = src.unit_size, src.units, dst.units
         self.per_block = src.unit_size * len(self.pairs)
         self.prepared: Optional[PreparedTransfer] = None   # the channel's prepared transfer for this shape
-        self.chan: Any = None   # the channel ``prepared`` was asked of
+        self.chan: Optional[Channel] = None   # the channel ``prepared`` was asked of
 
-    def ops(self, src_blocks: Any, dst_blocks: Any) -> tuple:
+    def ops(self, src_blocks: BlockList, dst_blocks: BlockList) -> tuple:
         """(ops, total bytes): the ops :func:`plan_blocks` makes for these blocks (the same rows, in the
         same order); blocks it would refuse, or more than it plans in plain Python, go through it."""
         su, du = self.su, self.du
@@ -137,7 +143,7 @@ class PreparedPlan:
         ops = np.frombuffer(bytearray(_op_rows(rows).pack(*flat)), dtype=OP_DTYPE)
         return ops, blocks * self.per_block
 
-    def _planned(self, src_blocks: Any, dst_blocks: Any) -> tuple:
+    def _planned(self, src_blocks: BlockList, dst_blocks: BlockList) -> tuple:
         ops = plan_blocks(src=self.src, dst=self.dst, src_blocks=src_blocks, dst_blocks=dst_blocks,
                           src_tensors=self.src_tensors, dst_tensors=self.dst_tensors,
                           local="src" if self.push else "dst")
@@ -151,8 +157,10 @@ class PreparedPlans:
     :meth:`current` holds.  Lookups need no lock: the table only grows (cleared past 4096 shapes) and
     the memo is one tuple replaced whole."""
 
-    def __init__(self, *, port: ControlPort, memory: "MemoryManager", layouts: Layouts, timeout_s: float) -> None:
+    def __init__(self, *, port: ControlPort, memory: "MemoryManager", layouts: Layouts, busy: BusyTable,
+                 timeout_s: float) -> None:
         self._lm = port
+        self._busy = busy
         self._memory = memory
         self._layouts = layouts
         self._timeout_s = timeout_s
@@ -174,7 +182,7 @@ class PreparedPlans:
                 and tables is plan.tables and tables.cache_table_version == plan.cv
                 and tables.regions_version == plan.rv)
 
-    def lookup(self, push: bool, key: BlocksCacheKey, cache: Any, src_layer_range: Optional[range],
+    def lookup(self, push: bool, key: BlocksCacheKey, cache: Union[Cache, KvCache], src_layer_range: Optional[range],
                dst_layer_range: Optional[range], tnpl: int) -> Optional[PreparedPlan]:
         """A current plan for this call's shape (kept, or made now), or None when no plan serves it
         (the local cache or the link not usable now, a contiguous remote cache, a step of the plan
@@ -243,7 +251,8 @@ class PreparedPlans:
         # the planner's checks of the two layouts (block 0 exists in any cache)
         plan_blocks(src=src, dst=dst, src_blocks=[0], dst_blocks=[0], src_tensors=src_tensors,
                     dst_tensors=dst_tensors, local="src" if push else "dst")
-        plan = PreparedPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push)
+        plan = PreparedPlan(link, tables, rec, cache_id, src, dst, src_tensors, dst_tensors, push,
+                            turn=self._busy.turn(link))
         plan.cv, plan.rv = cv, rv
         self.prepare(plan)
         return plan

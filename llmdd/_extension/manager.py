@@ -36,6 +36,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, final
 import attrs
 import pluggy
 
+#: pluggy's hook-call tracers (``PluginManager.add_hookcall_monitoring``; pluggy names them privately)
+BeforeTrace = Callable[[str, Sequence[pluggy.HookImpl], Mapping[str, Any]], None]
+AfterTrace = Callable[[pluggy.Result[Any], str, Sequence[pluggy.HookImpl], Mapping[str, Any]], None]
+
 from llmdd import hookspecs
 from llmdd._lifecycle.events import TransitionEvent
 from llmdd._lifecycle.machines import Tracked
@@ -110,7 +114,7 @@ class LLMDDPluginManager(pluggy.PluginManager):
         #: Re-raise subscriber exceptions (after every subscriber ran); tests switch it on.
         self.strict = strict
         #: the installed ``add_hookcall_monitoring`` tracers, oldest first (see :meth:`traced_call`)
-        self._tracers: list[tuple[Any, Any]] = []
+        self._tracers: list[tuple[BeforeTrace, AfterTrace]] = []
         #: entry point name -> the distribution it came from (:meth:`list_plugin_distinfo`)
         self._dists: dict[str, Any] = {}
         #: Bumped by every register/unregister: cached hook dispatch is rebuilt after a change.
@@ -133,7 +137,7 @@ class LLMDDPluginManager(pluggy.PluginManager):
         """True while some ``add_hookcall_monitoring`` tracer is installed."""
         return bool(self._tracers)
 
-    def add_hookcall_monitoring(self, before: Any, after: Any) -> Callable[[], None]:
+    def add_hookcall_monitoring(self, before: BeforeTrace, after: AfterTrace) -> Callable[[], None]:
         undo = super().add_hookcall_monitoring(before, after)
         entry = (before, after)
         self._tracers.append(entry)
@@ -264,10 +268,11 @@ class HookStatistics:
     last_failure: Optional[str]
 
 
-def _task_view(task: Any) -> Any:
+def _task_view(task: object) -> object:
     """What a plugin sees of a task: the engine's tracked task as a :class:`TransferTask` (read-only);
     anything else (a test's stand-in, a view already) as it is."""
     if isinstance(task, Tracked):
+        assert isinstance(task.id, int), "a task's id is an int (its task machine's resource id)"
         info = dict(task.info)
         peer = info.get("peer")
         return TransferTask(id=task.id, kind=info.get("kind"), peer=peer if isinstance(peer, int) else None,
@@ -283,7 +288,7 @@ class _RunOnce:
     def __init__(self, run: Callable[[], Any]) -> None:
         self._run = run
         self.called = False
-        self._result: Any = None
+        self._result: object = None
         self._error: Optional[BaseException] = None
 
     def __call__(self) -> Any:
@@ -417,7 +422,7 @@ class Hooks:
             return self._emitters[machine], lambda error: True  # no generation to follow: always emit
         tracers = pm._tracers   # read directly, not through the ``monitored`` property: one call less per event
 
-        def wants(error: Any) -> bool:
+        def wants(error: Optional[BaseException]) -> bool:
             if pm.generation != state[0]:
                 declared = [getattr(impl.function, WANTS, None) for impl in hook.get_hookimpls()]
                 state[1] = any(w is None for w in declared)
@@ -524,7 +529,7 @@ class Hooks:
             direct = self._run_direct = (generation, all(getattr(i.function, PASSTHROUGH, False) is True for i in impls))
         return direct[1]
 
-    def run_transfer(self, task: Any, run: Callable[[], Any]) -> Any:
+    def run_transfer(self, task: object, run: Callable[[], Any]) -> Any:
         """Run one task through ``llmdd_run_transfer``; ``run`` executes at most once.
 
         When no implementation ran it (the default plugin blocked) it is run
@@ -540,7 +545,7 @@ class Hooks:
             return once()
         return result
 
-    def drops_control_message(self, peer_cluster_id: int, msg: Any) -> bool:
+    def drops_control_message(self, peer_cluster_id: int, msg: object) -> bool:
         """``llmdd_control_message`` for a received message: True when a plugin drops it.  Costs one
         attribute lookup while no plugin implements the hook."""
         hook = self._pm.hook.llmdd_control_message

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import types
-from typing import Any, Mapping
+from typing import Any, Mapping, Union
 
 import attrs
 
 from llmdd._lifecycle.tables import Machine
+
+#: what names a resource in its events: a link's peer cluster id, a cache's id, a task's id, a comm
+#: group's comm id, the engine's cluster id (ints); a listener's ``kind@host:port`` (a str)
+ResourceId = Union[int, str]
 
 __all__ = [
     "TransitionEvent",
@@ -56,7 +60,7 @@ class TransitionEvent:
     """
 
     machine: Machine
-    id: Any
+    id: ResourceId
     source: enum.Enum
     dest: enum.Enum
     trigger: str

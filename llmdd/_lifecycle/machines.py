@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import attrs
 from transitions import Machine as _TMachine
 
-from llmdd._lifecycle.events import TransitionEvent
+from llmdd._lifecycle.events import ResourceId, TransitionEvent
 from llmdd._base.status import InvalidStateError, LLMStatusCode
 from llmdd._lifecycle.tables import ABSORBED, FINAL, INITIAL, STATES, TABLES, Machine
 
@@ -35,7 +35,7 @@ __all__ = ["Lifecycle", "Tracked", "LifecycleStatistics", "build_transitions_mac
 Emit = Callable[[TransitionEvent], None]
 
 
-def build_transitions_machine(machine: Machine, model: Any = "self") -> _TMachine:
+def build_transitions_machine(machine: Machine, model: object = "self") -> _TMachine:
     """The one builder of ``transitions`` machines (also used for the docs diagrams)."""
     return _TMachine(
         model=model,
@@ -82,7 +82,7 @@ class Tracked:
 
     __slots__ = ("machine", "id", "info", "_lifecycle", "state", "__dict__")
 
-    def __init__(self, lifecycle: "Lifecycle", resource_id: Any, info: dict[str, Any]) -> None:
+    def __init__(self, lifecycle: "Lifecycle", resource_id: ResourceId, info: dict[str, Any]) -> None:
         self.machine = lifecycle.machine
         self.id = resource_id
         self.info = info
@@ -220,7 +220,7 @@ class Lifecycle:
         self._last_error: str | None = None
         self._quiet_paths: dict[tuple[str, ...], int] = {}   # triggers -> resources counted by count_quiet
 
-    def create(self, resource_id: Any, **info: Any) -> Tracked:
+    def create(self, resource_id: ResourceId, **info: Any) -> Tracked:
         tracked = Tracked(self, resource_id, info)
         with self._stats_lock:
             self._live[tracked.state] += 1

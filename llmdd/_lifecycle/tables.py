@@ -32,8 +32,8 @@ __all__ = [
     "Machine", "EngineState", "ListenerState", "LinkState", "CommGroupState", "CacheState", "TaskState",
     "TABLES", "INITIAL", "FINAL", "STATES", "ABSORBED",
     # the named groups of states (Tracked.in_)
-    "LINK_SETTING_UP", "LINK_IN_USE", "LINK_UNLINKING", "LINK_FAILED", "LINK_BUSY", "LINK_PROCESSING",
-    "LINK_DOWN", "LINK_KEEPS_ALIVE", "LINK_SERVES", "LINK_CLAIMABLE", "CACHE_HOLDS_MEMORY", "CACHE_RELEASE_PENDING",
+    "LINK_SETTING_UP", "LINK_IN_USE", "LINK_UP", "LINK_RELEASED", "LINK_UNLINKING", "LINK_FAILED", "LINK_BUSY", "LINK_PROCESSING",
+    "LINK_DOWN", "LINK_KEEPS_ALIVE", "LINK_SERVES", "LINK_CLAIMABLE", "LINK_REPORTED", "CACHE_HOLDS_MEMORY", "CACHE_RELEASE_PENDING",
     "ENGINE_UP", "LISTENER_OPEN", "GROUP_PREPARING", "GROUP_OK",
 ]
 
@@ -58,6 +58,9 @@ class LinkState(enum.Enum):
     LINKING = "linking"      # connect + handshake in progress
     LINKED = "linked"        # both sides know each other; transfers allowed
     UNLINKING = "unlinking"  # a non-force unlink is notifying the peer
+    # this side gave back its last hold while the peer still holds the link (a mutual link unlinked
+    # by one side): up, served and kept alive for the peer, not used by this side's transfers
+    RELEASED = "released"
     FAILED = "failed"        # peer lost, handshake failed or a transfer timed out
     CLOSED = "closed"        # torn down; a relink makes a new link object
 
@@ -116,23 +119,26 @@ ENGINE_TRANSITIONS = [
     _t("listener_failed", E.INITIALIZED, E.INITIALIZED),
 ]
 
-_LIVE_LINK = [L.UNLINKED, L.LINKING, L.LINKED, L.UNLINKING, L.FAILED]
+_LIVE_LINK = [L.UNLINKED, L.LINKING, L.LINKED, L.UNLINKING, L.RELEASED, L.FAILED]
 
 LINK_TRANSITIONS = [
     _t("link", L.UNLINKED, L.LINKING),
     _t("accept", L.UNLINKED, L.LINKING),  # server side of a handshake
     _t("handshake_succeeded", L.LINKING, L.LINKED),
     _t("handshake_failed", L.LINKING, L.FAILED),
-    _t("peer_lost", [L.LINKING, L.LINKED, L.UNLINKING], L.FAILED),
+    _t("peer_lost", [L.LINKING, L.LINKED, L.UNLINKING, L.RELEASED], L.FAILED),
     _t("transfer_timed_out", L.LINKED, L.FAILED),
     _t("regions_updated", L.LINKED, L.LINKED),
+    _t("regions_updated", L.RELEASED, L.RELEASED),
     _t("unlink", L.LINKED, L.UNLINKING),
     _t("unlink_succeeded", L.UNLINKING, L.CLOSED),
     # the peer still holds the link (it linked to this side too, or a comm group of its uses it):
     # only this side's hold went, the link stays up for the peer
-    _t("unlink_kept", L.UNLINKING, L.LINKED),
+    _t("unlink_kept", L.UNLINKING, L.RELEASED),
+    # a hold of this side again (its link_clusters, a comm group): its transfers may use it
+    _t("hold", L.RELEASED, L.LINKED),
     _t("unlink_failed", L.UNLINKING, L.FAILED),
-    _t("peer_unlinked", [L.LINKED, L.UNLINKING, L.FAILED], L.CLOSED),
+    _t("peer_unlinked", [L.LINKED, L.UNLINKING, L.RELEASED, L.FAILED], L.CLOSED),
     _t("force_unlink", _LIVE_LINK, L.CLOSED),
     _t("finalize", _LIVE_LINK, L.CLOSED),
 ]
@@ -233,7 +239,9 @@ ABSORBED = {
         # the loss, a transfer's timeout or a failed unlink notice is seen after the link already
         # failed or was closed by another thread (keepalive, data plane, unlink, finalize)
         ("peer_lost", (L.UNLINKED, L.FAILED, L.CLOSED)),
-        ("transfer_timed_out", (L.UNLINKING, L.FAILED, L.CLOSED)),
+        # (UNLINKING, RELEASED: a transfer's deadline seen after this side's unlink began; the unlink
+        # started only once no transfer held the link, so it is a step of one that ended already)
+        ("transfer_timed_out", (L.UNLINKING, L.RELEASED, L.FAILED, L.CLOSED)),
         ("handshake_failed", (L.FAILED, L.CLOSED)),
         # teardown of a link another thread closed already
         ("force_unlink", (L.CLOSED,)),
@@ -245,6 +253,8 @@ ABSORBED = {
         ("unlink_failed", (L.FAILED, L.CLOSED)),
         # the peer answered that it keeps the link, but its own unlink (or a loss) ended it first
         ("unlink_kept", (L.FAILED, L.CLOSED)),
+        # a hold taken again on a released link that a loss or a teardown ended meanwhile
+        ("hold", (L.FAILED, L.CLOSED)),
     ),
     Machine.COMM_GROUP: (
         # the group was unlinked (or the engine finalized) while its members were still linking
@@ -283,8 +293,15 @@ ABSORBED = {
 
 #: a link being set up (the handshake or the table exchange runs)
 LINK_SETTING_UP = frozenset({L.LINKING})
-#: links that carry transfers
+#: links that carry this side's transfers
 LINK_IN_USE = frozenset({L.LINKED})
+#: links that are up with their peer: in use here, or released by this side and kept by the peer
+LINK_UP = frozenset({L.LINKED, L.RELEASED})
+#: released by this side, kept by the peer (served, not used here; a new link_clusters holds it again)
+LINK_RELEASED = frozenset({L.RELEASED})
+#: the state statistics report for a link: its own, but a RELEASED link is reported LINKED (it is
+#: linked with its peer; statistics' ``released`` says this side let it go), as before the state existed
+LINK_REPORTED = {**{state: state.value for state in LinkState}, L.RELEASED: L.LINKED.value}
 #: a non-force unlink is waiting for the peer's acknowledgement
 LINK_UNLINKING = frozenset({L.UNLINKING})
 #: failed: the peer must be relinked (a new link may replace it)
@@ -296,13 +313,13 @@ LINK_PROCESSING = frozenset({L.UNLINKED, L.LINKING, L.UNLINKING})
 #: links that are gone for transfers (a relink is needed)
 LINK_DOWN = frozenset({L.FAILED, L.CLOSED})
 #: links the keepalive watches (the peer is expected to answer)
-LINK_KEEPS_ALIVE = frozenset({L.LINKED, L.UNLINKING})
+LINK_KEEPS_ALIVE = frozenset({L.LINKED, L.UNLINKING, L.RELEASED})
 #: links whose peer's requests and notices are served (anything else is fenced: not served, not
 #: recorded).  LINKING is served on the client side only: the server is LINKED before its tables
 #: leave, so it may ask before the client's own setup finished (``Link.serves_peer``)
-LINK_SERVES = frozenset({L.LINKED, L.UNLINKING})
+LINK_SERVES = frozenset({L.LINKED, L.UNLINKING, L.RELEASED})
 #: a link the peer started that this side's link_clusters may claim
-LINK_CLAIMABLE = frozenset({L.LINKING, L.LINKED})
+LINK_CLAIMABLE = frozenset({L.LINKING, L.LINKED, L.RELEASED})
 #: caches whose memory is still held (allocated or registered, not being released)
 CACHE_HOLDS_MEMORY = frozenset({C.ALLOCATED, C.REGISTERED})
 #: a cache deallocated while keys still reference it

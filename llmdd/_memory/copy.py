@@ -17,12 +17,14 @@ sequence (a merged run whose destination starts inside its own source, i.e.
 from __future__ import annotations
 
 import ctypes
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._base.status import LLMException, LLMStatusCode
 
 if TYPE_CHECKING:
+    import numpy
     from llmdd._memory.manager import CacheRecord
 
 __all__ = [
@@ -39,11 +41,11 @@ __all__ = [
     "copy_block_lists",
 ]
 
-COPY_OP_DTYPE: Any   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
+COPY_OP_DTYPE: numpy.dtype   # a numpy dtype, defined when numpy is first used (llmdd._base.lazy)
 
 
 @when_numpy_loaded
-def _define_dtypes(numpy: Any) -> None:
+def _define_dtypes(numpy: ModuleType) -> None:
     global COPY_OP_DTYPE
     COPY_OP_DTYPE = numpy.dtype([("src", "<u8"), ("dst", "<u8"), ("length", "<u8")])
 

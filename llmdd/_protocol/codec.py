@@ -46,7 +46,7 @@ import hashlib
 import hmac
 import struct
 import zlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 import attrs
 import msgspec
@@ -181,7 +181,7 @@ def _decoder(code: int) -> Any:
     return dec
 
 
-def _decode_checked(code: int, payload: Any, max_depth: int) -> Any:
+def _decode_checked(code: int, payload: Union[bytes, bytearray, memoryview], max_depth: int) -> Any:
     cls = _CLASS_BY_CODE.get(code)
     if cls is None:
         raise ProtocolError(f"unknown message type 0x{code:02x}")

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Iterable, Optional, Union
 
 import msgspec
 from msgspec import Meta
@@ -373,7 +373,7 @@ class ReadDoneEntry(Wire, frozen=True, kw_only=True, gc=False):
     block_bounds: Annotated[tuple[U64, ...], Meta(max_length=2 * MAX_COUNT)] = ()
 
     @classmethod
-    def from_spans(cls, *, cache_id: int, key: Optional[KeyRef] = None, block_spans: Any = ()) -> "ReadDoneEntry":
+    def from_spans(cls, *, cache_id: int, key: Optional[KeyRef] = None, block_spans: Iterable[range] = ()) -> "ReadDoneEntry":
         return cls(cache_id=cache_id, key=key, block_bounds=tuple(x for s in block_spans for x in (s.start, s.stop)))
 
     @property

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import typing
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Iterator, Union
 
 import attrs
 import msgspec
@@ -292,7 +292,7 @@ class Checked(Wire, frozen=True, kw_only=True):
         """Cross-field rules of a message (after the field checks)."""
 
 
-def descriptor_dicts(msg: Any):
+def descriptor_dicts(msg: msgspec.Struct) -> Iterator[dict]:
     """Every descriptor dict inside ``msg`` (for a connection with a tighter nesting limit)."""
     for name in msg.__struct_fields__:
         v = getattr(msg, name)

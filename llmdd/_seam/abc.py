@@ -113,18 +113,18 @@ MAX_TRANSPORT_NAME = 64
 CAPABILITY_BYTES = 32
 
 
-def _u32(_inst: Any, attribute: Any, value: Any) -> None:
+def _u32(_inst: object, attribute: attrs.Attribute, value: Any) -> None:
     if type(value) is not int or not 0 <= value < 2**32:
         raise Refused(f"descriptor {attribute.name} must be an int in [0, 2**32), got {value!r}")
 
 
-def _name(_inst: Any, attribute: Any, value: Any) -> None:
+def _name(_inst: object, attribute: attrs.Attribute, value: Any) -> None:
     if type(value) is not str or not 0 < len(value) <= MAX_TRANSPORT_NAME:
         raise Refused(f"descriptor {attribute.name} must be a str of 1..{MAX_TRANSPORT_NAME} characters, "
                       f"got {value!r:.80}")
 
 
-def _payload(_inst: Any, attribute: Any, value: Any) -> None:
+def _payload(_inst: object, attribute: attrs.Attribute, value: Any) -> None:
     if type(value) is not bytes:
         raise Refused(f"descriptor payload must be bytes, got {type(value).__name__}")
     if len(value) > MAX_PAYLOAD_BYTES:
@@ -135,7 +135,7 @@ def _payload(_inst: Any, attribute: Any, value: Any) -> None:
 MIN_CAPABILITY_BYTES, MAX_CAPABILITY_BYTES = 16, 64
 
 
-def _capability(_inst: Any, attribute: Any, value: Any) -> None:
+def _capability(_inst: object, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and (type(value) is not bytes
                               or not MIN_CAPABILITY_BYTES <= len(value) <= MAX_CAPABILITY_BYTES):
         raise Refused(f"a capability is bytes, {MIN_CAPABILITY_BYTES}..{MAX_CAPABILITY_BYTES} long")

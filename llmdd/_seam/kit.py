@@ -25,16 +25,34 @@ from __future__ import annotations
 
 import ssl
 import threading
-from typing import Any, Callable, Generic, Iterable, Iterator, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Generic, Iterable, Iterator, Optional, Protocol, TypeVar, Union
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 from llmdd._base.lazy import np  # numpy at its first use: an idle engine needs none
 
 from llmdd._seam.errors import Cancelled, Corrupt, PeerGone, Refused, TransportTimeout
 
+from llmdd._seam.abc import MemRegion
 from llmdd._seam.ops import RegionTable, check_ops
 from llmdd._base.status import LLMStatusCode, TransportError
 
 __all__ = ["RegisteredRegion", "RegionRegistry", "Batch", "BatchSet", "map_os_error"]
+
+
+class Failable(Protocol):
+    """What is failed when its endpoint closes or deregisters memory it uses: a batch's
+    ``completion`` (a :class:`~llmdd._seam.completions.Completion`, a transport's own)."""
+
+    def fail(self, why: TransportError) -> None: ...
+
+
+class TrackedBatch(Failable, Protocol):
+    """What a :class:`RegionRegistry` tracks (:meth:`RegionRegistry.track`): a :class:`Batch`, or a
+    transport's completion that says which regions it touches."""
+
+    def touches(self, region_id: int) -> bool: ...
 
 
 class RegisteredRegion:
@@ -44,7 +62,7 @@ class RegisteredRegion:
 
     __slots__ = ("region", "busy")
 
-    def __init__(self, region: Any) -> None:
+    def __init__(self, region: MemRegion) -> None:
         self.region = region
         self.busy = 0
 
@@ -72,7 +90,7 @@ class Batch:
         self.pinned: list[RegisteredRegion] = []
         self.aborted = False
         self.why: Optional[TransportError] = None
-        self.completion: Any = None
+        self.completion: Optional[Failable] = None
 
     def abort(self, why: Optional[TransportError] = None) -> None:
         """Mark the batch aborted (the first reason wins) and stop its I/O (:meth:`on_abort`)."""
@@ -185,7 +203,7 @@ class RegionRegistry(Generic[_E]):
                  on_rebuild: Optional[Callable[["RegionRegistry[_E]"], None]] = None) -> None:
         self.cond = cond   # the transport's own (its runtime's), over the lock its endpoint's state uses
         self.entries: dict[int, _E] = {}
-        self.batches: set[Batch] = set()
+        self.batches: set[TrackedBatch] = set()
         self.closed = False
         #: calls waiting on :attr:`cond`: :meth:`deregister` / :meth:`close`, and a transport's own
         #: waits on it, which count themselves here (:meth:`unpin_locked` and a transport whose other
@@ -250,7 +268,7 @@ class RegionRegistry(Generic[_E]):
 
     # ------------------------------------------------------------------ batches and pins
 
-    def pin(self, ops: Any, remote: Union[RegionTable, dict], batch: Batch) -> np.ndarray:
+    def pin(self, ops: ArrayLike, remote: Union[RegionTable, dict], batch: Batch) -> np.ndarray:
         """Check ``ops`` (local side against :attr:`table`, remote side against ``remote``), then pin
         ``batch``'s local regions and track it (lock held).  Returns the ops as an ``OP_DTYPE`` array;
         :class:`Refused` (nothing pinned) when an op is out of bounds, :class:`Cancelled` when closed.
@@ -289,14 +307,14 @@ class RegionRegistry(Generic[_E]):
         if self.waiting:
             self.cond.notify_all()
 
-    def track(self, batch: Any) -> None:
+    def track(self, batch: TrackedBatch) -> None:
         """Track a batch that pins nothing (lock held), so that deregistration and close fail it;
         it needs ``touches(region_id)`` and ``fail(error)``."""
         if self.closed:
             raise Cancelled("endpoint is closed")
         self.batches.add(batch)
 
-    def untrack(self, batch: Any) -> None:
+    def untrack(self, batch: TrackedBatch) -> None:
         with self.cond:
             self.batches.discard(batch)
             self.cond.notify_all()

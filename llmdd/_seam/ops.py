@@ -6,7 +6,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import numpy
+    from numpy.typing import ArrayLike
 
 from llmdd._base.lazy import np, numpy_constants, when_numpy_loaded
 from llmdd._seam.errors import Refused
@@ -15,19 +20,15 @@ __all__ = ["OP_DTYPE", "RegionTable", "as_ops", "check_ops", "make_ops", "coales
 
 #: One op of a batch: (local region, offset, remote region, offset, length), packed (a numpy
 #: dtype, defined when numpy is first used: see llmdd._base.lazy).
-OP_DTYPE: Any
+OP_DTYPE: numpy.dtype
+#: its fields, in order
+OP_FIELDS = ("local_region", "local_offset", "remote_region", "remote_offset", "length")
 
 
 @when_numpy_loaded
-def _define_dtypes(numpy: Any) -> None:
+def _define_dtypes(numpy: ModuleType) -> None:
     global OP_DTYPE
-    OP_DTYPE = numpy.dtype([
-        ("local_region", "<u4"),
-        ("local_offset", "<u8"),
-        ("remote_region", "<u4"),
-        ("remote_offset", "<u8"),
-        ("length", "<u8"),
-    ])
+    OP_DTYPE = numpy.dtype(list(zip(OP_FIELDS, ("<u4", "<u8", "<u4", "<u8", "<u8"))))
 
 
 __getattr__ = numpy_constants(globals(), "OP_DTYPE")
@@ -119,7 +120,7 @@ def as_ops(ops: Any) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(-1))
 
 
-def check_ops(ops: Any, local_regions: Union[RegionTable, Mapping[int, Any]],
+def check_ops(ops: ArrayLike, local_regions: Union[RegionTable, Mapping[int, Any]],
               remote_regions: Union[RegionTable, Mapping[int, Any]]) -> np.ndarray:
     """Validate every op against both sides' region bounds before a byte moves.
 
@@ -133,13 +134,13 @@ def check_ops(ops: Any, local_regions: Union[RegionTable, Mapping[int, Any]],
     return arr
 
 
-def make_ops(local_region: Any, local_offset: Any, remote_region: Any, remote_offset: Any,
-             length: Any) -> np.ndarray:
+def make_ops(local_region: ArrayLike, local_offset: ArrayLike, remote_region: ArrayLike, remote_offset: ArrayLike,
+             length: ArrayLike) -> np.ndarray:
     """Build an :data:`OP_DTYPE` array from scalars or arrays (broadcast)."""
     cols = np.broadcast_arrays(*(np.asarray(x) for x in
                                  (local_region, local_offset, remote_region, remote_offset, length)))
     out = np.empty(cols[0].size, dtype=OP_DTYPE)
-    for name, col in zip(OP_DTYPE.names, cols):
+    for name, col in zip(OP_FIELDS, cols):
         out[name] = col.reshape(-1)
     return out
 
@@ -179,7 +180,7 @@ def split_ops(ops: np.ndarray, parts: int) -> list[np.ndarray]:
     return [p for p in np.split(ops, cuts) if len(p)]
 
 
-def block_runs(src_blocks: Any, dst_blocks: Any, src_units: int, dst_units: int, max_blocks: int) -> Optional[list]:
+def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int], src_units: int, dst_units: int, max_blocks: int) -> Optional[list]:
     """A small transfer's block pairs as runs ``[src start, dst start, count]`` of blocks consecutive on
     both sides, in the caller's order (as the engine's ``PreparedPlan.ops`` merges them), in plain Python
     (a channel's one-call path); None when a one-call path does not take them: not 1 to ``max_blocks``

@@ -39,6 +39,7 @@ import pickle
 import multiprocessing
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Union
 
 import attrs
@@ -435,7 +436,7 @@ def check_authentication(make_pair: MakePair, transport: MakeTransport) -> None:
             ep.close()
 
 
-def _peer_process(transport: MakeTransport, conn: Any, seed: int, size: int) -> None:
+def _peer_process(transport: MakeTransport, conn: Connection, seed: int, size: int) -> None:
     """The child of :func:`check_two_processes`: one endpoint, two regions, answers over ``conn``."""
     t = transport()
     ep = t.open_endpoint(host="127.0.0.1")

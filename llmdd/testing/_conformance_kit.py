@@ -10,9 +10,9 @@ from typing import Any, Callable, ContextManager, Iterator, Union
 
 import numpy as np
 
-from llmdd._seam.abc import Completion, MemRegion, RegionDescriptor
+from llmdd._seam.abc import Channel, Completion, Endpoint, MemRegion, RegionDescriptor
 from llmdd._seam.errors import Refused
-from llmdd._seam.ops import OP_DTYPE, make_ops
+from llmdd._seam.ops import OP_FIELDS, make_ops
 from llmdd._base.enums import Placement
 from llmdd._base.status import TransportError
 
@@ -29,7 +29,7 @@ _TIMEOUT = 20.0
 class _Side:
     """One endpoint with a few numpy-backed regions."""
 
-    def __init__(self, ep: Any, seed: int) -> None:
+    def __init__(self, ep: Endpoint, seed: int) -> None:
         self.ep = ep
         self.rng = np.random.default_rng(seed)
         self.bufs: dict[int, np.ndarray] = {}
@@ -63,7 +63,7 @@ def _pair(make_pair: MakePair, *, connect: bool = True) -> Iterator[tuple[_Side,
         b.close()
 
 
-def _learn(ch: Any, side: _Side, rid: int, size: Union[int, None] = None) -> None:
+def _learn(ch: Channel, side: _Side, rid: int, size: Union[int, None] = None) -> None:
     ch.add_remote_region(rid, len(side.bufs[rid]) if size is None else size, side.descs[rid])
 
 
@@ -103,7 +103,7 @@ def _disjoint_ops(rng: np.random.Generator, n: int, block: int, lr: int, rr: int
 
 def _expect_copied(ops: np.ndarray, dst: dict, src: dict, *, read: bool) -> None:
     for op in ops:  # checks are not the hot path
-        lr, lo, rr, ro, ln = (int(op[n]) for n in OP_DTYPE.names)
+        lr, lo, rr, ro, ln = (int(op[n]) for n in OP_FIELDS)
         d, s = (dst[lr][lo:lo + ln], src[rr][ro:ro + ln]) if read else (dst[rr][ro:ro + ln], src[lr][lo:lo + ln])
         assert np.array_equal(d, s), f"op {op} moved wrong bytes"
 

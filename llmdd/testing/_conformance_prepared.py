@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import numpy as np
 
 from llmdd._base.status import TransportError
+from llmdd._seam.abc import Channel, PreparedTransfer
 from llmdd._seam.ops import make_ops
 from llmdd.testing._conformance_kit import _SENTINEL, _TIMEOUT, MakePair, _learn, _ok, _pair
 
 __all__ = ["check_prepared"]
 
 
-def _prepared_or_none(ch: Any, pairs: list, bs: int, su: int, du: int, push: bool) -> Any:
+def _prepared_or_none(ch: Channel, pairs: list, bs: int, su: int, du: int, push: bool) -> Optional[PreparedTransfer]:
     try:
         got = ch.prepare(pairs, bs, su, du, push, timeout_s=_TIMEOUT)
     except TransportError as exc:
@@ -72,7 +73,7 @@ def check_prepared(make_pair: MakePair) -> None:
                 "the prepared push and the batch path landed different bytes"
             assert b.bufs[12].any(), "the prepared push moved nothing"
 
-        def declines(fn: Any, what: str, dst_side: dict, rids: tuple) -> None:
+        def declines(fn: PreparedTransfer, what: str, dst_side: dict, rids: tuple) -> None:
             before = {rid: dst_side[rid].copy() for rid in rids}
             got = fn(src, dst)
             assert got < 0, f"a prepared transfer {what} still moved {got} bytes: it must decline"

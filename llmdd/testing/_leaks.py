@@ -201,6 +201,6 @@ class ResourceSnapshot:
                 f"resource leaks in pid {self.pid} after a {grace_s} s grace period:\n{report.format()}", report)
 
 
-def peer_snapshot(state: Any) -> ResourceSnapshot:
+def peer_snapshot(state: dict[str, Any]) -> ResourceSnapshot:
     """Peer function (``handle.call(peer_snapshot)``): a snapshot of the child process."""
     return ResourceSnapshot.take()

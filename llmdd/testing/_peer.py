@@ -12,7 +12,8 @@ import pickle
 import signal
 import sys
 import threading
-from typing import Any, Mapping
+from multiprocessing.connection import Connection
+from typing import Any, Mapping, Optional
 
 from llmdd.testing._calls import CheckpointError, PeerCallError, _error_message, _loads_call
 
@@ -24,13 +25,15 @@ _IN_PEER = False
 _ARMED: dict[str, list[Any]] = {}  # name -> [action, remaining hits before firing]
 _HITS: dict[str, int] = {}
 _CP_LOCK = threading.Lock()
-_CONN: Any = None  # the child's end of the pipe, once in a peer
+_CONN: Optional[Connection] = None  # the child's end of the pipe, once in a peer
 _SEND_LOCK = threading.Lock()  # checkpoints may fire in any thread of the child
 
 
 def _send(msg: tuple[Any, ...]) -> None:
+    conn = _CONN
+    assert conn is not None, "_send outside a peer"   # only the peer's own code sends (_IN_PEER)
     with _SEND_LOCK:
-        _CONN.send(msg)
+        conn.send(msg)
 
 
 def checkpoint(name: str) -> None:
@@ -80,7 +83,7 @@ def _flush_stdio() -> None:
 
 
 
-def _peer_main(conn: Any, name: str, env: Mapping[str, str | None] | None) -> None:
+def _peer_main(conn: Connection, name: str, env: Mapping[str, str | None] | None) -> None:
     """Entry point of the child: apply env, then serve the command loop until stop or EOF."""
     global _IN_PEER, _CONN
     _IN_PEER = True

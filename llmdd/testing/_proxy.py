@@ -296,7 +296,7 @@ class LoopbackProxy:
             return None
         return max(0.0, next_release - now)
 
-    def _modify(self, sock: socket.socket, mask: int, data: Any) -> None:
+    def _modify(self, sock: socket.socket, mask: int, data: tuple[_Pair, str]) -> None:
         key = self._sel.get_map().get(sock.fileno())
         if key is None:
             if mask:

@@ -61,7 +61,8 @@ class HookRecorder:
             with self._lock:
                 self.calls.append(call)
 
-        def after(outcome: Any, hook_name: str, hook_impls: Any, kwargs: Any) -> None:
+        def after(outcome: pluggy.Result[Any], hook_name: str, hook_impls: Sequence[pluggy.HookImpl],
+                  kwargs: Mapping[str, Any]) -> None:
             return None
 
         self._undo: Optional[Any] = pm.add_hookcall_monitoring(before, after)

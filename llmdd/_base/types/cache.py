@@ -9,7 +9,7 @@ upstream, so a hash never changes under a dict; ``MemInfo`` has no setters and c
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Tuple, Union, cast
+from typing import List, Optional, Protocol, Tuple, Union, cast
 
 from llmdd._base.enums import DTYPE_ITEMSIZE, DataType, Memtype, Placement
 from llmdd._base.log import get_logger
@@ -152,7 +152,7 @@ class Cache:
                  cache_id: int,
                  cache_desc: CacheDesc,
                  tensor_addrs: List[int],
-                 cache_manager: Any = None,
+                 cache_manager: Optional[object] = None,   # upstream's signature; kept, never called
                  is_registered: bool = False,
                  is_blocks_cache: bool = False) -> None:
         check_int64("cache_id", cache_id)
@@ -201,6 +201,15 @@ class Cache:
     __repr__ = __str__
 
 
+class KvCacheOwner(Protocol):
+    """What a :class:`KvCache` needs of the v1 cache manager that made it (its finaliser
+    deallocates it there)."""
+
+    def is_initialized(self) -> bool: ...
+
+    def deallocate_cache(self, cache: KvCache) -> None: ...
+
+
 class KvCache:
     """v1-style cache (exported for compatibility): one address list per device.
 
@@ -212,7 +221,7 @@ class KvCache:
                  cache_id: int,
                  cache_desc: CacheDesc,
                  per_device_tensor_addrs: List[List[int]],
-                 kv_cache_manager: Any = None) -> None:
+                 kv_cache_manager: Optional[KvCacheOwner] = None) -> None:
         self._valid = False
         self._kv_cache_manager = None
         check_int64("cache_id", cache_id)

@@ -16,7 +16,7 @@ other to silence or replace it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from llmdd._base import log as _log
 from llmdd._extension.dispatch import declare_wants
@@ -65,7 +65,7 @@ def wants_of(machine: Machine) -> Callable[[Any], bool]:
     logger = _STDLIB[machine]
     level = LEVELS[machine]
 
-    def wants(error: Any) -> bool:
+    def wants(error: Optional[BaseException]) -> bool:
         return _log._native or logger.isEnabledFor(logging.WARNING if error is not None else level)
 
     return wants

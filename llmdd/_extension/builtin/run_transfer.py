@@ -14,7 +14,7 @@ __all__ = ["llmdd_run_transfer"]
 
 
 @hookimpl(trylast=True)
-def llmdd_run_transfer(task: Any, run: Callable[[], Any]) -> Any:
+def llmdd_run_transfer(task: object, run: Callable[[], Any]) -> Any:
     return run()
 
 

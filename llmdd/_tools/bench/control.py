@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from types import ModuleType
 from typing import Any
 
 
-def _notice(m: Any, rng: random.Random, entries: int, spans: int) -> Any:
+def _notice(m: ModuleType, rng: random.Random, entries: int, spans: int) -> Any:
     out = []
     for i in range(entries):
         pos = rng.randrange(1 << 20)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Optional, TextIO
+from typing import Any, Mapping, Optional, TextIO
 
 from llmdd._tools import doctor as d
 from llmdd._base.profiles import PROFILES
@@ -165,7 +165,7 @@ class _Report:
         self._selftests = 0
         self._checks = False
 
-    def __call__(self, kind: str, item: Any) -> None:
+    def __call__(self, kind: str, item: object) -> None:
         if kind == "start":
             if self.live:
                 self._clear()
@@ -176,6 +176,7 @@ class _Report:
         self._clear()
         w = self.out.write
         if kind == "info":
+            assert isinstance(item, Mapping), item
             _print_info(dict(item), self.out)
             if self.seconds <= 0:
                 w("self-test: skipped (--seconds 0)\n")
@@ -184,6 +185,7 @@ class _Report:
                   f"{d.format_bytes(d.SELF_TEST_OP_BYTES)} ops for {self.seconds:g} s, bytes verified)\n")
         elif kind == "selftest":
             self._selftests += 1
+            assert isinstance(item, d.SelfTestResult), item
             _print_selftest(item, self.out)
         elif kind == "check":
             if not self._checks:
@@ -191,6 +193,7 @@ class _Report:
                     w("  no transport to test\n")
                 w("checks\n")
                 self._checks = True
+            assert isinstance(item, d.Check), item
             _print_check(item, self.out)
         self.out.flush()
 

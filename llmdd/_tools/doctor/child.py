@@ -68,7 +68,7 @@ class _Child:
             close_fds=True)
         self.send(request)
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: object) -> None:
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write((json.dumps(_encode(obj)) + "\n").encode())

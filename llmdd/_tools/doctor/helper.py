@@ -22,7 +22,7 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
 
-    def send(obj: Any) -> None:
+    def send(obj: object) -> None:
         proto.write(json.dumps(_encode(obj)) + "\n")
         proto.flush()
 

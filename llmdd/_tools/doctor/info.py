@@ -5,13 +5,18 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import os
 import platform
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from llmdd._tools.doctor.report import _jsonable
 from llmdd._tools.doctor.util import _VERSIONED, _version
 
+if TYPE_CHECKING:
+    import pluggy
 
-def _plugin_manager():
+    from llmdd.plugin import TransportRegistry
+
+
+def _plugin_manager() -> tuple[pluggy.PluginManager, TransportRegistry]:
     from llmdd._extension.manager import Hooks, make_plugin_manager
 
     pm = make_plugin_manager()

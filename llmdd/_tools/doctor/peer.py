@@ -6,12 +6,15 @@ import secrets
 import socket
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from llmdd._tools.doctor.config import _parse_addr
 from llmdd._tools.doctor.report import Check
 from llmdd._tools.doctor.child import _Child, _describe_error
 from llmdd._tools.doctor.util import _CHILD_TIMEOUT_S, FAIL, OK, WARN
+
+if TYPE_CHECKING:
+    from llmdd._api.datadist import LLMDataDist
 
 
 def _route_source(host: str, port: int) -> str:
@@ -138,7 +141,7 @@ def check_peer(peer: str, secret: Optional[str] = None, timeout: float = 5.0) ->
                  fix="run with -vv to see the engine's log", details=details)
 
 
-def check_engine(engine: Any = None) -> list[Check]:
+def check_engine(engine: Optional[LLMDataDist] = None) -> list[Check]:
     """The listeners of the engine living in this process (``engine`` or the initialized one):
     a listener that could not continue is a failed check saying why.  Nothing when no engine
     lives here (``llmdd doctor`` in its own process reports the engines it links to with --peer)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 import attrs
 
@@ -92,7 +92,7 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def report_json(report: Any) -> str:
+def report_json(report: Union[DoctorReport, Mapping[str, Any]]) -> str:
     """``DoctorReport`` or an info dict as indented JSON."""
     data = report.as_dict() if isinstance(report, DoctorReport) else _jsonable(report)
     return json.dumps(data, indent=2, sort_keys=False)

@@ -32,7 +32,7 @@ def run_doctor(*, profile: str = "generic", seconds: float = 3.0, listen: Option
     ``("info", dict)`` once, then per self-test ``("start", "self-test <name>")`` and
     ``("selftest", SelfTestResult)``, then every :class:`Check` of the report as ``("check", Check)``
     (a slow one announced by a ``("start", what)`` first).  What it raises propagates."""
-    def note(kind: str, item: Any) -> None:
+    def note(kind: str, item: object) -> None:
         if progress is not None:
             progress(kind, item)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import attrs
 import numpy as np
@@ -21,6 +21,8 @@ from llmdd._tools.doctor.util import (
 
 if TYPE_CHECKING:
     from llmdd._memory.backend import Segment
+    from llmdd._seam.abc import Endpoint, Transport
+    from llmdd.plugin import TransportRegistry
 
 
 @functools.lru_cache(maxsize=1)
@@ -37,14 +39,14 @@ def _pattern(size: int) -> np.ndarray:
 class _Owned:
     """The region a self-test reads: a pool-style shared-memory segment owned by one endpoint."""
 
-    def __init__(self, transport_cls: type, size: int) -> None:
+    def __init__(self, transport_cls: type[Transport], size: int) -> None:
         from llmdd._base.enums import Placement
         from llmdd._memory.backend import HostBackend
         from llmdd._base.backing import SharedSegment
         from llmdd._seam.abc import MemRegion
 
         self.backend = HostBackend()
-        self.endpoint: Any = None   # the transport's Endpoint (the class is given, untyped)
+        self.endpoint: Optional[Endpoint] = None
         segment = self.backend.allocate_segment(size)
         self.segment: Optional[Segment] = segment
         try:
@@ -67,7 +69,7 @@ class _Owned:
             self.segment = None
 
 
-def _owner_child(transport: str, size: int, send: Any) -> None:
+def _owner_child(transport: str, size: int, send: Callable[[dict], None]) -> None:
     """Child side of a two-process self-test: own the region until the parent is done."""
     owned = None
     try:
@@ -83,7 +85,7 @@ def _owner_child(transport: str, size: int, send: Any) -> None:
 
 
 def self_test(transport: str, seconds: float = 3.0, *, size: int = SELF_TEST_BYTES,
-              op_bytes: int = SELF_TEST_OP_BYTES, processes: str = "auto", registry: Any = None) -> SelfTestResult:
+              op_bytes: int = SELF_TEST_OP_BYTES, processes: str = "auto", registry: Optional[TransportRegistry] = None) -> SelfTestResult:
     """Read a registered ``size``-byte region with ``op_bytes`` ops for ``seconds``; verify; report GB/s.
 
     ``processes``: ``"one"`` (two endpoints in this process), ``"two"`` (the region is owned

@@ -31,6 +31,9 @@ from llmdd._lifecycle.events import TransitionEvent
 from llmdd._lifecycle.machines import Lifecycle
 from llmdd._lifecycle.tables import LINK_TRANSITIONS, LinkState, Machine
 from llmdd._memory.manager import MemoryManager
+from llmdd._protocol import messages as m
+from llmdd._protocol.port import RequestOp
+from llmdd._base.status import LLMException
 
 from llmdd.testing._linksim import SimLoop, World
 
@@ -560,7 +563,9 @@ def test_mutual_unlink_in_sequence_each_side_succeeds_and_the_link_ends_with_the
     client, server = scenario_mutual_unlink_in_sequence(world)
     t0 = world.now
     assert world.status is S.LLM_SUCCESS
-    assert client.trace()[-2:] == [(t0, 2, "unlink", "linked", "unlinking"), (t0, 2, "unlink_kept", "unlinking", "linked")]
+    assert client.trace()[-2:] == [(t0, 2, "unlink", "linked", "unlinking"),
+                                   (t0, 2, "unlink_kept", "unlinking", "released")]
+    assert client.state(2) is L.RELEASED and server.state(1) is L.LINKED
     assert server.triggers(1) == ["accept", "handshake_succeeded"]   # the server heard only a released hold
     assert client.lm.get(2).released and not server.lm.get(1).released
     # the client no longer uses it (as a call made after an unlink), and a repeated unlink says so
@@ -576,9 +581,18 @@ def test_mutual_unlink_in_sequence_each_side_succeeds_and_the_link_ends_with_the
     assert client.triggers(2)[-1] == "peer_unlinked" and server.triggers(1)[-1] == "unlink_succeeded"
 
 
-def test_a_side_that_unlinked_links_again_without_a_new_connection(world):
+def scenario_link_again_after_release(world: World) -> tuple[Engine, Engine]:
+    """The client released a mutual link (the server kept it), then links again: it holds the kept
+    link again (``hold``: RELEASED -> LINKED), without a new connection."""
     client, server = scenario_mutual_unlink_in_sequence(world)
-    assert client.link(server) is S.LLM_SUCCESS   # the client holds the kept link again
+    world.status = client.link(server)   # type: ignore[attr-defined]
+    return client, server
+
+
+def test_a_side_that_unlinked_links_again_without_a_new_connection(world):
+    client, server = scenario_link_again_after_release(world)
+    assert world.status is S.LLM_SUCCESS   # type: ignore[attr-defined]  # the client holds the kept link again
+    assert client.trace()[-1] == (world.now, 2, "hold", "released", "linked")
     assert not client.lm.get(2).released and len(world.connections) == 1
     client.lm.require(2)
     # now the server's unlink leaves it to the client, and the client's ends it
@@ -617,6 +631,7 @@ def test_an_unlink_request_on_a_link_failed_here_closes_it_whatever_this_side_ho
 
 
 SCENARIOS["unlink_kept"] = scenario_mutual_unlink_in_sequence
+SCENARIOS["hold"] = scenario_link_again_after_release
 
 
 def server_cluster(server: Engine, client: Engine) -> LLMClusterInfo:
@@ -624,3 +639,21 @@ def server_cluster(server: Engine, client: Engine) -> LLMClusterInfo:
     info = LLMClusterInfo()
     info.remote_cluster_id = client.cluster_id
     return info
+
+
+def test_a_request_answered_with_an_unlink_ack_fails_with_the_contracts_status(world, monkeypatch):
+    """A peer that answers a data-plane request with an ``UnlinkAck`` (its request id, the wrong
+    message) gets the contract's LLM_LINK_FAILED, never an AttributeError from the reply's fields;
+    the control: the same request answered properly succeeds."""
+    client, server = linked_pair(world)
+    link = client.lm.get(2)
+    status, result = client.lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=world.now + 2.0)
+    assert status == S.LLM_SUCCESS.value and result   # the control: a proper TransferReply
+
+    def reply_with_unlink_ack(lk, request_id, op, serve, *args):
+        server.lm.exchange.notify(lk, m.UnlinkAck(request_id=request_id, status_code=S.LLM_SUCCESS.value))
+
+    monkeypatch.setattr(server.lm.exchange, "_reply", reply_with_unlink_ack)
+    with pytest.raises(LLMException) as caught:
+        client.lm.request(link, RequestOp.ENGINE_INFO, {}, deadline=world.now + 2.0)
+    assert caught.value.status_code is S.LLM_LINK_FAILED and "UnlinkAck" in str(caught.value)

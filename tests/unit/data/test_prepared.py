@@ -49,9 +49,10 @@ def _world():
     port.links[9], memory.records[4] = link, rec
     src = CacheLayout(cache_id=7, region_ids=(10, 11), tensor_size=8 * 64, units=8, is_blocks=True)
     dst = CacheLayout(cache_id=4, region_ids=(1, 2), tensor_size=8 * 64, units=8, is_blocks=True)
-    plan = PreparedPlan(link, tables, rec, 7, src, dst, range(0, 2), range(0, 2), False)
+    busy = BusyTable(port=port, timeout_s=1.0)   # type: ignore[arg-type]
+    plan = PreparedPlan(link, tables, rec, 7, src, dst, range(0, 2), range(0, 2), False, turn=busy.turn(link))
     plan.chan = link.channel
-    plans = PreparedPlans(port=port, memory=memory, layouts=None, timeout_s=1.0)   # type: ignore[arg-type]
+    plans = PreparedPlans(port=port, memory=memory, layouts=None, busy=busy, timeout_s=1.0)   # type: ignore[arg-type]
     return plans, plan, port, memory, link, rec, tables
 
 
@@ -94,7 +95,7 @@ def test_a_kept_plan_is_current_until_one_thing_it_was_made_on_changes(what):
 def test_a_link_that_went_down_takes_its_plans_and_its_memo():
     plans, plan, port, memory, link, rec, tables = _world()
     other = types.SimpleNamespace(peer_cluster_id=8)
-    kept = PreparedPlan(other, tables, rec, 7, plan.src, plan.dst, range(0, 2), range(0, 2), False)
+    kept = PreparedPlan(other, tables, rec, 7, plan.src, plan.dst, range(0, 2), range(0, 2), False, turn=plan.turn)
     plans._plans.update({("a",): plan, ("b",): kept})
     plans._memo.update({False: (None, None, None, None, 2, plan), True: (None, None, None, None, 2, kept)})
     plans.forget(link)

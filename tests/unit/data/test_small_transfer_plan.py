@@ -4,6 +4,7 @@ build events only while someone listens."""
 from __future__ import annotations
 
 import logging
+import threading
 import types
 
 import numpy as np
@@ -14,6 +15,7 @@ from llmdd._lifecycle.tables import Machine, TaskState
 from llmdd._data.planner import CacheLayout, plan_blocks
 from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._base.status import LocalUsageError
+from llmdd._data.busy import BusyTable
 from llmdd._data.prepared import PreparedPlan as _PreparedPlan
 from llmdd.plugin import hookimpl
 
@@ -34,7 +36,9 @@ def _plan(rng, push: bool):
     local, remote = (src, dst) if push else (dst, src)
     rec = types.SimpleNamespace(regions=(), cache_id=local.cache_id)
     tables = types.SimpleNamespace(cache_table_version=1, regions_version=1)
-    return _PreparedPlan(object(), tables, rec, remote.cache_id, src, dst, st, dt, push), src, dst, st, dt
+    link = types.SimpleNamespace(peer_cluster_id=9, transfer_lock=threading.Lock())
+    turn = BusyTable(port=None, timeout_s=1.0).turn(link)   # type: ignore[arg-type]  # never entered here
+    return _PreparedPlan(link, tables, rec, remote.cache_id, src, dst, st, dt, push, turn=turn), src, dst, st, dt
 
 
 @pytest.mark.parametrize("push", [False, True])

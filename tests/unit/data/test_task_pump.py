@@ -21,6 +21,7 @@ from llmdd._base.options import EngineOptions
 from llmdd._base.profiles import PROFILES
 from llmdd._base.status import LLMException
 from llmdd._data.engine import TransferEngine
+from llmdd._data.notices import READ
 from llmdd._data.tasks import TransferTimedOut
 from llmdd._extension.manager import Hooks, make_plugin_manager
 from llmdd._lifecycle.machines import Lifecycle
@@ -269,9 +270,10 @@ class _Notices:
 
     def __init__(self) -> None:
         self.push_done: list[tuple] = []
+        self.queued: list[tuple] = []
 
     def queue(self, link: Any, entry: tuple) -> None:
-        raise AssertionError("a failed or declined one-call transfer queues no read-done notice")
+        self.queued.append(entry)
 
     def push_done_call(self, link: Any, cache_id: int, dst_blocks: Any, dst_tensors: range, *, failed: bool) -> None:
         self.push_done.append((cache_id, list(dst_blocks), dst_tensors, failed))
@@ -288,7 +290,7 @@ def _one_call(pump, fast: Any, *, push: bool, live: bool = True):
                                         close=te._notices.close)   # the engine's own, closed with it
     rec = types.SimpleNamespace(live=live, cache_id=3)
     plan = types.SimpleNamespace(prepared=fast, link=link, rec=rec, chan=channel, push=push, cache_id=7, per_block=512,
-                                 dst_tensors=range(0, 2), pairs=[], bs=512, su=4, du=4)
+                                 dst_tensors=range(0, 2), pairs=[], bs=512, su=4, du=4, turn=te._busy.turn(link))
     kind = "push_blocks" if push else "pull_blocks"
     try:
         out: Any = te._run_prepared(plan, [1, 2], [0, 3], kind)
@@ -302,12 +304,18 @@ def _task_triggers(tasks: Lifecycle) -> dict:
     return tasks.statistics().triggers
 
 
-def test_a_one_call_transfer_that_moved_the_bytes_is_counted_as_a_completed_task(pump):
-    out, port, tasks, notices = _one_call(pump, lambda s, d: 1024, push=False)
+@pytest.mark.parametrize("push", [False, True], ids=["pull", "push"])
+def test_a_one_call_transfer_that_moved_the_bytes_is_counted_as_a_completed_task(pump, push):
+    out, port, tasks, notices = _one_call(pump, lambda s, d: 1024, push=push)
     assert out is True
-    assert port.calls == [("record", 1024, 0, False)]
+    assert port.calls == [("record", 0, 1024, False) if push else ("record", 1024, 0, False)]
     assert _task_triggers(tasks) == {"start": 1, "transfer_succeeded": 1}
-    assert notices.push_done == []
+    # the owner is told once: a push's push-done for the destination blocks, a pull's queued read-done
+    # of the source blocks
+    if push:
+        assert notices.push_done == [(7, [0, 3], range(0, 2), False)] and notices.queued == []
+    else:
+        assert notices.push_done == [] and notices.queued == [(READ, 7, (1, 2))]
 
 
 def test_a_declined_one_call_transfer_leaves_no_trace_and_asks_for_the_ops_path(pump, monkeypatch):
@@ -316,7 +324,7 @@ def test_a_declined_one_call_transfer_leaves_no_trace_and_asks_for_the_ops_path(
     monkeypatch.setattr(te.prepared, "prepare", lambda plan: replanned.append(te.timeout_s))
     out, port, tasks, notices = _one_call(pump, lambda s, d: -3, push=True)
     assert out is False
-    assert port.calls == [] and _task_triggers(tasks) == {} and notices.push_done == []
+    assert port.calls == [] and _task_triggers(tasks) == {} and notices.push_done == [] and notices.queued == []
     assert replanned == [te.timeout_s]          # the plan is made again on the tables of now
 
 
@@ -341,6 +349,7 @@ def test_a_one_call_transfer_that_failed_is_reported_as_the_ops_path_reports_it(
     assert tasks.statistics().live == {}         # ended: no task left running
     # a push tells the owner its blocks were not written (the owner's push_done event), a pull tells nothing
     assert notices.push_done == ([(7, [0, 3], range(0, 2), True)] if push else [])
+    assert notices.queued == []
     # the control: the same failure through the ops path gives the same status and the same requests
     te, port2, channel, link, _, _, rng = pump
     port2.calls.clear()

@@ -49,9 +49,6 @@ FLAGS = {
         "reserves the id so that two calls do not dial the same peer)",
     ("llmdd/_control/table.py", "_accepting"):
         "peers whose incoming connection is being accepted, before its link record exists (their waiters)",
-    ("llmdd/_control/table.py", "released"):
-        "this side gave back its last hold on a link its peer still holds (LINKED, served, not used here); "
-        "a candidate for a state of the link table of its own (issue 37: one owner per piece of state)",
     ("llmdd/_control/comm_group.py", "linked"):
         "which members of a rank-table group were linked by the group's own setup (its progress, not the links' "
         "states: a link's state is asked of the link table)",
