@@ -54,6 +54,11 @@ PAGES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      "The conformance suite, recorders and the multi-process harness "
      "(see [writing a transport](../writing-a-transport.md#pytest-fixtures-opt-in)).",
      ("llmdd.testing", "llmdd.testing.pytest_plugin")),
+    ("simulation", "Deterministic simulation",
+     "Whole engines on one simulated world: the runtime, network and transport they run on, the workload, "
+     "faults, oracle and invariants of `llmdd sim`, and its shrinker (see [simulation](../simulation.md) and "
+     "[the runtime seam](../simulation-runtime.md)).",
+     ("llmdd.testing.sim", "llmdd.testing.sim.world", "llmdd.testing.sim.primitives", "llmdd.testing.sim.runtime", "llmdd.testing.sim.net", "llmdd.testing.sim.engines", "llmdd.testing.sim.transport", "llmdd.testing.sim.simbackend", "llmdd.testing.sim.backends", "llmdd.testing.sim.workload", "llmdd.testing.sim.faults", "llmdd.testing.sim.oracle", "llmdd.testing.sim.invariants", "llmdd.testing.sim.runner", "llmdd.testing.sim.shrink")),
     ("compat", "Drop-in alias",
      "Make `import llm_datadist` resolve to llmdd (see [drop-in use](../dropin.md)).", ("llmdd.compat",)),
     ("upstream-paths", "Upstream module paths",

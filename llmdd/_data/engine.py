@@ -116,7 +116,7 @@ class TransferEngine:
         self._pull_pool: Optional[Executor] = None   # the workers of non-blocking pulls, started on first use
         self._async_pulls = 0         # non-blocking pulls waiting or running (under _pulls_lock)
         self.owner = OwnerSide(port=port, memory=memory, options=options, profile=profile)
-        self.fenced = FencedPulls(port, self.timeout_s)   # fenced pulls' check after the copy (llmdd._data.fence)
+        self.fenced = FencedPulls(port, self.timeout_s, clock=runtime.monotonic)   # fenced pulls' check after the copy (llmdd._data.fence)
 
     # ------------------------------------------------------------------ the DataService side of the port
     # what peers ask of this engine as the owner of its caches is llmdd._data.owner's
@@ -358,7 +358,7 @@ class TransferEngine:
                     ops = plan_contiguous_to_blocks(src=src, dst=dst, src_unit=src_unit, dst_blocks=dst_blocks,
                                                     src_tensors=src_tensors, dst_tensors=dst_tensors, local="dst")
                 spans = block_spans(src_blocks) if src_blocks else ()   # inside the owner's cache: planned
-                check = None if fence is None else self._fence_args(src, cache_id, src_blocks, fence)
+                check = None if fence is None else check_args(cache_id, src_blocks, fence, blocks=src.is_blocks)
             except LLMException as exc:
                 # the owner's cache is known but nothing was read (a refused plan): a tagged pull still
                 # ends with one failure event for its tag (best effort)
@@ -398,40 +398,21 @@ class TransferEngine:
         try:
             with self._busy.turn(link):
                 turned = True
+                err: Optional[LLMException] = None
                 try:
                     self.run_ops(link, ops, write=False, kind=kind, nbytes=nbytes)
                 except LLMException as exc:
                     err = self.local_outcome(rec, exc, kind)
-                    if tag is not None:
-                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
-                    raise err from None
-                if not rec.live:   # unregistered while the ops ran: the caller's cache is gone
+                if err is None and not rec.live:   # unregistered while the ops ran: the caller's cache is gone
                     err = self.local_outcome(rec, None, kind)
-                    if tag is not None:
-                        self._tag_notice(link, "read_done", cache_id, spans, tag, err)
+                if err is None and fence is not None:   # the owner still holds the generations read
+                    err = self.fenced.failure(link, fence)
+                if tag is not None:   # the one notice of a tagged pull, its outcome's
+                    self._tag_notice(link, "read_done", cache_id, spans, tag, err)
+                if err is not None:
                     raise err
-                if fence is not None:
-                    self._verify_fence(link, fence, tag, cache_id, spans)
-                if tag is not None:
-                    self._tag_notice(link, "read_done", cache_id, spans, tag, None)
         except LLMException as exc:
             if not turned and tag is not None:   # no turn (a busy or lost link): nothing was read
-                self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
-            raise
-
-    @staticmethod
-    def _fence_args(src: CacheLayout, cache_id: int, src_blocks: Optional[Sequence[int]], fence: BlockFence) -> dict:
-        """The check of a fenced pull (llmdd._data.fence): blocks of a blocks cache only."""
-        if not src.is_blocks or not src_blocks:
-            raise _err("a fenced pull reads blocks of a blocks cache (src_blocks)", S.LLM_PARAM_INVALID)
-        return check_args(cache_id, src_blocks, fence)
-
-    def _verify_fence(self, link: LinkView, fence: dict, tag: Optional[Tag], cache_id: int, spans: tuple) -> None:
-        """The fenced pull's check after its copy; a failed one ends a tagged pull with its failure notice."""
-        try:
-            self.fenced.verify(link, fence)
-        except LLMException as exc:
-            if tag is not None:
                 self._tag_notice(link, "read_done", cache_id, spans, tag, exc)
             raise
 

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
 
 import attrs
 
@@ -176,9 +175,12 @@ class FenceTable:
         return 0, {}
 
 
-def check_args(cache_id: int, src_blocks: Sequence[int], fence: BlockFence) -> dict:
-    """The FENCE_CHECK request of a pull of ``src_blocks`` expecting ``fence``: sorted disjoint runs
-    of consecutive blocks of one generation (a block named twice must expect one generation)."""
+def check_args(cache_id: int, src_blocks: Optional[Sequence[int]], fence: BlockFence, *, blocks: bool = True) -> dict:
+    """The FENCE_CHECK request of a pull of ``src_blocks`` (of a blocks cache: ``blocks``) expecting
+    ``fence``: sorted disjoint runs of consecutive blocks of one generation (a block named twice must
+    expect one generation)."""
+    if not blocks or not src_blocks:
+        raise LLMException("a fenced pull reads blocks of a blocks cache (src_blocks)", status_code=S.LLM_PARAM_INVALID)
     if len(fence.generations) != len(src_blocks):
         raise LLMException(f"the fence names {len(fence.generations)} generations for {len(src_blocks)} source "
                            "blocks", status_code=S.LLM_PARAM_INVALID)
@@ -205,16 +207,25 @@ class FencedPulls:
     """The puller's side: the check of a fenced pull after its copy (the engine's hook point), and a
     reader's notes to the owner."""
 
-    def __init__(self, port: ControlPort, timeout_s: float) -> None:
+    def __init__(self, port: ControlPort, timeout_s: float, *, clock: Callable[[], float]) -> None:
         self._lm = port
         self.timeout_s = timeout_s
+        self._clock = clock     # the runtime's monotonic clock (simulated time under llmdd.testing.sim)
+
+    def failure(self, link: LinkView, args: dict) -> Optional[LLMException]:
+        """:meth:`verify`'s outcome as a value: None when the check passed, else its error."""
+        try:
+            self.verify(link, args)
+        except LLMException as exc:
+            return exc
+        return None
 
     def verify(self, link: LinkView, args: dict) -> None:
         """Ask the owner whether the pulled blocks still have the expected generations (``args``:
         :func:`check_args`); raises ``FENCE_FAILED`` when not, the request's error (``LLM_TIMEOUT``,
         ``LLM_LINK_FAILED``) when the owner does not answer: no success without a passed check."""
         status, result = self._lm.request(link, RequestOp.FENCE_CHECK, args,
-                                          deadline=time.monotonic() + self.timeout_s)
+                                          deadline=self._clock() + self.timeout_s)
         if status != 0:
             why = result.get("error") if isinstance(result, dict) else None
             raise LLMException(f"fenced pull from cluster {link.peer_cluster_id}: the owner handed the blocks back "
@@ -226,7 +237,7 @@ class FencedPulls:
         how a reader renews or gives up what the owner holds for it, llmdd_vllm's leases); returns once
         the owner handled them, raises the owner's status otherwise."""
         status, result = self._lm.request(link, RequestOp.PEER_NOTE, {"cache_id": int(cache_id), "notes": list(notes)},
-                                          deadline=time.monotonic() + self.timeout_s)
+                                          deadline=self._clock() + self.timeout_s)
         if status != 0:
             why = result.get("error") if isinstance(result, dict) else None
             raise LLMException(f"cluster {link.peer_cluster_id} refused the notes on cache {cache_id}: {why or status}",
