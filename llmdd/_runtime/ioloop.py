@@ -40,11 +40,14 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from llmdd._base.log import get_logger
 from llmdd._runtime.runtime import EVENT_READ, Executor, Timer
 from llmdd._runtime.threads import Pool, Strand, SystemThreads
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
 
 __all__ = ["IoLoop", "Pool", "Strand"]
 
@@ -128,7 +131,7 @@ class IoLoop(SystemThreads):
             pass  # closing
 
     # ------------------------------------------------------------------ registrations (loop thread)
-    def set_events(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]]) -> None:
+    def set_events(self, fileobj: FileDescriptorLike, events: int, handler: Optional[Callable[[int], None]]) -> None:
         """Watch ``fileobj`` for ``events`` (0 = stop watching, ``handler`` None); ``handler(mask)`` runs
         on readiness."""
         if events and handler is None:
@@ -153,7 +156,7 @@ class IoLoop(SystemThreads):
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # a closed socket or selector
             _log.debug("llmdd.io.register_failed", loop=self.name, error=repr(exc))
 
-    def forget(self, fileobj: Any) -> None:
+    def forget(self, fileobj: FileDescriptorLike) -> None:
         """Stop watching ``fileobj`` (safe from any thread, safe if already closed)."""
         self.set_events(fileobj, 0, None)
 

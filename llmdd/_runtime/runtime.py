@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import selectors
 import socket
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from _typeshed import FileDescriptorLike
 
 __all__ = ["run_concurrently", "Runtime", "Threads", "Executor", "Waiter", "Lock", "Condition", "Worker", "Timer", "PoolFull",
            "EVENT_READ", "EVENT_WRITE"]
@@ -149,9 +152,9 @@ class Runtime(Threads, Protocol):
 
     def on_dead(self, callback: Callable[[BaseException], None]) -> None: ...
 
-    def set_events(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]]) -> None: ...
+    def set_events(self, fileobj: FileDescriptorLike, events: int, handler: Optional[Callable[[int], None]]) -> None: ...
 
-    def forget(self, fileobj: Any) -> None: ...
+    def forget(self, fileobj: FileDescriptorLike) -> None: ...
 
     def watched(self) -> int: ...
 

@@ -34,7 +34,7 @@ import math
 import random
 import socket
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE, PoolFull, Timer
 
@@ -420,7 +420,7 @@ class SimLoop:
         return threading.RLock()
 
     @staticmethod
-    def condition(lock: Any = None) -> Any:
+    def condition(lock: Optional[Union[threading.Lock, threading.RLock]] = None) -> threading.Condition:
         return threading.Condition(lock)
 
     @staticmethod

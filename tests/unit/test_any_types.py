@@ -37,12 +37,12 @@ LAZY_NUMPY = ("the lazy numpy module (llmdd._base.lazy): numpy is imported at it
               "as the numpy module would import numpy wherever it is named")
 ARRAY_INPUT = ("an int or an array as the caller gives it (anything numpy takes); numpy's arrays reach "
                "mypy as Any through the lazy module, so no narrowing would hold")
-FILEOBJ = ("a selector's file object (an int or anything with fileno(), typeshed's FileDescriptorLike); "
-           "the runtime seam and its simulator are reworked under issue 38, beside this change")
+FILEOBJ = ("a simulated selector's file object: anything the engine hands its runtime to watch (the real "
+           "runtime types it as typeshed's FileDescriptorLike; the simulators reach it through a cast and "
+           "watch their own in-memory sockets)")
 SOCKET_DATA = "what a simulated socket's send takes: any buffer, as socket.send"
-SIM_RUNTIME = ("issue 38's runtime seam and simulator (llmdd/testing/sim, llmdd/_runtime), merged while this "
-               "list was made and owned by that work: NOT yet justified one by one; its collaborators "
-               "(a runtime, a lock, an owner) are to be typed there, and this group to shrink")
+STORED = ("a value kept or recorded as it is, whatever its type: an attribute of a worker-local object "
+          "(threading.local's), what a simulated API call returned (the simulator's record of the call)")
 
 ALLOWED: dict[tuple[str, str, str], str] = {
     ('llmdd/_api/cache_manager.py', '_tensor_addrs', 'addrs'): USER_VALUE,
@@ -168,13 +168,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ('llmdd/_runtime/ioloop.py', 'IoLoop._call', '*args'): FORWARDED,
     ('llmdd/_runtime/ioloop.py', 'IoLoop.call_later', '*args'): FORWARDED,
     ('llmdd/_runtime/ioloop.py', 'IoLoop.call_soon', '*args'): FORWARDED,
-    ('llmdd/_runtime/ioloop.py', 'IoLoop.forget', 'fileobj'): FILEOBJ,
-    ('llmdd/_runtime/ioloop.py', 'IoLoop.set_events', 'fileobj'): FILEOBJ,
     ('llmdd/_runtime/runtime.py', 'Executor.submit', '*args'): FORWARDED,
     ('llmdd/_runtime/runtime.py', 'Runtime.call_later', '*args'): FORWARDED,
     ('llmdd/_runtime/runtime.py', 'Runtime.call_soon', '*args'): FORWARDED,
-    ('llmdd/_runtime/runtime.py', 'Runtime.forget', 'fileobj'): FILEOBJ,
-    ('llmdd/_runtime/runtime.py', 'Runtime.set_events', 'fileobj'): FILEOBJ,
     ('llmdd/_seam/abc.py', '_capability', 'value'): USER_VALUE,
     ('llmdd/_seam/abc.py', '_name', 'value'): USER_VALUE,
     ('llmdd/_seam/abc.py', '_payload', 'value'): USER_VALUE,
@@ -223,7 +219,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ('llmdd/utils/log.py', 'warn', '**kwargs'): FORWARDED,
     ('llmdd/utils/log.py', 'warn', '*args'): FORWARDED,
     ('llmdd/utils/log.py', 'warn', 'msg'): LOGGED,
-    # merged from issue 38 (the runtime seam's threads and llmdd/testing/sim) while this list was made
+    # issue 38's runtime seam (llmdd/_runtime) and its simulators (llmdd/testing/sim, llmdd/testing/_linksim)
     ('llmdd/_runtime/runtime.py', 'Condition.__exit__', '*exc'): FORWARDED,
     ('llmdd/_runtime/runtime.py', 'Lock.__exit__', '*exc'): FORWARDED,
     ('llmdd/_runtime/runtime.py', 'Threads.start_worker', '*args'): FORWARDED,
@@ -232,51 +228,23 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ('llmdd/_runtime/threads.py', 'SystemThreads.start_worker', '*args'): FORWARDED,
     ('llmdd/_seam/completions.py', 'CompletionThreads.start_worker', '*args'): FORWARDED,
     ('llmdd/lowlevel.py', 'ThreadCompletion.__init__', '**kwargs'): FORWARDED,
-    ('llmdd/testing/_linksim.py', 'SimLoop.condition', 'lock'): SIM_RUNTIME,
     ('llmdd/testing/_linksim.py', 'SimLoop.start_worker', '*args'): FORWARDED,
-    ('llmdd/testing/sim/engines.py', '_SimTransportPlugin.llmdd_register_transports', 'register'): SIM_RUNTIME,
-    ('llmdd/testing/sim/net.py', 'SimServerSocket.__init__', 'self.owner'): SIM_RUNTIME,
-    ('llmdd/testing/sim/net.py', 'SimSocket.send', 'data'): SIM_RUNTIME,
-    ('llmdd/testing/sim/net.py', 'SimSocket.sendall', 'data'): SIM_RUNTIME,
+    ('llmdd/testing/sim/invariants.py', 'Call', 'result'): STORED,
     ('llmdd/testing/sim/net.py', 'SimSocket.setsockopt', '*args'): FORWARDED,
     ('llmdd/testing/sim/primitives.py', 'SimCondition.__exit__', '*exc'): FORWARDED,
-    ('llmdd/testing/sim/primitives.py', 'SimLocal.__setattr__', 'value'): SIM_RUNTIME,
+    ('llmdd/testing/sim/primitives.py', 'SimLocal.__setattr__', 'value'): STORED,
     ('llmdd/testing/sim/primitives.py', 'SimLock.__exit__', '*exc'): FORWARDED,
-    ('llmdd/testing/sim/primitives.py', 'SimLock.__init__', 'self._owner'): SIM_RUNTIME,
-    ('llmdd/testing/sim/primitives.py', 'SimLock._acquire_restore', '_state'): SIM_RUNTIME,
-    ('llmdd/testing/sim/primitives.py', 'SimRLock._acquire_restore', 'count'): SIM_RUNTIME,
-    ('llmdd/testing/sim/runtime.py', 'SimPool.__init__', 'runtime'): SIM_RUNTIME,
     ('llmdd/testing/sim/runtime.py', 'SimPool.submit', '*args'): FORWARDED,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.call_later', '*args'): FORWARDED,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.call_soon', '*args'): FORWARDED,
-    ('llmdd/testing/sim/runtime.py', 'SimRuntime.condition', 'lock'): SIM_RUNTIME,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.forget', 'fileobj'): FILEOBJ,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.set_events', 'fileobj'): FILEOBJ,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.start_worker', '*args'): FORWARDED,
-    ('llmdd/testing/sim/transport.py', 'SimMemChannel._batch', 'ops'): SIM_RUNTIME,
-    ('llmdd/testing/sim/transport.py', 'SimMemChannel._move', 'ops'): SIM_RUNTIME,
-    ('llmdd/testing/sim/transport.py', 'SimMemChannel.read', 'ops'): SIM_RUNTIME,
-    ('llmdd/testing/sim/transport.py', 'SimMemChannel.write', 'ops'): SIM_RUNTIME,
-    ('llmdd/testing/sim/transport.py', '_books.crashed', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'Fiber.__init__', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.__init__', 'self.running'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World._call', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World._push_timer', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.block', 'on'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.call_later', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.call_soon', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.drop', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.fibers_of', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.freeze', 'runtime'): SIM_RUNTIME,
+    ('llmdd/testing/sim/simbackend.py', 'WorldClock.call_later', '*args'): FORWARDED,
     ('llmdd/testing/sim/world.py', 'World.recheck', 'fileobj'): FILEOBJ,
     ('llmdd/testing/sim/world.py', 'World.spawn', '*args'): FORWARDED,
-    ('llmdd/testing/sim/world.py', 'World.spawn', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', 'World.thaw', 'runtime'): SIM_RUNTIME,
     ('llmdd/testing/sim/world.py', 'World.unwatch', 'fileobj'): FILEOBJ,
-    ('llmdd/testing/sim/world.py', 'World.wake', 'key'): SIM_RUNTIME,
     ('llmdd/testing/sim/world.py', 'World.watch', 'fileobj'): FILEOBJ,
-    ('llmdd/testing/sim/world.py', 'World.watch', 'runtime'): SIM_RUNTIME,
-    ('llmdd/testing/sim/world.py', '_Park.__init__', 'runtime'): SIM_RUNTIME,
 }
 
 #: keys found more than once (nested functions of one name in one scope)
@@ -341,7 +309,7 @@ def test_every_any_of_llmdd_is_listed_with_its_reason_and_nothing_else_is():
 def test_no_collaborator_is_left_any():
     """No listed reason is a collaborator's: each entry names one of the reasons above."""
     reasons = {FORWARDED, USER_VALUE, PEER_VALUE, WIRE_VALUE, VALIDATOR_INSTANCE, ANNOTATION, CHECKED_TYPES,
-               LOGGED, STRUCTLOG, JSON, PAYLOAD, LAZY_NUMPY, ARRAY_INPUT, FILEOBJ, SOCKET_DATA, SIM_RUNTIME}
+               LOGGED, STRUCTLOG, JSON, PAYLOAD, LAZY_NUMPY, ARRAY_INPUT, FILEOBJ, SOCKET_DATA, STORED}
     assert set(ALLOWED.values()) <= reasons
     assert all(key[2].startswith("*") for key, why in ALLOWED.items() if why == FORWARDED)
     assert all(not key[2].startswith("*") for key, why in ALLOWED.items() if why != FORWARDED)

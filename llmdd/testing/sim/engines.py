@@ -9,12 +9,12 @@ world's main fiber; every wait inside it lets the rest of the world run.
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+from typing import Optional, cast
 
 from llmdd import LLMDataDist, LLMRole
 from llmdd._api.datadist import use_runtime
 from llmdd._runtime.runtime import Runtime
-from llmdd.plugin import hookimpl
+from llmdd.plugin import TransportRegistry, hookimpl
 from llmdd.testing.sim.runtime import SimRuntime
 from llmdd.testing.sim.transport import NAME, transport_for
 from llmdd.testing.sim.world import World
@@ -29,11 +29,11 @@ class _SimTransportPlugin:
         self._cls = transport_for(world)
 
     @hookimpl
-    def llmdd_register_transports(self, register: Any) -> None:
+    def llmdd_register_transports(self, register: TransportRegistry) -> None:
         register(self._cls)
 
 
-def sim_plugin(world: World) -> Any:
+def sim_plugin(world: World) -> _SimTransportPlugin:
     """A plugin object that contributes ``world``'s in-memory transport (named ``sim``)."""
     return _SimTransportPlugin(world)
 

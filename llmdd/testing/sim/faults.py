@@ -30,7 +30,11 @@ xdup           the transport delivers a batch's landing twice
 from __future__ import annotations
 
 import random
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from llmdd.testing.sim.backends import Backend
+    from llmdd.testing.sim.workload import Workload
 
 __all__ = ["FAULTS", "FaultPlan", "parse_faults"]
 
@@ -61,7 +65,7 @@ class FaultPlan:
         self.faults = tuple(faults)
         self.rng = random.Random(f"faults-{seed}")
         self.processes = list(processes)
-        self.episodes: list[tuple[int, str, Any]] = []
+        self.episodes: list[tuple[int, str, str]] = []
 
     @classmethod
     def parse(cls, faults: Iterable[str], *, seed: int, processes: Sequence[str]) -> "FaultPlan":
@@ -85,7 +89,7 @@ class FaultPlan:
             out["jitter_s"] = 2e-3
         return out
 
-    def tick(self, backend: Any, workload: Any, step: int) -> None:
+    def tick(self, backend: Backend, workload: Workload, step: int) -> None:
         """Maybe start an episode now (one draw per episodic fault, in a fixed order)."""
         for name in ("cut", "partition", "stall", "freeze"):
             if not self.has(name) or self.rng.random() >= EPISODE_P[name]:
@@ -104,6 +108,6 @@ class FaultPlan:
                 what = backend.freeze(self.rng.choice(self.processes), seconds)
             self.episodes.append((step, name, what))
 
-    def heal(self, backend: Any) -> None:
+    def heal(self, backend: Backend) -> None:
         """End every episode (before the run's final finalize)."""
         backend.heal()

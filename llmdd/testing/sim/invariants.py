@@ -10,11 +10,14 @@ the mutation tests expect to see.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import attrs
 
 from llmdd._lifecycle.tables import ABSORBED, FINAL, INITIAL, TABLES, Machine
+
+if TYPE_CHECKING:
+    from llmdd._lifecycle.events import TransitionEvent
 
 __all__ = ["Violation", "Record", "Call", "INVARIANTS", "check_step", "check_final", "BOUND_S"]
 
@@ -65,7 +68,7 @@ class Call:
     ended: Optional[float] = None
     status: Optional[str] = None      # LLMStatusCode name, "raised:<Type>", or "ok"
     exception: Optional[BaseException] = None
-    result: Any = None
+    result: Any = None       # what the call returned, recorded as it is (any API call's result)
 
 
 @attrs.define(eq=False)
@@ -74,7 +77,7 @@ class Record:
 
     calls: list[Call] = attrs.field(factory=list)
     #: (engine, incarnation, event): every lifecycle event of every engine, in order
-    events: list[tuple[int, int, Any]] = attrs.field(factory=list)
+    events: list[tuple[int, int, TransitionEvent]] = attrs.field(factory=list)
     violations: list[Violation] = attrs.field(factory=list)
     step: int = 0
     _calls_seen: int = 0
@@ -159,5 +162,5 @@ def check_final(rec: Record, extra: Iterable[Callable[[Record], None]] = ()) -> 
     return check_step(rec, extra)
 
 
-def state_name(state: Any) -> str:
+def state_name(state: Union[enum.Enum, str]) -> str:
     return state.value if isinstance(state, enum.Enum) else str(state)

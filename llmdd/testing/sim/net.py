@@ -44,6 +44,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from llmdd.testing.sim.runtime import SimRuntime
     from llmdd.testing.sim.world import World
 
 __all__ = ["Network", "SimSocket", "SimServerSocket", "RX_CAPACITY", "listen", "connect"]
@@ -238,7 +241,7 @@ class SimSocket:
             return 0
         return max(0, peer.capacity - len(peer.rx) - self.in_flight)
 
-    def send(self, data: Any) -> int:
+    def send(self, data: ReadableBuffer) -> int:
         if self.closed:
             raise OSError(errno.EBADF, "Bad file descriptor")
         peer = self.peer
@@ -259,7 +262,7 @@ class SimSocket:
         self.sent += n
         return n
 
-    def sendall(self, data: Any) -> None:
+    def sendall(self, data: ReadableBuffer) -> None:
         view = memoryview(data).cast("B")
         while len(view):
             n = self.send(view)
@@ -327,7 +330,7 @@ class SimServerSocket:
         self._world = net.world
         self.address = address
         self.process = process
-        self.owner: Any = None   # the runtime that listens (it owns the connections accepted here)
+        self.owner: Optional[SimRuntime] = None   # the runtime that listens (it owns the connections accepted here)
         self.backlog_max = max(1, backlog)
         self.backlog: collections.deque = collections.deque()
         self.closed = False

@@ -18,13 +18,17 @@ The oracle watches two things:
 
 from __future__ import annotations
 
+import enum
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from llmdd._lifecycle.tables import LinkState, Machine
 from llmdd.testing.sim.invariants import Call, Record
+
+if TYPE_CHECKING:
+    from llmdd.testing.sim.workload import Node, TaskRec
 
 __all__ = ["Oracle"]
 
@@ -42,7 +46,7 @@ class Oracle:
         self._late: list[str] = []
         self._cursor = 0
         #: (engine, incarnation, peer) -> (last link state, record index of the last handshake_succeeded)
-        self.links: dict[tuple[int, int, int], tuple[Any, int]] = {}
+        self.links: dict[tuple[int, int, int], tuple[Optional[enum.Enum], int]] = {}
         self.incarnation: dict[int, int] = {}
         self.down: set[int] = set()
         self.outbox_gone: set[int] = set()
@@ -51,18 +55,18 @@ class Oracle:
         self.delivered: dict[tuple[int, int, int], list[str]] = {}
         self.acked: dict[tuple[int, int, int], list[str]] = {}
         self.failed_tags: set[str] = set()
-        self.nodes: dict[int, Any] = {}
+        self.nodes: dict[int, Node] = {}
         self._stats_cursor = 0
-        self.tasks: list[Any] = []
+        self.tasks: list[TaskRec] = []
         #: (engine, incarnation, peer) -> record index of this side's successful unlink (its hold released)
         self.released: dict[tuple[int, int, int], int] = {}
         #: engine -> (incarnation, record index) while its finalize runs
         self.finalizing: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------ landings
-    def observe(self, kind: str, batch_id: int, detail: Any) -> None:
-        """The fabric's observer (called under its lock)."""
-        if kind != "land":
+    def observe(self, kind: str, batch_id: int, detail: object) -> None:
+        """The fabric's observer (called under its lock); ``detail`` is a landing's dict for ``land``."""
+        if kind != "land" or not isinstance(detail, dict):
             return
         bb = self.block_bytes
         with self._lock:
@@ -116,18 +120,18 @@ class Oracle:
                         self.failed_tags.add(text)
             self._cursor += 1
 
-    def engine_up(self, node: Any) -> None:
+    def engine_up(self, node: Node) -> None:
         self.incarnation[node.cid] = node.incarnation
         self.down.discard(node.cid)
         self.outbox_gone.discard(node.cid)
         self.started_at[node.cid] = node.started_at
 
-    def going_down(self, node: Any) -> None:
+    def going_down(self, node: Node) -> None:
         self.down.add(node.cid)
         self._read_events()
         self.finalizing[node.cid] = (node.incarnation, len(self.record.events))
 
-    def link_call(self, a: Any, b: Any, op: str, status: Optional[str]) -> None:
+    def link_call(self, a: Node, b: Node, op: str, status: Optional[str]) -> None:
         """This side's link_clusters / unlink_clusters of ``b`` ended with ``status``."""
         self._read_events()
         key = (a.cid, a.incarnation, b.cid)
@@ -136,13 +140,13 @@ class Oracle:
         elif op == "link" and status in ("LLM_SUCCESS", "LLM_ALREADY_LINK"):
             self.released.pop(key, None)
 
-    def deregistered(self, node: Any) -> None:
+    def deregistered(self, node: Node) -> None:
         self.outbox_gone.add(node.cid)
 
-    def registered(self, node: Any) -> None:
+    def registered(self, node: Node) -> None:
         self.outbox_gone.discard(node.cid)
 
-    def transfer_context(self, a: Any, b: Any, kind: str, tag: Optional[str]) -> dict:
+    def transfer_context(self, a: Node, b: Node, kind: str, tag: Optional[str]) -> dict:
         """What was true when the call started: the reasons it must not succeed."""
         self._read_events()
         reasons = []
@@ -191,10 +195,10 @@ class Oracle:
                             f"{acked}")
 
     # ------------------------------------------------------------------ tasks and ends
-    def task_started(self, task: Any) -> None:
+    def task_started(self, task: TaskRec) -> None:
         self.tasks.append(task)
 
-    def finalized(self, node: Any, leftovers: dict) -> None:
+    def finalized(self, node: Node, leftovers: dict) -> None:
         self._read_events()
         self.finalizing.pop(node.cid, None)
         left = {k: v for k, v in leftovers.items() if v}
@@ -203,13 +207,13 @@ class Oracle:
                             "after finalize")
         self._tasks_of(node, "finalize")
 
-    def crashed(self, node: Any) -> None:
+    def crashed(self, node: Node) -> None:
         # a crashed process's tasks die with it: their callbacks never come (nor must they)
         for task in node.tasks:
             task.checked = True
         node.tasks = []
 
-    def _tasks_of(self, node: Any, when: str) -> None:
+    def _tasks_of(self, node: Node, when: str) -> None:
         for task in node.tasks:
             if not task.results:
                 self.record.add("task_once", f"engine {node.cid}'s {task.call.op}({task.call.args}) had not ended "
@@ -217,13 +221,14 @@ class Oracle:
             task.checked = True
         node.tasks = []
 
-    def check_statistics(self, node: Any) -> None:
+    def check_statistics(self, node: Node) -> None:
         """``statistics()``'s state of every link of ``node`` is the last state its events said."""
-        if not node.up:
+        dd = node.dd
+        if dd is None:   # not up
             return
         self._read_events()
         try:
-            links = node.dd.statistics()["links"]
+            links = dd.statistics()["links"]
         except Exception as exc:  # noqa: BLE001 - a statistics() that raises disagrees with everything
             self.record.add("statistics_agree", f"engine {node.cid}: statistics() raised {exc!r}")
             return
@@ -246,7 +251,7 @@ class Oracle:
             rec.add("no_late_landing", detail)
         for task in self.tasks:
             n = len(task.results)
-            if n > 1 and not getattr(task, "_twice", False):
-                task._twice = True
+            if n > 1 and not task.twice_reported:
+                task.twice_reported = True
                 rec.add("task_once", f"engine {task.node.cid}'s {task.call.op}({task.call.args}) ended {n} times: "
                         f"{task.results}")

@@ -51,9 +51,9 @@ class SimLock:
 
     def __init__(self, world: World) -> None:
         self._world = world
-        self._owner: Any = None
+        self._owner: Optional[greenlet.greenlet] = None   # the holder (a fiber's greenlet, or the hub)
 
-    def _me(self) -> Any:
+    def _me(self) -> greenlet.greenlet:
         return greenlet.getcurrent()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
@@ -86,11 +86,11 @@ class SimLock:
         self.release()
 
     # what SimCondition needs of its lock
-    def _release_save(self) -> Any:
+    def _release_save(self) -> Optional[int]:
         self.release()
         return None
 
-    def _acquire_restore(self, _state: Any) -> None:
+    def _acquire_restore(self, _state: Optional[int]) -> None:
         self.acquire()
 
     def _is_owned(self) -> bool:
@@ -128,15 +128,16 @@ class SimRLock(SimLock):
             self._owner = None
             self._world.wake(self)
 
-    def _release_save(self) -> Any:
+    def _release_save(self) -> Optional[int]:
         count, self._count = self._count, 0
         self._owner = None
         self._world.wake(self)
         return count
 
-    def _acquire_restore(self, count: Any) -> None:
+    def _acquire_restore(self, count: Optional[int]) -> None:
         self.acquire()
-        self._count = count
+        if count is not None:   # always, from this lock's _release_save
+            self._count = count
 
 
 class _Waiting:

@@ -13,7 +13,7 @@ status, every lifecycle event, the world's own step trace): the same arguments g
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Optional
 
 import attrs
 
@@ -52,7 +52,7 @@ class Result:
         return not self.violations
 
 
-def _hash_events(h: Any, record: Record, start: int) -> int:
+def _hash_events(h: hashlib._Hash, record: Record, start: int) -> int:
     for engine, inc, ev in record.events[start:]:
         h.update(f"e{engine}.{inc} {ev.machine.value} {ev.id!r} {ev.trigger} {ev.source.value}>{ev.dest.value}"
                  f" {type(ev.error).__name__ if ev.error is not None else ''}\n".encode())

@@ -26,7 +26,7 @@ class SimPool:
     worker fibers, started on demand, taking queued tasks in FIFO order; a worker ends when the
     queue is empty."""
 
-    def __init__(self, world: World, size: int, name: str, runtime: Any = None) -> None:
+    def __init__(self, world: World, size: int, name: str, runtime: Optional[SimRuntime] = None) -> None:
         self._world = world
         self.size = max(1, int(size))
         self.name = name
@@ -123,7 +123,7 @@ class SimRuntime:
     def rlock(self) -> SimRLock:
         return SimRLock(self.world)
 
-    def condition(self, lock: Any = None) -> SimCondition:
+    def condition(self, lock: Optional[SimLock] = None) -> SimCondition:
         return SimCondition(self.world, lock)
 
     def local(self) -> SimLocal:

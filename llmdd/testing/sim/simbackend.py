@@ -28,7 +28,8 @@ import errno
 import math
 import random
 import threading
-from typing import Any, Callable, Optional, cast
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import llmdd_sim
 
@@ -39,6 +40,15 @@ from llmdd.testing.sim.invariants import Record
 from llmdd.testing.sim.net import SimSocket
 from llmdd.testing.sim.runtime import SimRuntime
 from llmdd.testing.sim.world import World
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
+    from llmdd._api.datadist import LLMDataDist
+    from llmdd._runtime.runtime import Timer
+    from llmdd.testing.sim.oracle import Oracle
+    from llmdd.testing.sim.runner import Config
+    from llmdd.testing.sim.workload import Node
 
 __all__ = ["SimBackend", "WorldClock", "LatentSocket"]
 
@@ -60,13 +70,13 @@ class WorldClock:
     def now(self) -> float:
         return self.world.now
 
-    def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> Any:
+    def call_later(self, delay: float, fn: Callable[..., None], *args: Any) -> Timer:
         return self.world.call_later(delay, fn, args)
 
-    def run_until(self, pred: Callable[[], bool], until: float, key: Any = None) -> bool:
+    def run_until(self, pred: Callable[[], bool], until: float, key: Optional[Hashable] = None) -> bool:
         return bool(self.world.block(pred, until, on=key))
 
-    def notify(self, key: Any) -> None:
+    def notify(self, key: Hashable) -> None:
         self.world.wake(key)
 
 
@@ -106,7 +116,7 @@ class LatentSocket(SimSocket):
             return 0
         return max(0, peer.capacity - len(peer.rx) - self.inflight)
 
-    def send(self, data: Any) -> int:
+    def send(self, data: ReadableBuffer) -> int:
         if self.closed:
             raise OSError(errno.EBADF, "Bad file descriptor")
         peer = self.peer
@@ -225,7 +235,7 @@ class SimBackend(_FabricBackend):
 
     can_crash = True
 
-    def __init__(self, config: Any, oracle: Any) -> None:
+    def __init__(self, config: Config, oracle: Oracle) -> None:
         self.world = World(config.seed)
         self._max_instant = world_module.MAX_STEPS_PER_INSTANT
         world_module.MAX_STEPS_PER_INSTANT = MAX_STEPS_PER_INSTANT
@@ -240,7 +250,7 @@ class SimBackend(_FabricBackend):
         self.runtimes: dict[str, FaultyRuntime] = {}
         self.listener_owner: dict[tuple[str, int], str] = {}
         self.sockets: dict[str, list[SimSocket]] = {}
-        self.servers: dict[str, list[Any]] = {}
+        self.servers: dict[str, list[net.SimServerSocket]] = {}
         self.frozen: set[str] = set()
         self.stalled: dict[str, float] = {}
         self.parked: dict[str, list] = {}
@@ -252,10 +262,10 @@ class SimBackend(_FabricBackend):
         self._t0 = self.world.now
 
     # ------------------------------------------------------------------ engines
-    def engine_options(self, node: Any) -> dict:
+    def engine_options(self, node: Node) -> dict:
         return {**super().engine_options(node), "llm.listenIpInfo": f"127.0.0.1:{20000 + node.cid}"}
 
-    def init(self, node: Any, dd: Any, options: dict) -> None:
+    def init(self, node: Node, dd: LLMDataDist, options: dict) -> None:
         from llmdd._api.datadist import use_runtime
         n = self._incarnations[node.process] = self._incarnations.get(node.process, 0) + 1
         rt = FaultyRuntime(self.world, f"{node.process}#{n}")
@@ -281,7 +291,7 @@ class SimBackend(_FabricBackend):
         (the hub wakes it before running due timers; the waiter sees the due timer, not idle)."""
         self.world.block(lambda: False, self.world.now + 1e-6)
 
-    def host_of(self, node: Any) -> str:
+    def host_of(self, node: Node) -> str:
         return "127.0.0.1"
 
     def nobody_listens(self) -> tuple[str, int]:
@@ -359,7 +369,7 @@ class SimBackend(_FabricBackend):
         for fn, args in self.parked.pop(process, []):
             self.world.call_soon(f"thaw:{process}", fn, args, fn.__self__ if hasattr(fn, "__self__") else None)
 
-    def cut_connection(self, rng: Any) -> str:
+    def cut_connection(self, rng: random.Random) -> str:
         pairs = [(p, o, s) for p, o, s in self._pairs() if not s.cut]
         if not pairs:
             return "cut: no connection"
@@ -376,7 +386,7 @@ class SimBackend(_FabricBackend):
             self._thaw(process)
         self._refreeze()
 
-    def crash(self, node: Any) -> None:
+    def crash(self, node: Node) -> None:
         proc = node.process
         rt = self.runtimes.pop(proc, None)
         if rt is not None:
@@ -429,7 +439,7 @@ class SimBackend(_FabricBackend):
             world.unwatch(fileobj)
 
     # ------------------------------------------------------------------ what is left, per-step checks
-    def leftovers(self, node: Any) -> dict:
+    def leftovers(self, node: Node) -> dict:
         # IoLoop.close runs what was queued before the stop (closing sockets); SimRuntime.close leaves
         # those calls on the world's queue: let them run before looking
         self._settle()

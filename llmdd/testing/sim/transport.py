@@ -16,7 +16,7 @@ simulation's transport plugin with those (``plugins/llmdd-transport-sim``) build
 from __future__ import annotations
 
 import itertools
-from typing import Any, ClassVar, Optional, Union
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
 
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor, Transport
 from llmdd.abc import TransportInfo
@@ -25,6 +25,9 @@ from llmdd.lowlevel import (
     decode_payload, encode_payload, lazy_numpy as np,
 )
 from llmdd.testing.sim.world import World
+
+if TYPE_CHECKING:
+    from llmdd.testing.sim.runtime import SimRuntime
 
 __all__ = ["transport_for", "open_endpoints", "SimMemTransport"]
 
@@ -45,7 +48,7 @@ def _books(world: World) -> _Books:
     if books is None:
         books = world.shared[NAME] = _Books()
 
-        def crashed(runtime: Any) -> None:   # a crashed process's endpoints are gone with it
+        def crashed(runtime: SimRuntime) -> None:   # a crashed process's endpoints are gone with it
             for ep in [ep for ep in books.endpoints.values() if ep.runtime is runtime]:
                 ep.close()
 
@@ -78,13 +81,13 @@ class SimMemChannel(Channel):
     def remove_remote_region(self, region_id: int) -> None:
         self._remote.pop(region_id, None)
 
-    def read(self, ops: Any, *, deadline: float) -> Completion:
+    def read(self, ops: np.ndarray, *, deadline: float) -> Completion:
         return self._batch(ops, deadline, write=False)
 
-    def write(self, ops: Any, *, deadline: float) -> Completion:
+    def write(self, ops: np.ndarray, *, deadline: float) -> Completion:
         return self._batch(ops, deadline, write=True)
 
-    def _batch(self, ops: Any, deadline: float, *, write: bool) -> Completion:
+    def _batch(self, ops: np.ndarray, deadline: float, *, write: bool) -> Completion:
         try:
             moved = self._move(ops, deadline, write)
         except TransportError as exc:
@@ -95,7 +98,7 @@ class SimMemChannel(Channel):
         self._stats["bytes_written" if write else "bytes_read"] += moved
         return DoneCompletion()
 
-    def _move(self, ops: Any, deadline: float, write: bool) -> int:
+    def _move(self, ops: np.ndarray, deadline: float, write: bool) -> int:
         if self._closed or self._local.closed:
             raise PeerGone("the channel is closed")
         if self._local.world.now >= deadline:

@@ -23,13 +23,19 @@ deadline the contract gives it.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
-from llmdd import BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole
+from llmdd import BlocksCacheKey, Cache, CacheDesc, CacheTask, DataType, LLMClusterInfo, LLMConfig, LLMDataDist
+from llmdd import LLMRole, LLMStatusCode
+from llmdd.events import TransitionEvent
 from llmdd.plugin import hookimpl
 from llmdd.testing.sim.invariants import Call, Record
+
+if TYPE_CHECKING:
+    from llmdd.testing.sim.backends import Backend
+    from llmdd.testing.sim.oracle import Oracle
 
 __all__ = ["Workload", "Node", "TENSORS", "LAYERS", "BLOCKS", "ELEMS", "OPS"]
 
@@ -58,31 +64,31 @@ class EventTap:
     def __init__(self, record: Record, engine: int, incarnation: int) -> None:
         self.record, self.engine, self.incarnation = record, engine, incarnation
 
-    def _add(self, event: Any) -> None:
+    def _add(self, event: TransitionEvent) -> None:
         self.record.events.append((self.engine, self.incarnation, event))
 
     @hookimpl
-    def llmdd_engine_transition(self, event: Any) -> None:
+    def llmdd_engine_transition(self, event: TransitionEvent) -> None:
         self._add(event)
 
     @hookimpl
-    def llmdd_link_transition(self, event: Any) -> None:
+    def llmdd_link_transition(self, event: TransitionEvent) -> None:
         self._add(event)
 
     @hookimpl
-    def llmdd_cache_transition(self, event: Any) -> None:
+    def llmdd_cache_transition(self, event: TransitionEvent) -> None:
         self._add(event)
 
     @hookimpl
-    def llmdd_task_transition(self, event: Any) -> None:
+    def llmdd_task_transition(self, event: TransitionEvent) -> None:
         self._add(event)
 
     @hookimpl
-    def llmdd_comm_group_transition(self, event: Any) -> None:
+    def llmdd_comm_group_transition(self, event: TransitionEvent) -> None:
         self._add(event)
 
     @hookimpl
-    def llmdd_listener_transition(self, event: Any) -> None:
+    def llmdd_listener_transition(self, event: TransitionEvent) -> None:
         self._add(event)
 
 
@@ -98,7 +104,7 @@ class Node:
         self.generation = 0
         self.listen: Optional[tuple[str, int]] = None
         self.bufs: dict[str, list[np.ndarray]] = {}
-        self.caches: dict[str, Any] = {}
+        self.caches: dict[str, Cache] = {}
         self.reserved: set[tuple[str, int]] = set()
         #: the record index of this incarnation's start (a peer's link made before it is to an old one)
         self.started_at = 0
@@ -128,9 +134,10 @@ class TaskRec:
                  expect: Optional[np.ndarray], windows: list) -> None:
         self.call, self.node, self.peer = call, node, peer
         self.dst_blocks, self.layers, self.expect, self.windows = dst_blocks, layers, expect, windows
-        self.results: list[Any] = []
-        self.handle: Any = None
+        self.results: list[LLMStatusCode] = []
+        self.handle: Optional[CacheTask] = None
         self.checked = False
+        self.twice_reported = False   # the oracle said it ended more than once
 
 
 def pattern(cid: int, incarnation: int, generation: int) -> np.ndarray:
@@ -141,7 +148,7 @@ def pattern(cid: int, incarnation: int, generation: int) -> np.ndarray:
 class Workload:
     """Draws and runs one operation per step against the backend's engines (module docstring)."""
 
-    def __init__(self, backend: Any, record: Record, oracle: Any, *, engines: int, seed: int,
+    def __init__(self, backend: Backend, record: Record, oracle: Oracle, *, engines: int, seed: int,
                  ops: Optional[dict] = None) -> None:
         self.backend = backend
         self.record = record
@@ -317,7 +324,7 @@ class Workload:
         rec = TaskRec(Call(step=self.record.step, engine=a.cid, op="pull_blocks_async", args=args,
                            started=self.backend.now(), deadline=0.0), a, b, dst_blocks, dst_layers, expect, windows)
 
-        def callback(status: Any, rec: TaskRec = rec) -> None:
+        def callback(status: LLMStatusCode, rec: TaskRec = rec) -> None:
             rec.results.append(status)
             if len(rec.results) == 1:
                 self.oracle.close(rec.node.process, rec.windows)

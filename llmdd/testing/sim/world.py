@@ -32,7 +32,8 @@ import itertools
 import math
 import random
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 try:
     import greenlet  # type: ignore[import-untyped]
@@ -41,6 +42,9 @@ except ImportError as exc:  # pragma: no cover - the extra is part of llmdd[test
 
 from llmdd._runtime.runtime import Timer
 from llmdd.testing.sim.net import Network
+
+if TYPE_CHECKING:
+    from llmdd.testing.sim.runtime import SimRuntime
 
 __all__ = ["World", "Stuck", "Fiber"]
 
@@ -58,7 +62,7 @@ class Fiber:
 
     __slots__ = ("world", "name", "glet", "done", "runtime", "killed", "__weakref__")
 
-    def __init__(self, world: "World", name: str, runtime: Any = None) -> None:
+    def __init__(self, world: "World", name: str, runtime: Optional[SimRuntime] = None) -> None:
         self.world = world
         self.name = name
         self.glet: Optional[greenlet.greenlet] = None
@@ -84,7 +88,7 @@ class _Park:
 
     __slots__ = ("glet", "label", "woken", "observer", "runtime", "timer")
 
-    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool, runtime: Any) -> None:
+    def __init__(self, glet: greenlet.greenlet, label: str, observer: bool, runtime: Optional[SimRuntime]) -> None:
         self.glet = glet
         self.label = label
         self.woken = False
@@ -119,11 +123,11 @@ class World:
         self._hub: Optional[greenlet.greenlet] = None
         self._live: dict[Fiber, None] = {}   # fibers spawned and not yet over, in spawn order
         self.net = Network(self)      # the simulated network and its faults
-        self.running: Any = None      # the runtime whose callback runs on the hub now
+        self.running: Optional[SimRuntime] = None      # the runtime whose callback runs on the hub now
         self.shared: dict[str, Any] = {}   # what plugins of the world keep per world (the sim transport's books)
         #: called with a process's runtime when it crashes (after its fibers, timers and sockets are gone):
         #: what a plugin keeps per process (a transport's endpoints) is dropped here
-        self.crash_hooks: list[Callable[[Any], None]] = []
+        self.crash_hooks: list[Callable[[SimRuntime], None]] = []
         self._observer_resumed = False
 
     @property
@@ -157,11 +161,11 @@ class World:
         """The fibers spawned and not yet over (the test's own main fiber is not one)."""
         return list(self._live)
 
-    def fibers_of(self, runtime: Any) -> list[Fiber]:
+    def fibers_of(self, runtime: SimRuntime) -> list[Fiber]:
         """The live fibers of ``runtime``'s process, in spawn order."""
         return [f for f in self._live if f.runtime is runtime]
 
-    def current_runtime(self) -> Any:
+    def current_runtime(self) -> Optional[SimRuntime]:
         """The simulated process running now: the runtime of the loop callback on the hub, or of the
         running fiber (None: the test's own code)."""
         if self.on_hub():
@@ -173,7 +177,7 @@ class World:
         return self._hub is not None and greenlet.getcurrent() is self._hub
 
     def spawn(self, name: str, fn: Callable, *args: Any, on_error: Optional[Callable[[BaseException], None]] = None,
-              runtime: Any = None) -> Fiber:
+              runtime: Optional[SimRuntime] = None) -> Fiber:
         """Start ``fn(*args)`` as a fiber (it first runs when the scheduler reaches it, FIFO)."""
         fiber = Fiber(self, name, runtime)
         self._live[fiber] = None
@@ -218,7 +222,8 @@ class World:
             return math.inf
         return self.now + timeout
 
-    def block(self, pred: Callable[[], Any], until: float, *, on: Any = None) -> bool:
+    def block(self, pred: Callable[[], Any], until: float, *,
+              on: Union[Hashable, list[Hashable], None] = None) -> bool:
         """Wait until ``pred()`` or the clock reaches ``until``; returns ``pred()``.
 
         ``on`` names what ``pred`` depends on (an object, or an iterable of objects, that call
@@ -260,7 +265,7 @@ class World:
             if pred():
                 return True
 
-    def wake(self, key: Any) -> None:
+    def wake(self, key: Hashable) -> None:
         """``key`` changed: the fibers waiting on it are resumed (in the order they began to wait).
 
         A socket that changes (bytes or EOF arrived, bytes read, closed, unfrozen) wakes itself: then
@@ -288,18 +293,19 @@ class World:
             park.glet.switch()
 
     # ------------------------------------------------------------------ the scheduler
-    def _push_timer(self, when: float, fn: Callable, args: tuple, runtime: Any = None) -> Timer:
+    def _push_timer(self, when: float, fn: Callable, args: tuple, runtime: Optional[SimRuntime] = None) -> Timer:
         timer = Timer(when, fn, args)
         heapq.heappush(self._timers, (when, next(self._tseq), timer, runtime))
         return timer
 
-    def call_later(self, delay: float, fn: Callable, args: tuple, runtime: Any = None) -> Timer:
+    def call_later(self, delay: float, fn: Callable, args: tuple, runtime: Optional[SimRuntime] = None) -> Timer:
         return self._push_timer(self.now + max(0.0, delay), fn, args, runtime)
 
-    def call_soon(self, label: str, fn: Callable, args: tuple, runtime: Any = None) -> None:
+    def call_soon(self, label: str, fn: Callable, args: tuple, runtime: Optional[SimRuntime] = None) -> None:
         self.ready.append((label, fn, args, runtime))
 
-    def watch(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]], runtime: Any = None) -> None:
+    def watch(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]],
+              runtime: Optional[SimRuntime] = None) -> None:
         if events and handler is not None and not getattr(fileobj, "closed", False):
             self._watch[fileobj] = (events, handler, runtime)   # type: ignore[assignment]
             self._maybe[fileobj] = None
@@ -317,7 +323,7 @@ class World:
     def watched_by(self, fileobjs: Iterable[Any]) -> int:
         return sum(1 for f in self._watch if f in fileobjs)
 
-    def _call(self, label: str, fn: Callable, args: tuple, runtime: Any) -> None:
+    def _call(self, label: str, fn: Callable, args: tuple, runtime: Optional[SimRuntime]) -> None:
         if runtime is not None and runtime.frozen:
             runtime.held.append((label, fn, args, runtime))   # runs when the process is thawed
             return
@@ -455,12 +461,12 @@ class World:
                 "sockets": self.net.open_sockets(), "parked": sum(len(v) for v in self._parked.values())}
 
     # ------------------------------------------------------------------ process faults
-    def freeze(self, runtime: Any) -> None:
+    def freeze(self, runtime: SimRuntime) -> None:
         """Stop ``runtime``'s process (as under SIGSTOP): none of its callbacks, timers, ready sockets
         or fibers runs until :meth:`thaw`; the network still delivers to its sockets."""
         runtime.frozen = True
 
-    def thaw(self, runtime: Any) -> None:
+    def thaw(self, runtime: SimRuntime) -> None:
         """Let a frozen process run again: what became runnable meanwhile runs, in its order."""
         if not runtime.frozen:
             return
@@ -497,7 +503,7 @@ class World:
         glet.parent = greenlet.getcurrent()   # come back here, not to the hub
         glet.throw(greenlet.GreenletExit())
 
-    def drop(self, runtime: Any) -> None:
+    def drop(self, runtime: SimRuntime) -> None:
         """Forget every timer and queued call of ``runtime``'s process (it crashed)."""
         for _when, _seq, timer, rt in self._timers:
             if rt is runtime:
