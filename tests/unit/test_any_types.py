@@ -37,9 +37,9 @@ LAZY_NUMPY = ("the lazy numpy module (llmdd._base.lazy): numpy is imported at it
               "as the numpy module would import numpy wherever it is named")
 ARRAY_INPUT = ("an int or an array as the caller gives it (anything numpy takes); numpy's arrays reach "
                "mypy as Any through the lazy module, so no narrowing would hold")
-FILEOBJ = ("a simulated selector's file object: anything the engine hands its runtime to watch (the real "
-           "runtime types it as typeshed's FileDescriptorLike; the simulators reach it through a cast and "
-           "watch their own in-memory sockets)")
+FILEOBJ = ("the link simulator's (llmdd/testing/_linksim.py) selector file object: what the engine hands "
+           "its runtime to watch (the real runtime types it as typeshed's FileDescriptorLike, "
+           "llmdd/testing/sim as its own sockets, net.Watchable)")
 SOCKET_DATA = "what a simulated socket's send takes: any buffer, as socket.send"
 STORED = ("a value kept or recorded as it is, whatever its type: an attribute of a worker-local object "
           "(threading.local's), what a simulated API call returned (the simulator's record of the call)")
@@ -237,14 +237,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ('llmdd/testing/sim/runtime.py', 'SimPool.submit', '*args'): FORWARDED,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.call_later', '*args'): FORWARDED,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.call_soon', '*args'): FORWARDED,
-    ('llmdd/testing/sim/runtime.py', 'SimRuntime.forget', 'fileobj'): FILEOBJ,
-    ('llmdd/testing/sim/runtime.py', 'SimRuntime.set_events', 'fileobj'): FILEOBJ,
     ('llmdd/testing/sim/runtime.py', 'SimRuntime.start_worker', '*args'): FORWARDED,
     ('llmdd/testing/sim/simbackend.py', 'WorldClock.call_later', '*args'): FORWARDED,
-    ('llmdd/testing/sim/world.py', 'World.recheck', 'fileobj'): FILEOBJ,
     ('llmdd/testing/sim/world.py', 'World.spawn', '*args'): FORWARDED,
-    ('llmdd/testing/sim/world.py', 'World.unwatch', 'fileobj'): FILEOBJ,
-    ('llmdd/testing/sim/world.py', 'World.watch', 'fileobj'): FILEOBJ,
 }
 
 #: keys found more than once (nested functions of one name in one scope)

@@ -39,7 +39,7 @@ import errno
 import itertools
 import math
 import socket
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 from llmdd._runtime.runtime import EVENT_READ, EVENT_WRITE
 
@@ -375,6 +375,10 @@ class SimServerSocket:
 
     def __repr__(self) -> str:
         return f"<SimServerSocket {self.process} {self.address}{' closed' if self.closed else ''}>"
+
+
+#: what a runtime of the world watches for readiness (``set_events``): the sockets and listeners it made
+Watchable = Union[SimSocket, SimServerSocket]
 
 
 def listen(world: "World", address: tuple[str, int], backlog: int, process: str = "?") -> SimServerSocket:

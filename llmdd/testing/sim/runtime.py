@@ -96,7 +96,7 @@ class SimRuntime:
         self.pool = SimPool(world, workers, f"{self.name}-work", self)
         self.dead: Optional[BaseException] = None
         self._on_dead: list[Callable[[BaseException], None]] = []
-        self._mine: set = set()
+        self._mine: set[net.Watchable] = set()
         self._workers: list[Fiber] = []
         self._pools: list[SimPool] = [self.pool]
         self.closed = False
@@ -172,7 +172,7 @@ class SimRuntime:
     def on_dead(self, callback: Callable[[BaseException], None]) -> None:
         self._on_dead.append(callback)
 
-    def set_events(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]]) -> None:
+    def set_events(self, fileobj: net.Watchable, events: int, handler: Optional[Callable[[int], None]]) -> None:
         if events and handler is None:
             raise ValueError("set_events: a handler is needed to watch for events")
         if self.closed:
@@ -181,7 +181,7 @@ class SimRuntime:
             self._mine.add(fileobj)
         self.world.watch(fileobj, events, handler, self)
 
-    def forget(self, fileobj: Any) -> None:
+    def forget(self, fileobj: net.Watchable) -> None:
         self.world.unwatch(fileobj)
 
     def watched(self) -> int:

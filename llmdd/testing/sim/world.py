@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - the extra is part of llmdd[test
     raise ImportError("llmdd.testing.sim needs the greenlet package: pip install 'llmdd[sim]'") from exc
 
 from llmdd._runtime.runtime import Timer
-from llmdd.testing.sim.net import Network
+from llmdd.testing.sim.net import Network, Watchable
 
 if TYPE_CHECKING:
     from llmdd.testing.sim.runtime import SimRuntime
@@ -304,7 +304,7 @@ class World:
     def call_soon(self, label: str, fn: Callable, args: tuple, runtime: Optional[SimRuntime] = None) -> None:
         self.ready.append((label, fn, args, runtime))
 
-    def watch(self, fileobj: Any, events: int, handler: Optional[Callable[[int], None]],
+    def watch(self, fileobj: Watchable, events: int, handler: Optional[Callable[[int], None]],
               runtime: Optional[SimRuntime] = None) -> None:
         if events and handler is not None and not getattr(fileobj, "closed", False):
             self._watch[fileobj] = (events, handler, runtime)   # type: ignore[assignment]
@@ -312,15 +312,15 @@ class World:
         else:
             self._watch.pop(fileobj, None)
 
-    def unwatch(self, fileobj: Any) -> None:
+    def unwatch(self, fileobj: Watchable) -> None:
         self._watch.pop(fileobj, None)
 
-    def recheck(self, fileobj: Any) -> None:
+    def recheck(self, fileobj: Watchable) -> None:
         """Check ``fileobj``'s readiness again (something it depends on changed without waking it)."""
         if fileobj in self._watch:
             self._maybe[fileobj] = None
 
-    def watched_by(self, fileobjs: Iterable[Any]) -> int:
+    def watched_by(self, fileobjs: Iterable[Watchable]) -> int:
         return sum(1 for f in self._watch if f in fileobjs)
 
     def _call(self, label: str, fn: Callable, args: tuple, runtime: Optional[SimRuntime]) -> None:
