@@ -47,9 +47,9 @@ MUTATIONS = [
              "        completion.done()\n        if completion.error is not None:",
              "none", "the call returns before its batch landed"),
     Mutation("busy_turn_released_twice", "llmdd/_data/busy.py",
-             "                 tb: Optional[TracebackType]) -> None:\n        self._link.transfer_lock.release()",
-             "                 tb: Optional[TracebackType]) -> None:\n        self._link.transfer_lock.release()\n"
-             "        if exc_type is not None:\n            self._link.transfer_lock.release()",
+             "                 tb: Optional[TracebackType]) -> None:\n        self._lock.release()",
+             "                 tb: Optional[TracebackType]) -> None:\n        self._lock.release()\n"
+             "        if exc_type is not None:\n            self._lock.release()",
              "xfail", "a failed transfer gives the link's transfer turn back twice"),
     Mutation("tag_delivered_twice", "llmdd/_data/owner.py",
              "        checked = self._check_transfer_done(link, entry, what)\n        if checked is not None:\n"
@@ -70,8 +70,8 @@ MUTATIONS = [
              "                    callback(status)\n",
              "xfail", "a failed non-blocking pull ends twice"),
     Mutation("statistics_state_stale", "llmdd/_control/manager.py",
-             "                \"state\": link.state.value, \"transport\": link.transport,",
-             "                \"state\": \"linked\" if link.state.value == \"failed\" else link.state.value, "
+             "                \"state\": LINK_REPORTED[link.state], \"transport\": link.transport,",
+             "                \"state\": \"linked\" if link.state.value == \"failed\" else LINK_REPORTED[link.state], "
              "\"transport\": link.transport,",
              "xfail", "statistics() reports a failed link as linked"),
     Mutation("failure_event_lost", "llmdd/_lifecycle/machines.py",

@@ -24,7 +24,7 @@ from llmdd._tools.cli import main
 pytestmark = pytest.mark.timeout(120)
 
 LLMDD = [sys.executable, "-m", "llmdd"]
-NO_TRANSPORTS = "shm,tcp,ucx"
+NO_TRANSPORTS = "shm,tcp,ucx,sim"   # every transport plugin of this tree (sim: plugins/llmdd-transport-sim)
 
 
 def _env(**extra: str) -> dict:
@@ -321,7 +321,7 @@ def test_control_with_transports_demo_and_info_do_not_complain():
 
 
 def test_demo_forced_transport_that_is_not_there_says_which_are():
-    proc = _run("demo", "--quick", "--transport", "shm", env=_env(LLMDD_DISABLED_PLUGINS="shm,ucx"))
+    proc = _run("demo", "--quick", "--transport", "shm", env=_env(LLMDD_DISABLED_PLUGINS="shm,ucx,sim"))
     assert proc.returncode == 1
     assert "llmdd demo: --transport shm: no such transport is installed or loaded (here: tcp)" in proc.stderr
 
