@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
 import numpy as np
 
-from llmdd._lifecycle.tables import LINK_DOWN, LINK_REPORTED, Machine
+from llmdd._lifecycle.tables import LINK_DOWN, LINK_REPORTED, LinkState, Machine
 from llmdd.testing.sim.invariants import Call, Record
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class Oracle:
             state, _ = self.links.get((node.cid, node.incarnation, int(peer)), (None, -1))
             # what statistics() reports of a state is the table's LINK_REPORTED (a RELEASED link, which
             # the peer keeps after an unlink, is reported "linked", as upstream reports it)
-            if state is None or info["state"] != LINK_REPORTED[state]:
+            if state is None or info["state"] != LINK_REPORTED[cast(LinkState, state)]:
                 self.record.add("statistics_agree", f"engine {node.cid}: statistics() says its link to {peer} is "
                                 f"{info['state']}, its events say {None if state is None else state.value}")
 
