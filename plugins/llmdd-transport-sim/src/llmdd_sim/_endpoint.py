@@ -19,7 +19,7 @@ import ctypes
 from typing import Any, Optional, Union
 
 import msgspec
-import numpy as np
+from llmdd.lowlevel import lazy_numpy as np  # numpy at its first use: an idle engine loads none
 
 from llmdd.abc import Channel, Completion, Endpoint, EndpointDescriptor, RegionDescriptor
 from llmdd.lowlevel import (Cancelled, Corrupt, DoneCompletion, MemRegion, PeerGone, Refused, RegionTable,
