@@ -18,6 +18,15 @@ command line read on stdin.  Commands (``{"op": ...}``):
 * ``counters``: the worker-side connector's counters (through ``LLM.collective_rpc``);
 * ``quit``.
 
+Before it answers ready, the instance warms up (unless ``--no-warmup``): two local batches of
+different shapes (:func:`_warm_up`).  vLLM compiles some helpers with ``torch.compile`` at their first
+call, whatever ``enforce_eager`` says (on CPU with tensor parallelism, ``get_masked_input_and_mask``
+of the vocab-parallel embedding: inductor code generation and a C++ build); the compile holds the
+worker process's GIL for seconds, tens of seconds on a loaded host, and llmdd's threads in that
+process make no progress meanwhile (a link's handshake times out, a prefill's lease runs out
+unrenewed: docs/vllm.md, "Warm up before serving").  A served instance must not meet that first
+call with transfers under way; neither do these instances.
+
 :class:`Instance` is the parent's handle: it starts the process and sends commands.
 Protocol lines on stdout start with ``@@`` (vLLM logs there too).
 """
@@ -124,6 +133,16 @@ def _generate(llm, cmd: dict) -> dict:
     return {"results": [res[i] for i in range(len(prompts))], "wall_s": time.monotonic() - t0}
 
 
+def _warm_up(llm) -> float:
+    """Two local batches of different shapes (the first call of a ``torch.compile``'d helper compiles
+    for its shape, the second for any shape: ``dynamic=True`` after one recompile); the seconds taken."""
+    t0 = time.monotonic()
+    for lengths, max_tokens in (((5, 9), 2), ((17, 3, 40), 3)):
+        prompts = [[3 + (7 * i + j) % 61 for j in range(n)] for i, n in enumerate(lengths)]
+        _generate(llm, {"prompts": prompts, "max_tokens": max_tokens})
+    return time.monotonic() - t0
+
+
 def _pulls_started(llm) -> int:
     from llmdd_vllm import worker_counters
 
@@ -145,6 +164,8 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--kv-space-gib", default="1")
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (> 1: one worker process per rank)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="answer ready without the two local warm-up batches (module docstring)")
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_space_gib)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")     # collective_rpc(worker_counters)
@@ -178,7 +199,8 @@ def main(argv: Optional[list] = None) -> int:
         kw["disable_hybrid_kv_cache_manager"] = True
     t0 = time.monotonic()
     llm = LLM(**kw)
-    _say({"ready": True, "start_s": time.monotonic() - t0, "pid": os.getpid()})
+    warmup_s = None if args.no_warmup else _warm_up(llm)
+    _say({"ready": True, "start_s": time.monotonic() - t0, "warmup_s": warmup_s, "pid": os.getpid()})
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -215,7 +237,8 @@ class Instance:
                  env: Optional[dict] = None, log_path: Optional[str] = None, python: str = sys.executable,
                  start_timeout_s: float = 300, nice: int = 0, max_model_len: int = 1024,
                  kv_space_gib: str = "1", wait: bool = True, tp: int = 1, connector: str = "LlmddConnector",
-                 kv_buffer_device: Optional[str] = None, num_blocks: Optional[int] = None) -> None:
+                 kv_buffer_device: Optional[str] = None, num_blocks: Optional[int] = None,
+                 warmup: bool = True) -> None:
         cmd = [python, "-m", "llmdd_vllm.instance", "--model", model, "--extra", json.dumps(extra or {}),
                "--max-model-len", str(max_model_len), "--kv-space-gib", kv_space_gib, "--tp", str(tp),
                "--connector", connector]
@@ -225,6 +248,8 @@ class Instance:
             cmd += ["--num-blocks", str(num_blocks)]
         if role:
             cmd += ["--role", role]
+        if not warmup:
+            cmd += ["--no-warmup"]
         if nice:
             cmd = ["nice", "-n", str(nice)] + cmd
         full_env = dict(os.environ)
