@@ -25,7 +25,8 @@ DEFAULTS: dict = {
                                 # tcp: the address the prefill host reaches; default loopback)
     "cluster_id": None,         # the llmdd cluster id of this instance (default: from vLLM's engine_id)
     "transport": None,          # force "shm" or "tcp" (default: llmdd's automatic choice)
-    "sync_kv_timeout_ms": 5000,  # deadline of one transfer step (llmdd sync_kv_timeout)
+    "sync_kv_timeout_ms": 30000,  # deadline of one transfer step (llmdd sync_kv_timeout): as long as the
+                                # peer timeout below, since both wait on a busy vLLM worker (docs/vllm.md)
     "link_timeout_ms": 30000,   # deadline of linking to a prefill instance (attempts of a third each)
     "lease_s": 30,              # prefill side: a handed-over request's blocks are held this long
                                 # unless its decoder renews the lease (lease.py)

@@ -147,6 +147,11 @@ class WorkerSide:
         self.renewer: Optional[Renewer] = None   # decode: lease renewals and abort notes (lease.py)
         self.aborted: set = set()       # decode: requests vLLM aborted before their pull started
         self.linked: dict = {}          # cluster id -> (host, port)
+        # decode: one pull per prefill rank at a time (llmdd runs one transfer per link at a time;
+        # queued here, a pull's sync_kv_timeout counts from its own start, not from the start of the
+        # pulls queued before it on that link): the ranks with a pull running, and the pieces waiting
+        self.running: set = set()       # cluster ids
+        self.waiting: dict = {}         # cluster id -> deque of (_Pull, piece)
         # counters (int, float seconds), transports (dict), and identity / last-error fields (or None)
         self.stats: dict[str, Any] = {
             "requests_pulled": 0, "blocks_pulled": 0, "bytes_pulled": 0, "pull_failures": 0,
@@ -155,7 +160,8 @@ class WorkerSide:
             "fence_failures": 0, "aborted_pulls": 0, "pulls_started": 0, "given_back_at": None,
             "transports": {}, "cluster_id": None, "listen": None, "max_submit_s": 0.0,
             "last_link_error": None, "llmdd_cpus": None, "tp_rank": 0, "units_pulled": 0, "pieces_pulled": 0,
-            "freed_unserved": 0, "step_hook_calls": 0, "step_hook_seconds": 0.0, "max_step_hook_s": 0.0}
+            "freed_unserved": 0, "step_hook_calls": 0, "step_hook_seconds": 0.0, "max_step_hook_s": 0.0,
+            "pieces_waited": 0, "max_pieces_waiting": 0}
         self.thread: Optional[threading.Thread] = None
         self.closed = False
 
@@ -385,10 +391,40 @@ class WorkerSide:
                     self.stats["pulls_started"] += 1
                 state = _Pull(item, len(pieces), taken, queued, time.monotonic())
                 for piece in pieces:
-                    self._submit(state, piece, retried=False)
+                    self._offer(state, piece)
             else:
-                state, piece = item                 # a piece whose link went down: its one retry
-                self._submit(state, piece, retried=True)
+                # ("retry", ...): a piece whose link went down, its one retry; ("next", ...): the next
+                # piece waiting for its rank.  Either way this piece holds its rank's turn already
+                kind, state, piece = item
+                self._submit(state, piece, retried=kind == "retry")
+
+    def _cluster(self, state: "_Pull", piece) -> int:
+        return int(state.job.ranks[piece.rank][2])
+
+    def _offer(self, state: "_Pull", piece) -> None:
+        """Start ``piece`` now if no pull from its prefill rank is running, else queue it for its turn."""
+        cluster = self._cluster(state, piece)
+        with self.lock:
+            if cluster in self.running:
+                waiting = self.waiting.setdefault(cluster, collections.deque())
+                waiting.append((state, piece))
+                self.stats["pieces_waited"] += 1
+                self.stats["max_pieces_waiting"] = max(self.stats["max_pieces_waiting"], len(waiting))
+                return
+            self.running.add(cluster)
+        self._submit(state, piece, retried=False)
+
+    def _turn_over(self, cluster: int) -> None:
+        """The running pull from ``cluster`` ended: the next piece waiting for it goes to the pull thread."""
+        with self.lock:
+            waiting = self.waiting.get(cluster)
+            nxt = waiting.popleft() if waiting else None
+            if waiting is not None and not waiting:
+                del self.waiting[cluster]
+            if nxt is None:
+                self.running.discard(cluster)
+        if nxt is not None:
+            self.jobs.put(("next", *nxt))
 
     def _plan(self, job: RecvJob) -> list:
         if job.layout != self.layout:
@@ -415,12 +451,13 @@ class WorkerSide:
                           piece.rank, status.name)
                 with self.lock:
                     self.stats["pull_retries"] += 1
-                self.jobs.put((state, piece))
+                self.jobs.put(("retry", state, piece))     # keeps the rank's turn
                 return
             if not ok:
                 _log.warning("llmdd_vllm: pull of %s from cluster %d (rank %d) ended %s", job.req_id, cluster_id,
                              piece.rank, getattr(status, "name", status))
             self._piece_done(state, piece, ok)
+            self._turn_over(self._cluster(state, piece))
 
         t0 = time.monotonic()
         try:
@@ -436,6 +473,7 @@ class WorkerSide:
                 self.linked.pop(cluster_id, None)
             _log.warning("llmdd_vllm: pull of %s from rank %d failed: %s", job.req_id, piece.rank, exc)
             self._piece_done(state, piece, False)
+            self._turn_over(self._cluster(state, piece))
             return
         took = time.monotonic() - t0
         with self.lock:
